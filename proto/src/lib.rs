@@ -1,0 +1,26 @@
+//! `tether-proto`: the `tether.v1` gRPC contract.
+//!
+//! Wire types only, no logic. The `.proto` files live in `tether/v1/`;
+//! `build.rs` compiles them with protox and tonic-prost-build.
+//!
+//! # Layout
+//! - `tether/v1/common.proto` — request ids, pods, lock keys, response headers.
+//! - `tether/v1/lock.proto` — `LockService`.
+//! - `tether/v1/lease.proto` — `LeaseService` (pod revokes, TTL leases).
+//! - `tether/v1/cluster.proto` — `ClusterService` (status, membership).
+//! - `tether/v1/raft.proto` — internal `RaftService` between replicas.
+
+/// Generated code of the `tether.v1` package.
+pub mod v1 {
+    #![allow(clippy::all, missing_docs)]
+    tonic::include_proto!("tether.v1");
+}
+
+pub use v1::*;
+
+/// gRPC metadata key carrying the leader's node id on an `UNAVAILABLE`
+/// answer from a follower.
+pub const LEADER_ID_METADATA: &str = "x-tether-leader-id";
+/// gRPC metadata key carrying the leader's client address on an
+/// `UNAVAILABLE` answer from a follower.
+pub const LEADER_ADDR_METADATA: &str = "x-tether-leader-addr";

@@ -1,0 +1,31 @@
+//! Raft wiring: the openraft type configuration and the network between
+//! replicas.
+
+// network added below
+
+use std::io::Cursor;
+
+use crate::sm::{Request, Response};
+
+openraft::declare_raft_types!(
+    /// Tether's openraft type configuration.
+    pub TypeConfig:
+        D = Request,
+        R = Response,
+        NodeId = u64,
+        Node = openraft::BasicNode,
+        Entry = openraft::Entry<TypeConfig>,
+        SnapshotData = Cursor<Vec<u8>>,
+        AsyncRuntime = openraft::TokioRuntime,
+);
+
+/// A Tether replica's Raft handle.
+pub type Raft = openraft::Raft<TypeConfig>;
+/// A log id in Tether's configuration.
+pub type LogId = openraft::LogId<u64>;
+/// Membership as stored with its log id.
+pub type StoredMembership = openraft::StoredMembership<u64, openraft::BasicNode>;
+/// A log entry.
+pub type Entry = openraft::Entry<TypeConfig>;
+/// Storage errors.
+pub type StorageError = openraft::StorageError<u64>;

@@ -1,0 +1,185 @@
+//! Commands of the state machine, one file each. Every command validates
+//! against the state first and only then mutates, so a command that returns
+//! an error has changed nothing.
+
+mod acquire;
+mod cancel_wait;
+mod force_release;
+mod lease;
+mod release;
+mod revoke_pod;
+mod sweep;
+
+pub use acquire::Acquire;
+pub use cancel_wait::{CancelOutcome, CancelWait};
+pub use force_release::ForceRelease;
+pub use lease::{GrantLease, KeepAliveLease, RevokeLease};
+pub use release::Release;
+pub use revoke_pod::RevokePod;
+pub use sweep::{Sweep, sweep_due};
+
+use serde::{Deserialize, Serialize};
+
+use super::Txn;
+use super::types::{Hold, LockKey, Pod};
+
+/// A command in the log. Variants are only appended (on-disk format).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub enum Command {
+    /// Take a lock or join its queue.
+    Acquire(Acquire),
+    /// Release a hold by its holder.
+    Release(Release),
+    /// Release a hold by an operator.
+    ForceRelease(ForceRelease),
+    /// Leave a queue (the wait deadline passed on the serving replica).
+    CancelWait(CancelWait),
+    /// Revoke everything a pod UID holds or waits for.
+    RevokePod(RevokePod),
+    /// Grant a TTL lease.
+    GrantLease(GrantLease),
+    /// Refresh a TTL lease.
+    KeepAliveLease(KeepAliveLease),
+    /// Revoke a TTL lease.
+    RevokeLease(RevokeLease),
+    /// Leader housekeeping: expire waits, leases, holds and sessions that are
+    /// due on committed time.
+    Sweep(Sweep),
+}
+
+impl Command {
+    /// Applies the command. Deterministic; errors leave the state unchanged.
+    pub fn apply(self, txn: &mut Txn<'_>) -> Result<Reply, CommandError> {
+        match self {
+            Command::Acquire(c) => c.apply(txn),
+            Command::Release(c) => c.apply(txn),
+            Command::ForceRelease(c) => c.apply(txn),
+            Command::CancelWait(c) => c.apply(txn),
+            Command::RevokePod(c) => c.apply(txn),
+            Command::GrantLease(c) => c.apply(txn),
+            Command::KeepAliveLease(c) => c.apply(txn),
+            Command::RevokeLease(c) => c.apply(txn),
+            Command::Sweep(c) => c.apply(txn),
+        }
+    }
+}
+
+/// What a command answers. Variants are only appended (on-disk format: they
+/// are kept in the dedupe table).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub enum Reply {
+    /// Entries without a command (blank, membership).
+    Empty,
+    /// The acquire holds the lock.
+    Granted(Hold),
+    /// The acquire waits at this 1-based position.
+    Queued {
+        /// Position in the queue.
+        position: u32,
+    },
+    /// A release (holder or forced).
+    Released {
+        /// The hold that ended (None if the lock was already free: forced only).
+        released: Option<Hold>,
+        /// Who was granted in the same entry.
+        next: Option<Hold>,
+    },
+    /// The answer to a cancel.
+    WaitCancelled(CancelOutcome),
+    /// What a pod or lease revoke did.
+    Revoked {
+        /// Locks whose hold ended.
+        released: Vec<LockKey>,
+        /// Locks whose queue lost a wait.
+        dequeued: Vec<LockKey>,
+        /// Holds granted to next waiters.
+        granted: Vec<(LockKey, Hold)>,
+    },
+    /// A TTL lease (granted or kept alive); ttl 0 = the lease is gone.
+    Lease {
+        /// The lease.
+        lease_id: u64,
+        /// TTL restarted at this value.
+        ttl_ms: u64,
+    },
+    /// What a sweep expired.
+    Swept {
+        /// Waits dropped at their deadline.
+        waits: u32,
+        /// TTL leases expired.
+        leases: u32,
+        /// Holds released by the hold timeout.
+        holds: u32,
+        /// Dedupe sessions evicted.
+        sessions: u32,
+    },
+}
+
+/// Deterministic refusals: returned to the client, never a replica failure.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, thiserror::Error)]
+pub enum CommandError {
+    /// A non-waiting acquire found the lock held.
+    #[error("lock {key} is held by {holder} with token {token}; acquire with a wait to queue")]
+    LockHeld {
+        /// The lock.
+        key: LockKey,
+        /// Its holder.
+        holder: Pod,
+        /// The holder's token.
+        token: u64,
+    },
+    /// Release by a pod that does not hold the lock.
+    #[error("pod uid {pod_uid} does not hold lock {key}; {}", describe_holder(.current))]
+    NotHolder {
+        /// The lock.
+        key: LockKey,
+        /// Who asked.
+        pod_uid: String,
+        /// The current holder and token, if any.
+        current: Option<(Pod, u64)>,
+    },
+    /// The holder presented a token that is not its current one.
+    #[error("token {presented} for lock {key} is stale: the current token is {current}")]
+    StaleToken {
+        /// The lock.
+        key: LockKey,
+        /// What was presented.
+        presented: u64,
+        /// The current hold's token.
+        current: u64,
+    },
+    /// The queue is at its limit.
+    #[error("the queue of lock {key} is full ({limit} waiters); retry later")]
+    QueueFull {
+        /// The lock.
+        key: LockKey,
+        /// The limit.
+        limit: u32,
+    },
+    /// The TTL lease does not exist (never granted, expired or revoked).
+    #[error("lease {lease_id} does not exist (expired or revoked); grant a new lease")]
+    LeaseNotFound {
+        /// The lease.
+        lease_id: u64,
+    },
+    /// A retry so old that its stored answer was dropped from the dedupe
+    /// window: applying it again could apply it twice, so it is refused.
+    #[error(
+        "request {client_id}#{sequence} is older than the dedupe window (oldest kept: {oldest_kept}); its outcome is unknown, read the state before retrying with a new sequence"
+    )]
+    SequenceTooOld {
+        /// The client.
+        client_id: String,
+        /// The sequence presented.
+        sequence: u64,
+        /// The oldest sequence still remembered.
+        oldest_kept: u64,
+    },
+}
+
+fn describe_holder(current: &Option<(Pod, u64)>) -> String {
+    match current {
+        Some((pod, token)) => format!("it is held by {pod} with token {token}"),
+        None => "the lock is free".to_string(),
+    }
+}

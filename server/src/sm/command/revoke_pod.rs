@@ -1,0 +1,69 @@
+//! `RevokePod`: the pod is gone or terminal; everything it holds or waits for
+//! ends in this one entry, and next waiters are granted in the same entry.
+
+use serde::{Deserialize, Serialize};
+
+use super::{CommandError, Reply};
+use crate::sm::Txn;
+use crate::sm::event::EventKind;
+use crate::sm::types::{Hold, LockKey, ReleaseReason, WaitEndReason};
+
+/// Revoke the pod lease of `pod_uid`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct RevokePod {
+    /// The pod.
+    pub pod_uid: String,
+    /// Why (e.g. "pod deleted"), kept in the events.
+    pub reason: String,
+}
+
+impl RevokePod {
+    /// Idempotent: revoking a pod that holds nothing changes nothing.
+    pub fn apply(self, txn: &mut Txn<'_>) -> Result<Reply, CommandError> {
+        let uid = self.pod_uid.clone();
+        let reason = self.reason.clone();
+        let outcome = revoke_matching(
+            txn,
+            |pod_uid, _lease| pod_uid == uid,
+            ReleaseReason::PodRevoked { reason: reason.clone() },
+            WaitEndReason::PodRevoked { reason: reason.clone() },
+        );
+        if !outcome.0.is_empty() || !outcome.1.is_empty() {
+            txn.emit(EventKind::PodRevoked { pod_uid: self.pod_uid, reason: self.reason });
+        }
+        let (released, dequeued, granted) = outcome;
+        Ok(Reply::Revoked { released, dequeued, granted })
+    }
+}
+
+/// Ends every hold and wait whose `(pod_uid, lease_id)` matches: waits first
+/// (so a released lock is not handed to another wait of the same owner), then
+/// holds, granting each freed lock to its next waiter.
+pub(crate) fn revoke_matching(
+    txn: &mut Txn<'_>,
+    matches: impl Fn(&str, u64) -> bool,
+    release_reason: ReleaseReason,
+    wait_reason: WaitEndReason,
+) -> (Vec<LockKey>, Vec<LockKey>, Vec<(LockKey, Hold)>) {
+    let mut held = Vec::new();
+    let mut waiting = Vec::new();
+    for (key, lock) in &txn.state.locks {
+        if lock.holder.as_ref().is_some_and(|h| matches(&h.pod.uid, h.lease_id)) {
+            held.push(key.clone());
+        }
+        if lock.waiters.iter().any(|w| matches(&w.pod.uid, w.lease_id)) {
+            waiting.push(key.clone());
+        }
+    }
+    for key in &waiting {
+        txn.remove_waiters(key, |w| matches(&w.pod.uid, w.lease_id), wait_reason.clone());
+    }
+    let mut granted = Vec::new();
+    for key in &held {
+        let (_, next) = txn.release_and_hand_over(key, release_reason.clone());
+        if let Some(hold) = next {
+            granted.push((key.clone(), hold));
+        }
+    }
+    (held, waiting, granted)
+}

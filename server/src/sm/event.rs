@@ -1,0 +1,89 @@
+//! Events: what applying an entry emits. They feed in-process waiters (a
+//! queued Acquire learns of its grant from `LockGranted`), the events column
+//! family, and later the watch stream and history.
+
+use serde::{Deserialize, Serialize};
+
+use super::types::{Hold, LockKey, Pod, ReleaseReason, WaitEndReason};
+
+/// Position of an event: the log index of its entry and its order within it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
+pub struct Revision {
+    /// Log index of the entry.
+    pub index: u64,
+    /// Order within the entry, from 0.
+    pub sub: u32,
+}
+
+/// One event with its revision and committed time.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Event {
+    /// Where it sits in the event stream.
+    pub revision: Revision,
+    /// Committed time of its entry.
+    pub time_ms: u64,
+    /// What happened.
+    pub kind: EventKind,
+}
+
+/// What happened. Variants are only appended (on-disk format).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub enum EventKind {
+    /// A hold was granted (at once or to a waiter).
+    LockGranted {
+        /// The lock.
+        key: LockKey,
+        /// The new hold.
+        hold: Hold,
+    },
+    /// An acquire joined the queue.
+    LockQueued {
+        /// The lock.
+        key: LockKey,
+        /// Who waits.
+        pod: Pod,
+        /// 1-based position.
+        position: u32,
+    },
+    /// A hold ended.
+    LockReleased {
+        /// The lock.
+        key: LockKey,
+        /// The former holder.
+        pod: Pod,
+        /// Its token.
+        token: u64,
+        /// Why.
+        reason: ReleaseReason,
+    },
+    /// A wait left the queue without a grant.
+    WaitEnded {
+        /// The lock.
+        key: LockKey,
+        /// Who waited.
+        pod: Pod,
+        /// Why.
+        reason: WaitEndReason,
+    },
+    /// A pod's lease was revoked.
+    PodRevoked {
+        /// The pod UID.
+        pod_uid: String,
+        /// Why, as the revoker said.
+        reason: String,
+    },
+    /// A TTL lease was granted.
+    LeaseGranted {
+        /// The lease.
+        lease_id: u64,
+        /// Its TTL.
+        ttl_ms: u64,
+    },
+    /// A TTL lease ended.
+    LeaseEnded {
+        /// The lease.
+        lease_id: u64,
+        /// True if it expired, false if revoked.
+        expired: bool,
+    },
+}

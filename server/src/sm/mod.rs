@@ -1,0 +1,260 @@
+//! The replicated state machine: domain state, commands and their
+//! deterministic application.
+//!
+//! `apply` is a pure function of (state, log index, request): no wall clock,
+//! no randomness, no I/O. Time enters only as the leader's stamp on each
+//! entry (`leader_time_ms`), folded into a monotonic `now_ms`. Re-applying
+//! the same entries to the same state yields the same state, events and
+//! responses, which is what makes crash recovery (re-apply from the last
+//! durable `last_applied`) and snapshots safe.
+//!
+//! # Layout
+//! - `types.rs` — locks, holds, waiters, leases, reasons.
+//! - `event.rs` — what applying an entry emits.
+//! - `command/` — one file per command, each with its `apply`.
+
+pub mod command;
+pub mod event;
+pub mod types;
+
+use std::collections::{BTreeMap, BTreeSet};
+
+use serde::{Deserialize, Serialize};
+
+pub use command::{Command, CommandError, Reply};
+pub use event::{Event, EventKind, Revision};
+pub use types::*;
+
+/// Format version of log entries and snapshots written by this build. A
+/// replica that meets a newer version stops instead of guessing.
+pub const FORMAT_VERSION: u16 = 1;
+
+/// One log entry's application payload.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Request {
+    /// [`FORMAT_VERSION`] of the writer.
+    pub format_version: u16,
+    /// For exactly-once: present on client requests, absent on commands the
+    /// leader proposes itself (sweeps).
+    pub request_id: Option<RequestId>,
+    /// The leader's wall clock when it proposed the entry, ms since the epoch.
+    pub leader_time_ms: u64,
+    /// What to do.
+    pub command: Command,
+}
+
+impl Request {
+    /// A request in the current format.
+    pub fn new(request_id: Option<RequestId>, leader_time_ms: u64, command: Command) -> Self {
+        Self { format_version: FORMAT_VERSION, request_id, leader_time_ms, command }
+    }
+}
+
+/// What a command returns: deterministic errors are part of the result (and
+/// of the dedupe table), not failures of the state machine.
+pub type CommandResult = Result<Reply, CommandError>;
+
+/// The application response of one log entry.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Response {
+    /// The command's result.
+    pub result: CommandResult,
+    /// True when this answer came from the dedupe table (a retry).
+    pub deduplicated: bool,
+}
+
+impl Response {
+    /// The response of an entry without a command (blank, membership).
+    pub fn empty() -> Self {
+        Self { result: Ok(Reply::Empty), deduplicated: false }
+    }
+}
+
+/// The whole replicated state. Everything here is in snapshots.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, Default)]
+pub struct State {
+    /// Locks that have a holder or waiters. A lock with neither is dropped:
+    /// tokens are log indexes, so a later grant has a higher token anyway.
+    pub locks: BTreeMap<LockKey, Lock>,
+    /// TTL leases by id.
+    pub leases: BTreeMap<u64, TtlLease>,
+    /// Dedupe table by client id.
+    pub sessions: BTreeMap<String, ClientSession>,
+    /// Committed time: the highest leader stamp applied so far.
+    pub now_ms: u64,
+}
+
+/// The keys an entry changed, so the store writes only those.
+#[derive(Debug, Default)]
+pub struct Dirty {
+    /// Locks changed (written, or deleted when gone from the state).
+    pub locks: BTreeSet<LockKey>,
+    /// Leases changed.
+    pub leases: BTreeSet<u64>,
+    /// Sessions changed.
+    pub sessions: BTreeSet<String>,
+}
+
+impl Dirty {
+    /// Folds another entry's changes into this one.
+    pub fn merge(&mut self, other: Dirty) {
+        self.locks.extend(other.locks);
+        self.leases.extend(other.leases);
+        self.sessions.extend(other.sessions);
+    }
+}
+
+/// A command's view of the state while one entry applies: the state, the
+/// entry's index and committed time, and what it has changed and emitted.
+pub struct Txn<'a> {
+    /// The state being changed.
+    pub state: &'a mut State,
+    /// Log index of the entry: fencing token of any grant it makes.
+    pub index: u64,
+    /// Committed time of the entry.
+    pub now_ms: u64,
+    /// Events emitted so far, in order.
+    pub events: Vec<Event>,
+    /// Keys changed so far.
+    pub dirty: Dirty,
+}
+
+impl Txn<'_> {
+    /// Records an event with the next sub-index of this entry.
+    pub fn emit(&mut self, kind: EventKind) {
+        let sub = self.events.len() as u32;
+        self.events.push(Event {
+            revision: Revision { index: self.index, sub },
+            time_ms: self.now_ms,
+            kind,
+        });
+    }
+
+    /// The lock for `key`, created empty if absent; marks it dirty.
+    pub fn lock_mut(&mut self, key: &LockKey) -> &mut Lock {
+        self.dirty.locks.insert(key.clone());
+        self.state.locks.entry(key.clone()).or_default()
+    }
+
+    /// Drops locks that have neither holder nor waiters among those this
+    /// entry touched.
+    fn drop_idle_locks(&mut self) {
+        for key in &self.dirty.locks {
+            if let Some(lock) = self.state.locks.get(key)
+                && lock.holder.is_none()
+                && lock.waiters.is_empty()
+            {
+                self.state.locks.remove(key);
+            }
+        }
+    }
+
+    /// Grants the lock to the head of its queue, if the lock is free and
+    /// someone waits. The token is this entry's index.
+    pub fn grant_next(&mut self, key: &LockKey) -> Option<Hold> {
+        let (index, now) = (self.index, self.now_ms);
+        let lock = self.lock_mut(key);
+        if lock.holder.is_some() {
+            return None;
+        }
+        let waiter = lock.waiters.pop_front()?;
+        let hold = waiter.into_hold(index, now);
+        lock.last_token = index;
+        lock.holder = Some(hold.clone());
+        self.emit(EventKind::LockGranted { key: key.clone(), hold: hold.clone() });
+        Some(hold)
+    }
+
+    /// Ends the current hold of `key` for `reason` and grants the next
+    /// waiter. Returns (released hold, next hold).
+    pub fn release_and_hand_over(
+        &mut self,
+        key: &LockKey,
+        reason: ReleaseReason,
+    ) -> (Option<Hold>, Option<Hold>) {
+        let released = self.lock_mut(key).holder.take();
+        if let Some(hold) = &released {
+            self.emit(EventKind::LockReleased {
+                key: key.clone(),
+                pod: hold.pod.clone(),
+                token: hold.token,
+                reason,
+            });
+        }
+        let next = self.grant_next(key);
+        (released, next)
+    }
+
+    /// Removes every wait on `key` matching `pred`, emitting `WaitEnded`.
+    /// Returns true if any was removed.
+    pub fn remove_waiters(
+        &mut self,
+        key: &LockKey,
+        pred: impl Fn(&Waiter) -> bool,
+        reason: WaitEndReason,
+    ) -> bool {
+        let lock = self.lock_mut(key);
+        let mut removed = Vec::new();
+        lock.waiters.retain(|w| {
+            if pred(w) {
+                removed.push(w.pod.clone());
+                false
+            } else {
+                true
+            }
+        });
+        let any = !removed.is_empty();
+        for pod in removed {
+            self.emit(EventKind::WaitEnded { key: key.clone(), pod, reason: reason.clone() });
+        }
+        any
+    }
+}
+
+/// Applies one request at log index `index`. Deterministic: the same state,
+/// index and request always give the same result, events and state.
+///
+/// A request whose `(client_id, sequence)` was applied before is answered from
+/// the dedupe table and changes nothing else.
+pub fn apply(state: &mut State, index: u64, request: &Request) -> (Response, Vec<Event>, Dirty) {
+    let now_ms = state.now_ms.max(request.leader_time_ms);
+    state.now_ms = now_ms;
+    let mut txn = Txn { state, index, now_ms, events: Vec::new(), dirty: Dirty::default() };
+
+    if let Some(id) = &request.request_id
+        && let Some(session) = txn.state.sessions.get(&id.client_id)
+    {
+        if let Some(stored) = session.responses.get(&id.sequence) {
+            let response = Response { result: stored.clone(), deduplicated: true };
+            return (response, Vec::new(), Dirty::default());
+        }
+        let oldest = session.responses.keys().next().copied().unwrap_or(0);
+        if session.responses.len() >= SESSION_WINDOW && id.sequence < oldest {
+            let err = CommandError::SequenceTooOld {
+                client_id: id.client_id.clone(),
+                sequence: id.sequence,
+                oldest_kept: oldest,
+            };
+            return (Response { result: Err(err), deduplicated: false }, Vec::new(), Dirty::default());
+        }
+    }
+
+    let result = request.command.clone().apply(&mut txn);
+    txn.drop_idle_locks();
+
+    if let Some(id) = &request.request_id {
+        let session = txn.state.sessions.entry(id.client_id.clone()).or_default();
+        session.responses.insert(id.sequence, result.clone());
+        while session.responses.len() > SESSION_WINDOW {
+            session.responses.pop_first();
+        }
+        session.last_seen_ms = now_ms;
+        txn.dirty.sessions.insert(id.client_id.clone());
+    }
+
+    let Txn { events, dirty, .. } = txn;
+    (Response { result, deduplicated: false }, events, dirty)
+}
+
+#[cfg(test)]
+mod tests;

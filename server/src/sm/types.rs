@@ -1,0 +1,238 @@
+//! Domain types of the replicated state: what the Raft log and snapshots
+//! store (serde + postcard), independent of the gRPC wire types.
+//!
+//! Enums here are on-disk formats: variants are only ever appended, never
+//! reordered or removed (postcard encodes the variant index).
+
+use std::collections::{BTreeMap, VecDeque};
+use std::fmt;
+
+use serde::{Deserialize, Serialize};
+
+/// A lock name: `{scope, name}`, e.g. `{gpu-bind, node-gpu-1}`. Ordered by
+/// scope then name, which is also the order pods must take several locks in.
+#[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
+pub struct LockKey {
+    /// Lock family, one per vendor (DNS-1123 label).
+    pub scope: String,
+    /// Usually the node name (DNS-1123 subdomain).
+    pub name: String,
+}
+
+impl LockKey {
+    /// Builds a key from its two parts.
+    pub fn new(scope: impl Into<String>, name: impl Into<String>) -> Self {
+        Self { scope: scope.into(), name: name.into() }
+    }
+}
+
+impl fmt::Display for LockKey {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}/{}", self.scope, self.name)
+    }
+}
+
+/// The owner of a hold or wait: a pod, identified by UID.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, Default)]
+pub struct Pod {
+    /// Kubernetes pod UID: the identity. A new pod with the same name has a
+    /// new UID and is a different owner.
+    pub uid: String,
+    /// Namespace, a label for people.
+    pub namespace: String,
+    /// Pod name, a label for people.
+    pub name: String,
+}
+
+impl fmt::Display for Pod {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        if self.namespace.is_empty() && self.name.is_empty() {
+            write!(f, "uid {}", self.uid)
+        } else {
+            write!(f, "{}/{} (uid {})", self.namespace, self.name, self.uid)
+        }
+    }
+}
+
+/// A granted hold on a lock.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Hold {
+    /// The pod holding the lock.
+    pub pod: Pod,
+    /// Fencing token: the log index of the entry that granted the hold.
+    pub token: u64,
+    /// Committed (leader-stamped) time of the grant, ms since the epoch.
+    pub granted_at_ms: u64,
+    /// Opaque bytes stored with the hold (e.g. the device plan).
+    pub payload: Vec<u8>,
+    /// The client that acquired on the pod's behalf.
+    pub client_id: String,
+    /// TTL lease the hold belongs to (0 = none).
+    pub lease_id: u64,
+}
+
+/// A queued acquire.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Waiter {
+    /// The waiting pod.
+    pub pod: Pod,
+    /// Committed time the wait was queued.
+    pub queued_at_ms: u64,
+    /// Committed time after which the wait is dropped (0 = none).
+    pub deadline_ms: u64,
+    /// Payload that becomes the hold's payload when granted.
+    pub payload: Vec<u8>,
+    /// The client that queued the wait.
+    pub client_id: String,
+    /// TTL lease the wait belongs to (0 = none).
+    pub lease_id: u64,
+}
+
+impl Waiter {
+    /// Turns this wait into a hold granted by the entry at `token`.
+    pub fn into_hold(self, token: u64, now_ms: u64) -> Hold {
+        Hold {
+            pod: self.pod,
+            token,
+            granted_at_ms: now_ms,
+            payload: self.payload,
+            client_id: self.client_id,
+            lease_id: self.lease_id,
+        }
+    }
+}
+
+/// State of one lock. A lock that is free with nobody waiting is still kept
+/// (with `last_token`) so that tokens never go backwards.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, Default)]
+pub struct Lock {
+    /// The current hold, if any.
+    pub holder: Option<Hold>,
+    /// FIFO queue of waits; the front is granted next.
+    pub waiters: VecDeque<Waiter>,
+    /// Highest token ever granted on this lock.
+    pub last_token: u64,
+}
+
+impl Lock {
+    /// 1-based queue position of a pod UID, if it waits.
+    pub fn position_of(&self, pod_uid: &str) -> Option<usize> {
+        self.waiters.iter().position(|w| w.pod.uid == pod_uid).map(|i| i + 1)
+    }
+}
+
+/// A TTL lease for clients that are not pods (lockctl, tests).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct TtlLease {
+    /// Lease id: the log index of the entry that granted it.
+    pub id: u64,
+    /// Time to live after each keepalive.
+    pub ttl_ms: u64,
+    /// Committed time at which the lease expires unless kept alive.
+    pub expires_at_ms: u64,
+}
+
+/// Outcome a holder reports on release.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub enum Outcome {
+    /// Not said.
+    Unspecified,
+    /// The device plugin allocated the devices.
+    Allocated,
+    /// The bind or allocation failed (the scheduler's Unreserve path).
+    Failed,
+}
+
+/// Why a hold ended.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub enum ReleaseReason {
+    /// The holder released it.
+    Released {
+        /// What the holder reported.
+        outcome: Outcome,
+    },
+    /// An operator forced it.
+    Forced {
+        /// Who.
+        operator: String,
+        /// Why.
+        reason: String,
+    },
+    /// The pod's lease was revoked (pod deleted or terminal).
+    PodRevoked {
+        /// Why, as the revoker said.
+        reason: String,
+    },
+    /// The TTL lease it was attached to expired.
+    LeaseExpired {
+        /// The lease.
+        lease_id: u64,
+    },
+    /// The TTL lease it was attached to was revoked.
+    LeaseRevoked {
+        /// The lease.
+        lease_id: u64,
+    },
+    /// The hold timeout passed.
+    HoldTimeout {
+        /// The timeout that applied, ms.
+        timeout_ms: u64,
+    },
+}
+
+impl fmt::Display for ReleaseReason {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            ReleaseReason::Released { outcome } => write!(f, "released ({outcome:?})"),
+            ReleaseReason::Forced { operator, reason } => {
+                write!(f, "force-released by {operator}: {reason}")
+            }
+            ReleaseReason::PodRevoked { reason } => write!(f, "pod revoked: {reason}"),
+            ReleaseReason::LeaseExpired { lease_id } => write!(f, "lease {lease_id} expired"),
+            ReleaseReason::LeaseRevoked { lease_id } => write!(f, "lease {lease_id} revoked"),
+            ReleaseReason::HoldTimeout { timeout_ms } => {
+                write!(f, "hold timeout ({timeout_ms} ms) passed")
+            }
+        }
+    }
+}
+
+/// Why a wait left the queue without a grant.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub enum WaitEndReason {
+    /// Its deadline passed.
+    DeadlineExceeded,
+    /// The pod's lease was revoked.
+    PodRevoked {
+        /// Why, as the revoker said.
+        reason: String,
+    },
+    /// The TTL lease it was attached to ended.
+    LeaseEnded {
+        /// The lease.
+        lease_id: u64,
+    },
+}
+
+/// The identity of one client request, for exactly-once application.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct RequestId {
+    /// Chosen by the client process.
+    pub client_id: String,
+    /// Increasing per client.
+    pub sequence: u64,
+}
+
+/// Per-client dedupe record: the responses to the client's most recent
+/// sequences, so that a retry gets the stored answer.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, Default)]
+pub struct ClientSession {
+    /// Responses by sequence; only the newest [`SESSION_WINDOW`] are kept.
+    pub responses: BTreeMap<u64, crate::sm::CommandResult>,
+    /// Committed time of the client's last request, for eviction.
+    pub last_seen_ms: u64,
+}
+
+/// How many recent responses are kept per client. A client may have this many
+/// requests in flight at once and still retry any of them exactly once.
+pub const SESSION_WINDOW: usize = 64;

@@ -1,0 +1,60 @@
+//! Key layout of the `log`, `sm` and `events` column families.
+
+use crate::sm::{LockKey, Revision};
+
+/// `log` key of a log index: big-endian so RocksDB's order is index order.
+pub fn log_key(index: u64) -> [u8; 8] {
+    index.to_be_bytes()
+}
+
+/// Log index of a `log` key.
+pub fn log_index(key: &[u8]) -> u64 {
+    let mut bytes = [0u8; 8];
+    bytes.copy_from_slice(&key[..8]);
+    u64::from_be_bytes(bytes)
+}
+
+/// `events` key of a revision.
+pub fn event_key(revision: Revision) -> [u8; 12] {
+    let mut key = [0u8; 12];
+    key[..8].copy_from_slice(&revision.index.to_be_bytes());
+    key[8..].copy_from_slice(&revision.sub.to_be_bytes());
+    key
+}
+
+/// Prefix of lock records in `sm`.
+pub const LOCK_PREFIX: &[u8] = b"l/";
+/// Prefix of TTL lease records in `sm`.
+pub const LEASE_PREFIX: &[u8] = b"t/";
+/// Prefix of dedupe session records in `sm`.
+pub const SESSION_PREFIX: &[u8] = b"s/";
+/// `sm` key of the last applied log id.
+pub const LAST_APPLIED: &[u8] = b"m/last_applied";
+/// `sm` key of the last applied membership.
+pub const MEMBERSHIP: &[u8] = b"m/membership";
+/// `sm` key of the committed time.
+pub const NOW: &[u8] = b"m/now";
+
+/// `sm` key of a lock. Names cannot contain NUL (validated at the edge), so
+/// NUL separates scope from name.
+pub fn lock_key(key: &LockKey) -> Vec<u8> {
+    let mut out = LOCK_PREFIX.to_vec();
+    out.extend_from_slice(key.scope.as_bytes());
+    out.push(0);
+    out.extend_from_slice(key.name.as_bytes());
+    out
+}
+
+/// `sm` key of a TTL lease.
+pub fn lease_key(id: u64) -> Vec<u8> {
+    let mut out = LEASE_PREFIX.to_vec();
+    out.extend_from_slice(&id.to_be_bytes());
+    out
+}
+
+/// `sm` key of a client session.
+pub fn session_key(client_id: &str) -> Vec<u8> {
+    let mut out = SESSION_PREFIX.to_vec();
+    out.extend_from_slice(client_id.as_bytes());
+    out
+}

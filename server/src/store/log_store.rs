@@ -1,0 +1,194 @@
+//! The Raft log in RocksDB (openraft `RaftLogStorage`, storage-v2).
+//!
+//! Every write that openraft must see durable (appends, votes, truncations,
+//! purges) is a synced RocksDB write.
+
+use std::fmt::Debug;
+use std::ops::{Bound, RangeBounds};
+use std::sync::Arc;
+
+use openraft::storage::{LogFlushed, LogState, RaftLogStorage};
+use openraft::{RaftLogReader, Vote};
+use rocksdb::{DB, Direction, IteratorMode, WriteBatch, WriteOptions};
+
+use super::keys::{log_index, log_key};
+use super::{CF_LOG, CF_META, decode, encode};
+use super::err;
+use crate::raft::{Entry, LogId, StorageError, TypeConfig};
+use crate::sm::FORMAT_VERSION;
+
+const VOTE: &[u8] = b"vote";
+const COMMITTED: &[u8] = b"committed";
+const LAST_PURGED: &[u8] = b"last_purged";
+
+/// The Raft log of one replica. Cheap to clone: clones share the database.
+#[derive(Clone)]
+pub struct LogStore {
+    db: Arc<DB>,
+}
+
+fn synced() -> WriteOptions {
+    let mut opts = WriteOptions::default();
+    opts.set_sync(true);
+    opts
+}
+
+impl LogStore {
+    /// A log store over an open database.
+    pub fn new(db: Arc<DB>) -> Self {
+        Self { db }
+    }
+
+    fn cf_log(&self) -> &rocksdb::ColumnFamily {
+        self.db.cf_handle(CF_LOG).expect("log column family is created at open")
+    }
+
+    fn cf_meta(&self) -> &rocksdb::ColumnFamily {
+        self.db.cf_handle(CF_META).expect("meta column family is created at open")
+    }
+
+    fn get_meta<T: serde::de::DeserializeOwned>(
+        &self,
+        key: &[u8],
+    ) -> Result<Option<T>, StorageError> {
+        let Some(bytes) = self.db.get_cf(self.cf_meta(), key).map_err(|e| err::read(&e))?
+        else {
+            return Ok(None);
+        };
+        decode(&bytes).map(Some).map_err(|e| err::read(&e))
+    }
+
+    fn put_meta<T: serde::Serialize>(&self, key: &[u8], value: &T) -> Result<(), StorageError> {
+        self.db
+            .put_cf_opt(self.cf_meta(), key, encode(value), &synced())
+            .map_err(|e| err::write(&e))
+    }
+
+    fn last_entry_log_id(&self) -> Result<Option<LogId>, StorageError> {
+        let mut iter = self.db.iterator_cf(self.cf_log(), IteratorMode::End);
+        match iter.next() {
+            None => Ok(None),
+            Some(item) => {
+                let (_, value) = item.map_err(|e| err::read_logs(&e))?;
+                let entry = decode_entry(&value)?;
+                Ok(Some(entry.log_id))
+            }
+        }
+    }
+}
+
+/// Decodes a log entry, stopping the replica with a clear error if it was
+/// written by a newer format than this build understands.
+fn decode_entry(bytes: &[u8]) -> Result<Entry, StorageError> {
+    let entry: Entry = decode(bytes).map_err(|e| {
+        err::read_logs(&std::io::Error::other(format!(
+            "cannot decode a log entry ({e}); it may have been written by a newer Tether \
+             (this build writes format {FORMAT_VERSION}): upgrade this replica"
+        )))
+    })?;
+    if let openraft::EntryPayload::Normal(request) = &entry.payload
+        && request.format_version > FORMAT_VERSION
+    {
+        return Err(err::read_logs(&std::io::Error::other(format!(
+            "log entry {} has format {} but this build understands up to {FORMAT_VERSION}: \
+             upgrade this replica",
+            entry.log_id.index, request.format_version
+        ))));
+    }
+    Ok(entry)
+}
+
+impl RaftLogReader<TypeConfig> for LogStore {
+    async fn try_get_log_entries<RB: RangeBounds<u64> + Clone + Debug + Send>(
+        &mut self,
+        range: RB,
+    ) -> Result<Vec<Entry>, StorageError> {
+        let start = match range.start_bound() {
+            Bound::Included(i) => *i,
+            Bound::Excluded(i) => i + 1,
+            Bound::Unbounded => 0,
+        };
+        let mut out = Vec::new();
+        let mode = IteratorMode::From(&log_key(start), Direction::Forward);
+        for item in self.db.iterator_cf(self.cf_log(), mode) {
+            let (key, value) = item.map_err(|e| err::read_logs(&e))?;
+            let index = log_index(&key);
+            if !range.contains(&index) {
+                break;
+            }
+            out.push(decode_entry(&value)?);
+        }
+        Ok(out)
+    }
+}
+
+impl RaftLogStorage<TypeConfig> for LogStore {
+    type LogReader = Self;
+
+    async fn get_log_state(&mut self) -> Result<LogState<TypeConfig>, StorageError> {
+        let last_purged_log_id: Option<LogId> = self.get_meta(LAST_PURGED)?;
+        let last_log_id = self.last_entry_log_id()?.or(last_purged_log_id);
+        Ok(LogState { last_purged_log_id, last_log_id })
+    }
+
+    async fn get_log_reader(&mut self) -> Self::LogReader {
+        self.clone()
+    }
+
+    async fn save_vote(&mut self, vote: &Vote<u64>) -> Result<(), StorageError> {
+        self.put_meta(VOTE, vote).map_err(|_| {
+            err::write_vote(&std::io::Error::other("RocksDB write of the vote failed"))
+        })
+    }
+
+    async fn read_vote(&mut self) -> Result<Option<Vote<u64>>, StorageError> {
+        self.get_meta(VOTE)
+    }
+
+    async fn save_committed(&mut self, committed: Option<LogId>) -> Result<(), StorageError> {
+        self.put_meta(COMMITTED, &committed)
+    }
+
+    async fn read_committed(&mut self) -> Result<Option<LogId>, StorageError> {
+        Ok(self.get_meta::<Option<LogId>>(COMMITTED)?.flatten())
+    }
+
+    async fn append<I>(&mut self, entries: I, callback: LogFlushed<TypeConfig>) -> Result<(), StorageError>
+    where
+        I: IntoIterator<Item = Entry> + Send,
+        I::IntoIter: Send,
+    {
+        let mut batch = WriteBatch::default();
+        for entry in entries {
+            batch.put_cf(self.cf_log(), log_key(entry.log_id.index), encode(&entry));
+        }
+        let result = self.db.write_opt(batch, &synced());
+        match result {
+            Ok(()) => {
+                callback.log_io_completed(Ok(()));
+                Ok(())
+            }
+            Err(e) => {
+                callback.log_io_completed(Err(std::io::Error::other(e.to_string())));
+                Err(err::write_logs(&e))
+            }
+        }
+    }
+
+    async fn truncate(&mut self, log_id: LogId) -> Result<(), StorageError> {
+        let mut batch = WriteBatch::default();
+        batch.delete_range_cf(self.cf_log(), log_key(log_id.index), log_key(u64::MAX));
+        // delete_range's end is exclusive: remove the last possible key too.
+        batch.delete_cf(self.cf_log(), log_key(u64::MAX));
+        self.db.write_opt(batch, &synced()).map_err(|e| err::write_logs(&e))
+    }
+
+    async fn purge(&mut self, log_id: LogId) -> Result<(), StorageError> {
+        // Record the purge point first: if the deletion is interrupted, the
+        // remaining entries below it are ignored, never a hole.
+        self.put_meta(LAST_PURGED, &log_id)?;
+        let mut batch = WriteBatch::default();
+        batch.delete_range_cf(self.cf_log(), log_key(0), log_key(log_id.index + 1));
+        self.db.write_opt(batch, &synced()).map_err(|e| err::write_logs(&e))
+    }
+}

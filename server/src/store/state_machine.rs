@@ -1,0 +1,364 @@
+//! The state machine in RocksDB (openraft `RaftStateMachine`, storage-v2).
+//!
+//! The whole [`State`] lives in memory (one Raft group is sized for one
+//! Kubernetes cluster) and in the `sm` column family; each `apply` writes the
+//! keys it changed, its events and `last_applied` in one `WriteBatch`, and
+//! `load` rebuilds the memory state from the column family at start-up.
+
+use std::io::Cursor;
+use std::sync::{Arc, RwLock, RwLockReadGuard};
+
+use openraft::storage::{RaftStateMachine, Snapshot};
+use openraft::{EntryPayload, RaftSnapshotBuilder, SnapshotMeta};
+use rocksdb::{DB, Direction, IteratorMode, WriteBatch, WriteOptions};
+use serde::{Deserialize, Serialize};
+use tokio::sync::broadcast;
+
+use super::keys::{self, LAST_APPLIED, MEMBERSHIP, NOW};
+use super::{CF_EVENTS, CF_META, CF_SM, decode, encode, err};
+use crate::raft::{Entry, LogId, StorageError, StoredMembership, TypeConfig};
+use crate::sm::{self, Dirty, Event, FORMAT_VERSION, Response, State};
+
+/// `meta` key of the current snapshot.
+const SNAPSHOT: &[u8] = b"snapshot";
+
+/// How many events a slow in-process subscriber may fall behind before it is
+/// told it lagged (it then re-reads the state).
+const EVENT_CHANNEL_CAPACITY: usize = 16 * 1024;
+
+/// The applied state with its Raft position.
+#[derive(Debug, Default)]
+pub struct AppliedState {
+    /// Domain state.
+    pub state: State,
+    /// Last applied log id.
+    pub last_applied: Option<LogId>,
+    /// Last applied membership.
+    pub membership: StoredMembership,
+}
+
+/// A read handle to the applied state and its event stream, shared by the
+/// API handlers. Cheap to clone.
+#[derive(Clone)]
+pub struct StateHandle {
+    inner: Arc<RwLock<AppliedState>>,
+    events: broadcast::Sender<Event>,
+}
+
+impl StateHandle {
+    /// Reads the applied state. Hold the guard briefly: apply waits for it.
+    pub fn read(&self) -> RwLockReadGuard<'_, AppliedState> {
+        self.inner.read().unwrap_or_else(|poisoned| poisoned.into_inner())
+    }
+
+    /// Events applied from now on. Subscribe before proposing a command whose
+    /// later events you wait for.
+    pub fn subscribe(&self) -> broadcast::Receiver<Event> {
+        self.events.subscribe()
+    }
+}
+
+/// The serialized form of a snapshot.
+#[derive(Serialize, Deserialize)]
+struct SnapshotFile {
+    format_version: u16,
+    last_applied: Option<LogId>,
+    membership: StoredMembership,
+    state: State,
+}
+
+/// A snapshot as kept in the `meta` column family.
+#[derive(Serialize, Deserialize)]
+struct StoredSnapshot {
+    meta: SnapshotMeta<u64, openraft::BasicNode>,
+    data: Vec<u8>,
+}
+
+/// The state machine of one replica.
+pub struct StateMachineStore {
+    db: Arc<DB>,
+    handle: StateHandle,
+}
+
+fn cf<'a>(db: &'a DB, name: &str) -> &'a rocksdb::ColumnFamily {
+    db.cf_handle(name).expect("column families are created at open")
+}
+
+fn synced() -> WriteOptions {
+    let mut opts = WriteOptions::default();
+    opts.set_sync(true);
+    opts
+}
+
+fn sm_read_err(e: impl std::error::Error + 'static) -> StorageError {
+    err::read_state_machine(&e)
+}
+
+fn sm_write_err(e: impl std::error::Error + 'static) -> StorageError {
+    err::write_state_machine(&e)
+}
+
+fn format_error(what: &str, version: u16) -> StorageError {
+    sm_read_err(std::io::Error::other(format!(
+        "{what} has format {version} but this build understands up to {FORMAT_VERSION}: \
+         upgrade this replica"
+    )))
+}
+
+impl StateMachineStore {
+    /// Loads the state machine persisted in `db` (empty on a new database).
+    pub fn load(db: Arc<DB>) -> Result<Self, StorageError> {
+        let mut applied = AppliedState::default();
+        let sm_cf = cf(&db, CF_SM);
+        for item in db.iterator_cf(sm_cf, IteratorMode::Start) {
+            let (key, value) = item.map_err(sm_read_err)?;
+            if let Some(rest) = key.strip_prefix(keys::LOCK_PREFIX) {
+                let split = rest.iter().position(|b| *b == 0).unwrap_or(rest.len());
+                let lock_key = sm::LockKey::new(
+                    String::from_utf8_lossy(&rest[..split]).into_owned(),
+                    String::from_utf8_lossy(rest.get(split + 1..).unwrap_or_default())
+                        .into_owned(),
+                );
+                applied.state.locks.insert(lock_key, decode(&value).map_err(sm_read_err)?);
+            } else if key.starts_with(keys::LEASE_PREFIX) {
+                let lease: sm::TtlLease = decode(&value).map_err(sm_read_err)?;
+                applied.state.leases.insert(lease.id, lease);
+            } else if let Some(client) = key.strip_prefix(keys::SESSION_PREFIX) {
+                let client = String::from_utf8_lossy(client).into_owned();
+                applied.state.sessions.insert(client, decode(&value).map_err(sm_read_err)?);
+            } else if &*key == LAST_APPLIED {
+                applied.last_applied = decode(&value).map_err(sm_read_err)?;
+            } else if &*key == MEMBERSHIP {
+                applied.membership = decode(&value).map_err(sm_read_err)?;
+            } else if &*key == NOW {
+                applied.state.now_ms = decode(&value).map_err(sm_read_err)?;
+            }
+        }
+        let (events, _) = broadcast::channel(EVENT_CHANNEL_CAPACITY);
+        let store = Self { db, handle: StateHandle { inner: Arc::new(RwLock::new(applied)), events } };
+
+        // A snapshot newer than the persisted state cannot normally exist (the
+        // snapshot is written after the state it was built from, through the
+        // same write-ahead log), but if it does, the snapshot wins.
+        if let Some(stored) = store.read_stored_snapshot()? {
+            let sm_applied = store.handle.read().last_applied;
+            if stored.meta.last_log_id > sm_applied {
+                store.restore(&stored.data)?;
+            }
+        }
+        Ok(store)
+    }
+
+    /// The shared read handle.
+    pub fn handle(&self) -> StateHandle {
+        self.handle.clone()
+    }
+
+    fn read_stored_snapshot(&self) -> Result<Option<StoredSnapshot>, StorageError> {
+        let Some(bytes) = self.db.get_cf(cf(&self.db, CF_META), SNAPSHOT).map_err(sm_read_err)?
+        else {
+            return Ok(None);
+        };
+        decode(&bytes).map(Some).map_err(sm_read_err)
+    }
+
+    /// Replaces the state (memory and `sm` column family) with a snapshot's.
+    fn restore(&self, data: &[u8]) -> Result<(), StorageError> {
+        let file: SnapshotFile = decode(data).map_err(|e| {
+            sm_read_err(std::io::Error::other(format!(
+                "cannot decode snapshot ({e}); it may come from a newer Tether: upgrade this replica"
+            )))
+        })?;
+        if file.format_version > FORMAT_VERSION {
+            return Err(format_error("snapshot", file.format_version));
+        }
+        let sm_cf = cf(&self.db, CF_SM);
+        let mut batch = WriteBatch::default();
+        for item in self.db.iterator_cf(sm_cf, IteratorMode::Start) {
+            let (key, _) = item.map_err(sm_read_err)?;
+            batch.delete_cf(sm_cf, key);
+        }
+        for (key, lock) in &file.state.locks {
+            batch.put_cf(sm_cf, keys::lock_key(key), encode(lock));
+        }
+        for (id, lease) in &file.state.leases {
+            batch.put_cf(sm_cf, keys::lease_key(*id), encode(lease));
+        }
+        for (client, session) in &file.state.sessions {
+            batch.put_cf(sm_cf, keys::session_key(client), encode(session));
+        }
+        batch.put_cf(sm_cf, NOW, encode(&file.state.now_ms));
+        batch.put_cf(sm_cf, LAST_APPLIED, encode(&file.last_applied));
+        batch.put_cf(sm_cf, MEMBERSHIP, encode(&file.membership));
+        self.db.write_opt(batch, &synced()).map_err(sm_write_err)?;
+
+        let mut applied = self.handle.inner.write().unwrap_or_else(|p| p.into_inner());
+        applied.state = file.state;
+        applied.last_applied = file.last_applied;
+        applied.membership = file.membership;
+        Ok(())
+    }
+}
+
+/// Writes the keys an apply changed into `batch`.
+fn write_dirty(batch: &mut WriteBatch, db: &DB, state: &State, dirty: &Dirty) {
+    let sm_cf = cf(db, CF_SM);
+    for key in &dirty.locks {
+        match state.locks.get(key) {
+            Some(lock) => batch.put_cf(sm_cf, keys::lock_key(key), encode(lock)),
+            None => batch.delete_cf(sm_cf, keys::lock_key(key)),
+        }
+    }
+    for id in &dirty.leases {
+        match state.leases.get(id) {
+            Some(lease) => batch.put_cf(sm_cf, keys::lease_key(*id), encode(lease)),
+            None => batch.delete_cf(sm_cf, keys::lease_key(*id)),
+        }
+    }
+    for client in &dirty.sessions {
+        match state.sessions.get(client) {
+            Some(session) => batch.put_cf(sm_cf, keys::session_key(client), encode(session)),
+            None => batch.delete_cf(sm_cf, keys::session_key(client)),
+        }
+    }
+}
+
+/// Builds snapshots from a copy of the applied state.
+pub struct SnapshotBuilder {
+    db: Arc<DB>,
+    handle: StateHandle,
+}
+
+impl RaftSnapshotBuilder<TypeConfig> for SnapshotBuilder {
+    async fn build_snapshot(&mut self) -> Result<Snapshot<TypeConfig>, StorageError> {
+        let (data, last_applied, membership) = {
+            let applied = self.handle.read();
+            let file = SnapshotFile {
+                format_version: FORMAT_VERSION,
+                last_applied: applied.last_applied,
+                membership: applied.membership.clone(),
+                state: applied.state.clone(),
+            };
+            (encode(&file), applied.last_applied, applied.membership.clone())
+        };
+        let snapshot_id = match last_applied {
+            Some(id) => format!("{}-{}-{}", id.leader_id.term, id.index, data.len()),
+            None => format!("0-0-{}", data.len()),
+        };
+        let meta = SnapshotMeta { last_log_id: last_applied, last_membership: membership, snapshot_id };
+        let stored = StoredSnapshot { meta: meta.clone(), data };
+        self.db
+            .put_cf_opt(cf(&self.db, CF_META), SNAPSHOT, encode(&stored), &synced())
+            .map_err(|e| err::write_snapshot(Some(meta.signature()), &e))?;
+        Ok(Snapshot { meta, snapshot: Box::new(Cursor::new(stored.data)) })
+    }
+}
+
+impl RaftStateMachine<TypeConfig> for StateMachineStore {
+    type SnapshotBuilder = SnapshotBuilder;
+
+    async fn applied_state(&mut self) -> Result<(Option<LogId>, StoredMembership), StorageError> {
+        let applied = self.handle.read();
+        Ok((applied.last_applied, applied.membership.clone()))
+    }
+
+    async fn apply<I>(&mut self, entries: I) -> Result<Vec<Response>, StorageError>
+    where
+        I: IntoIterator<Item = Entry> + Send,
+        I::IntoIter: Send,
+    {
+        let mut responses = Vec::new();
+        let mut all_events = Vec::new();
+        let mut batch = WriteBatch::default();
+        {
+            let mut applied = self.handle.inner.write().unwrap_or_else(|p| p.into_inner());
+            let mut dirty = Dirty::default();
+            let mut membership_changed = false;
+            for entry in entries {
+                applied.last_applied = Some(entry.log_id);
+                let response = match entry.payload {
+                    EntryPayload::Blank => Response::empty(),
+                    EntryPayload::Normal(request) => {
+                        if request.format_version > FORMAT_VERSION {
+                            return Err(format_error(
+                                &format!("log entry {}", entry.log_id.index),
+                                request.format_version,
+                            ));
+                        }
+                        let (response, events, changed) =
+                            sm::apply(&mut applied.state, entry.log_id.index, &request);
+                        dirty.merge(changed);
+                        all_events.extend(events);
+                        response
+                    }
+                    EntryPayload::Membership(membership) => {
+                        applied.membership =
+                            StoredMembership::new(Some(entry.log_id), membership);
+                        membership_changed = true;
+                        Response::empty()
+                    }
+                };
+                responses.push(response);
+            }
+            write_dirty(&mut batch, &self.db, &applied.state, &dirty);
+            let sm_cf = cf(&self.db, CF_SM);
+            let events_cf = cf(&self.db, CF_EVENTS);
+            for event in &all_events {
+                batch.put_cf(events_cf, keys::event_key(event.revision), encode(event));
+            }
+            batch.put_cf(sm_cf, NOW, encode(&applied.state.now_ms));
+            batch.put_cf(sm_cf, LAST_APPLIED, encode(&applied.last_applied));
+            if membership_changed {
+                batch.put_cf(sm_cf, MEMBERSHIP, encode(&applied.membership));
+            }
+            self.db.write(batch).map_err(sm_write_err)?;
+        }
+        for event in all_events {
+            // No subscriber is not an error: nobody is waiting.
+            let _ = self.handle.events.send(event);
+        }
+        Ok(responses)
+    }
+
+    async fn get_snapshot_builder(&mut self) -> Self::SnapshotBuilder {
+        SnapshotBuilder { db: self.db.clone(), handle: self.handle.clone() }
+    }
+
+    async fn begin_receiving_snapshot(&mut self) -> Result<Box<Cursor<Vec<u8>>>, StorageError> {
+        Ok(Box::new(Cursor::new(Vec::new())))
+    }
+
+    async fn install_snapshot(
+        &mut self,
+        meta: &SnapshotMeta<u64, openraft::BasicNode>,
+        snapshot: Box<Cursor<Vec<u8>>>,
+    ) -> Result<(), StorageError> {
+        let data = snapshot.into_inner();
+        self.restore(&data)?;
+        let stored = StoredSnapshot { meta: meta.clone(), data };
+        self.db
+            .put_cf_opt(cf(&self.db, CF_META), SNAPSHOT, encode(&stored), &synced())
+            .map_err(|e| err::write_snapshot(Some(meta.signature()), &e))?;
+        Ok(())
+    }
+
+    async fn get_current_snapshot(&mut self) -> Result<Option<Snapshot<TypeConfig>>, StorageError> {
+        Ok(self
+            .read_stored_snapshot()?
+            .map(|s| Snapshot { meta: s.meta, snapshot: Box::new(Cursor::new(s.data)) }))
+    }
+}
+
+/// Events stored at or after `from`, oldest first, at most `limit`.
+pub fn read_events(db: &DB, from: sm::Revision, limit: usize) -> Result<Vec<Event>, StorageError> {
+    let mut out = Vec::new();
+    let start = keys::event_key(from);
+    for item in db.iterator_cf(cf(db, CF_EVENTS), IteratorMode::From(&start, Direction::Forward)) {
+        if out.len() >= limit {
+            break;
+        }
+        let (_, value) = item.map_err(sm_read_err)?;
+        out.push(decode(&value).map_err(sm_read_err)?);
+    }
+    Ok(out)
+}
