@@ -1,11 +1,30 @@
 //! `tether-server`: one Tether replica.
 //!
+//! A replica is an openraft node whose log and state machine live in one
+//! RocksDB database, serving the `tether.v1` gRPC API and an HTTP port for
+//! `/health` and `/metrics`.
+//!
 //! # Layout
+//! - `config.rs` — the `tetherd` flags (each also a `TETHER_*` variable).
+//! - `node.rs` — wires store, Raft, gRPC and HTTP; bootstrap; the leader's
+//!   sweeper (wait deadlines, TTL leases, hold timeouts).
 //! - `sm/` — the replicated state machine: domain types, commands (one file
 //!   each), events. Pure and deterministic.
 //! - `store/` — RocksDB log store and state machine for openraft.
-//! - `raft/` — openraft type configuration.
+//! - `raft/` — openraft type configuration and the replica network.
+//! - `api/` — gRPC handlers, validation and wire conversions.
+//! - `error.rs` — API errors and their mapping to gRPC status codes.
+//! - `http.rs`, `metrics.rs` — the health and Prometheus endpoints.
 
+pub mod api;
+pub mod config;
+pub mod error;
+pub mod http;
+pub mod metrics;
+pub mod node;
 pub mod raft;
 pub mod sm;
 pub mod store;
+
+pub use config::Config;
+pub use node::Node;

@@ -1,1 +1,55 @@
-fn main() {}
+//! `tetherd`: run one Tether replica.
+//!
+//! With no arguments it starts a single-node cluster with its data in
+//! `./tether-data`, serving gRPC on 127.0.0.1:7420 and HTTP (`/health`,
+//! `/metrics`) on 127.0.0.1:7421 — an insecure development default.
+
+use clap::Parser;
+use tether_server::{Config, Node};
+use tracing_subscriber::EnvFilter;
+
+#[tokio::main]
+async fn main() -> anyhow::Result<()> {
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info,openraft=warn")),
+        )
+        .init();
+    let config = Config::parse();
+    tracing::info!(
+        node_id = config.node_id,
+        listen = %config.listen,
+        http = %config.http_listen,
+        data_dir = %config.data_dir.display(),
+        "tetherd starting"
+    );
+    tracing::warn!(
+        "INSECURE: no TLS and no authentication; anyone who can reach {} can take and release \
+         locks. Keep it on loopback or a trusted network.",
+        config.listen
+    );
+    if config.initial_members.is_none() {
+        tracing::info!("no --initial-members: running as a single-node cluster");
+    }
+    let node = Node::start(config).await?;
+    wait_for_signal().await;
+    tracing::info!("shutting down");
+    node.shutdown().await;
+    Ok(())
+}
+
+/// SIGTERM (Kubernetes) or Ctrl-C.
+async fn wait_for_signal() {
+    let ctrl_c = tokio::signal::ctrl_c();
+    #[cfg(unix)]
+    {
+        let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
+            .expect("installing a SIGTERM handler cannot fail on unix");
+        tokio::select! {
+            _ = ctrl_c => {}
+            _ = term.recv() => {}
+        }
+    }
+    #[cfg(not(unix))]
+    let _ = ctrl_c.await;
+}

@@ -1,7 +1,7 @@
 //! Raft wiring: the openraft type configuration and the network between
 //! replicas.
 
-// network added below
+pub mod network;
 
 use std::io::Cursor;
 

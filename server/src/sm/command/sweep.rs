@@ -1,8 +1,14 @@
 //! `Sweep`: housekeeping the leader proposes when something is due on
 //! committed time. What expires is decided here, from the entry's committed
-//! time, so every replica reaches the same result; the leader only decides
-//! *whether* holds and leases may expire at all (lock-delay after a leader
-//! change) and passes that in.
+//! time, so every replica reaches the same result.
+//!
+//! Lock-delay: a new leader's clock may run ahead of the old one's, so a hold
+//! or TTL lease may expire only once the proposing leader has led for at least
+//! that hold's timeout or that lease's TTL (`leader_tenure_ms`, stamped in the
+//! entry). Anything still alive would have been refreshed or released through
+//! this leader within that window.
+
+use std::collections::BTreeMap;
 
 use serde::{Deserialize, Serialize};
 
@@ -14,69 +20,73 @@ use crate::sm::types::{LockKey, ReleaseReason, WaitEndReason};
 /// Expire what is due.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Sweep {
-    /// Hold timeout to enforce; `None` while the leader's lock-delay is in
-    /// force (it has not yet led for one full timeout window).
-    pub hold_timeout_ms: Option<u64>,
-    /// Whether TTL leases may expire (false during the lock-delay).
-    pub expire_leases: bool,
+    /// How long the proposing leader has led, ms (its own monotonic clock).
+    pub leader_tenure_ms: u64,
+    /// Hold timeout of scopes without their own.
+    pub hold_timeout_ms: u64,
+    /// Hold timeouts of scopes that have their own.
+    pub scope_hold_timeout_ms: BTreeMap<String, u64>,
     /// Dedupe sessions idle this long are evicted.
     pub session_idle_ms: u64,
 }
 
 impl Sweep {
+    /// The hold timeout of `scope`, or `None` while the lock-delay for it is
+    /// in force.
+    pub fn timeout_for(&self, scope: &str) -> Option<u64> {
+        let timeout = self.scope_hold_timeout_ms.get(scope).copied().unwrap_or(self.hold_timeout_ms);
+        (timeout <= self.leader_tenure_ms).then_some(timeout)
+    }
+
+    fn lease_may_expire(&self, lease: &crate::sm::TtlLease, now_ms: u64) -> bool {
+        lease.expires_at_ms <= now_ms && lease.ttl_ms <= self.leader_tenure_ms
+    }
+
+    fn hold_due(&self, key: &LockKey, lock: &crate::sm::Lock, now_ms: u64) -> Option<u64> {
+        let timeout = self.timeout_for(&key.scope)?;
+        let hold = lock.holder.as_ref()?;
+        (hold.granted_at_ms.saturating_add(timeout) <= now_ms).then_some(timeout)
+    }
+
     /// Drops waits past their deadline, expires due TTL leases and held-too-long
     /// holds, and evicts idle dedupe sessions.
     pub fn apply(self, txn: &mut Txn<'_>) -> Result<Reply, CommandError> {
         let now = txn.now_ms;
-        let mut waits = 0;
-        let late_waits: Vec<LockKey> = txn
+        let late = |w: &crate::sm::Waiter| w.deadline_ms != 0 && w.deadline_ms <= now;
+        let late_waits: Vec<(LockKey, usize)> = txn
             .state
             .locks
             .iter()
-            .filter(|(_, l)| l.waiters.iter().any(|w| w.deadline_ms != 0 && w.deadline_ms <= now))
-            .map(|(k, _)| k.clone())
+            .map(|(k, l)| (k.clone(), l.waiters.iter().filter(|w| late(w)).count()))
+            .filter(|(_, n)| *n > 0)
             .collect();
-        for key in &late_waits {
-            let before = txn.state.locks.get(key).map_or(0, |l| l.waiters.len());
-            txn.remove_waiters(
-                key,
-                |w| w.deadline_ms != 0 && w.deadline_ms <= now,
-                WaitEndReason::DeadlineExceeded,
-            );
-            let after = txn.state.locks.get(key).map_or(0, |l| l.waiters.len());
-            waits += (before - after) as u32;
+        let mut waits = 0;
+        for (key, count) in &late_waits {
+            txn.remove_waiters(key, late, WaitEndReason::DeadlineExceeded);
+            waits += *count as u32;
         }
 
-        let mut leases = 0;
-        if self.expire_leases {
-            let due: Vec<u64> = txn
-                .state
-                .leases
-                .values()
-                .filter(|l| l.expires_at_ms <= now)
-                .map(|l| l.id)
-                .collect();
-            for lease_id in due {
-                end_lease(txn, lease_id, true);
-                leases += 1;
-            }
+        let due_leases: Vec<u64> = txn
+            .state
+            .leases
+            .values()
+            .filter(|l| self.lease_may_expire(l, now))
+            .map(|l| l.id)
+            .collect();
+        let leases = due_leases.len() as u32;
+        for lease_id in due_leases {
+            end_lease(txn, lease_id, true);
         }
 
-        let mut holds = 0;
-        if let Some(timeout_ms) = self.hold_timeout_ms {
-            let due: Vec<LockKey> = txn
-                .state
-                .locks
-                .iter()
-                .filter(|(_, l)| {
-                    l.holder.as_ref().is_some_and(|h| h.granted_at_ms.saturating_add(timeout_ms) <= now)
-                })
-                .map(|(k, _)| k.clone())
-                .collect();
-            for key in due {
-                txn.release_and_hand_over(&key, ReleaseReason::HoldTimeout { timeout_ms });
-                holds += 1;
-            }
+        let due_holds: Vec<(LockKey, u64)> = txn
+            .state
+            .locks
+            .iter()
+            .filter_map(|(key, lock)| Some((key.clone(), self.hold_due(key, lock, now)?)))
+            .collect();
+        let holds = due_holds.len() as u32;
+        for (key, timeout_ms) in due_holds {
+            txn.release_and_hand_over(&key, ReleaseReason::HoldTimeout { timeout_ms });
         }
 
         let idle: Vec<String> = txn
@@ -95,23 +105,17 @@ impl Sweep {
     }
 }
 
-/// Whether a [`Sweep`] with these settings would expire anything at committed
-/// time `now_ms`: the leader asks this of its applied state before proposing,
-/// so an idle cluster writes no sweep entries.
+/// Whether a [`Sweep`] would expire anything at committed time `now_ms`: the
+/// leader asks this of its applied state before proposing, so an idle cluster
+/// writes no sweep entries.
 pub fn sweep_due(state: &crate::sm::State, now_ms: u64, sweep: &Sweep) -> bool {
     let waits = state
         .locks
         .values()
         .flat_map(|l| l.waiters.iter())
         .any(|w| w.deadline_ms != 0 && w.deadline_ms <= now_ms);
-    let leases = sweep.expire_leases && state.leases.values().any(|l| l.expires_at_ms <= now_ms);
-    let holds = sweep.hold_timeout_ms.is_some_and(|timeout| {
-        state
-            .locks
-            .values()
-            .filter_map(|l| l.holder.as_ref())
-            .any(|h| h.granted_at_ms.saturating_add(timeout) <= now_ms)
-    });
+    let leases = state.leases.values().any(|l| sweep.lease_may_expire(l, now_ms));
+    let holds = state.locks.iter().any(|(k, l)| sweep.hold_due(k, l, now_ms).is_some());
     let sessions = state
         .sessions
         .values()

@@ -1,0 +1,234 @@
+//! `ClusterService`: status, membership changes, leader transfer, snapshots.
+
+use std::collections::BTreeSet;
+use std::sync::Arc;
+use std::time::Duration;
+
+use openraft::{BasicNode, ServerState};
+use tether_proto as pb;
+use tether_proto::cluster_service_server::ClusterService;
+use tether_proto::raft_service_client::RaftServiceClient;
+use tonic::{Request, Response, Status};
+
+use super::Ctx;
+use crate::error::{ApiError, Result, from_raft_error};
+
+/// The `ClusterService` implementation.
+pub struct ClusterApi {
+    ctx: Arc<Ctx>,
+}
+
+impl ClusterApi {
+    /// A service over a replica's context.
+    pub fn new(ctx: Arc<Ctx>) -> Self {
+        Self { ctx }
+    }
+}
+
+fn role_name(state: ServerState) -> &'static str {
+    match state {
+        ServerState::Leader => "leader",
+        ServerState::Follower => "follower",
+        ServerState::Candidate => "candidate",
+        ServerState::Learner => "learner",
+        ServerState::Shutdown => "shutdown",
+    }
+}
+
+/// This replica's view of the cluster.
+pub fn status(ctx: &Ctx) -> pb::StatusResponse {
+    let metrics = ctx.raft.metrics().borrow().clone();
+    let membership = metrics.membership_config.membership();
+    let voters: BTreeSet<u64> = membership.voter_ids().collect();
+    let replication = metrics.replication.clone().unwrap_or_default();
+    let members = membership
+        .nodes()
+        .map(|(id, node)| pb::Member {
+            node_id: *id,
+            addr: node.addr.clone(),
+            voter: voters.contains(id),
+            matched_index: replication.get(id).copied().flatten().map_or(0, |l| l.index),
+        })
+        .collect();
+    let leader_addr = metrics
+        .current_leader
+        .and_then(|id| membership.get_node(&id).map(|n| n.addr.clone()))
+        .unwrap_or_default();
+    pb::StatusResponse {
+        node_id: ctx.id,
+        addr: ctx.addr.clone(),
+        role: role_name(metrics.state).to_string(),
+        leader_id: metrics.current_leader.unwrap_or(0),
+        leader_addr,
+        term: metrics.current_term,
+        last_log_index: metrics.last_log_index.unwrap_or(0),
+        applied_index: metrics.last_applied.map_or(0, |l| l.index),
+        snapshot_index: metrics.snapshot.map_or(0, |l| l.index),
+        members,
+        lock_count: ctx.state.read().state.locks.len() as u64,
+    }
+}
+
+fn require_leader(ctx: &Ctx) -> Result<()> {
+    let metrics = ctx.raft.metrics().borrow().clone();
+    if metrics.state == ServerState::Leader {
+        return Ok(());
+    }
+    let leader_addr = metrics.current_leader.and_then(|id| {
+        metrics.membership_config.membership().get_node(&id).map(|n| n.addr.clone())
+    });
+    Err(ApiError::NotLeader { leader_id: metrics.current_leader, leader_addr })
+}
+
+/// Hands leadership to `target`, a voter. openraft 0.9 has no leader transfer,
+/// so this does it by hand: wait until the target has every entry, stop
+/// heartbeats so the followers' leader lease lapses, then tell the target to
+/// start an election at once (before any other follower's election timer
+/// fires). Returns the new leader's id.
+pub async fn transfer_leader(ctx: &Ctx, target: u64) -> Result<u64> {
+    require_leader(ctx)?;
+    if target == ctx.id {
+        return Ok(ctx.id);
+    }
+    let metrics = ctx.raft.metrics().borrow().clone();
+    let membership = metrics.membership_config.membership().clone();
+    if !membership.voter_ids().any(|id| id == target) {
+        return Err(ApiError::FailedPrecondition(format!(
+            "node {target} is not a voter; promote it with ChangeMembership first"
+        )));
+    }
+    let addr = membership.get_node(&target).map(|n| n.addr.clone()).unwrap_or_default();
+    let timeout = ctx.config.election_timeout_max() * 4;
+
+    // 1. The target must have the whole log, or it cannot win the election.
+    let caught_up = tokio::time::timeout(timeout, async {
+        let mut rx = ctx.raft.metrics();
+        loop {
+            let (last, matched) = {
+                let m = rx.borrow();
+                let matched = m.replication.as_ref().and_then(|r| r.get(&target).copied().flatten());
+                (m.last_log_index, matched.map(|l| l.index))
+            };
+            if last.is_some() && matched >= last {
+                return;
+            }
+            if rx.changed().await.is_err() {
+                return;
+            }
+        }
+    })
+    .await;
+    if caught_up.is_err() {
+        return Err(ApiError::Unavailable(format!(
+            "node {target} did not catch up with the log within {timeout:?}; try again"
+        )));
+    }
+
+    // 2. Let the followers' leader lease lapse, 3. then the target elects.
+    ctx.raft.runtime_config().heartbeat(false);
+    let result = async {
+        tokio::time::sleep(ctx.config.election_timeout_max() + Duration::from_millis(50)).await;
+        let mut client = RaftServiceClient::connect(format!("http://{addr}"))
+            .await
+            .map_err(|e| ApiError::Unavailable(format!("cannot reach node {target} at {addr}: {e}")))?;
+        client
+            .timeout_now(pb::RaftRequest { data: Vec::new() })
+            .await
+            .map_err(|e| ApiError::Unavailable(format!("node {target} refused to elect: {e}")))?;
+        let mut rx = ctx.raft.metrics();
+        tokio::time::timeout(timeout, async {
+            loop {
+                let leader = rx.borrow().current_leader;
+                if leader.is_some() && leader != Some(ctx.id) {
+                    return leader;
+                }
+                if rx.changed().await.is_err() {
+                    return None;
+                }
+            }
+        })
+        .await
+        .ok()
+        .flatten()
+        .ok_or_else(|| ApiError::Unavailable(format!("node {target} did not take over within {timeout:?}")))
+    }
+    .await;
+    ctx.raft.runtime_config().heartbeat(true);
+    result
+}
+
+impl ClusterApi {
+    async fn do_add_learner(&self, req: pb::AddLearnerRequest) -> Result<pb::AddLearnerResponse> {
+        if req.node_id == 0 {
+            return Err(ApiError::InvalidArgument("node id 0 is reserved; ids start at 1".into()));
+        }
+        if req.addr.trim().is_empty() {
+            return Err(ApiError::InvalidArgument("the learner's address is required".into()));
+        }
+        let node = BasicNode { addr: req.addr.clone() };
+        let response = self.ctx.raft.add_learner(req.node_id, node, req.blocking).await.map_err(from_raft_error)?;
+        tracing::info!(node_id = req.node_id, addr = req.addr, "learner added");
+        Ok(pb::AddLearnerResponse { log_index: response.log_id.index })
+    }
+
+    async fn do_change_membership(&self, req: pb::ChangeMembershipRequest) -> Result<pb::ChangeMembershipResponse> {
+        if req.voters.is_empty() {
+            return Err(ApiError::InvalidArgument("the voter set cannot be empty".into()));
+        }
+        let voters: BTreeSet<u64> = req.voters.iter().copied().collect();
+        let response = self
+            .ctx
+            .raft
+            .change_membership(voters.clone(), req.retain_as_learners)
+            .await
+            .map_err(from_raft_error)?;
+        tracing::info!(?voters, "membership changed");
+        Ok(pb::ChangeMembershipResponse { log_index: response.log_id.index })
+    }
+
+    async fn do_snapshot(&self) -> Result<pb::SnapshotResponse> {
+        let applied = self.ctx.raft.metrics().borrow().last_applied.map_or(0, |l| l.index);
+        self.ctx
+            .raft
+            .trigger()
+            .snapshot()
+            .await
+            .map_err(|e| ApiError::Unavailable(format!("this replica has stopped: {e}")))?;
+        let snapshot = self
+            .ctx
+            .raft
+            .wait(Some(Duration::from_secs(60)))
+            .metrics(|m| m.snapshot.map_or(0, |l| l.index) >= applied, "snapshot built")
+            .await
+            .map_err(|e| ApiError::Unavailable(format!("snapshot not built: {e}")))?;
+        Ok(pb::SnapshotResponse { snapshot_index: snapshot.snapshot.map_or(0, |l| l.index) })
+    }
+}
+
+#[tonic::async_trait]
+impl ClusterService for ClusterApi {
+    async fn status(&self, _request: Request<pb::StatusRequest>) -> Result<Response<pb::StatusResponse>, Status> {
+        self.ctx.finish("Status", Ok(status(&self.ctx))).map(Response::new)
+    }
+
+    async fn add_learner(&self, request: Request<pb::AddLearnerRequest>) -> Result<Response<pb::AddLearnerResponse>, Status> {
+        let result = self.do_add_learner(request.into_inner()).await;
+        self.ctx.finish("AddLearner", result).map(Response::new)
+    }
+
+    async fn change_membership(&self, request: Request<pb::ChangeMembershipRequest>) -> Result<Response<pb::ChangeMembershipResponse>, Status> {
+        let result = self.do_change_membership(request.into_inner()).await;
+        self.ctx.finish("ChangeMembership", result).map(Response::new)
+    }
+
+    async fn transfer_leader(&self, request: Request<pb::TransferLeaderRequest>) -> Result<Response<pb::TransferLeaderResponse>, Status> {
+        let target = request.into_inner().target_node_id;
+        let result = transfer_leader(&self.ctx, target).await.map(|leader_id| pb::TransferLeaderResponse { leader_id });
+        self.ctx.finish("TransferLeader", result).map(Response::new)
+    }
+
+    async fn snapshot(&self, _request: Request<pb::SnapshotRequest>) -> Result<Response<pb::SnapshotResponse>, Status> {
+        let result = self.do_snapshot().await;
+        self.ctx.finish("Snapshot", result).map(Response::new)
+    }
+}

@@ -1,0 +1,141 @@
+//! `LeaseService`: pod revokes and TTL leases.
+
+use std::pin::Pin;
+use std::sync::Arc;
+
+use futures::Stream;
+use tether_proto as pb;
+use tether_proto::lease_service_server::LeaseService;
+use tokio::sync::mpsc;
+use tokio_stream::StreamExt;
+use tokio_stream::wrappers::ReceiverStream;
+use tonic::{Request, Response, Status, Streaming};
+
+use super::convert::{granted_to, key_to};
+use super::{Ctx, unexpected, validate};
+use crate::error::{ApiError, Result};
+use crate::sm::command::{GrantLease, KeepAliveLease, RevokeLease, RevokePod};
+use crate::sm::{Command, LockKey, Reply};
+
+/// The `LeaseService` implementation.
+pub struct LeaseApi {
+    ctx: Arc<Ctx>,
+}
+
+impl LeaseApi {
+    /// A service over a replica's context.
+    pub fn new(ctx: Arc<Ctx>) -> Self {
+        Self { ctx }
+    }
+}
+
+fn keys_to(keys: &[LockKey]) -> Vec<pb::LockKey> {
+    keys.iter().map(key_to).collect()
+}
+
+async fn keep_alive(ctx: &Ctx, lease_id: u64) -> Result<pb::LeaseKeepAliveResponse> {
+    match ctx.write(None, Command::KeepAliveLease(KeepAliveLease { lease_id })).await? {
+        Reply::Lease { lease_id, ttl_ms } => Ok(pb::LeaseKeepAliveResponse { lease_id, ttl_ms }),
+        other => Err(unexpected(other)),
+    }
+}
+
+impl LeaseApi {
+    async fn do_revoke_pod(&self, req: pb::RevokePodRequest) -> Result<pb::RevokePodResponse> {
+        let request_id = validate::request_id(req.request_id.as_ref())?;
+        validate::pod_uid(&req.pod_uid)?;
+        validate::text("reason", &req.reason, false)?;
+        let reason = if req.reason.is_empty() { "revoked".to_string() } else { req.reason };
+        let command = Command::RevokePod(RevokePod { pod_uid: req.pod_uid.clone(), reason });
+        match self.ctx.write(request_id, command).await? {
+            Reply::Revoked { released, dequeued, granted } => {
+                tracing::info!(pod_uid = req.pod_uid, released = released.len(), dequeued = dequeued.len(), "pod revoked");
+                Ok(pb::RevokePodResponse {
+                    released: keys_to(&released),
+                    dequeued: keys_to(&dequeued),
+                    granted: granted_to(&granted),
+                    header: Some(self.ctx.header(false)),
+                })
+            }
+            other => Err(unexpected(other)),
+        }
+    }
+
+    async fn do_grant(&self, req: pb::LeaseGrantRequest) -> Result<pb::LeaseGrantResponse> {
+        let request_id = validate::request_id(req.request_id.as_ref())?;
+        let min = self.ctx.config.min_lease_ttl().as_millis() as u64;
+        if req.ttl_ms < min {
+            return Err(ApiError::InvalidArgument(format!(
+                "lease TTL of {} ms is below the minimum of {min} ms (3 x the election timeout), \
+                 which keeps leases alive through a leader election",
+                req.ttl_ms
+            )));
+        }
+        match self.ctx.write(request_id, Command::GrantLease(GrantLease { ttl_ms: req.ttl_ms })).await? {
+            Reply::Lease { lease_id, ttl_ms } => {
+                Ok(pb::LeaseGrantResponse { lease_id, ttl_ms, header: Some(self.ctx.header(false)) })
+            }
+            other => Err(unexpected(other)),
+        }
+    }
+
+    async fn do_revoke(&self, req: pb::LeaseRevokeRequest) -> Result<pb::LeaseRevokeResponse> {
+        let request_id = validate::request_id(req.request_id.as_ref())?;
+        let command = Command::RevokeLease(RevokeLease { lease_id: req.lease_id });
+        match self.ctx.write(request_id, command).await? {
+            Reply::Revoked { released, dequeued, granted } => Ok(pb::LeaseRevokeResponse {
+                released: keys_to(&released),
+                dequeued: keys_to(&dequeued),
+                granted: granted_to(&granted),
+                header: Some(self.ctx.header(false)),
+            }),
+            other => Err(unexpected(other)),
+        }
+    }
+}
+
+type KeepAliveStream =
+    Pin<Box<dyn Stream<Item = std::result::Result<pb::LeaseKeepAliveResponse, Status>> + Send>>;
+
+#[tonic::async_trait]
+impl LeaseService for LeaseApi {
+    type KeepAliveStream = KeepAliveStream;
+
+    async fn revoke_pod(&self, request: Request<pb::RevokePodRequest>) -> Result<Response<pb::RevokePodResponse>, Status> {
+        let result = self.do_revoke_pod(request.into_inner()).await;
+        self.ctx.finish("RevokePod", result).map(Response::new)
+    }
+
+    async fn grant(&self, request: Request<pb::LeaseGrantRequest>) -> Result<Response<pb::LeaseGrantResponse>, Status> {
+        let result = self.do_grant(request.into_inner()).await;
+        self.ctx.finish("LeaseGrant", result).map(Response::new)
+    }
+
+    async fn keep_alive(
+        &self,
+        request: Request<Streaming<pb::LeaseKeepAliveRequest>>,
+    ) -> Result<Response<Self::KeepAliveStream>, Status> {
+        let mut incoming = request.into_inner();
+        let (tx, rx) = mpsc::channel(4);
+        let ctx = self.ctx.clone();
+        tokio::spawn(async move {
+            while let Some(item) = incoming.next().await {
+                let reply = match item {
+                    Ok(req) => keep_alive(&ctx, req.lease_id).await,
+                    Err(_) => return, // the caller went away
+                };
+                let failed = reply.is_err();
+                let reply = ctx.finish("LeaseKeepAlive", reply);
+                if tx.send(reply).await.is_err() || failed {
+                    return;
+                }
+            }
+        });
+        Ok(Response::new(Box::pin(ReceiverStream::new(rx))))
+    }
+
+    async fn revoke(&self, request: Request<pb::LeaseRevokeRequest>) -> Result<Response<pb::LeaseRevokeResponse>, Status> {
+        let result = self.do_revoke(request.into_inner()).await;
+        self.ctx.finish("LeaseRevoke", result).map(Response::new)
+    }
+}

@@ -1,0 +1,92 @@
+//! gRPC handlers: decode, validate, call Raft (or a linearizable read) and
+//! convert. Errors map to `Status` in one place (`crate::error`).
+
+pub mod cluster;
+pub mod convert;
+pub mod lease;
+pub mod lock;
+pub mod raft;
+pub mod validate;
+
+use std::sync::Arc;
+use std::time::{SystemTime, UNIX_EPOCH};
+
+use tether_proto::ResponseHeader;
+
+use crate::config::Config;
+use crate::error::{ApiError, Result, from_raft_error};
+use crate::metrics::Metrics;
+use crate::raft::Raft;
+use crate::sm::{Command, Reply, Request, RequestId};
+use crate::store::StateHandle;
+
+/// What every handler needs: the Raft handle, a read handle on the applied
+/// state, configuration and metrics.
+pub struct Ctx {
+    /// This replica's node id.
+    pub id: u64,
+    /// The address this replica advertises.
+    pub addr: String,
+    /// The Raft node.
+    pub raft: Raft,
+    /// Applied state and event stream.
+    pub state: StateHandle,
+    /// Configuration.
+    pub config: Arc<Config>,
+    /// Counters.
+    pub metrics: Arc<Metrics>,
+}
+
+/// Wall-clock time in ms since the epoch: only ever used to stamp entries
+/// this replica proposes as leader, never inside apply.
+pub fn wall_clock_ms() -> u64 {
+    SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_millis() as u64).unwrap_or(0)
+}
+
+impl Ctx {
+    /// Proposes a command through Raft (leader only) and returns its reply.
+    /// Refusals of the state machine come back as [`ApiError::Command`].
+    pub async fn write(&self, request_id: Option<RequestId>, command: Command) -> Result<Reply> {
+        let request = Request::new(request_id, wall_clock_ms(), command);
+        let response = self.raft.client_write(request).await.map_err(from_raft_error)?;
+        Ok(response.data.result?)
+    }
+
+    /// Waits until this replica, as leader, has applied everything committed
+    /// before the call (ReadIndex), so a following read is linearizable.
+    pub async fn linearizable(&self) -> Result<()> {
+        self.raft.ensure_linearizable().await.map_err(from_raft_error)?;
+        Ok(())
+    }
+
+    /// Header for a response.
+    pub fn header(&self, linearizable: bool) -> ResponseHeader {
+        let metrics = self.raft.metrics();
+        let metrics = metrics.borrow();
+        ResponseHeader {
+            applied_index: metrics.last_applied.map_or(0, |id| id.index),
+            node_id: self.id,
+            leader_id: metrics.current_leader.unwrap_or(0),
+            linearizable,
+        }
+    }
+
+    /// Records a call's result in metrics and converts errors to `Status`.
+    pub fn finish<T>(&self, method: &'static str, result: Result<T>) -> Result<T, tonic::Status> {
+        match result {
+            Ok(value) => {
+                self.metrics.request(method, "ok");
+                Ok(value)
+            }
+            Err(err) => {
+                self.metrics.request(method, err.metric_label());
+                Err(err.into())
+            }
+        }
+    }
+}
+
+/// An unexpected reply variant: a bug, reported instead of panicking.
+pub fn unexpected(reply: Reply) -> ApiError {
+    ApiError::Internal(format!("unexpected reply from the state machine: {reply:?}"))
+}

@@ -1,0 +1,60 @@
+//! The internal `RaftService`: hands replica-to-replica messages to openraft.
+
+use std::sync::Arc;
+
+use serde::Serialize;
+use serde::de::DeserializeOwned;
+use tether_proto::raft_service_server::RaftService;
+use tether_proto::{RaftReply, RaftRequest};
+use tonic::{Request, Response, Status};
+
+use super::Ctx;
+use crate::store::{decode, encode};
+
+/// The `RaftService` implementation.
+pub struct RaftApi {
+    ctx: Arc<Ctx>,
+}
+
+impl RaftApi {
+    /// A service over a replica's context.
+    pub fn new(ctx: Arc<Ctx>) -> Self {
+        Self { ctx }
+    }
+}
+
+fn decode_request<T: DeserializeOwned>(request: Request<RaftRequest>) -> Result<T, Status> {
+    decode(&request.into_inner().data)
+        .map_err(|e| Status::invalid_argument(format!("undecodable Raft message: {e}")))
+}
+
+fn reply<T: Serialize, E: Serialize>(result: Result<T, E>) -> Result<Response<RaftReply>, Status> {
+    Ok(Response::new(match result {
+        Ok(value) => RaftReply { data: encode(&value), error: Vec::new() },
+        Err(err) => RaftReply { data: Vec::new(), error: encode(&err) },
+    }))
+}
+
+#[tonic::async_trait]
+impl RaftService for RaftApi {
+    async fn append_entries(&self, request: Request<RaftRequest>) -> Result<Response<RaftReply>, Status> {
+        let rpc = decode_request(request)?;
+        reply(self.ctx.raft.append_entries(rpc).await)
+    }
+
+    async fn vote(&self, request: Request<RaftRequest>) -> Result<Response<RaftReply>, Status> {
+        let rpc = decode_request(request)?;
+        reply(self.ctx.raft.vote(rpc).await)
+    }
+
+    async fn install_snapshot(&self, request: Request<RaftRequest>) -> Result<Response<RaftReply>, Status> {
+        let rpc = decode_request(request)?;
+        reply(self.ctx.raft.install_snapshot(rpc).await)
+    }
+
+    async fn timeout_now(&self, _request: Request<RaftRequest>) -> Result<Response<RaftReply>, Status> {
+        tracing::info!("leader transfer: starting an election at the leader's request");
+        let result = self.ctx.raft.trigger().elect().await.map_err(|e| e.to_string());
+        reply(result)
+    }
+}

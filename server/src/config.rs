@@ -1,0 +1,152 @@
+//! `tetherd` configuration: every flag also reads a `TETHER_*` environment
+//! variable. Libraries take this struct; only `main` parses arguments.
+
+use std::collections::BTreeMap;
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::time::Duration;
+
+use clap::Parser;
+
+/// Configuration of one replica.
+#[derive(Parser, Debug, Clone)]
+#[command(name = "tetherd", version, about = "Tether replica: Raft-replicated lock service")]
+pub struct Config {
+    /// This replica's Raft node id (unique in the cluster, > 0).
+    #[arg(long, env = "TETHER_NODE_ID", default_value_t = 1)]
+    pub node_id: u64,
+
+    /// Address the gRPC server (client API and replica traffic) listens on.
+    #[arg(long, env = "TETHER_LISTEN", default_value = "127.0.0.1:7420")]
+    pub listen: SocketAddr,
+
+    /// Address other replicas and clients reach this replica at
+    /// (default: the listen address).
+    #[arg(long, env = "TETHER_ADVERTISE")]
+    pub advertise: Option<String>,
+
+    /// Directory of this replica's RocksDB data.
+    #[arg(long, env = "TETHER_DATA_DIR", default_value = "./tether-data")]
+    pub data_dir: PathBuf,
+
+    /// Initial cluster, `ID=ADDR,ID=ADDR,...` (like etcd's --initial-cluster).
+    /// The replica with the lowest id initializes an empty cluster with these
+    /// members; the others wait to be contacted. Ignored once data exists.
+    /// Default: this replica alone (a single-node cluster).
+    #[arg(long, env = "TETHER_INITIAL_MEMBERS")]
+    pub initial_members: Option<String>,
+
+    /// Address of the HTTP server for `/health` and `/metrics`.
+    #[arg(long, env = "TETHER_HTTP_LISTEN", default_value = "127.0.0.1:7421")]
+    pub http_listen: SocketAddr,
+
+    /// Hold timeout (backstop) of every scope without its own.
+    #[arg(long, env = "TETHER_HOLD_TIMEOUT", default_value = "5m", value_parser = humantime::parse_duration)]
+    pub hold_timeout: Duration,
+
+    /// Per-scope hold timeouts, `SCOPE=DURATION,...` (e.g. `gpu-bind=2m`).
+    #[arg(long, env = "TETHER_SCOPE_HOLD_TIMEOUTS", value_parser = parse_scope_timeouts, default_value = "")]
+    pub scope_hold_timeouts: ScopeTimeouts,
+
+    /// Largest lock payload accepted, in bytes.
+    #[arg(long, env = "TETHER_MAX_PAYLOAD_BYTES", default_value_t = 64 * 1024)]
+    pub max_payload_bytes: usize,
+
+    /// Longest wait queue per lock.
+    #[arg(long, env = "TETHER_MAX_QUEUE_LENGTH", default_value_t = 1024)]
+    pub max_queue_length: u32,
+
+    /// Longest wait an acquire may ask for.
+    #[arg(long, env = "TETHER_MAX_WAIT", default_value = "15m", value_parser = humantime::parse_duration)]
+    pub max_wait: Duration,
+
+    /// Raft heartbeat interval.
+    #[arg(long, env = "TETHER_HEARTBEAT_INTERVAL", default_value = "100ms", value_parser = humantime::parse_duration)]
+    pub heartbeat_interval: Duration,
+
+    /// Raft election timeout (lower bound; the upper bound is twice this).
+    /// TTL leases may not be shorter than 3 x the upper bound.
+    #[arg(long, env = "TETHER_ELECTION_TIMEOUT", default_value = "1s", value_parser = humantime::parse_duration)]
+    pub election_timeout: Duration,
+
+    /// Build a snapshot after this many log entries since the last one.
+    #[arg(long, env = "TETHER_SNAPSHOT_EVERY", default_value_t = 10_000)]
+    pub snapshot_every: u64,
+
+    /// Log entries kept after a snapshot (for followers that lag a little).
+    #[arg(long, env = "TETHER_KEEP_LOGS_AFTER_SNAPSHOT", default_value_t = 1_000)]
+    pub keep_logs_after_snapshot: u64,
+
+    /// How often the leader checks for waits, leases and holds that are due.
+    #[arg(long, env = "TETHER_SWEEP_INTERVAL", default_value = "100ms", value_parser = humantime::parse_duration)]
+    pub sweep_interval: Duration,
+
+    /// Dedupe records of clients idle this long are dropped.
+    #[arg(long, env = "TETHER_SESSION_IDLE", default_value = "1h", value_parser = humantime::parse_duration)]
+    pub session_idle: Duration,
+}
+
+/// Hold timeouts by scope.
+pub type ScopeTimeouts = BTreeMap<String, Duration>;
+
+fn parse_scope_timeouts(text: &str) -> Result<ScopeTimeouts, String> {
+    let mut out = BTreeMap::new();
+    for part in text.split(',').map(str::trim).filter(|p| !p.is_empty()) {
+        let (scope, duration) = part
+            .split_once('=')
+            .ok_or_else(|| format!("expected SCOPE=DURATION, got {part:?}"))?;
+        let duration = humantime::parse_duration(duration.trim())
+            .map_err(|e| format!("bad duration for scope {scope:?}: {e}"))?;
+        out.insert(scope.trim().to_string(), duration);
+    }
+    Ok(out)
+}
+
+/// Parses `ID=ADDR,ID=ADDR,...`.
+pub fn parse_members(text: &str) -> Result<BTreeMap<u64, String>, String> {
+    let mut out = BTreeMap::new();
+    for part in text.split(',').map(str::trim).filter(|p| !p.is_empty()) {
+        let (id, addr) =
+            part.split_once('=').ok_or_else(|| format!("expected ID=ADDR, got {part:?}"))?;
+        let id: u64 = id.trim().parse().map_err(|_| format!("bad node id {id:?} in {part:?}"))?;
+        if id == 0 {
+            return Err("node id 0 is reserved; ids start at 1".to_string());
+        }
+        if out.insert(id, addr.trim().to_string()).is_some() {
+            return Err(format!("node id {id} appears twice"));
+        }
+    }
+    if out.is_empty() {
+        return Err("no members given".to_string());
+    }
+    Ok(out)
+}
+
+impl Config {
+    /// What `tetherd` with no arguments would use (`TETHER_*` environment
+    /// variables still apply).
+    pub fn defaults() -> Self {
+        Config::parse_from(["tetherd"])
+    }
+
+    /// Upper bound of the election timeout.
+    pub fn election_timeout_max(&self) -> Duration {
+        self.election_timeout * 2
+    }
+
+    /// Shortest TTL a lease may have: 3 x the election timeout upper bound,
+    /// so a lease cannot expire during an ordinary leader election.
+    pub fn min_lease_ttl(&self) -> Duration {
+        self.election_timeout_max() * 3
+    }
+
+    /// The hold timeout that applies to a scope.
+    pub fn hold_timeout_for(&self, scope: &str) -> Duration {
+        self.scope_hold_timeouts.get(scope).copied().unwrap_or(self.hold_timeout)
+    }
+
+    /// The longest hold timeout of any scope: the leader's lock-delay.
+    pub fn longest_hold_timeout(&self) -> Duration {
+        self.scope_hold_timeouts.values().copied().fold(self.hold_timeout, Duration::max)
+    }
+}

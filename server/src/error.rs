@@ -1,0 +1,133 @@
+//! API errors and their one mapping to gRPC `Status`. Every message says what
+//! was wrong and what the caller can do.
+
+use tether_proto::{LEADER_ADDR_METADATA, LEADER_ID_METADATA};
+use tonic::{Code, Status};
+
+use crate::sm::CommandError;
+
+/// `Result` of API operations.
+pub type Result<T, E = ApiError> = std::result::Result<T, E>;
+
+/// Why an API call failed.
+#[derive(Debug, thiserror::Error)]
+pub enum ApiError {
+    /// Malformed input; nothing was changed.
+    #[error("{0}")]
+    InvalidArgument(String),
+    /// Input over a configured size; nothing was changed.
+    #[error("{0}")]
+    TooLarge(String),
+    /// The state machine refused the command (deterministic).
+    #[error(transparent)]
+    Command(#[from] CommandError),
+    /// This replica is not the leader; the caller should retry there.
+    #[error("{}", not_leader_message(*.leader_id, .leader_addr))]
+    NotLeader {
+        /// The leader's id, if known.
+        leader_id: Option<u64>,
+        /// The leader's address, if known.
+        leader_addr: Option<String>,
+    },
+    /// A wait ran out.
+    #[error("{0}")]
+    DeadlineExceeded(String),
+    /// A wait ended because its owner was revoked.
+    #[error("{0}")]
+    Aborted(String),
+    /// A precondition of a cluster operation is not met.
+    #[error("{0}")]
+    FailedPrecondition(String),
+    /// The replica cannot serve now (shutting down, no quorum); retry.
+    #[error("{0}")]
+    Unavailable(String),
+    /// A bug or storage failure.
+    #[error("internal error: {0}")]
+    Internal(String),
+}
+
+fn not_leader_message(leader_id: Option<u64>, leader_addr: &Option<String>) -> String {
+    match (leader_id, leader_addr) {
+        (Some(id), Some(addr)) => {
+            format!("this replica is not the leader; retry on the leader, node {id} at {addr}")
+        }
+        (Some(id), None) => format!("this replica is not the leader; the leader is node {id}"),
+        _ => "this replica is not the leader and no leader is known yet; retry shortly".to_string(),
+    }
+}
+
+impl ApiError {
+    /// Label for metrics.
+    pub fn metric_label(&self) -> &'static str {
+        match self {
+            ApiError::InvalidArgument(_) => "invalid_argument",
+            ApiError::TooLarge(_) => "too_large",
+            ApiError::Command(_) => "refused",
+            ApiError::NotLeader { .. } => "not_leader",
+            ApiError::DeadlineExceeded(_) => "deadline_exceeded",
+            ApiError::Aborted(_) => "aborted",
+            ApiError::FailedPrecondition(_) => "failed_precondition",
+            ApiError::Unavailable(_) => "unavailable",
+            ApiError::Internal(_) => "internal",
+        }
+    }
+}
+
+impl From<ApiError> for Status {
+    fn from(err: ApiError) -> Status {
+        let message = err.to_string();
+        match err {
+            ApiError::InvalidArgument(_) => Status::invalid_argument(message),
+            ApiError::TooLarge(_) => Status::resource_exhausted(message),
+            ApiError::Command(cmd) => {
+                let code = match cmd {
+                    CommandError::QueueFull { .. } => Code::ResourceExhausted,
+                    CommandError::LeaseNotFound { .. } => Code::NotFound,
+                    CommandError::LockHeld { .. }
+                    | CommandError::NotHolder { .. }
+                    | CommandError::StaleToken { .. }
+                    | CommandError::SequenceTooOld { .. } => Code::FailedPrecondition,
+                };
+                Status::new(code, message)
+            }
+            ApiError::NotLeader { leader_id, leader_addr } => {
+                let mut status = Status::unavailable(message);
+                if let Some(id) = leader_id
+                    && let Ok(value) = id.to_string().parse()
+                {
+                    status.metadata_mut().insert(LEADER_ID_METADATA, value);
+                }
+                if let Some(addr) = leader_addr
+                    && let Ok(value) = addr.parse()
+                {
+                    status.metadata_mut().insert(LEADER_ADDR_METADATA, value);
+                }
+                status
+            }
+            ApiError::DeadlineExceeded(_) => Status::deadline_exceeded(message),
+            ApiError::Aborted(_) => Status::aborted(message),
+            ApiError::FailedPrecondition(_) => Status::failed_precondition(message),
+            ApiError::Unavailable(_) => Status::unavailable(message),
+            ApiError::Internal(_) => Status::internal(message),
+        }
+    }
+}
+
+/// Maps openraft's "forward to leader" and fatal errors.
+pub fn from_raft_error<E>(err: openraft::error::RaftError<u64, E>) -> ApiError
+where
+    E: std::fmt::Debug + std::fmt::Display + openraft::TryAsRef<openraft::error::ForwardToLeader<u64, openraft::BasicNode>>,
+{
+    if let Some(forward) = err.forward_to_leader() {
+        return ApiError::NotLeader {
+            leader_id: forward.leader_id,
+            leader_addr: forward.leader_node.as_ref().map(|n| n.addr.clone()),
+        };
+    }
+    match err {
+        openraft::error::RaftError::Fatal(fatal) => {
+            ApiError::Unavailable(format!("this replica has stopped ({fatal}); use another replica"))
+        }
+        openraft::error::RaftError::APIError(e) => ApiError::FailedPrecondition(e.to_string()),
+    }
+}

@@ -1,0 +1,286 @@
+//! One running replica: opens the store, starts openraft, serves gRPC and
+//! HTTP, bootstraps the cluster when asked to, and runs the leader's sweeper.
+
+use std::collections::BTreeMap;
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use anyhow::Context as _;
+use openraft::{BasicNode, ServerState, SnapshotPolicy};
+use tether_proto::cluster_service_server::ClusterServiceServer;
+use tether_proto::lease_service_server::LeaseServiceServer;
+use tether_proto::lock_service_server::LockServiceServer;
+use tether_proto::raft_service_server::RaftServiceServer;
+use tokio::net::TcpListener;
+use tokio::sync::watch;
+use tokio::task::JoinHandle;
+use tokio_stream::wrappers::TcpListenerStream;
+
+use crate::api::cluster::{ClusterApi, transfer_leader};
+use crate::api::lease::LeaseApi;
+use crate::api::lock::LockApi;
+use crate::api::raft::RaftApi;
+use crate::api::{Ctx, wall_clock_ms};
+use crate::config::{Config, parse_members};
+use crate::metrics::Metrics;
+use crate::raft::Raft;
+use crate::raft::network::Network;
+use crate::sm::command::{Sweep, sweep_due};
+use crate::sm::{Command, Reply, Request};
+use crate::store;
+
+/// gRPC messages may carry a payload of up to `max_payload_bytes` plus
+/// framing; Raft messages carry batches of entries and snapshots.
+const MAX_GRPC_MESSAGE: usize = 64 * 1024 * 1024;
+
+/// A running replica.
+pub struct Node {
+    ctx: Arc<Ctx>,
+    grpc_addr: SocketAddr,
+    http_addr: SocketAddr,
+    shutdown: watch::Sender<bool>,
+    tasks: Vec<JoinHandle<()>>,
+}
+
+impl Node {
+    /// Binds the configured addresses and starts the replica.
+    pub async fn start(config: Config) -> anyhow::Result<Node> {
+        let grpc = TcpListener::bind(config.listen)
+            .await
+            .with_context(|| format!("cannot listen for gRPC on {}", config.listen))?;
+        let http = TcpListener::bind(config.http_listen)
+            .await
+            .with_context(|| format!("cannot listen for HTTP on {}", config.http_listen))?;
+        Self::start_with(config, grpc, http).await
+    }
+
+    /// Starts the replica on already-bound listeners (tests bind port 0 and
+    /// learn the addresses before building the member list).
+    pub async fn start_with(config: Config, grpc: TcpListener, http: TcpListener) -> anyhow::Result<Node> {
+        let grpc_addr = grpc.local_addr()?;
+        let http_addr = http.local_addr()?;
+        let advertise = config.advertise.clone().unwrap_or_else(|| grpc_addr.to_string());
+        let id = config.node_id;
+        anyhow::ensure!(id > 0, "node id must be at least 1");
+
+        std::fs::create_dir_all(&config.data_dir)
+            .with_context(|| format!("cannot create data directory {}", config.data_dir.display()))?;
+        let (log_store, sm_store) = store::open(&config.data_dir)
+            .await
+            .with_context(|| format!("cannot open the store in {}", config.data_dir.display()))?;
+        let state = sm_store.handle();
+
+        let election_ms = config.election_timeout.as_millis() as u64;
+        let raft_config = openraft::Config {
+            cluster_name: "tether".to_string(),
+            heartbeat_interval: config.heartbeat_interval.as_millis() as u64,
+            election_timeout_min: election_ms,
+            election_timeout_max: election_ms * 2,
+            snapshot_policy: SnapshotPolicy::LogsSinceLast(config.snapshot_every),
+            max_in_snapshot_log_to_keep: config.keep_logs_after_snapshot,
+            ..Default::default()
+        }
+        .validate()
+        .context("invalid Raft timing (the heartbeat must be shorter than the election timeout)")?;
+        let raft = Raft::new(id, Arc::new(raft_config), Network, log_store, sm_store)
+            .await
+            .context("cannot start Raft")?;
+
+        let config = Arc::new(config);
+        let ctx = Arc::new(Ctx {
+            id,
+            addr: advertise.clone(),
+            raft: raft.clone(),
+            state,
+            config: config.clone(),
+            metrics: Arc::new(Metrics::default()),
+        });
+
+        bootstrap(&ctx, &advertise).await?;
+
+        let (shutdown, shutdown_rx) = watch::channel(false);
+        let mut tasks = Vec::new();
+        let grpc_server = tonic::transport::Server::builder()
+            .add_service(
+                LockServiceServer::new(LockApi::new(ctx.clone()))
+                    .max_decoding_message_size(MAX_GRPC_MESSAGE),
+            )
+            .add_service(LeaseServiceServer::new(LeaseApi::new(ctx.clone())))
+            .add_service(ClusterServiceServer::new(ClusterApi::new(ctx.clone())))
+            .add_service(
+                RaftServiceServer::new(RaftApi::new(ctx.clone()))
+                    .max_decoding_message_size(MAX_GRPC_MESSAGE)
+                    .max_encoding_message_size(MAX_GRPC_MESSAGE),
+            );
+        let stop = wait_for(shutdown_rx.clone());
+        tasks.push(tokio::spawn(async move {
+            let incoming = TcpListenerStream::new(grpc);
+            if let Err(err) = grpc_server.serve_with_incoming_shutdown(incoming, stop).await {
+                tracing::error!(%err, "gRPC server failed");
+            }
+        }));
+        tasks.push(tokio::spawn(crate::http::serve(http, ctx.clone(), wait_for(shutdown_rx.clone()))));
+        tasks.push(tokio::spawn(sweeper(ctx.clone(), shutdown_rx)));
+
+        tracing::info!(node_id = id, grpc = %grpc_addr, advertise, http = %http_addr, data_dir = %config.data_dir.display(), "tetherd replica started");
+        Ok(Node { ctx, grpc_addr, http_addr, shutdown, tasks })
+    }
+
+    /// The gRPC address this replica listens on.
+    pub fn addr(&self) -> SocketAddr {
+        self.grpc_addr
+    }
+
+    /// The HTTP (`/health`, `/metrics`) address.
+    pub fn http_addr(&self) -> SocketAddr {
+        self.http_addr
+    }
+
+    /// The node id.
+    pub fn id(&self) -> u64 {
+        self.ctx.id
+    }
+
+    /// The Raft handle (tests wait on its metrics).
+    pub fn raft(&self) -> &Raft {
+        &self.ctx.raft
+    }
+
+    /// The replica's context (state handle, config).
+    pub fn ctx(&self) -> &Arc<Ctx> {
+        &self.ctx
+    }
+
+    /// Clean shutdown: a leader first hands leadership to the most caught-up
+    /// other voter (so clients see no election timeout), then the servers and
+    /// Raft stop.
+    pub async fn shutdown(self) {
+        if self.ctx.raft.metrics().borrow().state == ServerState::Leader {
+            if let Some(target) = best_successor(&self.ctx) {
+                match transfer_leader(&self.ctx, target).await {
+                    Ok(leader) => tracing::info!(new_leader = leader, "leadership handed over before shutdown"),
+                    Err(err) => tracing::warn!(%err, "leadership hand-over failed; the others will elect"),
+                }
+            }
+        }
+        self.stop().await;
+    }
+
+    /// Stops at once without handing over leadership (what a crash looks like
+    /// to the other replicas, minus the lost unsynced writes).
+    pub async fn stop(self) {
+        let _ = self.shutdown.send(true);
+        if let Err(err) = self.ctx.raft.shutdown().await {
+            tracing::warn!(%err, "Raft shutdown failed");
+        }
+        for task in self.tasks {
+            task.abort();
+            let _ = task.await;
+        }
+        tracing::info!(node_id = self.ctx.id, "replica stopped");
+    }
+}
+
+async fn wait_for(mut rx: watch::Receiver<bool>) {
+    while !*rx.borrow() {
+        if rx.changed().await.is_err() {
+            return;
+        }
+    }
+}
+
+/// Initializes a new cluster if this replica has no Raft state yet and has
+/// the lowest id among the initial members; otherwise it waits to be
+/// contacted (by the bootstrapping replica, or by AddLearner).
+async fn bootstrap(ctx: &Ctx, advertise: &str) -> anyhow::Result<()> {
+    let members: BTreeMap<u64, String> = match &ctx.config.initial_members {
+        Some(text) => parse_members(text).map_err(|e| anyhow::anyhow!("--initial-members: {e}"))?,
+        None => BTreeMap::from([(ctx.id, advertise.to_string())]),
+    };
+    if ctx.raft.is_initialized().await? {
+        tracing::info!("existing Raft state found; --initial-members is ignored");
+        return Ok(());
+    }
+    let lowest = *members.keys().next().expect("parse_members refuses an empty list");
+    if lowest != ctx.id {
+        tracing::info!(bootstrapper = lowest, "waiting to be contacted by the cluster");
+        return Ok(());
+    }
+    let nodes: BTreeMap<u64, BasicNode> =
+        members.into_iter().map(|(id, addr)| (id, BasicNode { addr })).collect();
+    tracing::info!(members = ?nodes.keys().collect::<Vec<_>>(), "initializing a new cluster");
+    ctx.raft.initialize(nodes).await.context("cannot initialize the cluster")?;
+    Ok(())
+}
+
+/// The voter other than this one with the highest replicated index.
+fn best_successor(ctx: &Ctx) -> Option<u64> {
+    let m = ctx.raft.metrics().borrow().clone();
+    let replication = m.replication.clone().unwrap_or_default();
+    m.membership_config
+        .membership()
+        .voter_ids()
+        .filter(|id| *id != ctx.id)
+        .max_by_key(|id| replication.get(id).copied().flatten().map_or(0, |l| l.index))
+}
+
+/// While this replica leads, proposes a [`Sweep`] whenever its applied state
+/// shows a wait, lease, hold or session due on the leader's clock.
+async fn sweeper(ctx: Arc<Ctx>, mut shutdown: watch::Receiver<bool>) {
+    let mut tick = tokio::time::interval(ctx.config.sweep_interval);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    let mut leading_since: Option<(u64, Instant)> = None;
+    loop {
+        tokio::select! {
+            _ = tick.tick() => {}
+            _ = shutdown.changed() => return,
+        }
+        let (state, term) = {
+            let m = ctx.raft.metrics();
+            let m = m.borrow();
+            (m.state, m.current_term)
+        };
+        if state != ServerState::Leader {
+            leading_since = None;
+            continue;
+        }
+        let since = match leading_since {
+            Some((t, since)) if t == term => since,
+            _ => leading_since.insert((term, Instant::now())).1,
+        };
+        let sweep = Sweep {
+            leader_tenure_ms: since.elapsed().as_millis() as u64,
+            hold_timeout_ms: ctx.config.hold_timeout.as_millis() as u64,
+            scope_hold_timeout_ms: ctx
+                .config
+                .scope_hold_timeouts
+                .iter()
+                .map(|(scope, d)| (scope.clone(), d.as_millis() as u64))
+                .collect(),
+            session_idle_ms: ctx.config.session_idle.as_millis() as u64,
+        };
+        let now = wall_clock_ms();
+        if !sweep_due(&ctx.state.read().state, now, &sweep) {
+            continue;
+        }
+        let request = Request::new(None, now, Command::Sweep(sweep));
+        match ctx.raft.client_write(request).await {
+            Ok(response) => {
+                if let Ok(Reply::Swept { waits, leases, holds, sessions }) = response.data.result {
+                    ctx.metrics.swept("wait", waits.into());
+                    ctx.metrics.swept("lease", leases.into());
+                    ctx.metrics.swept("hold", holds.into());
+                    ctx.metrics.swept("session", sessions.into());
+                    if holds > 0 || leases > 0 {
+                        tracing::info!(waits, leases, holds, sessions, "sweep expired holds or leases");
+                    }
+                }
+            }
+            Err(err) => {
+                tracing::debug!(%err, "sweep not committed");
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+        }
+    }
+}

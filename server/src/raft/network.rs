@@ -1,0 +1,138 @@
+//! openraft's network over the internal `RaftService` (tonic). Messages are
+//! openraft's own types in the log's postcard encoding.
+
+use std::time::Duration;
+
+use openraft::error::{InstallSnapshotError, NetworkError, RPCError, RaftError, Unreachable};
+use openraft::network::{RPCOption, RaftNetwork, RaftNetworkFactory};
+use openraft::raft::{
+    AppendEntriesRequest, AppendEntriesResponse, InstallSnapshotRequest, InstallSnapshotResponse,
+    VoteRequest, VoteResponse,
+};
+use openraft::BasicNode;
+use serde::de::DeserializeOwned;
+use serde::Serialize;
+use tether_proto::raft_service_client::RaftServiceClient;
+use tether_proto::{RaftReply, RaftRequest};
+use tonic::transport::{Channel, Endpoint};
+
+use super::TypeConfig;
+use crate::store::{decode, encode};
+
+/// Creates one [`PeerClient`] per target replica.
+#[derive(Clone, Default)]
+pub struct Network;
+
+impl RaftNetworkFactory<TypeConfig> for Network {
+    type Network = PeerClient;
+
+    async fn new_client(&mut self, target: u64, node: &BasicNode) -> PeerClient {
+        PeerClient::new(target, &node.addr)
+    }
+}
+
+/// Sends Raft RPCs to one replica over a lazily connected channel.
+pub struct PeerClient {
+    target: u64,
+    addr: String,
+    client: Option<RaftServiceClient<Channel>>,
+}
+
+/// Which `RaftService` method to call.
+#[derive(Clone, Copy)]
+enum Rpc {
+    AppendEntries,
+    Vote,
+    InstallSnapshot,
+}
+
+impl PeerClient {
+    fn new(target: u64, addr: &str) -> Self {
+        let client = Endpoint::from_shared(format!("http://{addr}"))
+            .ok()
+            .map(|e| {
+                e.connect_timeout(Duration::from_secs(1))
+                    .tcp_nodelay(true)
+                    .http2_keep_alive_interval(Duration::from_secs(5))
+                    .connect_lazy()
+            })
+            .map(RaftServiceClient::new);
+        Self { target, addr: addr.to_string(), client }
+    }
+
+    async fn call<Req, Resp, Err>(
+        &mut self,
+        rpc: Rpc,
+        request: &Req,
+        option: &RPCOption,
+    ) -> Result<Resp, RPCError<u64, BasicNode, Err>>
+    where
+        Req: Serialize,
+        Resp: DeserializeOwned,
+        Err: std::error::Error + DeserializeOwned,
+    {
+        let Some(client) = self.client.as_mut() else {
+            let msg = format!("replica {} has an invalid address {:?}", self.target, self.addr);
+            return Err(RPCError::Unreachable(Unreachable::new(&std::io::Error::other(msg))));
+        };
+        let mut req = tonic::Request::new(RaftRequest { data: encode(request) });
+        req.set_timeout(option.hard_ttl());
+        let result = match rpc {
+            Rpc::AppendEntries => client.append_entries(req).await,
+            Rpc::Vote => client.vote(req).await,
+            Rpc::InstallSnapshot => client.install_snapshot(req).await,
+        };
+        let reply: RaftReply = match result {
+            Ok(resp) => resp.into_inner(),
+            Err(status) => {
+                // Connection failures make the peer unreachable (openraft backs
+                // off); other statuses are network errors (retried at once).
+                let err = std::io::Error::other(format!(
+                    "RPC to replica {} at {}: {}",
+                    self.target, self.addr, status
+                ));
+                return Err(match status.code() {
+                    tonic::Code::Unavailable => RPCError::Unreachable(Unreachable::new(&err)),
+                    _ => RPCError::Network(NetworkError::new(&err)),
+                });
+            }
+        };
+        if !reply.error.is_empty() {
+            let err: Err = decode(&reply.error).map_err(|e| {
+                RPCError::Network(NetworkError::new(&std::io::Error::other(e.to_string())))
+            })?;
+            return Err(RPCError::RemoteError(openraft::error::RemoteError::new(self.target, err)));
+        }
+        decode(&reply.data)
+            .map_err(|e| RPCError::Network(NetworkError::new(&std::io::Error::other(e.to_string()))))
+    }
+}
+
+impl RaftNetwork<TypeConfig> for PeerClient {
+    async fn append_entries(
+        &mut self,
+        rpc: AppendEntriesRequest<TypeConfig>,
+        option: RPCOption,
+    ) -> Result<AppendEntriesResponse<u64>, RPCError<u64, BasicNode, RaftError<u64>>> {
+        self.call(Rpc::AppendEntries, &rpc, &option).await
+    }
+
+    async fn install_snapshot(
+        &mut self,
+        rpc: InstallSnapshotRequest<TypeConfig>,
+        option: RPCOption,
+    ) -> Result<
+        InstallSnapshotResponse<u64>,
+        RPCError<u64, BasicNode, RaftError<u64, InstallSnapshotError>>,
+    > {
+        self.call(Rpc::InstallSnapshot, &rpc, &option).await
+    }
+
+    async fn vote(
+        &mut self,
+        rpc: VoteRequest<u64>,
+        option: RPCOption,
+    ) -> Result<VoteResponse<u64>, RPCError<u64, BasicNode, RaftError<u64>>> {
+        self.call(Rpc::Vote, &rpc, &option).await
+    }
+}
