@@ -1,0 +1,34 @@
+//! `tether-client`: the Tether client library and the `lockctl` CLI.
+//!
+//! The client takes a list of endpoints (any replicas), finds and follows the
+//! leader (a follower answers writes with `UNAVAILABLE` and the leader's
+//! address), retries with backoff, and gives every mutating call a
+//! `(client_id, sequence)` request id that its retries reuse, so a retry after
+//! a timeout or a leader change is applied once.
+//!
+//! ```no_run
+//! # async fn demo() -> Result<(), tether_client::Error> {
+//! use std::time::Duration;
+//! use tether_client::{Client, Options, parse_lock_key};
+//! use tether_proto::{Outcome, Pod};
+//!
+//! let client = Client::new(["127.0.0.1:7420"], Options::default())?;
+//! let key = parse_lock_key("gpu-bind/node-1")?;
+//! let pod = Pod { uid: "6f1c2d9e-3b7a-4c1e-9f0a-2b5d8e7c1a4f".into(), namespace: "ml".into(), name: "train-0".into() };
+//! let hold = client.acquire(&key, &pod, b"gpu0".to_vec(), Duration::from_secs(30), 0).await?;
+//! // ... bind the pod; the device plugin reads the holder and releases:
+//! client.release(&key, &pod.uid, hold.token, Outcome::Allocated).await?;
+//! # Ok(()) }
+//! ```
+//!
+//! # Layout
+//! - `client.rs` — [`Client`]: leader following, retries, every API call.
+//! - `error.rs` — [`Error`]: what the caller should do about a failure.
+//! - `bin/lockctl.rs` — the admin CLI.
+
+mod client;
+mod error;
+
+pub use client::{AcquireProgress, Client, Options, parse_lock_key};
+pub use error::{Error, Result};
+pub use tether_proto as proto;

@@ -1,1 +1,480 @@
-fn main() {}
+//! `lockctl`: operate a Tether cluster from the shell.
+//!
+//! Exit codes: 0 success; 1 other error; 2 invalid arguments; 3 refused by
+//! the lock rules (held, not the holder, stale token, unknown lease, wait
+//! aborted); 4 a wait's deadline passed; 5 no replica could serve (no leader,
+//! unreachable) — for a write the outcome is then unknown.
+
+use std::io::Write;
+use std::process::ExitCode;
+use std::time::Duration;
+
+use clap::{Parser, Subcommand, ValueEnum};
+use serde_json::{Value, json};
+use tether_client::proto::{self as pb, Outcome};
+use tether_client::{AcquireProgress, Client, Error, Options, parse_lock_key};
+
+#[derive(Parser)]
+#[command(name = "lockctl", version, about = "Operate a Tether lock cluster", after_help = EXIT_CODES)]
+struct Cli {
+    /// Replicas to talk to, comma-separated host:port (any replica; the
+    /// leader is found and followed).
+    #[arg(long, env = "TETHER_ENDPOINTS", default_value = "127.0.0.1:7420", global = true, value_delimiter = ',')]
+    endpoints: Vec<String>,
+
+    /// Output format.
+    #[arg(short = 'o', long, value_enum, default_value_t = Format::Table, global = true)]
+    output: Format,
+
+    /// Deadline of each attempt of a call.
+    #[arg(long, default_value = "5s", value_parser = humantime::parse_duration, global = true)]
+    timeout: Duration,
+
+    #[command(subcommand)]
+    command: Command,
+}
+
+const EXIT_CODES: &str = "Exit codes: 0 ok, 1 other error, 2 invalid arguments, 3 refused by the lock \
+rules (held, not the holder, stale token, unknown lease), 4 wait deadline passed, 5 no replica \
+could serve (for a write the outcome is unknown)";
+
+#[derive(Clone, Copy, ValueEnum, PartialEq)]
+enum Format {
+    Table,
+    Json,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Cluster membership and health.
+    #[command(subcommand)]
+    Cluster(ClusterCmd),
+    /// Locks: acquire, release, read, force-release.
+    #[command(subcommand)]
+    Lock(LockCmd),
+    /// Pod leases and TTL leases.
+    #[command(subcommand)]
+    Lease(LeaseCmd),
+}
+
+#[derive(Subcommand)]
+enum ClusterCmd {
+    /// Every endpoint's view: role, term, indexes, members.
+    Status,
+    /// Add a non-voting member that replicates the log.
+    AddLearner {
+        /// Its node id.
+        node_id: u64,
+        /// Its address (host:port).
+        addr: String,
+        /// Return at once instead of waiting for it to catch up.
+        #[arg(long)]
+        no_wait: bool,
+    },
+    /// Set the voters to exactly these node ids (promotes learners; members
+    /// left out are removed, or kept as learners with --retain).
+    ChangeMembership {
+        /// The voter ids.
+        #[arg(required = true)]
+        voters: Vec<u64>,
+        /// Keep dropped voters as learners.
+        #[arg(long)]
+        retain: bool,
+    },
+    /// Hand leadership to another voter.
+    TransferLeader {
+        /// The target node id.
+        node_id: u64,
+    },
+    /// Build a snapshot on the leader now.
+    Snapshot,
+}
+
+#[derive(Subcommand)]
+enum LockCmd {
+    /// Take a lock for a pod (waits in the FIFO queue with --wait); prints
+    /// the fencing token.
+    Acquire {
+        /// SCOPE/NAME, e.g. gpu-bind/node-1.
+        lock: String,
+        /// The pod's UID (the owner).
+        #[arg(long)]
+        pod_uid: String,
+        /// The pod as NAMESPACE/NAME (labels for people).
+        #[arg(long)]
+        pod: Option<String>,
+        /// Payload stored with the hold.
+        #[arg(long, conflicts_with = "payload_file")]
+        payload: Option<String>,
+        /// Read the payload from a file.
+        #[arg(long)]
+        payload_file: Option<std::path::PathBuf>,
+        /// How long to wait in the queue (0 = fail at once if held).
+        #[arg(long, default_value = "0s", value_parser = humantime::parse_duration)]
+        wait: Duration,
+        /// Attach the hold to a TTL lease.
+        #[arg(long, default_value_t = 0)]
+        lease: u64,
+    },
+    /// Release a hold (pod UID + token).
+    Release {
+        /// SCOPE/NAME.
+        lock: String,
+        /// The holder's pod UID.
+        #[arg(long)]
+        pod_uid: String,
+        /// The holder's fencing token.
+        #[arg(long)]
+        token: u64,
+        /// What happened.
+        #[arg(long, value_enum, default_value_t = OutcomeArg::Allocated)]
+        outcome: OutcomeArg,
+    },
+    /// The current holder (linearizable read).
+    Holder {
+        /// SCOPE/NAME.
+        lock: String,
+    },
+    /// Holder and queue of one lock (linearizable read).
+    Get {
+        /// SCOPE/NAME.
+        lock: String,
+    },
+    /// Locks with a holder or waiters.
+    List {
+        /// Only this scope.
+        #[arg(long, default_value = "")]
+        scope: String,
+    },
+    /// Release whatever holds a lock (audited).
+    ForceRelease {
+        /// SCOPE/NAME.
+        lock: String,
+        /// Why (kept in the audit event).
+        #[arg(long)]
+        reason: String,
+        /// Who (default: $USER).
+        #[arg(long, env = "USER", default_value = "unknown")]
+        operator: String,
+    },
+}
+
+#[derive(Clone, Copy, ValueEnum)]
+enum OutcomeArg {
+    Allocated,
+    Failed,
+}
+
+#[derive(Subcommand)]
+enum LeaseCmd {
+    /// Release every hold and queued wait of a pod UID.
+    RevokePod {
+        /// The pod UID.
+        pod_uid: String,
+        /// Why.
+        #[arg(long, default_value = "revoked with lockctl")]
+        reason: String,
+    },
+    /// Grant a TTL lease; prints its id.
+    Grant {
+        /// Its TTL, e.g. 30s.
+        #[arg(value_parser = humantime::parse_duration)]
+        ttl: Duration,
+    },
+    /// Keep a TTL lease alive until interrupted.
+    KeepAlive {
+        /// The lease id.
+        lease_id: u64,
+    },
+    /// Revoke a TTL lease.
+    Revoke {
+        /// The lease id.
+        lease_id: u64,
+    },
+}
+
+fn payload_json(payload: &[u8]) -> Value {
+    match std::str::from_utf8(payload) {
+        Ok(text) => Value::String(text.to_string()),
+        Err(_) => Value::String(payload.iter().map(|b| format!("{b:02x}")).collect::<String>()),
+    }
+}
+
+fn pod_json(pod: &Option<pb::Pod>) -> Value {
+    let pod = pod.clone().unwrap_or_default();
+    json!({"uid": pod.uid, "namespace": pod.namespace, "name": pod.name})
+}
+
+fn hold_json(hold: &pb::Hold) -> Value {
+    json!({
+        "pod": pod_json(&hold.pod),
+        "token": hold.token,
+        "granted_at_ms": hold.granted_at_ms,
+        "payload": payload_json(&hold.payload),
+        "client_id": hold.client_id,
+        "lease_id": hold.lease_id,
+    })
+}
+
+fn lock_json(lock: &pb::LockState) -> Value {
+    let key = lock.key.clone().unwrap_or_default();
+    json!({
+        "lock": format!("{}/{}", key.scope, key.name),
+        "holder": lock.holder.as_ref().map(hold_json),
+        "waiters": lock.waiters.iter().map(|w| json!({
+            "pod": pod_json(&w.pod), "queued_at_ms": w.queued_at_ms, "deadline_ms": w.deadline_ms,
+        })).collect::<Vec<_>>(),
+    })
+}
+
+fn pod_label(pod: &Option<pb::Pod>) -> String {
+    match pod {
+        Some(p) if !p.namespace.is_empty() || !p.name.is_empty() => format!("{}/{} ({})", p.namespace, p.name, p.uid),
+        Some(p) => p.uid.clone(),
+        None => "-".into(),
+    }
+}
+
+fn parse_pod(uid: &str, pod: &Option<String>) -> Result<pb::Pod, Error> {
+    let (namespace, name) = match pod {
+        None => (String::new(), String::new()),
+        Some(text) => match text.split_once('/') {
+            Some((ns, name)) => (ns.to_string(), name.to_string()),
+            None => return Err(Error::InvalidArgument(format!("--pod {text:?} must be NAMESPACE/NAME"))),
+        },
+    };
+    Ok(pb::Pod { uid: uid.to_string(), namespace, name })
+}
+
+struct Out {
+    format: Format,
+}
+
+impl Out {
+    /// Prints `value` as JSON, or `table` for people.
+    fn print(&self, value: Value, table: impl FnOnce() -> String) {
+        let text = match self.format {
+            Format::Json => serde_json::to_string_pretty(&value).unwrap_or_default(),
+            Format::Table => table(),
+        };
+        let mut stdout = std::io::stdout().lock();
+        let _ = writeln!(stdout, "{}", text.trim_end());
+    }
+}
+
+async fn cluster_status(client: &Client, out: &Out) -> Result<(), Error> {
+    let mut rows = Vec::new();
+    let mut reachable = 0;
+    let mut members = Vec::new();
+    let mut leader = None;
+    for addr in client.endpoints() {
+        match client.status_of(addr).await {
+            Ok(status) => {
+                reachable += 1;
+                if status.leader_id != 0 {
+                    leader = Some((status.leader_id, status.leader_addr.clone()));
+                }
+                if members.is_empty() {
+                    members = status.members.clone();
+                }
+                rows.push(json!({
+                    "endpoint": addr, "node_id": status.node_id, "role": status.role,
+                    "leader_id": status.leader_id, "term": status.term,
+                    "last_log_index": status.last_log_index, "applied_index": status.applied_index,
+                    "snapshot_index": status.snapshot_index, "locks": status.lock_count,
+                }));
+            }
+            Err(err) => rows.push(json!({"endpoint": addr, "error": err.to_string()})),
+        }
+    }
+    if reachable == 0 {
+        return Err(Error::Unavailable(format!(
+            "no endpoint answered ({}); is tetherd running? (--endpoints / TETHER_ENDPOINTS)",
+            client.endpoints().join(",")
+        )));
+    }
+    let members_json: Vec<Value> = members
+        .iter()
+        .map(|m| json!({"node_id": m.node_id, "addr": m.addr, "voter": m.voter, "matched_index": m.matched_index}))
+        .collect();
+    let value = json!({"endpoints": rows, "members": members_json, "leader": leader.as_ref().map(|l| l.0)});
+    out.print(value, || {
+        let mut text = String::new();
+        text.push_str(&format!("{:<22} {:>4} {:<10} {:>6} {:>6} {:>10} {:>10} {:>6}\n", "ENDPOINT", "ID", "ROLE", "LEADER", "TERM", "LAST_LOG", "APPLIED", "LOCKS"));
+        for row in &rows {
+            if let Some(err) = row.get("error") {
+                text.push_str(&format!("{:<22} unreachable: {}\n", row["endpoint"].as_str().unwrap_or(""), err.as_str().unwrap_or("")));
+            } else {
+                text.push_str(&format!(
+                    "{:<22} {:>4} {:<10} {:>6} {:>6} {:>10} {:>10} {:>6}\n",
+                    row["endpoint"].as_str().unwrap_or(""), row["node_id"].to_string(), row["role"].as_str().unwrap_or(""),
+                    row["leader_id"].to_string(), row["term"].to_string(), row["last_log_index"].to_string(),
+                    row["applied_index"].to_string(), row["locks"].to_string()
+                ));
+            }
+        }
+        text.push_str("\nMEMBERS\n");
+        for m in &members {
+            text.push_str(&format!("  node {} at {} ({}), matched index {}\n", m.node_id, m.addr, if m.voter { "voter" } else { "learner" }, m.matched_index));
+        }
+        match &leader {
+            Some((id, addr)) => text.push_str(&format!("\nleader: node {id} at {addr}\n")),
+            None => text.push_str(&format!(
+                "\nno leader yet — {reachable}/{} endpoints reachable; a majority of voters must be up\n",
+                client.endpoints().len()
+            )),
+        }
+        text
+    });
+    Ok(())
+}
+
+async fn run(cli: Cli) -> Result<(), Error> {
+    let options = Options { call_timeout: cli.timeout, ..Options::default() };
+    let client = Client::new(cli.endpoints.clone(), options)?;
+    let out = Out { format: cli.output };
+    match cli.command {
+        Command::Cluster(ClusterCmd::Status) => cluster_status(&client, &out).await?,
+        Command::Cluster(ClusterCmd::AddLearner { node_id, addr, no_wait }) => {
+            let index = client.add_learner(node_id, &addr, !no_wait).await?;
+            out.print(json!({"node_id": node_id, "log_index": index}), || format!("node {node_id} added as learner (log index {index})"));
+        }
+        Command::Cluster(ClusterCmd::ChangeMembership { voters, retain }) => {
+            let index = client.change_membership(voters.clone(), retain).await?;
+            out.print(json!({"voters": voters, "log_index": index}), || format!("voters are now {voters:?} (log index {index})"));
+        }
+        Command::Cluster(ClusterCmd::TransferLeader { node_id }) => {
+            let leader = client.transfer_leader(node_id).await?;
+            out.print(json!({"leader_id": leader}), || format!("leader is now node {leader}"));
+        }
+        Command::Cluster(ClusterCmd::Snapshot) => {
+            let index = client.snapshot().await?;
+            out.print(json!({"snapshot_index": index}), || format!("snapshot at log index {index}"));
+        }
+        Command::Lock(LockCmd::Acquire { lock, pod_uid, pod, payload, payload_file, wait, lease }) => {
+            let key = parse_lock_key(&lock)?;
+            let pod = parse_pod(&pod_uid, &pod)?;
+            let payload = match (payload, payload_file) {
+                (Some(text), _) => text.into_bytes(),
+                (None, Some(path)) => std::fs::read(&path)
+                    .map_err(|e| Error::InvalidArgument(format!("cannot read --payload-file {}: {e}", path.display())))?,
+                (None, None) => Vec::new(),
+            };
+            let table = out.format == Format::Table;
+            let hold = client
+                .acquire_with_progress(&key, &pod, payload, wait, lease, |progress| {
+                    if let (AcquireProgress::Queued(position), true) = (progress, table) {
+                        eprintln!("queued for {lock} at position {position}; waiting up to {}", humantime::format_duration(wait));
+                    }
+                })
+                .await?;
+            out.print(hold_json(&hold), || hold.token.to_string());
+        }
+        Command::Lock(LockCmd::Release { lock, pod_uid, token, outcome }) => {
+            let key = parse_lock_key(&lock)?;
+            let outcome = match outcome {
+                OutcomeArg::Allocated => Outcome::Allocated,
+                OutcomeArg::Failed => Outcome::Failed,
+            };
+            let next = client.release(&key, &pod_uid, token, outcome).await?;
+            out.print(json!({"released": true, "next_holder": next.as_ref().map(hold_json)}), || match &next {
+                Some(hold) => format!("released; granted to {} with token {}", pod_label(&hold.pod), hold.token),
+                None => "released".to_string(),
+            });
+        }
+        Command::Lock(LockCmd::Holder { lock }) => {
+            let key = parse_lock_key(&lock)?;
+            let hold = client.holder(&key).await?;
+            out.print(json!({"lock": lock, "holder": hold.as_ref().map(hold_json)}), || match &hold {
+                Some(h) => format!(
+                    "{lock} held by {} token {} payload {}",
+                    pod_label(&h.pod), h.token, payload_json(&h.payload)
+                ),
+                None => format!("{lock} is free"),
+            });
+        }
+        Command::Lock(LockCmd::Get { lock }) => {
+            let key = parse_lock_key(&lock)?;
+            let state = client.get(&key).await?;
+            out.print(lock_json(&state), || lock_table(std::slice::from_ref(&state)));
+        }
+        Command::Lock(LockCmd::List { scope }) => {
+            let locks = client.list(&scope).await?;
+            out.print(Value::Array(locks.iter().map(lock_json).collect()), || lock_table(&locks));
+        }
+        Command::Lock(LockCmd::ForceRelease { lock, reason, operator }) => {
+            let key = parse_lock_key(&lock)?;
+            let reply = client.force_release(&key, &operator, &reason).await?;
+            out.print(
+                json!({"released": reply.released.as_ref().map(hold_json), "next_holder": reply.next_holder.as_ref().map(hold_json)}),
+                || match (&reply.released, &reply.next_holder) {
+                    (None, _) => format!("{lock} was already free"),
+                    (Some(h), None) => format!("force-released {lock} from {} (token {})", pod_label(&h.pod), h.token),
+                    (Some(h), Some(n)) => format!(
+                        "force-released {lock} from {} (token {}); granted to {} with token {}",
+                        pod_label(&h.pod), h.token, pod_label(&n.pod), n.token
+                    ),
+                },
+            );
+        }
+        Command::Lease(LeaseCmd::RevokePod { pod_uid, reason }) => {
+            let reply = client.revoke_pod(&pod_uid, &reason).await?;
+            let keys = |keys: &[pb::LockKey]| keys.iter().map(|k| format!("{}/{}", k.scope, k.name)).collect::<Vec<_>>();
+            let released = keys(&reply.released);
+            let dequeued = keys(&reply.dequeued);
+            out.print(json!({"released": released, "dequeued": dequeued, "granted": reply.granted.len()}), || {
+                format!("pod {pod_uid}: released {released:?}, left queues {dequeued:?}, {} next waiters granted", reply.granted.len())
+            });
+        }
+        Command::Lease(LeaseCmd::Grant { ttl }) => {
+            let id = client.grant_lease(ttl).await?;
+            out.print(json!({"lease_id": id}), || id.to_string());
+        }
+        Command::Lease(LeaseCmd::KeepAlive { lease_id }) => loop {
+            let ttl = client.keep_alive_once(lease_id).await?;
+            if ttl == 0 {
+                return Err(Error::NotFound(format!("lease {lease_id} expired or was revoked")));
+            }
+            eprintln!("lease {lease_id} kept alive (ttl {})", humantime::format_duration(Duration::from_millis(ttl)));
+            tokio::select! {
+                _ = tokio::time::sleep(Duration::from_millis(ttl / 3)) => {}
+                _ = tokio::signal::ctrl_c() => return Ok(()),
+            }
+        },
+        Command::Lease(LeaseCmd::Revoke { lease_id }) => {
+            let reply = client.revoke_lease(lease_id).await?;
+            out.print(json!({"released": reply.released.len(), "dequeued": reply.dequeued.len()}), || {
+                format!("lease {lease_id} revoked: {} holds released, {} waits dropped", reply.released.len(), reply.dequeued.len())
+            });
+        }
+    }
+    Ok(())
+}
+
+fn lock_table(locks: &[pb::LockState]) -> String {
+    let mut text = format!("{:<32} {:<48} {:>8} {:>7}\n", "LOCK", "HOLDER", "TOKEN", "WAITERS");
+    for lock in locks {
+        let key = lock.key.clone().unwrap_or_default();
+        let (holder, token) = match &lock.holder {
+            Some(h) => (pod_label(&h.pod), h.token.to_string()),
+            None => ("-".to_string(), "-".to_string()),
+        };
+        text.push_str(&format!("{:<32} {:<48} {:>8} {:>7}\n", format!("{}/{}", key.scope, key.name), holder, token, lock.waiters.len()));
+        for (i, w) in lock.waiters.iter().enumerate() {
+            text.push_str(&format!("  {}. {}\n", i + 1, pod_label(&w.pod)));
+        }
+    }
+    text
+}
+
+#[tokio::main]
+async fn main() -> ExitCode {
+    let cli = Cli::parse();
+    match run(cli).await {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(err) => {
+            eprintln!("lockctl: {err}");
+            ExitCode::from(err.exit_code() as u8)
+        }
+    }
+}

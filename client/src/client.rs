@@ -1,0 +1,401 @@
+//! The Tether client: endpoint list, leader following with backoff, request
+//! ids for exactly-once retries, deadlines on every call.
+
+use std::collections::HashMap;
+use std::future::Future;
+use std::hash::{BuildHasher, Hasher};
+use std::sync::Mutex;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Duration;
+
+use tether_proto as pb;
+use tether_proto::cluster_service_client::ClusterServiceClient;
+use tether_proto::lease_service_client::LeaseServiceClient;
+use tether_proto::lock_service_client::LockServiceClient;
+use tether_proto::{LEADER_ADDR_METADATA, LockKey, Pod};
+use tokio::time::Instant;
+use tonic::Status;
+use tonic::transport::{Channel, Endpoint};
+
+use crate::error::{Error, Result};
+
+/// Client settings.
+#[derive(Debug, Clone)]
+pub struct Options {
+    /// Deadline of one attempt of a call (a queued acquire adds its wait).
+    pub call_timeout: Duration,
+    /// How long a call keeps retrying on other replicas / the new leader
+    /// before giving up with [`Error::Unavailable`].
+    pub retry_timeout: Duration,
+    /// Client id for exactly-once dedupe; random per client when `None`.
+    pub client_id: Option<String>,
+}
+
+impl Default for Options {
+    fn default() -> Self {
+        Self { call_timeout: Duration::from_secs(5), retry_timeout: Duration::from_secs(15), client_id: None }
+    }
+}
+
+/// A connection to a Tether cluster. Cheap to share (`Arc`), safe to use
+/// from many tasks at once.
+pub struct Client {
+    endpoints: Vec<String>,
+    options: Options,
+    client_id: String,
+    sequence: AtomicU64,
+    /// The replica to try first (the believed leader).
+    preferred: Mutex<String>,
+    channels: Mutex<HashMap<String, Channel>>,
+}
+
+/// A random-enough client id without a randomness dependency: std's
+/// per-process random hasher keys, the process id and the time.
+fn random_client_id() -> String {
+    let mut hasher = std::collections::hash_map::RandomState::new().build_hasher();
+    hasher.write_u32(std::process::id());
+    hasher.write_u128(std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap_or_default().as_nanos());
+    format!("client-{:016x}", hasher.finish())
+}
+
+/// Parses `scope/name`.
+pub fn parse_lock_key(text: &str) -> Result<LockKey> {
+    match text.split_once('/') {
+        Some((scope, name)) if !scope.is_empty() && !name.is_empty() => {
+            Ok(LockKey { scope: scope.to_string(), name: name.to_string() })
+        }
+        _ => Err(Error::InvalidArgument(format!("lock {text:?} must be written SCOPE/NAME, e.g. gpu-bind/node-1"))),
+    }
+}
+
+/// How a queued acquire progresses.
+#[derive(Debug, Clone)]
+pub enum AcquireProgress {
+    /// Queued at this position (more messages follow).
+    Queued(u32),
+    /// Granted.
+    Granted(pb::Hold),
+}
+
+impl Client {
+    /// A client for these endpoints (`host:port`, any replica). Connections are
+    /// made lazily, so this does not fail when replicas are down.
+    pub fn new(endpoints: impl IntoIterator<Item = impl Into<String>>, options: Options) -> Result<Self> {
+        let endpoints: Vec<String> = endpoints.into_iter().map(Into::into).filter(|e: &String| !e.is_empty()).collect();
+        if endpoints.is_empty() {
+            return Err(Error::InvalidArgument("no endpoints given".into()));
+        }
+        let client_id = options.client_id.clone().unwrap_or_else(random_client_id);
+        Ok(Self {
+            preferred: Mutex::new(endpoints[0].clone()),
+            endpoints,
+            options,
+            client_id,
+            sequence: AtomicU64::new(0),
+            channels: Mutex::new(HashMap::new()),
+        })
+    }
+
+    /// This client's id in request ids.
+    pub fn client_id(&self) -> &str {
+        &self.client_id
+    }
+
+    /// A fresh request id; reuse it when retrying the same request.
+    pub fn next_request_id(&self) -> pb::RequestId {
+        pb::RequestId { client_id: self.client_id.clone(), sequence: self.sequence.fetch_add(1, Ordering::Relaxed) + 1 }
+    }
+
+    fn channel(&self, addr: &str) -> Result<Channel> {
+        let mut channels = self.channels.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(channel) = channels.get(addr) {
+            return Ok(channel.clone());
+        }
+        let url = if addr.starts_with("http://") || addr.starts_with("https://") { addr.to_string() } else { format!("http://{addr}") };
+        let channel = Endpoint::from_shared(url)
+            .map_err(|e| Error::InvalidArgument(format!("bad endpoint {addr:?}: {e}")))?
+            .connect_timeout(Duration::from_secs(2))
+            .tcp_nodelay(true)
+            .connect_lazy();
+        channels.insert(addr.to_string(), channel.clone());
+        Ok(channel)
+    }
+
+    fn preferred(&self) -> String {
+        self.preferred.lock().unwrap_or_else(|p| p.into_inner()).clone()
+    }
+
+    fn prefer(&self, addr: String) {
+        *self.preferred.lock().unwrap_or_else(|p| p.into_inner()) = addr;
+    }
+
+    /// Moves to the next endpoint after `failed`.
+    fn rotate(&self, failed: &str) {
+        let next = match self.endpoints.iter().position(|e| e == failed) {
+            Some(i) => self.endpoints[(i + 1) % self.endpoints.len()].clone(),
+            None => self.endpoints[0].clone(),
+        };
+        self.prefer(next);
+    }
+
+    /// Runs `call` against the believed leader, following `UNAVAILABLE` +
+    /// leader-address answers and rotating through endpoints with backoff
+    /// until it succeeds, fails for a reason retrying cannot fix, or the
+    /// retry budget runs out. `call` must reuse one request id throughout.
+    pub async fn with_leader<T, F, Fut>(&self, extra_timeout: Duration, call: F) -> Result<T>
+    where
+        F: Fn(Channel) -> Fut,
+        Fut: Future<Output = std::result::Result<T, Status>>,
+    {
+        let give_up = Instant::now() + self.options.retry_timeout + extra_timeout;
+        let mut backoff = Duration::from_millis(20);
+        let mut last_error;
+        loop {
+            let addr = self.preferred();
+            let channel = self.channel(&addr)?;
+            match tokio::time::timeout(self.options.call_timeout + extra_timeout, call(channel)).await {
+                Ok(Ok(value)) => return Ok(value),
+                Ok(Err(status)) if status.code() == tonic::Code::Unavailable => {
+                    let leader = status.metadata().get(LEADER_ADDR_METADATA).and_then(|v| v.to_str().ok()).map(str::to_string);
+                    match leader {
+                        Some(leader) if leader != addr => {
+                            self.prefer(leader);
+                            last_error = format!("{addr} is not the leader");
+                            // Go straight to the leader: no backoff.
+                            if Instant::now() < give_up {
+                                continue;
+                            }
+                        }
+                        _ => {
+                            last_error = format!("{addr}: {}", status.message());
+                            self.rotate(&addr);
+                        }
+                    }
+                }
+                Ok(Err(status)) => return Err(status.into()),
+                Err(_) => {
+                    last_error = format!("{addr} did not answer within {:?}", self.options.call_timeout + extra_timeout);
+                    self.rotate(&addr);
+                }
+            }
+            if Instant::now() + backoff >= give_up {
+                return Err(Error::Unavailable(format!(
+                    "no replica could serve the call within {:?} (tried {}); last error: {last_error}",
+                    self.options.retry_timeout + extra_timeout,
+                    self.endpoints.join(",")
+                )));
+            }
+            tokio::time::sleep(backoff).await;
+            backoff = (backoff * 2).min(Duration::from_millis(500));
+        }
+    }
+
+    /// Acquires `key` for `pod`, waiting up to `wait` in the FIFO queue
+    /// (zero = fail at once if held). Returns the hold with its fencing token
+    /// and payload. Re-acquiring for the same pod UID returns the same hold.
+    pub async fn acquire(&self, key: &LockKey, pod: &Pod, payload: Vec<u8>, wait: Duration, lease_id: u64) -> Result<pb::Hold> {
+        self.acquire_with_progress(key, pod, payload, wait, lease_id, |_| {}).await
+    }
+
+    /// [`Client::acquire`], reporting the queue position as it is learned.
+    pub async fn acquire_with_progress(
+        &self,
+        key: &LockKey,
+        pod: &Pod,
+        payload: Vec<u8>,
+        wait: Duration,
+        lease_id: u64,
+        on_progress: impl Fn(AcquireProgress),
+    ) -> Result<pb::Hold> {
+        let request = pb::AcquireRequest {
+            request_id: Some(self.next_request_id()),
+            key: Some(key.clone()),
+            pod: Some(pod.clone()),
+            payload,
+            wait_timeout_ms: wait.as_millis() as u64,
+            lease_id,
+        };
+        let on_progress = &on_progress;
+        self.with_leader(wait, |channel| {
+            let request = request.clone();
+            async move {
+                let mut stream = LockServiceClient::new(channel).acquire(request).await?.into_inner();
+                loop {
+                    let Some(message) = stream.message().await? else {
+                        return Err(Status::unavailable("the acquire stream ended without a grant"));
+                    };
+                    if let Some(hold) = message.hold.filter(|_| message.state == pb::acquire_response::State::Granted as i32) {
+                        on_progress(AcquireProgress::Granted(hold.clone()));
+                        return Ok(hold);
+                    }
+                    on_progress(AcquireProgress::Queued(message.queue_position));
+                }
+            }
+        })
+        .await
+    }
+
+    /// Releases a hold with its token and outcome. Returns the next holder
+    /// granted in the same entry, if any.
+    pub async fn release(&self, key: &LockKey, pod_uid: &str, token: u64, outcome: pb::Outcome) -> Result<Option<pb::Hold>> {
+        let request = pb::ReleaseRequest {
+            request_id: Some(self.next_request_id()),
+            key: Some(key.clone()),
+            pod_uid: pod_uid.to_string(),
+            token,
+            outcome: outcome as i32,
+        };
+        self.with_leader(Duration::ZERO, |channel| {
+            let request = request.clone();
+            async move { Ok(LockServiceClient::new(channel).release(request).await?.into_inner().next_holder) }
+        })
+        .await
+    }
+
+    /// Linearizable read of the current holder (None = free).
+    pub async fn holder(&self, key: &LockKey) -> Result<Option<pb::Hold>> {
+        let request = pb::HolderRequest { key: Some(key.clone()) };
+        self.with_leader(Duration::ZERO, |channel| {
+            let request = request.clone();
+            async move { Ok(LockServiceClient::new(channel).holder(request).await?.into_inner().hold) }
+        })
+        .await
+    }
+
+    /// Linearizable read of a lock's holder and queue.
+    pub async fn get(&self, key: &LockKey) -> Result<pb::LockState> {
+        let request = pb::GetLockRequest { key: Some(key.clone()) };
+        self.with_leader(Duration::ZERO, |channel| {
+            let request = request.clone();
+            async move { Ok(LockServiceClient::new(channel).get(request).await?.into_inner().lock.unwrap_or_default()) }
+        })
+        .await
+    }
+
+    /// Locks with a holder or waiters (empty scope = all), as the answering
+    /// replica has applied them.
+    pub async fn list(&self, scope: &str) -> Result<Vec<pb::LockState>> {
+        let request = pb::ListLocksRequest { scope: scope.to_string() };
+        self.with_leader(Duration::ZERO, |channel| {
+            let request = request.clone();
+            async move { Ok(LockServiceClient::new(channel).list(request).await?.into_inner().locks) }
+        })
+        .await
+    }
+
+    /// Admin: releases whatever holds `key`, audited.
+    pub async fn force_release(&self, key: &LockKey, operator: &str, reason: &str) -> Result<pb::ForceReleaseResponse> {
+        let request = pb::ForceReleaseRequest {
+            request_id: Some(self.next_request_id()),
+            key: Some(key.clone()),
+            operator: operator.to_string(),
+            reason: reason.to_string(),
+        };
+        self.with_leader(Duration::ZERO, |channel| {
+            let request = request.clone();
+            async move { Ok(LockServiceClient::new(channel).force_release(request).await?.into_inner()) }
+        })
+        .await
+    }
+
+    /// Releases every hold and queued wait of a pod UID in one entry.
+    pub async fn revoke_pod(&self, pod_uid: &str, reason: &str) -> Result<pb::RevokePodResponse> {
+        let request = pb::RevokePodRequest {
+            request_id: Some(self.next_request_id()),
+            pod_uid: pod_uid.to_string(),
+            reason: reason.to_string(),
+        };
+        self.with_leader(Duration::ZERO, |channel| {
+            let request = request.clone();
+            async move { Ok(LeaseServiceClient::new(channel).revoke_pod(request).await?.into_inner()) }
+        })
+        .await
+    }
+
+    /// Grants a TTL lease; returns its id.
+    pub async fn grant_lease(&self, ttl: Duration) -> Result<u64> {
+        let request = pb::LeaseGrantRequest { request_id: Some(self.next_request_id()), ttl_ms: ttl.as_millis() as u64 };
+        self.with_leader(Duration::ZERO, |channel| {
+            let request = request.clone();
+            async move { Ok(LeaseServiceClient::new(channel).grant(request).await?.into_inner().lease_id) }
+        })
+        .await
+    }
+
+    /// Refreshes a TTL lease once; returns the TTL restarted (0 = gone).
+    pub async fn keep_alive_once(&self, lease_id: u64) -> Result<u64> {
+        self.with_leader(Duration::ZERO, |channel| async move {
+            let request = tokio_stream::iter([pb::LeaseKeepAliveRequest { lease_id }]);
+            let mut replies = LeaseServiceClient::new(channel).keep_alive(request).await?.into_inner();
+            match replies.message().await? {
+                Some(reply) => Ok(reply.ttl_ms),
+                None => Err(Status::unavailable("keepalive stream closed without a reply")),
+            }
+        })
+        .await
+    }
+
+    /// Revokes a TTL lease and what is attached to it.
+    pub async fn revoke_lease(&self, lease_id: u64) -> Result<pb::LeaseRevokeResponse> {
+        let request = pb::LeaseRevokeRequest { request_id: Some(self.next_request_id()), lease_id };
+        self.with_leader(Duration::ZERO, |channel| {
+            let request = request.clone();
+            async move { Ok(LeaseServiceClient::new(channel).revoke(request).await?.into_inner()) }
+        })
+        .await
+    }
+
+    /// Status of one replica (`addr`), without leader following.
+    pub async fn status_of(&self, addr: &str) -> Result<pb::StatusResponse> {
+        let channel = self.channel(addr)?;
+        let mut client = ClusterServiceClient::new(channel);
+        let call = client.status(pb::StatusRequest {});
+        match tokio::time::timeout(self.options.call_timeout, call).await {
+            Ok(Ok(reply)) => Ok(reply.into_inner()),
+            Ok(Err(status)) => Err(status.into()),
+            Err(_) => Err(Error::Unavailable(format!("{addr} did not answer within {:?}", self.options.call_timeout))),
+        }
+    }
+
+    /// The configured endpoints.
+    pub fn endpoints(&self) -> &[String] {
+        &self.endpoints
+    }
+
+    /// Adds a learner (leader only; followed automatically).
+    pub async fn add_learner(&self, node_id: u64, addr: &str, blocking: bool) -> Result<u64> {
+        let request = pb::AddLearnerRequest { node_id, addr: addr.to_string(), blocking };
+        self.with_leader(Duration::from_secs(60), |channel| {
+            let request = request.clone();
+            async move { Ok(ClusterServiceClient::new(channel).add_learner(request).await?.into_inner().log_index) }
+        })
+        .await
+    }
+
+    /// Sets the voters.
+    pub async fn change_membership(&self, voters: Vec<u64>, retain_as_learners: bool) -> Result<u64> {
+        let request = pb::ChangeMembershipRequest { voters, retain_as_learners };
+        self.with_leader(Duration::from_secs(30), |channel| {
+            let request = request.clone();
+            async move { Ok(ClusterServiceClient::new(channel).change_membership(request).await?.into_inner().log_index) }
+        })
+        .await
+    }
+
+    /// Hands leadership to `target`; returns the new leader id.
+    pub async fn transfer_leader(&self, target: u64) -> Result<u64> {
+        self.with_leader(Duration::from_secs(30), |channel| async move {
+            let request = pb::TransferLeaderRequest { target_node_id: target };
+            Ok(ClusterServiceClient::new(channel).transfer_leader(request).await?.into_inner().leader_id)
+        })
+        .await
+    }
+
+    /// Builds a snapshot on the leader now.
+    pub async fn snapshot(&self) -> Result<u64> {
+        self.with_leader(Duration::from_secs(60), |channel| async move {
+            Ok(ClusterServiceClient::new(channel).snapshot(pb::SnapshotRequest {}).await?.into_inner().snapshot_index)
+        })
+        .await
+    }
+}

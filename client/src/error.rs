@@ -1,0 +1,73 @@
+//! Typed client errors that tell the caller what to do.
+
+use tonic::{Code, Status};
+
+/// `Result` of client calls.
+pub type Result<T, E = Error> = std::result::Result<T, E>;
+
+/// Why a call failed, grouped by what the caller should do about it.
+#[derive(Debug, Clone, thiserror::Error)]
+pub enum Error {
+    /// The input was refused before anything changed; fix it, do not retry.
+    #[error("invalid argument: {0}")]
+    InvalidArgument(String),
+    /// The lock is held by someone else, the caller is not the holder, or
+    /// the token is stale. Read the current state; retrying the same call
+    /// gives the same answer.
+    #[error("{0}")]
+    FailedPrecondition(String),
+    /// A wait ran out before the lock was granted; the pod left the queue.
+    #[error("deadline exceeded: {0}")]
+    DeadlineExceeded(String),
+    /// Too large, or the queue is full; retry later or send less.
+    #[error("resource exhausted: {0}")]
+    ResourceExhausted(String),
+    /// The lease does not exist.
+    #[error("not found: {0}")]
+    NotFound(String),
+    /// A wait ended because its pod or lease was revoked.
+    #[error("aborted: {0}")]
+    Aborted(String),
+    /// No replica could serve the call before the retry budget ran out (no
+    /// leader, all unreachable). For a write the outcome is unknown: it may
+    /// have been applied. Retrying with the same request id is safe.
+    #[error("unavailable: {0}")]
+    Unavailable(String),
+    /// Anything else the server said.
+    #[error("{0}")]
+    Other(String),
+}
+
+impl Error {
+    /// Whether retrying the same call may succeed.
+    pub fn is_retryable(&self) -> bool {
+        matches!(self, Error::Unavailable(_) | Error::ResourceExhausted(_))
+    }
+
+    /// The exit code `lockctl` uses for this error (documented in its help).
+    pub fn exit_code(&self) -> i32 {
+        match self {
+            Error::InvalidArgument(_) => 2,
+            Error::FailedPrecondition(_) | Error::NotFound(_) | Error::Aborted(_) => 3,
+            Error::DeadlineExceeded(_) => 4,
+            Error::Unavailable(_) | Error::ResourceExhausted(_) => 5,
+            Error::Other(_) => 1,
+        }
+    }
+}
+
+impl From<Status> for Error {
+    fn from(status: Status) -> Self {
+        let message = status.message().to_string();
+        match status.code() {
+            Code::InvalidArgument => Error::InvalidArgument(message),
+            Code::FailedPrecondition => Error::FailedPrecondition(message),
+            Code::DeadlineExceeded => Error::DeadlineExceeded(message),
+            Code::ResourceExhausted => Error::ResourceExhausted(message),
+            Code::NotFound => Error::NotFound(message),
+            Code::Aborted => Error::Aborted(message),
+            Code::Unavailable => Error::Unavailable(message),
+            code => Error::Other(format!("{code:?}: {message}")),
+        }
+    }
+}
