@@ -58,6 +58,19 @@ fn random_client_id() -> String {
     format!("client-{:016x}", hasher.finish())
 }
 
+/// Whether a status means "this replica cannot serve the call now" (not the
+/// leader, down, connection reset) rather than an answer about the request.
+fn replica_unusable(status: &Status) -> bool {
+    match status.code() {
+        tonic::Code::Unavailable | tonic::Code::Cancelled => true,
+        tonic::Code::Unknown => {
+            let message = status.message();
+            ["transport", "connection", "h2 protocol", "broken pipe"].iter().any(|m| message.contains(m))
+        }
+        _ => false,
+    }
+}
+
 /// Parses `scope/name`.
 pub fn parse_lock_key(text: &str) -> Result<LockKey> {
     match text.split_once('/') {
@@ -155,7 +168,7 @@ impl Client {
             let channel = self.channel(&addr)?;
             match tokio::time::timeout(self.options.call_timeout + extra_timeout, call(channel)).await {
                 Ok(Ok(value)) => return Ok(value),
-                Ok(Err(status)) if status.code() == tonic::Code::Unavailable => {
+                Ok(Err(status)) if replica_unusable(&status) => {
                     let leader = status.metadata().get(LEADER_ADDR_METADATA).and_then(|v| v.to_str().ok()).map(str::to_string);
                     match leader {
                         Some(leader) if leader != addr => {

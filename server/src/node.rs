@@ -88,6 +88,7 @@ impl Node {
             .context("cannot start Raft")?;
 
         let config = Arc::new(config);
+        let (shutdown, shutdown_rx) = watch::channel(false);
         let ctx = Arc::new(Ctx {
             id,
             addr: advertise.clone(),
@@ -95,11 +96,11 @@ impl Node {
             state,
             config: config.clone(),
             metrics: Arc::new(Metrics::default()),
+            shutdown: shutdown_rx.clone(),
         });
 
         bootstrap(&ctx, &advertise).await?;
 
-        let (shutdown, shutdown_rx) = watch::channel(false);
         let mut tasks = Vec::new();
         let grpc_server = tonic::transport::Server::builder()
             .add_service(

@@ -139,6 +139,11 @@ async fn follow_wait(
                 let _ = tx.send(item).await;
                 return;
             }
+            _ = ctx.shutting_down() => {
+                let err = ApiError::Unavailable("this replica is shutting down; acquire again (same pod uid) on another replica".into());
+                let _ = tx.send(Err(err.into())).await;
+                return;
+            }
             _ = tx.closed() => {
                 // The caller is gone. Remove its wait so the lock is never
                 // handed to nobody; a hold that won the race stays (the same

@@ -35,6 +35,9 @@ pub struct Ctx {
     pub config: Arc<Config>,
     /// Counters.
     pub metrics: Arc<Metrics>,
+    /// Turns true when the replica shuts down: long-running calls (queued
+    /// acquires) then end with `UNAVAILABLE` so their clients move on.
+    pub shutdown: tokio::sync::watch::Receiver<bool>,
 }
 
 /// Wall-clock time in ms since the epoch: only ever used to stamp entries
@@ -81,6 +84,18 @@ impl Ctx {
             Err(err) => {
                 self.metrics.request(method, err.metric_label());
                 Err(err.into())
+            }
+        }
+    }
+}
+
+impl Ctx {
+    /// Resolves once the replica is shutting down.
+    pub async fn shutting_down(&self) {
+        let mut rx = self.shutdown.clone();
+        while !*rx.borrow_and_update() {
+            if rx.changed().await.is_err() {
+                return;
             }
         }
     }
