@@ -33,7 +33,11 @@ pub struct Options {
 
 impl Default for Options {
     fn default() -> Self {
-        Self { call_timeout: Duration::from_secs(5), retry_timeout: Duration::from_secs(15), client_id: None }
+        Self {
+            call_timeout: Duration::from_secs(5),
+            retry_timeout: Duration::from_secs(15),
+            client_id: None,
+        }
     }
 }
 
@@ -54,7 +58,12 @@ pub struct Client {
 fn random_client_id() -> String {
     let mut hasher = std::collections::hash_map::RandomState::new().build_hasher();
     hasher.write_u32(std::process::id());
-    hasher.write_u128(std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap_or_default().as_nanos());
+    hasher.write_u128(
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .unwrap_or_default()
+            .as_nanos(),
+    );
     format!("client-{:016x}", hasher.finish())
 }
 
@@ -65,7 +74,9 @@ fn replica_unusable(status: &Status) -> bool {
         tonic::Code::Unavailable | tonic::Code::Cancelled => true,
         tonic::Code::Unknown => {
             let message = status.message();
-            ["transport", "connection", "h2 protocol", "broken pipe"].iter().any(|m| message.contains(m))
+            ["transport", "connection", "h2 protocol", "broken pipe"]
+                .iter()
+                .any(|m| message.contains(m))
         }
         _ => false,
     }
@@ -74,10 +85,13 @@ fn replica_unusable(status: &Status) -> bool {
 /// Parses `scope/name`.
 pub fn parse_lock_key(text: &str) -> Result<LockKey> {
     match text.split_once('/') {
-        Some((scope, name)) if !scope.is_empty() && !name.is_empty() => {
-            Ok(LockKey { scope: scope.to_string(), name: name.to_string() })
-        }
-        _ => Err(Error::InvalidArgument(format!("lock {text:?} must be written SCOPE/NAME, e.g. gpu-bind/node-1"))),
+        Some((scope, name)) if !scope.is_empty() && !name.is_empty() => Ok(LockKey {
+            scope: scope.to_string(),
+            name: name.to_string(),
+        }),
+        _ => Err(Error::InvalidArgument(format!(
+            "lock {text:?} must be written SCOPE/NAME, e.g. gpu-bind/node-1"
+        ))),
     }
 }
 
@@ -93,8 +107,15 @@ pub enum AcquireProgress {
 impl Client {
     /// A client for these endpoints (`host:port`, any replica). Connections are
     /// made lazily, so this does not fail when replicas are down.
-    pub fn new(endpoints: impl IntoIterator<Item = impl Into<String>>, options: Options) -> Result<Self> {
-        let endpoints: Vec<String> = endpoints.into_iter().map(Into::into).filter(|e: &String| !e.is_empty()).collect();
+    pub fn new(
+        endpoints: impl IntoIterator<Item = impl Into<String>>,
+        options: Options,
+    ) -> Result<Self> {
+        let endpoints: Vec<String> = endpoints
+            .into_iter()
+            .map(Into::into)
+            .filter(|e: &String| !e.is_empty())
+            .collect();
         if endpoints.is_empty() {
             return Err(Error::InvalidArgument("no endpoints given".into()));
         }
@@ -116,7 +137,10 @@ impl Client {
 
     /// A fresh request id; reuse it when retrying the same request.
     pub fn next_request_id(&self) -> pb::RequestId {
-        pb::RequestId { client_id: self.client_id.clone(), sequence: self.sequence.fetch_add(1, Ordering::Relaxed) + 1 }
+        pb::RequestId {
+            client_id: self.client_id.clone(),
+            sequence: self.sequence.fetch_add(1, Ordering::Relaxed) + 1,
+        }
     }
 
     fn channel(&self, addr: &str) -> Result<Channel> {
@@ -124,7 +148,11 @@ impl Client {
         if let Some(channel) = channels.get(addr) {
             return Ok(channel.clone());
         }
-        let url = if addr.starts_with("http://") || addr.starts_with("https://") { addr.to_string() } else { format!("http://{addr}") };
+        let url = if addr.starts_with("http://") || addr.starts_with("https://") {
+            addr.to_string()
+        } else {
+            format!("http://{addr}")
+        };
         let channel = Endpoint::from_shared(url)
             .map_err(|e| Error::InvalidArgument(format!("bad endpoint {addr:?}: {e}")))?
             .connect_timeout(Duration::from_secs(2))
@@ -135,7 +163,10 @@ impl Client {
     }
 
     fn preferred(&self) -> String {
-        self.preferred.lock().unwrap_or_else(|p| p.into_inner()).clone()
+        self.preferred
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone()
     }
 
     fn prefer(&self, addr: String) {
@@ -166,10 +197,16 @@ impl Client {
         loop {
             let addr = self.preferred();
             let channel = self.channel(&addr)?;
-            match tokio::time::timeout(self.options.call_timeout + extra_timeout, call(channel)).await {
+            match tokio::time::timeout(self.options.call_timeout + extra_timeout, call(channel))
+                .await
+            {
                 Ok(Ok(value)) => return Ok(value),
                 Ok(Err(status)) if replica_unusable(&status) => {
-                    let leader = status.metadata().get(LEADER_ADDR_METADATA).and_then(|v| v.to_str().ok()).map(str::to_string);
+                    let leader = status
+                        .metadata()
+                        .get(LEADER_ADDR_METADATA)
+                        .and_then(|v| v.to_str().ok())
+                        .map(str::to_string);
                     match leader {
                         Some(leader) if leader != addr => {
                             self.prefer(leader);
@@ -187,7 +224,10 @@ impl Client {
                 }
                 Ok(Err(status)) => return Err(status.into()),
                 Err(_) => {
-                    last_error = format!("{addr} did not answer within {:?}", self.options.call_timeout + extra_timeout);
+                    last_error = format!(
+                        "{addr} did not answer within {:?}",
+                        self.options.call_timeout + extra_timeout
+                    );
                     self.rotate(&addr);
                 }
             }
@@ -206,8 +246,16 @@ impl Client {
     /// Acquires `key` for `pod`, waiting up to `wait` in the FIFO queue
     /// (zero = fail at once if held). Returns the hold with its fencing token
     /// and payload. Re-acquiring for the same pod UID returns the same hold.
-    pub async fn acquire(&self, key: &LockKey, pod: &Pod, payload: Vec<u8>, wait: Duration, lease_id: u64) -> Result<pb::Hold> {
-        self.acquire_with_progress(key, pod, payload, wait, lease_id, |_| {}).await
+    pub async fn acquire(
+        &self,
+        key: &LockKey,
+        pod: &Pod,
+        payload: Vec<u8>,
+        wait: Duration,
+        lease_id: u64,
+    ) -> Result<pb::Hold> {
+        self.acquire_with_progress(key, pod, payload, wait, lease_id, |_| {})
+            .await
     }
 
     /// [`Client::acquire`], reporting the queue position as it is learned.
@@ -232,12 +280,20 @@ impl Client {
         self.with_leader(wait, |channel| {
             let request = request.clone();
             async move {
-                let mut stream = LockServiceClient::new(channel).acquire(request).await?.into_inner();
+                let mut stream = LockServiceClient::new(channel)
+                    .acquire(request)
+                    .await?
+                    .into_inner();
                 loop {
                     let Some(message) = stream.message().await? else {
-                        return Err(Status::unavailable("the acquire stream ended without a grant"));
+                        return Err(Status::unavailable(
+                            "the acquire stream ended without a grant",
+                        ));
                     };
-                    if let Some(hold) = message.hold.filter(|_| message.state == pb::acquire_response::State::Granted as i32) {
+                    if let Some(hold) = message
+                        .hold
+                        .filter(|_| message.state == pb::acquire_response::State::Granted as i32)
+                    {
                         on_progress(AcquireProgress::Granted(hold.clone()));
                         return Ok(hold);
                     }
@@ -250,7 +306,13 @@ impl Client {
 
     /// Releases a hold with its token and outcome. Returns the next holder
     /// granted in the same entry, if any.
-    pub async fn release(&self, key: &LockKey, pod_uid: &str, token: u64, outcome: pb::Outcome) -> Result<Option<pb::Hold>> {
+    pub async fn release(
+        &self,
+        key: &LockKey,
+        pod_uid: &str,
+        token: u64,
+        outcome: pb::Outcome,
+    ) -> Result<Option<pb::Hold>> {
         let request = pb::ReleaseRequest {
             request_id: Some(self.next_request_id()),
             key: Some(key.clone()),
@@ -260,27 +322,50 @@ impl Client {
         };
         self.with_leader(Duration::ZERO, |channel| {
             let request = request.clone();
-            async move { Ok(LockServiceClient::new(channel).release(request).await?.into_inner().next_holder) }
+            async move {
+                Ok(LockServiceClient::new(channel)
+                    .release(request)
+                    .await?
+                    .into_inner()
+                    .next_holder)
+            }
         })
         .await
     }
 
     /// Linearizable read of the current holder (None = free).
     pub async fn holder(&self, key: &LockKey) -> Result<Option<pb::Hold>> {
-        let request = pb::HolderRequest { key: Some(key.clone()) };
+        let request = pb::HolderRequest {
+            key: Some(key.clone()),
+        };
         self.with_leader(Duration::ZERO, |channel| {
             let request = request.clone();
-            async move { Ok(LockServiceClient::new(channel).holder(request).await?.into_inner().hold) }
+            async move {
+                Ok(LockServiceClient::new(channel)
+                    .holder(request)
+                    .await?
+                    .into_inner()
+                    .hold)
+            }
         })
         .await
     }
 
     /// Linearizable read of a lock's holder and queue.
     pub async fn get(&self, key: &LockKey) -> Result<pb::LockState> {
-        let request = pb::GetLockRequest { key: Some(key.clone()) };
+        let request = pb::GetLockRequest {
+            key: Some(key.clone()),
+        };
         self.with_leader(Duration::ZERO, |channel| {
             let request = request.clone();
-            async move { Ok(LockServiceClient::new(channel).get(request).await?.into_inner().lock.unwrap_or_default()) }
+            async move {
+                Ok(LockServiceClient::new(channel)
+                    .get(request)
+                    .await?
+                    .into_inner()
+                    .lock
+                    .unwrap_or_default())
+            }
         })
         .await
     }
@@ -288,16 +373,29 @@ impl Client {
     /// Locks with a holder or waiters (empty scope = all), as the answering
     /// replica has applied them.
     pub async fn list(&self, scope: &str) -> Result<Vec<pb::LockState>> {
-        let request = pb::ListLocksRequest { scope: scope.to_string() };
+        let request = pb::ListLocksRequest {
+            scope: scope.to_string(),
+        };
         self.with_leader(Duration::ZERO, |channel| {
             let request = request.clone();
-            async move { Ok(LockServiceClient::new(channel).list(request).await?.into_inner().locks) }
+            async move {
+                Ok(LockServiceClient::new(channel)
+                    .list(request)
+                    .await?
+                    .into_inner()
+                    .locks)
+            }
         })
         .await
     }
 
     /// Admin: releases whatever holds `key`, audited.
-    pub async fn force_release(&self, key: &LockKey, operator: &str, reason: &str) -> Result<pb::ForceReleaseResponse> {
+    pub async fn force_release(
+        &self,
+        key: &LockKey,
+        operator: &str,
+        reason: &str,
+    ) -> Result<pb::ForceReleaseResponse> {
         let request = pb::ForceReleaseRequest {
             request_id: Some(self.next_request_id()),
             key: Some(key.clone()),
@@ -306,7 +404,12 @@ impl Client {
         };
         self.with_leader(Duration::ZERO, |channel| {
             let request = request.clone();
-            async move { Ok(LockServiceClient::new(channel).force_release(request).await?.into_inner()) }
+            async move {
+                Ok(LockServiceClient::new(channel)
+                    .force_release(request)
+                    .await?
+                    .into_inner())
+            }
         })
         .await
     }
@@ -320,17 +423,31 @@ impl Client {
         };
         self.with_leader(Duration::ZERO, |channel| {
             let request = request.clone();
-            async move { Ok(LeaseServiceClient::new(channel).revoke_pod(request).await?.into_inner()) }
+            async move {
+                Ok(LeaseServiceClient::new(channel)
+                    .revoke_pod(request)
+                    .await?
+                    .into_inner())
+            }
         })
         .await
     }
 
     /// Grants a TTL lease; returns its id.
     pub async fn grant_lease(&self, ttl: Duration) -> Result<u64> {
-        let request = pb::LeaseGrantRequest { request_id: Some(self.next_request_id()), ttl_ms: ttl.as_millis() as u64 };
+        let request = pb::LeaseGrantRequest {
+            request_id: Some(self.next_request_id()),
+            ttl_ms: ttl.as_millis() as u64,
+        };
         self.with_leader(Duration::ZERO, |channel| {
             let request = request.clone();
-            async move { Ok(LeaseServiceClient::new(channel).grant(request).await?.into_inner().lease_id) }
+            async move {
+                Ok(LeaseServiceClient::new(channel)
+                    .grant(request)
+                    .await?
+                    .into_inner()
+                    .lease_id)
+            }
         })
         .await
     }
@@ -339,10 +456,15 @@ impl Client {
     pub async fn keep_alive_once(&self, lease_id: u64) -> Result<u64> {
         self.with_leader(Duration::ZERO, |channel| async move {
             let request = tokio_stream::iter([pb::LeaseKeepAliveRequest { lease_id }]);
-            let mut replies = LeaseServiceClient::new(channel).keep_alive(request).await?.into_inner();
+            let mut replies = LeaseServiceClient::new(channel)
+                .keep_alive(request)
+                .await?
+                .into_inner();
             match replies.message().await? {
                 Some(reply) => Ok(reply.ttl_ms),
-                None => Err(Status::unavailable("keepalive stream closed without a reply")),
+                None => Err(Status::unavailable(
+                    "keepalive stream closed without a reply",
+                )),
             }
         })
         .await
@@ -350,10 +472,18 @@ impl Client {
 
     /// Revokes a TTL lease and what is attached to it.
     pub async fn revoke_lease(&self, lease_id: u64) -> Result<pb::LeaseRevokeResponse> {
-        let request = pb::LeaseRevokeRequest { request_id: Some(self.next_request_id()), lease_id };
+        let request = pb::LeaseRevokeRequest {
+            request_id: Some(self.next_request_id()),
+            lease_id,
+        };
         self.with_leader(Duration::ZERO, |channel| {
             let request = request.clone();
-            async move { Ok(LeaseServiceClient::new(channel).revoke(request).await?.into_inner()) }
+            async move {
+                Ok(LeaseServiceClient::new(channel)
+                    .revoke(request)
+                    .await?
+                    .into_inner())
+            }
         })
         .await
     }
@@ -366,7 +496,10 @@ impl Client {
         match tokio::time::timeout(self.options.call_timeout, call).await {
             Ok(Ok(reply)) => Ok(reply.into_inner()),
             Ok(Err(status)) => Err(status.into()),
-            Err(_) => Err(Error::Unavailable(format!("{addr} did not answer within {:?}", self.options.call_timeout))),
+            Err(_) => Err(Error::Unavailable(format!(
+                "{addr} did not answer within {:?}",
+                self.options.call_timeout
+            ))),
         }
     }
 
@@ -377,20 +510,43 @@ impl Client {
 
     /// Adds a learner (leader only; followed automatically).
     pub async fn add_learner(&self, node_id: u64, addr: &str, blocking: bool) -> Result<u64> {
-        let request = pb::AddLearnerRequest { node_id, addr: addr.to_string(), blocking };
+        let request = pb::AddLearnerRequest {
+            node_id,
+            addr: addr.to_string(),
+            blocking,
+        };
         self.with_leader(Duration::from_secs(60), |channel| {
             let request = request.clone();
-            async move { Ok(ClusterServiceClient::new(channel).add_learner(request).await?.into_inner().log_index) }
+            async move {
+                Ok(ClusterServiceClient::new(channel)
+                    .add_learner(request)
+                    .await?
+                    .into_inner()
+                    .log_index)
+            }
         })
         .await
     }
 
     /// Sets the voters.
-    pub async fn change_membership(&self, voters: Vec<u64>, retain_as_learners: bool) -> Result<u64> {
-        let request = pb::ChangeMembershipRequest { voters, retain_as_learners };
+    pub async fn change_membership(
+        &self,
+        voters: Vec<u64>,
+        retain_as_learners: bool,
+    ) -> Result<u64> {
+        let request = pb::ChangeMembershipRequest {
+            voters,
+            retain_as_learners,
+        };
         self.with_leader(Duration::from_secs(30), |channel| {
             let request = request.clone();
-            async move { Ok(ClusterServiceClient::new(channel).change_membership(request).await?.into_inner().log_index) }
+            async move {
+                Ok(ClusterServiceClient::new(channel)
+                    .change_membership(request)
+                    .await?
+                    .into_inner()
+                    .log_index)
+            }
         })
         .await
     }
@@ -398,8 +554,14 @@ impl Client {
     /// Hands leadership to `target`; returns the new leader id.
     pub async fn transfer_leader(&self, target: u64) -> Result<u64> {
         self.with_leader(Duration::from_secs(30), |channel| async move {
-            let request = pb::TransferLeaderRequest { target_node_id: target };
-            Ok(ClusterServiceClient::new(channel).transfer_leader(request).await?.into_inner().leader_id)
+            let request = pb::TransferLeaderRequest {
+                target_node_id: target,
+            };
+            Ok(ClusterServiceClient::new(channel)
+                .transfer_leader(request)
+                .await?
+                .into_inner()
+                .leader_id)
         })
         .await
     }
@@ -407,7 +569,11 @@ impl Client {
     /// Builds a snapshot on the leader now.
     pub async fn snapshot(&self) -> Result<u64> {
         self.with_leader(Duration::from_secs(60), |channel| async move {
-            Ok(ClusterServiceClient::new(channel).snapshot(pb::SnapshotRequest {}).await?.into_inner().snapshot_index)
+            Ok(ClusterServiceClient::new(channel)
+                .snapshot(pb::SnapshotRequest {})
+                .await?
+                .into_inner()
+                .snapshot_index)
         })
         .await
     }

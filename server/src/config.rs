@@ -10,7 +10,11 @@ use clap::Parser;
 
 /// Configuration of one replica.
 #[derive(Parser, Debug, Clone)]
-#[command(name = "tetherd", version, about = "Tether replica: Raft-replicated lock service")]
+#[command(
+    name = "tetherd",
+    version,
+    about = "Tether replica: Raft-replicated lock service"
+)]
 pub struct Config {
     /// This replica's Raft node id (unique in the cluster, > 0).
     #[arg(long, env = "TETHER_NODE_ID", default_value_t = 1)]
@@ -106,9 +110,13 @@ fn parse_scope_timeouts(text: &str) -> Result<ScopeTimeouts, String> {
 pub fn parse_members(text: &str) -> Result<BTreeMap<u64, String>, String> {
     let mut out = BTreeMap::new();
     for part in text.split(',').map(str::trim).filter(|p| !p.is_empty()) {
-        let (id, addr) =
-            part.split_once('=').ok_or_else(|| format!("expected ID=ADDR, got {part:?}"))?;
-        let id: u64 = id.trim().parse().map_err(|_| format!("bad node id {id:?} in {part:?}"))?;
+        let (id, addr) = part
+            .split_once('=')
+            .ok_or_else(|| format!("expected ID=ADDR, got {part:?}"))?;
+        let id: u64 = id
+            .trim()
+            .parse()
+            .map_err(|_| format!("bad node id {id:?} in {part:?}"))?;
         if id == 0 {
             return Err("node id 0 is reserved; ids start at 1".to_string());
         }
@@ -142,11 +150,17 @@ impl Config {
 
     /// The hold timeout that applies to a scope.
     pub fn hold_timeout_for(&self, scope: &str) -> Duration {
-        self.scope_hold_timeouts.get(scope).copied().unwrap_or(self.hold_timeout)
+        self.scope_hold_timeouts
+            .get(scope)
+            .copied()
+            .unwrap_or(self.hold_timeout)
     }
 
     /// The longest hold timeout of any scope: the leader's lock-delay.
     pub fn longest_hold_timeout(&self) -> Duration {
-        self.scope_hold_timeouts.values().copied().fold(self.hold_timeout, Duration::max)
+        self.scope_hold_timeouts
+            .values()
+            .copied()
+            .fold(self.hold_timeout, Duration::max)
     }
 }

@@ -20,7 +20,7 @@ pub enum ApiError {
     TooLarge(String),
     /// The state machine refused the command (deterministic).
     #[error(transparent)]
-    Command(#[from] CommandError),
+    Command(Box<CommandError>),
     /// This replica is not the leader; the caller should retry there.
     #[error("{}", not_leader_message(*.leader_id, .leader_addr))]
     NotLeader {
@@ -44,6 +44,12 @@ pub enum ApiError {
     /// A bug or storage failure.
     #[error("internal error: {0}")]
     Internal(String),
+}
+
+impl From<CommandError> for ApiError {
+    fn from(err: CommandError) -> Self {
+        ApiError::Command(Box::new(err))
+    }
 }
 
 fn not_leader_message(leader_id: Option<u64>, leader_addr: &Option<String>) -> String {
@@ -80,7 +86,7 @@ impl From<ApiError> for Status {
             ApiError::InvalidArgument(_) => Status::invalid_argument(message),
             ApiError::TooLarge(_) => Status::resource_exhausted(message),
             ApiError::Command(cmd) => {
-                let code = match cmd {
+                let code = match *cmd {
                     CommandError::QueueFull { .. } => Code::ResourceExhausted,
                     CommandError::LeaseNotFound { .. } => Code::NotFound,
                     CommandError::LockHeld { .. }
@@ -90,7 +96,10 @@ impl From<ApiError> for Status {
                 };
                 Status::new(code, message)
             }
-            ApiError::NotLeader { leader_id, leader_addr } => {
+            ApiError::NotLeader {
+                leader_id,
+                leader_addr,
+            } => {
                 let mut status = Status::unavailable(message);
                 if let Some(id) = leader_id
                     && let Ok(value) = id.to_string().parse()
@@ -116,7 +125,9 @@ impl From<ApiError> for Status {
 /// Maps openraft's "forward to leader" and fatal errors.
 pub fn from_raft_error<E>(err: openraft::error::RaftError<u64, E>) -> ApiError
 where
-    E: std::fmt::Debug + std::fmt::Display + openraft::TryAsRef<openraft::error::ForwardToLeader<u64, openraft::BasicNode>>,
+    E: std::fmt::Debug
+        + std::fmt::Display
+        + openraft::TryAsRef<openraft::error::ForwardToLeader<u64, openraft::BasicNode>>,
 {
     if let Some(forward) = err.forward_to_leader() {
         return ApiError::NotLeader {
@@ -125,9 +136,9 @@ where
         };
     }
     match err {
-        openraft::error::RaftError::Fatal(fatal) => {
-            ApiError::Unavailable(format!("this replica has stopped ({fatal}); use another replica"))
-        }
+        openraft::error::RaftError::Fatal(fatal) => ApiError::Unavailable(format!(
+            "this replica has stopped ({fatal}); use another replica"
+        )),
         openraft::error::RaftError::APIError(e) => ApiError::FailedPrecondition(e.to_string()),
     }
 }

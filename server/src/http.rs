@@ -37,9 +37,12 @@ async fn handle(mut stream: TcpStream, ctx: &Ctx) -> std::io::Result<()> {
     let mut len = 0;
     // Read until the end of the request head (or the buffer is full).
     while len < buf.len() && !buf[..len].windows(4).any(|w| w == b"\r\n\r\n") {
-        let n = tokio::time::timeout(std::time::Duration::from_secs(5), stream.read(&mut buf[len..]))
-            .await
-            .map_err(|_| std::io::Error::other("request head timed out"))??;
+        let n = tokio::time::timeout(
+            std::time::Duration::from_secs(5),
+            stream.read(&mut buf[len..]),
+        )
+        .await
+        .map_err(|_| std::io::Error::other("request head timed out"))??;
         if n == 0 {
             break;
         }
@@ -51,8 +54,16 @@ async fn handle(mut stream: TcpStream, ctx: &Ctx) -> std::io::Result<()> {
     let (status, content_type, body) = match (method, path) {
         ("GET", "/health") => health(ctx),
         ("GET", "/metrics") => ("200 OK", "text/plain; version=0.0.4", metrics(ctx)),
-        ("GET", _) => ("404 Not Found", "text/plain", "not found: try /health or /metrics\n".into()),
-        _ => ("405 Method Not Allowed", "text/plain", "only GET is served\n".into()),
+        ("GET", _) => (
+            "404 Not Found",
+            "text/plain",
+            "not found: try /health or /metrics\n".into(),
+        ),
+        _ => (
+            "405 Method Not Allowed",
+            "text/plain",
+            "only GET is served\n".into(),
+        ),
     };
     let response = format!(
         "HTTP/1.1 {status}\r\nContent-Type: {content_type}\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
@@ -70,11 +81,16 @@ fn health(ctx: &Ctx) -> (&'static str, &'static str, String) {
         "{{\"healthy\":{healthy},\"node_id\":{},\"state\":\"{:?}\",\"leader\":{},\"term\":{},\"applied_index\":{}}}\n",
         ctx.id,
         m.state,
-        m.current_leader.map_or("null".to_string(), |l| l.to_string()),
+        m.current_leader
+            .map_or("null".to_string(), |l| l.to_string()),
         m.current_term,
         m.last_applied.map_or(0, |l| l.index),
     );
-    let status = if healthy { "200 OK" } else { "503 Service Unavailable" };
+    let status = if healthy {
+        "200 OK"
+    } else {
+        "503 Service Unavailable"
+    };
     (status, "application/json", body)
 }
 
@@ -82,21 +98,74 @@ fn metrics(ctx: &Ctx) -> String {
     let m = ctx.raft.metrics().borrow().clone();
     let mut out = String::new();
     let gauge = |out: &mut String, name: &str, help: &str, value: u64| {
-        let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} gauge\n{name} {value}");
+        let _ = writeln!(
+            out,
+            "# HELP {name} {help}\n# TYPE {name} gauge\n{name} {value}"
+        );
     };
-    gauge(&mut out, "tether_raft_term", "Current Raft term.", m.current_term);
-    gauge(&mut out, "tether_raft_is_leader", "1 if this replica leads.", u64::from(m.state == ServerState::Leader));
-    gauge(&mut out, "tether_raft_last_log_index", "Last log index.", m.last_log_index.unwrap_or(0));
-    gauge(&mut out, "tether_raft_applied_index", "Last applied log index.", m.last_applied.map_or(0, |l| l.index));
-    gauge(&mut out, "tether_raft_snapshot_index", "Last snapshot's log index.", m.snapshot.map_or(0, |l| l.index));
+    gauge(
+        &mut out,
+        "tether_raft_term",
+        "Current Raft term.",
+        m.current_term,
+    );
+    gauge(
+        &mut out,
+        "tether_raft_is_leader",
+        "1 if this replica leads.",
+        u64::from(m.state == ServerState::Leader),
+    );
+    gauge(
+        &mut out,
+        "tether_raft_last_log_index",
+        "Last log index.",
+        m.last_log_index.unwrap_or(0),
+    );
+    gauge(
+        &mut out,
+        "tether_raft_applied_index",
+        "Last applied log index.",
+        m.last_applied.map_or(0, |l| l.index),
+    );
+    gauge(
+        &mut out,
+        "tether_raft_snapshot_index",
+        "Last snapshot's log index.",
+        m.snapshot.map_or(0, |l| l.index),
+    );
     {
         let applied = ctx.state.read();
-        let held = applied.state.locks.values().filter(|l| l.holder.is_some()).count() as u64;
-        let waiting = applied.state.locks.values().map(|l| l.waiters.len() as u64).sum();
+        let held = applied
+            .state
+            .locks
+            .values()
+            .filter(|l| l.holder.is_some())
+            .count() as u64;
+        let waiting = applied
+            .state
+            .locks
+            .values()
+            .map(|l| l.waiters.len() as u64)
+            .sum();
         gauge(&mut out, "tether_locks_held", "Locks with a holder.", held);
-        gauge(&mut out, "tether_lock_waiters", "Queued acquires over all locks.", waiting);
-        gauge(&mut out, "tether_ttl_leases", "Live TTL leases.", applied.state.leases.len() as u64);
-        gauge(&mut out, "tether_client_sessions", "Clients in the dedupe table.", applied.state.sessions.len() as u64);
+        gauge(
+            &mut out,
+            "tether_lock_waiters",
+            "Queued acquires over all locks.",
+            waiting,
+        );
+        gauge(
+            &mut out,
+            "tether_ttl_leases",
+            "Live TTL leases.",
+            applied.state.leases.len() as u64,
+        );
+        gauge(
+            &mut out,
+            "tether_client_sessions",
+            "Clients in the dedupe table.",
+            applied.state.sessions.len() as u64,
+        );
     }
     ctx.metrics.render(&mut out);
     out

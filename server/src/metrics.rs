@@ -17,21 +17,38 @@ impl Metrics {
     /// Counts one call of `method` that ended with `result` ("ok" or an error
     /// label).
     pub fn request(&self, method: &'static str, result: &'static str) {
-        *self.requests.lock().unwrap_or_else(|p| p.into_inner()).entry((method, result)).or_default() +=
-            1;
+        *self
+            .requests
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .entry((method, result))
+            .or_default() += 1;
     }
 
     /// Counts what a sweep expired.
     pub fn swept(&self, what: &'static str, count: u64) {
-        *self.sweeps.lock().unwrap_or_else(|p| p.into_inner()).entry(what).or_default() += count;
+        *self
+            .sweeps
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .entry(what)
+            .or_default() += count;
     }
 
     /// Renders the counters in Prometheus text format.
     pub fn render(&self, out: &mut String) {
         out.push_str("# HELP tether_requests_total gRPC calls by method and result.\n");
         out.push_str("# TYPE tether_requests_total counter\n");
-        for ((method, result), n) in self.requests.lock().unwrap_or_else(|p| p.into_inner()).iter() {
-            let _ = writeln!(out, "tether_requests_total{{method=\"{method}\",result=\"{result}\"}} {n}");
+        for ((method, result), n) in self
+            .requests
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .iter()
+        {
+            let _ = writeln!(
+                out,
+                "tether_requests_total{{method=\"{method}\",result=\"{result}\"}} {n}"
+            );
         }
         out.push_str("# HELP tether_expired_total Waits, leases, holds and sessions expired by sweeps this replica proposed.\n");
         out.push_str("# TYPE tether_expired_total counter\n");

@@ -57,15 +57,23 @@ impl Node {
 
     /// Starts the replica on already-bound listeners (tests bind port 0 and
     /// learn the addresses before building the member list).
-    pub async fn start_with(config: Config, grpc: TcpListener, http: TcpListener) -> anyhow::Result<Node> {
+    pub async fn start_with(
+        config: Config,
+        grpc: TcpListener,
+        http: TcpListener,
+    ) -> anyhow::Result<Node> {
         let grpc_addr = grpc.local_addr()?;
         let http_addr = http.local_addr()?;
-        let advertise = config.advertise.clone().unwrap_or_else(|| grpc_addr.to_string());
+        let advertise = config
+            .advertise
+            .clone()
+            .unwrap_or_else(|| grpc_addr.to_string());
         let id = config.node_id;
         anyhow::ensure!(id > 0, "node id must be at least 1");
 
-        std::fs::create_dir_all(&config.data_dir)
-            .with_context(|| format!("cannot create data directory {}", config.data_dir.display()))?;
+        std::fs::create_dir_all(&config.data_dir).with_context(|| {
+            format!("cannot create data directory {}", config.data_dir.display())
+        })?;
         let (log_store, sm_store) = store::open(&config.data_dir)
             .await
             .with_context(|| format!("cannot open the store in {}", config.data_dir.display()))?;
@@ -117,15 +125,28 @@ impl Node {
         let stop = wait_for(shutdown_rx.clone());
         tasks.push(tokio::spawn(async move {
             let incoming = TcpListenerStream::new(grpc);
-            if let Err(err) = grpc_server.serve_with_incoming_shutdown(incoming, stop).await {
+            if let Err(err) = grpc_server
+                .serve_with_incoming_shutdown(incoming, stop)
+                .await
+            {
                 tracing::error!(%err, "gRPC server failed");
             }
         }));
-        tasks.push(tokio::spawn(crate::http::serve(http, ctx.clone(), wait_for(shutdown_rx.clone()))));
+        tasks.push(tokio::spawn(crate::http::serve(
+            http,
+            ctx.clone(),
+            wait_for(shutdown_rx.clone()),
+        )));
         tasks.push(tokio::spawn(sweeper(ctx.clone(), shutdown_rx)));
 
         tracing::info!(node_id = id, grpc = %grpc_addr, advertise, http = %http_addr, data_dir = %config.data_dir.display(), "tetherd replica started");
-        Ok(Node { ctx, grpc_addr, http_addr, shutdown, tasks })
+        Ok(Node {
+            ctx,
+            grpc_addr,
+            http_addr,
+            shutdown,
+            tasks,
+        })
     }
 
     /// The gRPC address this replica listens on.
@@ -157,11 +178,17 @@ impl Node {
     /// other voter (so clients see no election timeout), then the servers and
     /// Raft stop.
     pub async fn shutdown(self) {
-        if self.ctx.raft.metrics().borrow().state == ServerState::Leader {
-            if let Some(target) = best_successor(&self.ctx) {
+        let leading = self.ctx.raft.metrics().borrow().state == ServerState::Leader;
+        if leading && let Some(target) = best_successor(&self.ctx) {
+            {
                 match transfer_leader(&self.ctx, target).await {
-                    Ok(leader) => tracing::info!(new_leader = leader, "leadership handed over before shutdown"),
-                    Err(err) => tracing::warn!(%err, "leadership hand-over failed; the others will elect"),
+                    Ok(leader) => tracing::info!(
+                        new_leader = leader,
+                        "leadership handed over before shutdown"
+                    ),
+                    Err(err) => {
+                        tracing::warn!(%err, "leadership hand-over failed; the others will elect")
+                    }
                 }
             }
         }
@@ -203,15 +230,26 @@ async fn bootstrap(ctx: &Ctx, advertise: &str) -> anyhow::Result<()> {
         tracing::info!("existing Raft state found; --initial-members is ignored");
         return Ok(());
     }
-    let lowest = *members.keys().next().expect("parse_members refuses an empty list");
+    let lowest = *members
+        .keys()
+        .next()
+        .expect("parse_members refuses an empty list");
     if lowest != ctx.id {
-        tracing::info!(bootstrapper = lowest, "waiting to be contacted by the cluster");
+        tracing::info!(
+            bootstrapper = lowest,
+            "waiting to be contacted by the cluster"
+        );
         return Ok(());
     }
-    let nodes: BTreeMap<u64, BasicNode> =
-        members.into_iter().map(|(id, addr)| (id, BasicNode { addr })).collect();
+    let nodes: BTreeMap<u64, BasicNode> = members
+        .into_iter()
+        .map(|(id, addr)| (id, BasicNode { addr }))
+        .collect();
     tracing::info!(members = ?nodes.keys().collect::<Vec<_>>(), "initializing a new cluster");
-    ctx.raft.initialize(nodes).await.context("cannot initialize the cluster")?;
+    ctx.raft
+        .initialize(nodes)
+        .await
+        .context("cannot initialize the cluster")?;
     Ok(())
 }
 
@@ -223,7 +261,13 @@ fn best_successor(ctx: &Ctx) -> Option<u64> {
         .membership()
         .voter_ids()
         .filter(|id| *id != ctx.id)
-        .max_by_key(|id| replication.get(id).copied().flatten().map_or(0, |l| l.index))
+        .max_by_key(|id| {
+            replication
+                .get(id)
+                .copied()
+                .flatten()
+                .map_or(0, |l| l.index)
+        })
 }
 
 /// While this replica leads, proposes a [`Sweep`] whenever its applied state
@@ -268,13 +312,25 @@ async fn sweeper(ctx: Arc<Ctx>, mut shutdown: watch::Receiver<bool>) {
         let request = Request::new(None, now, Command::Sweep(sweep));
         match ctx.raft.client_write(request).await {
             Ok(response) => {
-                if let Ok(Reply::Swept { waits, leases, holds, sessions }) = response.data.result {
+                if let Ok(Reply::Swept {
+                    waits,
+                    leases,
+                    holds,
+                    sessions,
+                }) = response.data.result
+                {
                     ctx.metrics.swept("wait", waits.into());
                     ctx.metrics.swept("lease", leases.into());
                     ctx.metrics.swept("hold", holds.into());
                     ctx.metrics.swept("session", sessions.into());
                     if holds > 0 || leases > 0 {
-                        tracing::info!(waits, leases, holds, sessions, "sweep expired holds or leases");
+                        tracing::info!(
+                            waits,
+                            leases,
+                            holds,
+                            sessions,
+                            "sweep expired holds or leases"
+                        );
                     }
                 }
             }

@@ -16,21 +16,48 @@ async fn acquire_release_round_trip_and_holder_read() {
     let cluster = Cluster::start(3).await;
     let client = cluster.client();
     let key = lock("node-1");
-    let hold = client.acquire(&key, &pod("u1"), b"gpu0,gpu1".to_vec(), Duration::ZERO, 0).await.unwrap();
+    let hold = client
+        .acquire(&key, &pod("u1"), b"gpu0,gpu1".to_vec(), Duration::ZERO, 0)
+        .await
+        .unwrap();
     assert!(hold.token > 0);
     let seen = client.holder(&key).await.unwrap().expect("held");
     assert_eq!(seen.token, hold.token);
     assert_eq!(seen.payload, b"gpu0,gpu1");
     assert_eq!(seen.pod.unwrap().uid, "u1");
 
-    let err = client.acquire(&key, &pod("u2"), vec![], Duration::ZERO, 0).await.unwrap_err();
-    assert!(matches!(&err, Error::FailedPrecondition(m) if m.contains(&format!("token {}", hold.token))), "{err}");
-    let err = client.release(&key, "u1", hold.token + 100, Outcome::Allocated).await.unwrap_err();
-    assert!(matches!(&err, Error::FailedPrecondition(m) if m.contains(&format!("current token is {}", hold.token))), "{err}");
-    let err = client.release(&key, "u2", hold.token, Outcome::Allocated).await.unwrap_err();
-    assert!(matches!(&err, Error::FailedPrecondition(m) if m.contains("does not hold")), "{err}");
+    let err = client
+        .acquire(&key, &pod("u2"), vec![], Duration::ZERO, 0)
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(&err, Error::FailedPrecondition(m) if m.contains(&format!("token {}", hold.token))),
+        "{err}"
+    );
+    let err = client
+        .release(&key, "u1", hold.token + 100, Outcome::Allocated)
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(&err, Error::FailedPrecondition(m) if m.contains(&format!("current token is {}", hold.token))),
+        "{err}"
+    );
+    let err = client
+        .release(&key, "u2", hold.token, Outcome::Allocated)
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(&err, Error::FailedPrecondition(m) if m.contains("does not hold")),
+        "{err}"
+    );
 
-    assert_eq!(client.release(&key, "u1", hold.token, Outcome::Allocated).await.unwrap(), None);
+    assert_eq!(
+        client
+            .release(&key, "u1", hold.token, Outcome::Allocated)
+            .await
+            .unwrap(),
+        None
+    );
     assert_eq!(client.holder(&key).await.unwrap(), None);
     cluster.shutdown().await;
 }
@@ -40,7 +67,10 @@ async fn fifty_waiters_are_granted_in_fifo_order_exactly_once_with_increasing_to
     let cluster = Cluster::start(3).await;
     let client = Arc::new(cluster.client());
     let key = lock("node-fifo");
-    let first = client.acquire(&key, &pod("holder"), vec![], Duration::ZERO, 0).await.unwrap();
+    let first = client
+        .acquire(&key, &pod("holder"), vec![], Duration::ZERO, 0)
+        .await
+        .unwrap();
 
     let grants: Arc<Mutex<Vec<(usize, u64)>>> = Arc::default();
     let mut tasks = Vec::new();
@@ -61,23 +91,39 @@ async fn fifty_waiters_are_granted_in_fifo_order_exactly_once_with_increasing_to
                 .await
                 .unwrap();
             grants.lock().unwrap().push((i, hold.token));
-            client.release(&key, &uid, hold.token, Outcome::Allocated).await.unwrap();
+            client
+                .release(&key, &uid, hold.token, Outcome::Allocated)
+                .await
+                .unwrap();
         }));
         // Queue them one after another so the FIFO order is known.
         queued_rx.await.expect("waiter queued");
     }
     let state = client.get(&key).await.unwrap();
     assert_eq!(state.waiters.len(), 50);
-    client.release(&key, "holder", first.token, Outcome::Allocated).await.unwrap();
+    client
+        .release(&key, "holder", first.token, Outcome::Allocated)
+        .await
+        .unwrap();
     for task in tasks {
-        tokio::time::timeout(DEADLINE, task).await.expect("waiter finished").unwrap();
+        tokio::time::timeout(DEADLINE, task)
+            .await
+            .expect("waiter finished")
+            .unwrap();
     }
     let grants = grants.lock().unwrap().clone();
     let order: Vec<usize> = grants.iter().map(|(i, _)| *i).collect();
-    assert_eq!(order, (0..50).collect::<Vec<_>>(), "grants out of FIFO order");
+    assert_eq!(
+        order,
+        (0..50).collect::<Vec<_>>(),
+        "grants out of FIFO order"
+    );
     let mut last = first.token;
     for (i, token) in grants {
-        assert!(token > last, "waiter {i} got token {token}, not above {last}");
+        assert!(
+            token > last,
+            "waiter {i} got token {token}, not above {last}"
+        );
         last = token;
     }
     assert_eq!(client.holder(&key).await.unwrap(), None);
@@ -89,13 +135,28 @@ async fn waiter_whose_deadline_passes_leaves_the_queue_with_deadline_exceeded() 
     let cluster = Cluster::start(3).await;
     let client = cluster.client();
     let key = lock("node-deadline");
-    let hold = client.acquire(&key, &pod("u1"), vec![], Duration::ZERO, 0).await.unwrap();
-    let err = client.acquire(&key, &pod("u2"), vec![], Duration::from_millis(700), 0).await.unwrap_err();
+    let hold = client
+        .acquire(&key, &pod("u1"), vec![], Duration::ZERO, 0)
+        .await
+        .unwrap();
+    let err = client
+        .acquire(&key, &pod("u2"), vec![], Duration::from_millis(700), 0)
+        .await
+        .unwrap_err();
     assert!(matches!(err, Error::DeadlineExceeded(_)), "{err}");
     let state = client.get(&key).await.unwrap();
-    assert!(state.waiters.is_empty(), "the waiter must have left the queue: {state:?}");
+    assert!(
+        state.waiters.is_empty(),
+        "the waiter must have left the queue: {state:?}"
+    );
     // Releasing now frees the lock: nobody is granted behind our back.
-    assert_eq!(client.release(&key, "u1", hold.token, Outcome::Failed).await.unwrap(), None);
+    assert_eq!(
+        client
+            .release(&key, "u1", hold.token, Outcome::Failed)
+            .await
+            .unwrap(),
+        None
+    );
     cluster.shutdown().await;
 }
 
@@ -104,7 +165,10 @@ async fn leader_killed_while_waiters_are_queued_keeps_queue_holder_and_token_ord
     let mut cluster = Cluster::start(3).await;
     let client = Arc::new(cluster.client());
     let key = lock("node-failover");
-    let first = client.acquire(&key, &pod("a"), vec![], Duration::ZERO, 0).await.unwrap();
+    let first = client
+        .acquire(&key, &pod("a"), vec![], Duration::ZERO, 0)
+        .await
+        .unwrap();
     let mut waiters = Vec::new();
     for uid in ["b", "c"] {
         let (tx, rx) = tokio::sync::oneshot::channel();
@@ -130,16 +194,36 @@ async fn leader_killed_while_waiters_are_queued_keeps_queue_holder_and_token_ord
     assert_ne!(new_leader, old_leader);
 
     let state = client.get(&key).await.unwrap();
-    assert_eq!(state.holder.as_ref().unwrap().token, first.token, "holder survived");
-    let queue: Vec<String> = state.waiters.iter().map(|w| w.pod.clone().unwrap().uid).collect();
+    assert_eq!(
+        state.holder.as_ref().unwrap().token,
+        first.token,
+        "holder survived"
+    );
+    let queue: Vec<String> = state
+        .waiters
+        .iter()
+        .map(|w| w.pod.clone().unwrap().uid)
+        .collect();
     assert_eq!(queue, ["b", "c"], "queue survived in order");
 
-    let next = client.release(&key, "a", first.token, Outcome::Allocated).await.unwrap().expect("b granted");
+    let next = client
+        .release(&key, "a", first.token, Outcome::Allocated)
+        .await
+        .unwrap()
+        .expect("b granted");
     assert_eq!(next.pod.as_ref().unwrap().uid, "b");
     assert!(next.token > first.token);
-    let b = waiters.remove(0).await.unwrap().expect("b's acquire completes after the failover");
+    let b = waiters
+        .remove(0)
+        .await
+        .unwrap()
+        .expect("b's acquire completes after the failover");
     assert_eq!(b.token, next.token);
-    let c_next = client.release(&key, "b", b.token, Outcome::Allocated).await.unwrap().expect("c granted");
+    let c_next = client
+        .release(&key, "b", b.token, Outcome::Allocated)
+        .await
+        .unwrap()
+        .expect("c granted");
     assert!(c_next.token > b.token);
     let c = waiters.remove(0).await.unwrap().expect("c granted");
     assert_eq!(c.token, c_next.token);
@@ -152,8 +236,14 @@ async fn revoke_pod_releases_the_hold_and_hands_over_to_the_next_waiter() {
     let client = Arc::new(cluster.client());
     let key = lock("node-revoke");
     let other = lock("node-other");
-    client.acquire(&key, &pod("gone"), vec![], Duration::ZERO, 0).await.unwrap();
-    client.acquire(&other, &pod("busy"), vec![], Duration::ZERO, 0).await.unwrap();
+    client
+        .acquire(&key, &pod("gone"), vec![], Duration::ZERO, 0)
+        .await
+        .unwrap();
+    client
+        .acquire(&other, &pod("busy"), vec![], Duration::ZERO, 0)
+        .await
+        .unwrap();
     let (tx, rx) = tokio::sync::oneshot::channel();
     let tx = Mutex::new(Some(tx));
     let (c2, k2) = (client.clone(), key.clone());
@@ -168,7 +258,8 @@ async fn revoke_pod_releases_the_hold_and_hands_over_to_the_next_waiter() {
     rx.await.unwrap();
     // The revoked pod also waits on another lock: that wait goes too.
     let (c3, o3) = (client.clone(), other.clone());
-    let gone_wait = tokio::spawn(async move { c3.acquire(&o3, &pod("gone"), vec![], DEADLINE, 0).await });
+    let gone_wait =
+        tokio::spawn(async move { c3.acquire(&o3, &pod("gone"), vec![], DEADLINE, 0).await });
     let deadline = tokio::time::Instant::now() + DEADLINE;
     while client.get(&other).await.unwrap().waiters.is_empty() {
         assert!(tokio::time::Instant::now() < deadline);
@@ -179,7 +270,10 @@ async fn revoke_pod_releases_the_hold_and_hands_over_to_the_next_waiter() {
     assert_eq!(reply.released, vec![key.clone()]);
     assert_eq!(reply.dequeued, vec![other.clone()]);
     assert_eq!(reply.granted.len(), 1);
-    let hold = next.await.unwrap().expect("next waiter granted by the revoke");
+    let hold = next
+        .await
+        .unwrap()
+        .expect("next waiter granted by the revoke");
     assert_eq!(hold.pod.unwrap().uid, "next");
     assert_eq!(hold.payload, b"plan");
     let err = gone_wait.await.unwrap().unwrap_err();
@@ -194,7 +288,10 @@ async fn retried_request_after_a_leader_change_is_not_applied_twice() {
     let client = cluster.client();
     let key = lock("node-dedupe");
     let request = pb::AcquireRequest {
-        request_id: Some(pb::RequestId { client_id: "retry-test".into(), sequence: 1 }),
+        request_id: Some(pb::RequestId {
+            client_id: "retry-test".into(),
+            sequence: 1,
+        }),
         key: Some(key.clone()),
         pod: Some(pod("u1")),
         payload: vec![],
@@ -202,17 +299,48 @@ async fn retried_request_after_a_leader_change_is_not_applied_twice() {
         lease_id: 0,
     };
     let leader = cluster.wait_leader().await;
-    let mut raw = LockServiceClient::connect(format!("http://{}", cluster.addrs[&leader])).await.unwrap();
-    let first = raw.acquire(request.clone()).await.unwrap().into_inner().message().await.unwrap().unwrap();
+    let mut raw = LockServiceClient::connect(format!("http://{}", cluster.addrs[&leader]))
+        .await
+        .unwrap();
+    let first = raw
+        .acquire(request.clone())
+        .await
+        .unwrap()
+        .into_inner()
+        .message()
+        .await
+        .unwrap()
+        .unwrap();
     let token = first.hold.unwrap().token;
-    client.release(&key, "u1", token, Outcome::Allocated).await.unwrap();
+    client
+        .release(&key, "u1", token, Outcome::Allocated)
+        .await
+        .unwrap();
 
     cluster.stop(leader).await;
     let new_leader = cluster.wait_leader().await;
-    let mut raw = LockServiceClient::connect(format!("http://{}", cluster.addrs[&new_leader])).await.unwrap();
-    let retry = raw.acquire(request).await.unwrap().into_inner().message().await.unwrap().unwrap();
-    assert_eq!(retry.hold.unwrap().token, token, "the retry gets the stored answer");
-    assert_eq!(client.holder(&key).await.unwrap(), None, "the retry did not take the lock again");
+    let mut raw = LockServiceClient::connect(format!("http://{}", cluster.addrs[&new_leader]))
+        .await
+        .unwrap();
+    let retry = raw
+        .acquire(request)
+        .await
+        .unwrap()
+        .into_inner()
+        .message()
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(
+        retry.hold.unwrap().token,
+        token,
+        "the retry gets the stored answer"
+    );
+    assert_eq!(
+        client.holder(&key).await.unwrap(),
+        None,
+        "the retry did not take the lock again"
+    );
     cluster.shutdown().await;
 }
 
@@ -223,20 +351,49 @@ async fn invalid_names_and_oversized_payloads_are_refused_and_change_nothing() {
     let leader = cluster.wait_leader().await;
     let before = cluster.applied(leader);
     let cases: Vec<(pb::LockKey, pb::Pod, usize, &str)> = vec![
-        (pb::LockKey { scope: "GPU".into(), name: "n1".into() }, pod("u1"), 0, "scope"),
-        (pb::LockKey { scope: "gpu".into(), name: "bad_name".into() }, pod("u1"), 0, "name"),
+        (
+            pb::LockKey {
+                scope: "GPU".into(),
+                name: "n1".into(),
+            },
+            pod("u1"),
+            0,
+            "scope",
+        ),
+        (
+            pb::LockKey {
+                scope: "gpu".into(),
+                name: "bad_name".into(),
+            },
+            pod("u1"),
+            0,
+            "name",
+        ),
         (lock("n1"), pod("not/a/uid"), 0, "uid"),
     ];
     for (key, pod, size, what) in cases {
-        let err = client.acquire(&key, &pod, vec![0; size], Duration::ZERO, 0).await.unwrap_err();
+        let err = client
+            .acquire(&key, &pod, vec![0; size], Duration::ZERO, 0)
+            .await
+            .unwrap_err();
         assert!(matches!(err, Error::InvalidArgument(_)), "{what}: {err}");
     }
-    let err = client.acquire(&lock("n1"), &pod("u1"), vec![0; 1025], Duration::ZERO, 0).await.unwrap_err();
-    assert!(matches!(&err, Error::ResourceExhausted(m) if m.contains("1024")), "{err}");
+    let err = client
+        .acquire(&lock("n1"), &pod("u1"), vec![0; 1025], Duration::ZERO, 0)
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(&err, Error::ResourceExhausted(m) if m.contains("1024")),
+        "{err}"
+    );
     let err = client.revoke_pod("", "x").await.unwrap_err();
     assert!(matches!(err, Error::InvalidArgument(_)), "{err}");
     assert!(client.list("").await.unwrap().is_empty());
-    assert_eq!(cluster.applied(leader), before, "refused input must not reach the log");
+    assert_eq!(
+        cluster.applied(leader),
+        before,
+        "refused input must not reach the log"
+    );
     cluster.shutdown().await;
 }
 
@@ -245,12 +402,29 @@ async fn follower_answers_writes_with_unavailable_and_the_leader_address() {
     let cluster = Cluster::start(3).await;
     let leader = cluster.wait_leader().await;
     let follower = *cluster.addrs.keys().find(|id| **id != leader).unwrap();
-    let mut raw = LockServiceClient::connect(format!("http://{}", cluster.addrs[&follower])).await.unwrap();
-    let request = pb::ReleaseRequest { key: Some(lock("n1")), pod_uid: "u1".into(), token: 1, ..Default::default() };
+    let mut raw = LockServiceClient::connect(format!("http://{}", cluster.addrs[&follower]))
+        .await
+        .unwrap();
+    let request = pb::ReleaseRequest {
+        key: Some(lock("n1")),
+        pod_uid: "u1".into(),
+        token: 1,
+        ..Default::default()
+    };
     let status = raw.release(request).await.unwrap_err();
     assert_eq!(status.code(), tonic::Code::Unavailable);
-    let addr = status.metadata().get(tether_client::proto::LEADER_ADDR_METADATA).unwrap().to_str().unwrap().to_string();
+    let addr = status
+        .metadata()
+        .get(tether_client::proto::LEADER_ADDR_METADATA)
+        .unwrap()
+        .to_str()
+        .unwrap()
+        .to_string();
     assert_eq!(addr, cluster.addrs[&leader].to_string());
-    assert!(status.message().contains(&format!("node {leader}")), "{}", status.message());
+    assert!(
+        status.message().contains(&format!("node {leader}")),
+        "{}",
+        status.message()
+    );
     cluster.shutdown().await;
 }

@@ -19,7 +19,13 @@ use tether_client::{AcquireProgress, Client, Error, Options, parse_lock_key};
 struct Cli {
     /// Replicas to talk to, comma-separated host:port (any replica; the
     /// leader is found and followed).
-    #[arg(long, env = "TETHER_ENDPOINTS", default_value = "127.0.0.1:7420", global = true, value_delimiter = ',')]
+    #[arg(
+        long,
+        env = "TETHER_ENDPOINTS",
+        default_value = "127.0.0.1:7420",
+        global = true,
+        value_delimiter = ','
+    )]
     endpoints: Vec<String>,
 
     /// Output format.
@@ -196,7 +202,12 @@ enum LeaseCmd {
 fn payload_json(payload: &[u8]) -> Value {
     match std::str::from_utf8(payload) {
         Ok(text) => Value::String(text.to_string()),
-        Err(_) => Value::String(payload.iter().map(|b| format!("{b:02x}")).collect::<String>()),
+        Err(_) => Value::String(
+            payload
+                .iter()
+                .map(|b| format!("{b:02x}"))
+                .collect::<String>(),
+        ),
     }
 }
 
@@ -229,7 +240,9 @@ fn lock_json(lock: &pb::LockState) -> Value {
 
 fn pod_label(pod: &Option<pb::Pod>) -> String {
     match pod {
-        Some(p) if !p.namespace.is_empty() || !p.name.is_empty() => format!("{}/{} ({})", p.namespace, p.name, p.uid),
+        Some(p) if !p.namespace.is_empty() || !p.name.is_empty() => {
+            format!("{}/{} ({})", p.namespace, p.name, p.uid)
+        }
         Some(p) => p.uid.clone(),
         None => "-".into(),
     }
@@ -240,10 +253,18 @@ fn parse_pod(uid: &str, pod: &Option<String>) -> Result<pb::Pod, Error> {
         None => (String::new(), String::new()),
         Some(text) => match text.split_once('/') {
             Some((ns, name)) => (ns.to_string(), name.to_string()),
-            None => return Err(Error::InvalidArgument(format!("--pod {text:?} must be NAMESPACE/NAME"))),
+            None => {
+                return Err(Error::InvalidArgument(format!(
+                    "--pod {text:?} must be NAMESPACE/NAME"
+                )));
+            }
         },
     };
-    Ok(pb::Pod { uid: uid.to_string(), namespace, name })
+    Ok(pb::Pod {
+        uid: uid.to_string(),
+        namespace,
+        name,
+    })
 }
 
 struct Out {
@@ -297,7 +318,8 @@ async fn cluster_status(client: &Client, out: &Out) -> Result<(), Error> {
         .iter()
         .map(|m| json!({"node_id": m.node_id, "addr": m.addr, "voter": m.voter, "matched_index": m.matched_index}))
         .collect();
-    let value = json!({"endpoints": rows, "members": members_json, "leader": leader.as_ref().map(|l| l.0)});
+    let value =
+        json!({"endpoints": rows, "members": members_json, "leader": leader.as_ref().map(|l| l.0)});
     out.print(value, || {
         let mut text = String::new();
         text.push_str(&format!("{:<22} {:>4} {:<10} {:>6} {:>6} {:>10} {:>10} {:>6}\n", "ENDPOINT", "ID", "ROLE", "LEADER", "TERM", "LAST_LOG", "APPLIED", "LOCKS"));
@@ -330,79 +352,134 @@ async fn cluster_status(client: &Client, out: &Out) -> Result<(), Error> {
 }
 
 async fn run(cli: Cli) -> Result<(), Error> {
-    let options = Options { call_timeout: cli.timeout, ..Options::default() };
+    let options = Options {
+        call_timeout: cli.timeout,
+        ..Options::default()
+    };
     let client = Client::new(cli.endpoints.clone(), options)?;
     let out = Out { format: cli.output };
     match cli.command {
         Command::Cluster(ClusterCmd::Status) => cluster_status(&client, &out).await?,
-        Command::Cluster(ClusterCmd::AddLearner { node_id, addr, no_wait }) => {
+        Command::Cluster(ClusterCmd::AddLearner {
+            node_id,
+            addr,
+            no_wait,
+        }) => {
             let index = client.add_learner(node_id, &addr, !no_wait).await?;
-            out.print(json!({"node_id": node_id, "log_index": index}), || format!("node {node_id} added as learner (log index {index})"));
+            out.print(json!({"node_id": node_id, "log_index": index}), || {
+                format!("node {node_id} added as learner (log index {index})")
+            });
         }
         Command::Cluster(ClusterCmd::ChangeMembership { voters, retain }) => {
             let index = client.change_membership(voters.clone(), retain).await?;
-            out.print(json!({"voters": voters, "log_index": index}), || format!("voters are now {voters:?} (log index {index})"));
+            out.print(json!({"voters": voters, "log_index": index}), || {
+                format!("voters are now {voters:?} (log index {index})")
+            });
         }
         Command::Cluster(ClusterCmd::TransferLeader { node_id }) => {
             let leader = client.transfer_leader(node_id).await?;
-            out.print(json!({"leader_id": leader}), || format!("leader is now node {leader}"));
+            out.print(json!({"leader_id": leader}), || {
+                format!("leader is now node {leader}")
+            });
         }
         Command::Cluster(ClusterCmd::Snapshot) => {
             let index = client.snapshot().await?;
-            out.print(json!({"snapshot_index": index}), || format!("snapshot at log index {index}"));
+            out.print(json!({"snapshot_index": index}), || {
+                format!("snapshot at log index {index}")
+            });
         }
-        Command::Lock(LockCmd::Acquire { lock, pod_uid, pod, payload, payload_file, wait, lease }) => {
+        Command::Lock(LockCmd::Acquire {
+            lock,
+            pod_uid,
+            pod,
+            payload,
+            payload_file,
+            wait,
+            lease,
+        }) => {
             let key = parse_lock_key(&lock)?;
             let pod = parse_pod(&pod_uid, &pod)?;
             let payload = match (payload, payload_file) {
                 (Some(text), _) => text.into_bytes(),
-                (None, Some(path)) => std::fs::read(&path)
-                    .map_err(|e| Error::InvalidArgument(format!("cannot read --payload-file {}: {e}", path.display())))?,
+                (None, Some(path)) => std::fs::read(&path).map_err(|e| {
+                    Error::InvalidArgument(format!(
+                        "cannot read --payload-file {}: {e}",
+                        path.display()
+                    ))
+                })?,
                 (None, None) => Vec::new(),
             };
             let table = out.format == Format::Table;
             let hold = client
                 .acquire_with_progress(&key, &pod, payload, wait, lease, |progress| {
                     if let (AcquireProgress::Queued(position), true) = (progress, table) {
-                        eprintln!("queued for {lock} at position {position}; waiting up to {}", humantime::format_duration(wait));
+                        eprintln!(
+                            "queued for {lock} at position {position}; waiting up to {}",
+                            humantime::format_duration(wait)
+                        );
                     }
                 })
                 .await?;
             out.print(hold_json(&hold), || hold.token.to_string());
         }
-        Command::Lock(LockCmd::Release { lock, pod_uid, token, outcome }) => {
+        Command::Lock(LockCmd::Release {
+            lock,
+            pod_uid,
+            token,
+            outcome,
+        }) => {
             let key = parse_lock_key(&lock)?;
             let outcome = match outcome {
                 OutcomeArg::Allocated => Outcome::Allocated,
                 OutcomeArg::Failed => Outcome::Failed,
             };
             let next = client.release(&key, &pod_uid, token, outcome).await?;
-            out.print(json!({"released": true, "next_holder": next.as_ref().map(hold_json)}), || match &next {
-                Some(hold) => format!("released; granted to {} with token {}", pod_label(&hold.pod), hold.token),
-                None => "released".to_string(),
-            });
+            out.print(
+                json!({"released": true, "next_holder": next.as_ref().map(hold_json)}),
+                || match &next {
+                    Some(hold) => format!(
+                        "released; granted to {} with token {}",
+                        pod_label(&hold.pod),
+                        hold.token
+                    ),
+                    None => "released".to_string(),
+                },
+            );
         }
         Command::Lock(LockCmd::Holder { lock }) => {
             let key = parse_lock_key(&lock)?;
             let hold = client.holder(&key).await?;
-            out.print(json!({"lock": lock, "holder": hold.as_ref().map(hold_json)}), || match &hold {
-                Some(h) => format!(
-                    "{lock} held by {} token {} payload {}",
-                    pod_label(&h.pod), h.token, payload_json(&h.payload)
-                ),
-                None => format!("{lock} is free"),
-            });
+            out.print(
+                json!({"lock": lock, "holder": hold.as_ref().map(hold_json)}),
+                || match &hold {
+                    Some(h) => format!(
+                        "{lock} held by {} token {} payload {}",
+                        pod_label(&h.pod),
+                        h.token,
+                        payload_json(&h.payload)
+                    ),
+                    None => format!("{lock} is free"),
+                },
+            );
         }
         Command::Lock(LockCmd::Get { lock }) => {
             let key = parse_lock_key(&lock)?;
             let state = client.get(&key).await?;
-            out.print(lock_json(&state), || lock_table(std::slice::from_ref(&state)));
+            out.print(lock_json(&state), || {
+                lock_table(std::slice::from_ref(&state))
+            });
         }
         Command::Lock(LockCmd::List { scope }) => {
             let locks = client.list(&scope).await?;
-            out.print(Value::Array(locks.iter().map(lock_json).collect()), || lock_table(&locks));
+            out.print(Value::Array(locks.iter().map(lock_json).collect()), || {
+                lock_table(&locks)
+            });
         }
-        Command::Lock(LockCmd::ForceRelease { lock, reason, operator }) => {
+        Command::Lock(LockCmd::ForceRelease {
+            lock,
+            reason,
+            operator,
+        }) => {
             let key = parse_lock_key(&lock)?;
             let reply = client.force_release(&key, &operator, &reason).await?;
             out.print(
@@ -419,7 +496,11 @@ async fn run(cli: Cli) -> Result<(), Error> {
         }
         Command::Lease(LeaseCmd::RevokePod { pod_uid, reason }) => {
             let reply = client.revoke_pod(&pod_uid, &reason).await?;
-            let keys = |keys: &[pb::LockKey]| keys.iter().map(|k| format!("{}/{}", k.scope, k.name)).collect::<Vec<_>>();
+            let keys = |keys: &[pb::LockKey]| {
+                keys.iter()
+                    .map(|k| format!("{}/{}", k.scope, k.name))
+                    .collect::<Vec<_>>()
+            };
             let released = keys(&reply.released);
             let dequeued = keys(&reply.dequeued);
             out.print(json!({"released": released, "dequeued": dequeued, "granted": reply.granted.len()}), || {
@@ -433,9 +514,14 @@ async fn run(cli: Cli) -> Result<(), Error> {
         Command::Lease(LeaseCmd::KeepAlive { lease_id }) => loop {
             let ttl = client.keep_alive_once(lease_id).await?;
             if ttl == 0 {
-                return Err(Error::NotFound(format!("lease {lease_id} expired or was revoked")));
+                return Err(Error::NotFound(format!(
+                    "lease {lease_id} expired or was revoked"
+                )));
             }
-            eprintln!("lease {lease_id} kept alive (ttl {})", humantime::format_duration(Duration::from_millis(ttl)));
+            eprintln!(
+                "lease {lease_id} kept alive (ttl {})",
+                humantime::format_duration(Duration::from_millis(ttl))
+            );
             tokio::select! {
                 _ = tokio::time::sleep(Duration::from_millis(ttl / 3)) => {}
                 _ = tokio::signal::ctrl_c() => return Ok(()),
@@ -443,23 +529,39 @@ async fn run(cli: Cli) -> Result<(), Error> {
         },
         Command::Lease(LeaseCmd::Revoke { lease_id }) => {
             let reply = client.revoke_lease(lease_id).await?;
-            out.print(json!({"released": reply.released.len(), "dequeued": reply.dequeued.len()}), || {
-                format!("lease {lease_id} revoked: {} holds released, {} waits dropped", reply.released.len(), reply.dequeued.len())
-            });
+            out.print(
+                json!({"released": reply.released.len(), "dequeued": reply.dequeued.len()}),
+                || {
+                    format!(
+                        "lease {lease_id} revoked: {} holds released, {} waits dropped",
+                        reply.released.len(),
+                        reply.dequeued.len()
+                    )
+                },
+            );
         }
     }
     Ok(())
 }
 
 fn lock_table(locks: &[pb::LockState]) -> String {
-    let mut text = format!("{:<32} {:<48} {:>8} {:>7}\n", "LOCK", "HOLDER", "TOKEN", "WAITERS");
+    let mut text = format!(
+        "{:<32} {:<48} {:>8} {:>7}\n",
+        "LOCK", "HOLDER", "TOKEN", "WAITERS"
+    );
     for lock in locks {
         let key = lock.key.clone().unwrap_or_default();
         let (holder, token) = match &lock.holder {
             Some(h) => (pod_label(&h.pod), h.token.to_string()),
             None => ("-".to_string(), "-".to_string()),
         };
-        text.push_str(&format!("{:<32} {:<48} {:>8} {:>7}\n", format!("{}/{}", key.scope, key.name), holder, token, lock.waiters.len()));
+        text.push_str(&format!(
+            "{:<32} {:<48} {:>8} {:>7}\n",
+            format!("{}/{}", key.scope, key.name),
+            holder,
+            token,
+            lock.waiters.len()
+        ));
         for (i, w) in lock.waiters.iter().enumerate() {
             text.push_str(&format!("  {}. {}\n", i + 1, pod_label(&w.pod)));
         }

@@ -47,7 +47,11 @@ pub fn status(ctx: &Ctx) -> pb::StatusResponse {
             node_id: *id,
             addr: node.addr.clone(),
             voter: voters.contains(id),
-            matched_index: replication.get(id).copied().flatten().map_or(0, |l| l.index),
+            matched_index: replication
+                .get(id)
+                .copied()
+                .flatten()
+                .map_or(0, |l| l.index),
         })
         .collect();
     let leader_addr = metrics
@@ -75,9 +79,16 @@ fn require_leader(ctx: &Ctx) -> Result<()> {
         return Ok(());
     }
     let leader_addr = metrics.current_leader.and_then(|id| {
-        metrics.membership_config.membership().get_node(&id).map(|n| n.addr.clone())
+        metrics
+            .membership_config
+            .membership()
+            .get_node(&id)
+            .map(|n| n.addr.clone())
     });
-    Err(ApiError::NotLeader { leader_id: metrics.current_leader, leader_addr })
+    Err(ApiError::NotLeader {
+        leader_id: metrics.current_leader,
+        leader_addr,
+    })
 }
 
 /// Hands leadership to `target`, a voter. openraft 0.9 has no leader transfer,
@@ -97,7 +108,10 @@ pub async fn transfer_leader(ctx: &Ctx, target: u64) -> Result<u64> {
             "node {target} is not a voter; promote it with ChangeMembership first"
         )));
     }
-    let addr = membership.get_node(&target).map(|n| n.addr.clone()).unwrap_or_default();
+    let addr = membership
+        .get_node(&target)
+        .map(|n| n.addr.clone())
+        .unwrap_or_default();
     let timeout = ctx.config.election_timeout_max() * 4;
 
     // 1. The target must have the whole log, or it cannot win the election.
@@ -106,7 +120,10 @@ pub async fn transfer_leader(ctx: &Ctx, target: u64) -> Result<u64> {
         loop {
             let (last, matched) = {
                 let m = rx.borrow();
-                let matched = m.replication.as_ref().and_then(|r| r.get(&target).copied().flatten());
+                let matched = m
+                    .replication
+                    .as_ref()
+                    .and_then(|r| r.get(&target).copied().flatten());
                 (m.last_log_index, matched.map(|l| l.index))
             };
             if last.is_some() && matched >= last {
@@ -130,7 +147,9 @@ pub async fn transfer_leader(ctx: &Ctx, target: u64) -> Result<u64> {
         tokio::time::sleep(ctx.config.election_timeout_max() + Duration::from_millis(50)).await;
         let mut client = RaftServiceClient::connect(format!("http://{addr}"))
             .await
-            .map_err(|e| ApiError::Unavailable(format!("cannot reach node {target} at {addr}: {e}")))?;
+            .map_err(|e| {
+                ApiError::Unavailable(format!("cannot reach node {target} at {addr}: {e}"))
+            })?;
         client
             .timeout_now(pb::RaftRequest { data: Vec::new() })
             .await
@@ -150,7 +169,11 @@ pub async fn transfer_leader(ctx: &Ctx, target: u64) -> Result<u64> {
         .await
         .ok()
         .flatten()
-        .ok_or_else(|| ApiError::Unavailable(format!("node {target} did not take over within {timeout:?}")))
+        .ok_or_else(|| {
+            ApiError::Unavailable(format!(
+                "node {target} did not take over within {timeout:?}"
+            ))
+        })
     }
     .await;
     ctx.raft.runtime_config().heartbeat(true);
@@ -160,20 +183,38 @@ pub async fn transfer_leader(ctx: &Ctx, target: u64) -> Result<u64> {
 impl ClusterApi {
     async fn do_add_learner(&self, req: pb::AddLearnerRequest) -> Result<pb::AddLearnerResponse> {
         if req.node_id == 0 {
-            return Err(ApiError::InvalidArgument("node id 0 is reserved; ids start at 1".into()));
+            return Err(ApiError::InvalidArgument(
+                "node id 0 is reserved; ids start at 1".into(),
+            ));
         }
         if req.addr.trim().is_empty() {
-            return Err(ApiError::InvalidArgument("the learner's address is required".into()));
+            return Err(ApiError::InvalidArgument(
+                "the learner's address is required".into(),
+            ));
         }
-        let node = BasicNode { addr: req.addr.clone() };
-        let response = self.ctx.raft.add_learner(req.node_id, node, req.blocking).await.map_err(from_raft_error)?;
+        let node = BasicNode {
+            addr: req.addr.clone(),
+        };
+        let response = self
+            .ctx
+            .raft
+            .add_learner(req.node_id, node, req.blocking)
+            .await
+            .map_err(from_raft_error)?;
         tracing::info!(node_id = req.node_id, addr = req.addr, "learner added");
-        Ok(pb::AddLearnerResponse { log_index: response.log_id.index })
+        Ok(pb::AddLearnerResponse {
+            log_index: response.log_id.index,
+        })
     }
 
-    async fn do_change_membership(&self, req: pb::ChangeMembershipRequest) -> Result<pb::ChangeMembershipResponse> {
+    async fn do_change_membership(
+        &self,
+        req: pb::ChangeMembershipRequest,
+    ) -> Result<pb::ChangeMembershipResponse> {
         if req.voters.is_empty() {
-            return Err(ApiError::InvalidArgument("the voter set cannot be empty".into()));
+            return Err(ApiError::InvalidArgument(
+                "the voter set cannot be empty".into(),
+            ));
         }
         let voters: BTreeSet<u64> = req.voters.iter().copied().collect();
         let response = self
@@ -183,11 +224,19 @@ impl ClusterApi {
             .await
             .map_err(from_raft_error)?;
         tracing::info!(?voters, "membership changed");
-        Ok(pb::ChangeMembershipResponse { log_index: response.log_id.index })
+        Ok(pb::ChangeMembershipResponse {
+            log_index: response.log_id.index,
+        })
     }
 
     async fn do_snapshot(&self) -> Result<pb::SnapshotResponse> {
-        let applied = self.ctx.raft.metrics().borrow().last_applied.map_or(0, |l| l.index);
+        let applied = self
+            .ctx
+            .raft
+            .metrics()
+            .borrow()
+            .last_applied
+            .map_or(0, |l| l.index);
         self.ctx
             .raft
             .trigger()
@@ -198,36 +247,62 @@ impl ClusterApi {
             .ctx
             .raft
             .wait(Some(Duration::from_secs(60)))
-            .metrics(|m| m.snapshot.map_or(0, |l| l.index) >= applied, "snapshot built")
+            .metrics(
+                |m| m.snapshot.map_or(0, |l| l.index) >= applied,
+                "snapshot built",
+            )
             .await
             .map_err(|e| ApiError::Unavailable(format!("snapshot not built: {e}")))?;
-        Ok(pb::SnapshotResponse { snapshot_index: snapshot.snapshot.map_or(0, |l| l.index) })
+        Ok(pb::SnapshotResponse {
+            snapshot_index: snapshot.snapshot.map_or(0, |l| l.index),
+        })
     }
 }
 
 #[tonic::async_trait]
 impl ClusterService for ClusterApi {
-    async fn status(&self, _request: Request<pb::StatusRequest>) -> Result<Response<pb::StatusResponse>, Status> {
-        self.ctx.finish("Status", Ok(status(&self.ctx))).map(Response::new)
+    async fn status(
+        &self,
+        _request: Request<pb::StatusRequest>,
+    ) -> Result<Response<pb::StatusResponse>, Status> {
+        self.ctx
+            .finish("Status", Ok(status(&self.ctx)))
+            .map(Response::new)
     }
 
-    async fn add_learner(&self, request: Request<pb::AddLearnerRequest>) -> Result<Response<pb::AddLearnerResponse>, Status> {
+    async fn add_learner(
+        &self,
+        request: Request<pb::AddLearnerRequest>,
+    ) -> Result<Response<pb::AddLearnerResponse>, Status> {
         let result = self.do_add_learner(request.into_inner()).await;
         self.ctx.finish("AddLearner", result).map(Response::new)
     }
 
-    async fn change_membership(&self, request: Request<pb::ChangeMembershipRequest>) -> Result<Response<pb::ChangeMembershipResponse>, Status> {
+    async fn change_membership(
+        &self,
+        request: Request<pb::ChangeMembershipRequest>,
+    ) -> Result<Response<pb::ChangeMembershipResponse>, Status> {
         let result = self.do_change_membership(request.into_inner()).await;
-        self.ctx.finish("ChangeMembership", result).map(Response::new)
+        self.ctx
+            .finish("ChangeMembership", result)
+            .map(Response::new)
     }
 
-    async fn transfer_leader(&self, request: Request<pb::TransferLeaderRequest>) -> Result<Response<pb::TransferLeaderResponse>, Status> {
+    async fn transfer_leader(
+        &self,
+        request: Request<pb::TransferLeaderRequest>,
+    ) -> Result<Response<pb::TransferLeaderResponse>, Status> {
         let target = request.into_inner().target_node_id;
-        let result = transfer_leader(&self.ctx, target).await.map(|leader_id| pb::TransferLeaderResponse { leader_id });
+        let result = transfer_leader(&self.ctx, target)
+            .await
+            .map(|leader_id| pb::TransferLeaderResponse { leader_id });
         self.ctx.finish("TransferLeader", result).map(Response::new)
     }
 
-    async fn snapshot(&self, _request: Request<pb::SnapshotRequest>) -> Result<Response<pb::SnapshotResponse>, Status> {
+    async fn snapshot(
+        &self,
+        _request: Request<pb::SnapshotRequest>,
+    ) -> Result<Response<pb::SnapshotResponse>, Status> {
         let result = self.do_snapshot().await;
         self.ctx.finish("Snapshot", result).map(Response::new)
     }

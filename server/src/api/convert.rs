@@ -7,17 +7,28 @@ use crate::sm;
 
 /// Domain pod from wire (validated before).
 pub fn pod_from(pod: &pb::Pod) -> sm::Pod {
-    sm::Pod { uid: pod.uid.clone(), namespace: pod.namespace.clone(), name: pod.name.clone() }
+    sm::Pod {
+        uid: pod.uid.clone(),
+        namespace: pod.namespace.clone(),
+        name: pod.name.clone(),
+    }
 }
 
 /// Wire pod.
 pub fn pod_to(pod: &sm::Pod) -> pb::Pod {
-    pb::Pod { uid: pod.uid.clone(), namespace: pod.namespace.clone(), name: pod.name.clone() }
+    pb::Pod {
+        uid: pod.uid.clone(),
+        namespace: pod.namespace.clone(),
+        name: pod.name.clone(),
+    }
 }
 
 /// Wire lock key.
 pub fn key_to(key: &sm::LockKey) -> pb::LockKey {
-    pb::LockKey { scope: key.scope.clone(), name: key.name.clone() }
+    pb::LockKey {
+        scope: key.scope.clone(),
+        name: key.name.clone(),
+    }
 }
 
 /// Wire hold.
@@ -66,6 +77,9 @@ pub fn outcome_from(outcome: i32) -> sm::Outcome {
 pub fn granted_to(granted: &[(sm::LockKey, sm::Hold)]) -> Vec<pb::GrantedHold> {
     granted
         .iter()
-        .map(|(key, hold)| pb::GrantedHold { key: Some(key_to(key)), hold: Some(hold_to(hold)) })
+        .map(|(key, hold)| pb::GrantedHold {
+            key: Some(key_to(key)),
+            hold: Some(hold_to(hold)),
+        })
         .collect()
 }

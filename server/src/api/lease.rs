@@ -34,7 +34,10 @@ fn keys_to(keys: &[LockKey]) -> Vec<pb::LockKey> {
 }
 
 async fn keep_alive(ctx: &Ctx, lease_id: u64) -> Result<pb::LeaseKeepAliveResponse> {
-    match ctx.write(None, Command::KeepAliveLease(KeepAliveLease { lease_id })).await? {
+    match ctx
+        .write(None, Command::KeepAliveLease(KeepAliveLease { lease_id }))
+        .await?
+    {
         Reply::Lease { lease_id, ttl_ms } => Ok(pb::LeaseKeepAliveResponse { lease_id, ttl_ms }),
         other => Err(unexpected(other)),
     }
@@ -45,11 +48,27 @@ impl LeaseApi {
         let request_id = validate::request_id(req.request_id.as_ref())?;
         validate::pod_uid(&req.pod_uid)?;
         validate::text("reason", &req.reason, false)?;
-        let reason = if req.reason.is_empty() { "revoked".to_string() } else { req.reason };
-        let command = Command::RevokePod(RevokePod { pod_uid: req.pod_uid.clone(), reason });
+        let reason = if req.reason.is_empty() {
+            "revoked".to_string()
+        } else {
+            req.reason
+        };
+        let command = Command::RevokePod(RevokePod {
+            pod_uid: req.pod_uid.clone(),
+            reason,
+        });
         match self.ctx.write(request_id, command).await? {
-            Reply::Revoked { released, dequeued, granted } => {
-                tracing::info!(pod_uid = req.pod_uid, released = released.len(), dequeued = dequeued.len(), "pod revoked");
+            Reply::Revoked {
+                released,
+                dequeued,
+                granted,
+            } => {
+                tracing::info!(
+                    pod_uid = req.pod_uid,
+                    released = released.len(),
+                    dequeued = dequeued.len(),
+                    "pod revoked"
+                );
                 Ok(pb::RevokePodResponse {
                     released: keys_to(&released),
                     dequeued: keys_to(&dequeued),
@@ -71,19 +90,34 @@ impl LeaseApi {
                 req.ttl_ms
             )));
         }
-        match self.ctx.write(request_id, Command::GrantLease(GrantLease { ttl_ms: req.ttl_ms })).await? {
-            Reply::Lease { lease_id, ttl_ms } => {
-                Ok(pb::LeaseGrantResponse { lease_id, ttl_ms, header: Some(self.ctx.header(false)) })
-            }
+        match self
+            .ctx
+            .write(
+                request_id,
+                Command::GrantLease(GrantLease { ttl_ms: req.ttl_ms }),
+            )
+            .await?
+        {
+            Reply::Lease { lease_id, ttl_ms } => Ok(pb::LeaseGrantResponse {
+                lease_id,
+                ttl_ms,
+                header: Some(self.ctx.header(false)),
+            }),
             other => Err(unexpected(other)),
         }
     }
 
     async fn do_revoke(&self, req: pb::LeaseRevokeRequest) -> Result<pb::LeaseRevokeResponse> {
         let request_id = validate::request_id(req.request_id.as_ref())?;
-        let command = Command::RevokeLease(RevokeLease { lease_id: req.lease_id });
+        let command = Command::RevokeLease(RevokeLease {
+            lease_id: req.lease_id,
+        });
         match self.ctx.write(request_id, command).await? {
-            Reply::Revoked { released, dequeued, granted } => Ok(pb::LeaseRevokeResponse {
+            Reply::Revoked {
+                released,
+                dequeued,
+                granted,
+            } => Ok(pb::LeaseRevokeResponse {
                 released: keys_to(&released),
                 dequeued: keys_to(&dequeued),
                 granted: granted_to(&granted),
@@ -101,12 +135,18 @@ type KeepAliveStream =
 impl LeaseService for LeaseApi {
     type KeepAliveStream = KeepAliveStream;
 
-    async fn revoke_pod(&self, request: Request<pb::RevokePodRequest>) -> Result<Response<pb::RevokePodResponse>, Status> {
+    async fn revoke_pod(
+        &self,
+        request: Request<pb::RevokePodRequest>,
+    ) -> Result<Response<pb::RevokePodResponse>, Status> {
         let result = self.do_revoke_pod(request.into_inner()).await;
         self.ctx.finish("RevokePod", result).map(Response::new)
     }
 
-    async fn grant(&self, request: Request<pb::LeaseGrantRequest>) -> Result<Response<pb::LeaseGrantResponse>, Status> {
+    async fn grant(
+        &self,
+        request: Request<pb::LeaseGrantRequest>,
+    ) -> Result<Response<pb::LeaseGrantResponse>, Status> {
         let result = self.do_grant(request.into_inner()).await;
         self.ctx.finish("LeaseGrant", result).map(Response::new)
     }
@@ -134,7 +174,10 @@ impl LeaseService for LeaseApi {
         Ok(Response::new(Box::pin(ReceiverStream::new(rx))))
     }
 
-    async fn revoke(&self, request: Request<pb::LeaseRevokeRequest>) -> Result<Response<pb::LeaseRevokeResponse>, Status> {
+    async fn revoke(
+        &self,
+        request: Request<pb::LeaseRevokeRequest>,
+    ) -> Result<Response<pb::LeaseRevokeResponse>, Status> {
         let result = self.do_revoke(request.into_inner()).await;
         self.ctx.finish("LeaseRevoke", result).map(Response::new)
     }

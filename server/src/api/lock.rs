@@ -158,7 +158,10 @@ async fn follow_wait(
 }
 
 async fn cancel_wait(ctx: &Ctx, key: &LockKey, pod_uid: &str) -> Result<CancelOutcome> {
-    let command = Command::CancelWait(CancelWait { key: key.clone(), pod_uid: pod_uid.to_string() });
+    let command = Command::CancelWait(CancelWait {
+        key: key.clone(),
+        pod_uid: pod_uid.to_string(),
+    });
     match ctx.write(None, command).await? {
         Reply::WaitCancelled(outcome) => Ok(outcome),
         other => Err(unexpected(other)),
@@ -170,7 +173,10 @@ impl LockApi {
         let ctx = &self.ctx;
         let request_id = validate::request_id(req.request_id.as_ref())?;
         let key = validate::lock_key(req.key.as_ref())?;
-        let pod = req.pod.as_ref().ok_or_else(|| ApiError::InvalidArgument("missing pod".into()))?;
+        let pod = req
+            .pod
+            .as_ref()
+            .ok_or_else(|| ApiError::InvalidArgument("missing pod".into()))?;
         validate::pod(pod)?;
         validate::payload(&req.payload, ctx.config.max_payload_bytes)?;
         let max_wait = ctx.config.max_wait;
@@ -188,7 +194,10 @@ impl LockApi {
             payload: req.payload,
             wait_ms: req.wait_timeout_ms,
             lease_id: req.lease_id,
-            client_id: request_id.as_ref().map(|r| r.client_id.clone()).unwrap_or_default(),
+            client_id: request_id
+                .as_ref()
+                .map(|r| r.client_id.clone())
+                .unwrap_or_default(),
             queue_limit: ctx.config.max_queue_length,
         });
         // Subscribe before proposing so the grant cannot slip between the
@@ -240,9 +249,17 @@ impl LockApi {
         self.ctx.linearizable().await?;
         let hold = {
             let applied = self.ctx.state.read();
-            applied.state.locks.get(&key).and_then(|l| l.holder.as_ref()).map(hold_to)
+            applied
+                .state
+                .locks
+                .get(&key)
+                .and_then(|l| l.holder.as_ref())
+                .map(hold_to)
         };
-        Ok(pb::HolderResponse { hold, header: Some(self.ctx.header(true)) })
+        Ok(pb::HolderResponse {
+            hold,
+            header: Some(self.ctx.header(true)),
+        })
     }
 
     async fn do_get(&self, req: pb::GetLockRequest) -> Result<pb::GetLockResponse> {
@@ -252,10 +269,16 @@ impl LockApi {
             let applied = self.ctx.state.read();
             match applied.state.locks.get(&key) {
                 Some(lock) => lock_to(&key, lock),
-                None => pb::LockState { key: Some(key_to(&key)), ..Default::default() },
+                None => pb::LockState {
+                    key: Some(key_to(&key)),
+                    ..Default::default()
+                },
             }
         };
-        Ok(pb::GetLockResponse { lock: Some(lock), header: Some(self.ctx.header(true)) })
+        Ok(pb::GetLockResponse {
+            lock: Some(lock),
+            header: Some(self.ctx.header(true)),
+        })
     }
 
     fn do_list(&self, req: pb::ListLocksRequest) -> Result<pb::ListLocksResponse> {
@@ -272,15 +295,25 @@ impl LockApi {
                 .map(|(key, lock)| lock_to(key, lock))
                 .collect()
         };
-        Ok(pb::ListLocksResponse { locks, header: Some(self.ctx.header(false)) })
+        Ok(pb::ListLocksResponse {
+            locks,
+            header: Some(self.ctx.header(false)),
+        })
     }
 
-    async fn do_force_release(&self, req: pb::ForceReleaseRequest) -> Result<pb::ForceReleaseResponse> {
+    async fn do_force_release(
+        &self,
+        req: pb::ForceReleaseRequest,
+    ) -> Result<pb::ForceReleaseResponse> {
         let request_id = validate::request_id(req.request_id.as_ref())?;
         let key = validate::lock_key(req.key.as_ref())?;
         validate::text("operator", &req.operator, true)?;
         validate::text("reason", &req.reason, true)?;
-        let command = Command::ForceRelease(ForceRelease { key: key.clone(), operator: req.operator.clone(), reason: req.reason.clone() });
+        let command = Command::ForceRelease(ForceRelease {
+            key: key.clone(),
+            operator: req.operator.clone(),
+            reason: req.reason.clone(),
+        });
         match self.ctx.write(request_id, command).await? {
             Reply::Released { released, next } => {
                 tracing::warn!(%key, operator = req.operator, reason = req.reason, released = ?released.as_ref().map(|h| h.token), "lock force-released");
@@ -299,32 +332,50 @@ impl LockApi {
 impl LockService for LockApi {
     type AcquireStream = ReceiverStream<AcquireItem>;
 
-    async fn acquire(&self, request: Request<pb::AcquireRequest>) -> Result<Response<Self::AcquireStream>, Status> {
+    async fn acquire(
+        &self,
+        request: Request<pb::AcquireRequest>,
+    ) -> Result<Response<Self::AcquireStream>, Status> {
         let result = self.do_acquire(request.into_inner()).await;
         self.ctx.finish("Acquire", result).map(Response::new)
     }
 
-    async fn release(&self, request: Request<pb::ReleaseRequest>) -> Result<Response<pb::ReleaseResponse>, Status> {
+    async fn release(
+        &self,
+        request: Request<pb::ReleaseRequest>,
+    ) -> Result<Response<pb::ReleaseResponse>, Status> {
         let result = self.do_release(request.into_inner()).await;
         self.ctx.finish("Release", result).map(Response::new)
     }
 
-    async fn holder(&self, request: Request<pb::HolderRequest>) -> Result<Response<pb::HolderResponse>, Status> {
+    async fn holder(
+        &self,
+        request: Request<pb::HolderRequest>,
+    ) -> Result<Response<pb::HolderResponse>, Status> {
         let result = self.do_holder(request.into_inner()).await;
         self.ctx.finish("Holder", result).map(Response::new)
     }
 
-    async fn get(&self, request: Request<pb::GetLockRequest>) -> Result<Response<pb::GetLockResponse>, Status> {
+    async fn get(
+        &self,
+        request: Request<pb::GetLockRequest>,
+    ) -> Result<Response<pb::GetLockResponse>, Status> {
         let result = self.do_get(request.into_inner()).await;
         self.ctx.finish("Get", result).map(Response::new)
     }
 
-    async fn list(&self, request: Request<pb::ListLocksRequest>) -> Result<Response<pb::ListLocksResponse>, Status> {
+    async fn list(
+        &self,
+        request: Request<pb::ListLocksRequest>,
+    ) -> Result<Response<pb::ListLocksResponse>, Status> {
         let result = self.do_list(request.into_inner());
         self.ctx.finish("List", result).map(Response::new)
     }
 
-    async fn force_release(&self, request: Request<pb::ForceReleaseRequest>) -> Result<Response<pb::ForceReleaseResponse>, Status> {
+    async fn force_release(
+        &self,
+        request: Request<pb::ForceReleaseRequest>,
+    ) -> Result<Response<pb::ForceReleaseResponse>, Status> {
         let result = self.do_force_release(request.into_inner()).await;
         self.ctx.finish("ForceRelease", result).map(Response::new)
     }

@@ -43,7 +43,10 @@ pub struct Ctx {
 /// Wall-clock time in ms since the epoch: only ever used to stamp entries
 /// this replica proposes as leader, never inside apply.
 pub fn wall_clock_ms() -> u64 {
-    SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_millis() as u64).unwrap_or(0)
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|d| d.as_millis() as u64)
+        .unwrap_or(0)
 }
 
 impl Ctx {
@@ -51,14 +54,21 @@ impl Ctx {
     /// Refusals of the state machine come back as [`ApiError::Command`].
     pub async fn write(&self, request_id: Option<RequestId>, command: Command) -> Result<Reply> {
         let request = Request::new(request_id, wall_clock_ms(), command);
-        let response = self.raft.client_write(request).await.map_err(from_raft_error)?;
+        let response = self
+            .raft
+            .client_write(request)
+            .await
+            .map_err(from_raft_error)?;
         Ok(response.data.result?)
     }
 
     /// Waits until this replica, as leader, has applied everything committed
     /// before the call (ReadIndex), so a following read is linearizable.
     pub async fn linearizable(&self) -> Result<()> {
-        self.raft.ensure_linearizable().await.map_err(from_raft_error)?;
+        self.raft
+            .ensure_linearizable()
+            .await
+            .map_err(from_raft_error)?;
         Ok(())
     }
 
@@ -103,5 +113,7 @@ impl Ctx {
 
 /// An unexpected reply variant: a bug, reported instead of panicking.
 pub fn unexpected(reply: Reply) -> ApiError {
-    ApiError::Internal(format!("unexpected reply from the state machine: {reply:?}"))
+    ApiError::Internal(format!(
+        "unexpected reply from the state machine: {reply:?}"
+    ))
 }

@@ -30,14 +30,23 @@ fn decode_request<T: DeserializeOwned>(request: Request<RaftRequest>) -> Result<
 
 fn reply<T: Serialize, E: Serialize>(result: Result<T, E>) -> Result<Response<RaftReply>, Status> {
     Ok(Response::new(match result {
-        Ok(value) => RaftReply { data: encode(&value), error: Vec::new() },
-        Err(err) => RaftReply { data: Vec::new(), error: encode(&err) },
+        Ok(value) => RaftReply {
+            data: encode(&value),
+            error: Vec::new(),
+        },
+        Err(err) => RaftReply {
+            data: Vec::new(),
+            error: encode(&err),
+        },
     }))
 }
 
 #[tonic::async_trait]
 impl RaftService for RaftApi {
-    async fn append_entries(&self, request: Request<RaftRequest>) -> Result<Response<RaftReply>, Status> {
+    async fn append_entries(
+        &self,
+        request: Request<RaftRequest>,
+    ) -> Result<Response<RaftReply>, Status> {
         let rpc = decode_request(request)?;
         reply(self.ctx.raft.append_entries(rpc).await)
     }
@@ -47,14 +56,26 @@ impl RaftService for RaftApi {
         reply(self.ctx.raft.vote(rpc).await)
     }
 
-    async fn install_snapshot(&self, request: Request<RaftRequest>) -> Result<Response<RaftReply>, Status> {
+    async fn install_snapshot(
+        &self,
+        request: Request<RaftRequest>,
+    ) -> Result<Response<RaftReply>, Status> {
         let rpc = decode_request(request)?;
         reply(self.ctx.raft.install_snapshot(rpc).await)
     }
 
-    async fn timeout_now(&self, _request: Request<RaftRequest>) -> Result<Response<RaftReply>, Status> {
+    async fn timeout_now(
+        &self,
+        _request: Request<RaftRequest>,
+    ) -> Result<Response<RaftReply>, Status> {
         tracing::info!("leader transfer: starting an election at the leader's request");
-        let result = self.ctx.raft.trigger().elect().await.map_err(|e| e.to_string());
+        let result = self
+            .ctx
+            .raft
+            .trigger()
+            .elect()
+            .await
+            .map_err(|e| e.to_string());
         reply(result)
     }
 }

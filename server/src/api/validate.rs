@@ -17,7 +17,9 @@ fn invalid(msg: String) -> ApiError {
 pub fn dns1123_label(what: &str, value: &str) -> Result<()> {
     let ok = !value.is_empty()
         && value.len() <= 63
-        && value.bytes().all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-')
+        && value
+            .bytes()
+            .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-')
         && !value.starts_with('-')
         && !value.ends_with('-');
     if ok {
@@ -35,7 +37,9 @@ pub fn dns1123_label(what: &str, value: &str) -> Result<()> {
 pub fn dns1123_subdomain(what: &str, value: &str) -> Result<()> {
     let ok = !value.is_empty()
         && value.len() <= 253
-        && value.split('.').all(|label| dns1123_label(what, label).is_ok());
+        && value
+            .split('.')
+            .all(|label| dns1123_label(what, label).is_ok());
     if ok {
         Ok(())
     } else {
@@ -51,7 +55,9 @@ pub fn dns1123_subdomain(what: &str, value: &str) -> Result<()> {
 pub fn pod_uid(value: &str) -> Result<()> {
     let ok = !value.is_empty()
         && value.len() <= 64
-        && value.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'-');
+        && value
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || b == b'-');
     if ok {
         Ok(())
     } else {
@@ -98,7 +104,10 @@ pub fn request_id(id: Option<&tether_proto::RequestId>) -> Result<Option<crate::
     if id.sequence == 0 {
         return Err(invalid("request sequence must start at 1".to_string()));
     }
-    Ok(Some(crate::sm::RequestId { client_id: id.client_id.clone(), sequence: id.sequence }))
+    Ok(Some(crate::sm::RequestId {
+        client_id: id.client_id.clone(),
+        sequence: id.sequence,
+    }))
 }
 
 /// Free text (reasons, operator names): required or not, at most
@@ -108,7 +117,9 @@ pub fn text(what: &str, value: &str, required: bool) -> Result<()> {
         return Err(invalid(format!("{what} is required")));
     }
     if value.len() > MAX_TEXT_LEN {
-        return Err(invalid(format!("{what} is longer than {MAX_TEXT_LEN} bytes")));
+        return Err(invalid(format!(
+            "{what} is longer than {MAX_TEXT_LEN} bytes"
+        )));
     }
     Ok(())
 }

@@ -3,15 +3,15 @@
 
 use std::time::Duration;
 
+use openraft::BasicNode;
 use openraft::error::{InstallSnapshotError, NetworkError, RPCError, RaftError, Unreachable};
 use openraft::network::{RPCOption, RaftNetwork, RaftNetworkFactory};
 use openraft::raft::{
     AppendEntriesRequest, AppendEntriesResponse, InstallSnapshotRequest, InstallSnapshotResponse,
     VoteRequest, VoteResponse,
 };
-use openraft::BasicNode;
-use serde::de::DeserializeOwned;
 use serde::Serialize;
+use serde::de::DeserializeOwned;
 use tether_proto::raft_service_client::RaftServiceClient;
 use tether_proto::{RaftReply, RaftRequest};
 use tonic::transport::{Channel, Endpoint};
@@ -57,7 +57,11 @@ impl PeerClient {
                     .connect_lazy()
             })
             .map(RaftServiceClient::new);
-        Self { target, addr: addr.to_string(), client }
+        Self {
+            target,
+            addr: addr.to_string(),
+            client,
+        }
     }
 
     async fn call<Req, Resp, Err>(
@@ -72,10 +76,17 @@ impl PeerClient {
         Err: std::error::Error + DeserializeOwned,
     {
         let Some(client) = self.client.as_mut() else {
-            let msg = format!("replica {} has an invalid address {:?}", self.target, self.addr);
-            return Err(RPCError::Unreachable(Unreachable::new(&std::io::Error::other(msg))));
+            let msg = format!(
+                "replica {} has an invalid address {:?}",
+                self.target, self.addr
+            );
+            return Err(RPCError::Unreachable(Unreachable::new(
+                &std::io::Error::other(msg),
+            )));
         };
-        let mut req = tonic::Request::new(RaftRequest { data: encode(request) });
+        let mut req = tonic::Request::new(RaftRequest {
+            data: encode(request),
+        });
         req.set_timeout(option.hard_ttl());
         let result = match rpc {
             Rpc::AppendEntries => client.append_entries(req).await,
@@ -101,10 +112,14 @@ impl PeerClient {
             let err: Err = decode(&reply.error).map_err(|e| {
                 RPCError::Network(NetworkError::new(&std::io::Error::other(e.to_string())))
             })?;
-            return Err(RPCError::RemoteError(openraft::error::RemoteError::new(self.target, err)));
+            return Err(RPCError::RemoteError(openraft::error::RemoteError::new(
+                self.target,
+                err,
+            )));
         }
-        decode(&reply.data)
-            .map_err(|e| RPCError::Network(NetworkError::new(&std::io::Error::other(e.to_string()))))
+        decode(&reply.data).map_err(|e| {
+            RPCError::Network(NetworkError::new(&std::io::Error::other(e.to_string())))
+        })
     }
 }
 

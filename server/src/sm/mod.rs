@@ -13,6 +13,11 @@
 //! - `event.rs` — what applying an entry emits.
 //! - `command/` — one file per command, each with its `apply`.
 
+// Command errors are values of the replicated state (kept in the dedupe table
+// and returned whole), not errors bubbling through hot paths: their size is
+// the size of what they report.
+#![allow(clippy::result_large_err)]
+
 pub mod command;
 pub mod event;
 pub mod types;
@@ -46,7 +51,12 @@ pub struct Request {
 impl Request {
     /// A request in the current format.
     pub fn new(request_id: Option<RequestId>, leader_time_ms: u64, command: Command) -> Self {
-        Self { format_version: FORMAT_VERSION, request_id, leader_time_ms, command }
+        Self {
+            format_version: FORMAT_VERSION,
+            request_id,
+            leader_time_ms,
+            command,
+        }
     }
 }
 
@@ -66,7 +76,10 @@ pub struct Response {
 impl Response {
     /// The response of an entry without a command (blank, membership).
     pub fn empty() -> Self {
-        Self { result: Ok(Reply::Empty), deduplicated: false }
+        Self {
+            result: Ok(Reply::Empty),
+            deduplicated: false,
+        }
     }
 }
 
@@ -124,7 +137,10 @@ impl Txn<'_> {
     pub fn emit(&mut self, kind: EventKind) {
         let sub = self.events.len() as u32;
         self.events.push(Event {
-            revision: Revision { index: self.index, sub },
+            revision: Revision {
+                index: self.index,
+                sub,
+            },
             time_ms: self.now_ms,
             kind,
         });
@@ -161,7 +177,10 @@ impl Txn<'_> {
         let hold = waiter.into_hold(index, now);
         lock.last_token = index;
         lock.holder = Some(hold.clone());
-        self.emit(EventKind::LockGranted { key: key.clone(), hold: hold.clone() });
+        self.emit(EventKind::LockGranted {
+            key: key.clone(),
+            hold: hold.clone(),
+        });
         Some(hold)
     }
 
@@ -205,7 +224,11 @@ impl Txn<'_> {
         });
         let any = !removed.is_empty();
         for pod in removed {
-            self.emit(EventKind::WaitEnded { key: key.clone(), pod, reason: reason.clone() });
+            self.emit(EventKind::WaitEnded {
+                key: key.clone(),
+                pod,
+                reason: reason.clone(),
+            });
         }
         any
     }
@@ -219,13 +242,22 @@ impl Txn<'_> {
 pub fn apply(state: &mut State, index: u64, request: &Request) -> (Response, Vec<Event>, Dirty) {
     let now_ms = state.now_ms.max(request.leader_time_ms);
     state.now_ms = now_ms;
-    let mut txn = Txn { state, index, now_ms, events: Vec::new(), dirty: Dirty::default() };
+    let mut txn = Txn {
+        state,
+        index,
+        now_ms,
+        events: Vec::new(),
+        dirty: Dirty::default(),
+    };
 
     if let Some(id) = &request.request_id
         && let Some(session) = txn.state.sessions.get(&id.client_id)
     {
         if let Some(stored) = session.responses.get(&id.sequence) {
-            let response = Response { result: stored.clone(), deduplicated: true };
+            let response = Response {
+                result: stored.clone(),
+                deduplicated: true,
+            };
             return (response, Vec::new(), Dirty::default());
         }
         let oldest = session.responses.keys().next().copied().unwrap_or(0);
@@ -235,7 +267,14 @@ pub fn apply(state: &mut State, index: u64, request: &Request) -> (Response, Vec
                 sequence: id.sequence,
                 oldest_kept: oldest,
             };
-            return (Response { result: Err(err), deduplicated: false }, Vec::new(), Dirty::default());
+            return (
+                Response {
+                    result: Err(err),
+                    deduplicated: false,
+                },
+                Vec::new(),
+                Dirty::default(),
+            );
         }
     }
 
@@ -253,7 +292,14 @@ pub fn apply(state: &mut State, index: u64, request: &Request) -> (Response, Vec
     }
 
     let Txn { events, dirty, .. } = txn;
-    (Response { result, deduplicated: false }, events, dirty)
+    (
+        Response {
+            result,
+            deduplicated: false,
+        },
+        events,
+        dirty,
+    )
 }
 
 #[cfg(test)]

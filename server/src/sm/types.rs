@@ -22,7 +22,10 @@ pub struct LockKey {
 impl LockKey {
     /// Builds a key from its two parts.
     pub fn new(scope: impl Into<String>, name: impl Into<String>) -> Self {
-        Self { scope: scope.into(), name: name.into() }
+        Self {
+            scope: scope.into(),
+            name: name.into(),
+        }
     }
 }
 
@@ -117,7 +120,10 @@ pub struct Lock {
 impl Lock {
     /// 1-based queue position of a pod UID, if it waits.
     pub fn position_of(&self, pod_uid: &str) -> Option<usize> {
-        self.waiters.iter().position(|w| w.pod.uid == pod_uid).map(|i| i + 1)
+        self.waiters
+            .iter()
+            .position(|w| w.pod.uid == pod_uid)
+            .map(|i| i + 1)
     }
 }
 

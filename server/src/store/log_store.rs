@@ -11,9 +11,9 @@ use openraft::storage::{LogFlushed, LogState, RaftLogStorage};
 use openraft::{RaftLogReader, Vote};
 use rocksdb::{DB, Direction, IteratorMode, WriteBatch, WriteOptions};
 
+use super::err;
 use super::keys::{log_index, log_key};
 use super::{CF_LOG, CF_META, decode, encode};
-use super::err;
 use crate::raft::{Entry, LogId, StorageError, TypeConfig};
 use crate::sm::FORMAT_VERSION;
 
@@ -40,18 +40,25 @@ impl LogStore {
     }
 
     fn cf_log(&self) -> &rocksdb::ColumnFamily {
-        self.db.cf_handle(CF_LOG).expect("log column family is created at open")
+        self.db
+            .cf_handle(CF_LOG)
+            .expect("log column family is created at open")
     }
 
     fn cf_meta(&self) -> &rocksdb::ColumnFamily {
-        self.db.cf_handle(CF_META).expect("meta column family is created at open")
+        self.db
+            .cf_handle(CF_META)
+            .expect("meta column family is created at open")
     }
 
     fn get_meta<T: serde::de::DeserializeOwned>(
         &self,
         key: &[u8],
     ) -> Result<Option<T>, StorageError> {
-        let Some(bytes) = self.db.get_cf(self.cf_meta(), key).map_err(|e| err::read(&e))?
+        let Some(bytes) = self
+            .db
+            .get_cf(self.cf_meta(), key)
+            .map_err(|e| err::read(&e))?
         else {
             return Ok(None);
         };
@@ -128,7 +135,10 @@ impl RaftLogStorage<TypeConfig> for LogStore {
     async fn get_log_state(&mut self) -> Result<LogState<TypeConfig>, StorageError> {
         let last_purged_log_id: Option<LogId> = self.get_meta(LAST_PURGED)?;
         let last_log_id = self.last_entry_log_id()?.or(last_purged_log_id);
-        Ok(LogState { last_purged_log_id, last_log_id })
+        Ok(LogState {
+            last_purged_log_id,
+            last_log_id,
+        })
     }
 
     async fn get_log_reader(&mut self) -> Self::LogReader {
@@ -153,7 +163,11 @@ impl RaftLogStorage<TypeConfig> for LogStore {
         Ok(self.get_meta::<Option<LogId>>(COMMITTED)?.flatten())
     }
 
-    async fn append<I>(&mut self, entries: I, callback: LogFlushed<TypeConfig>) -> Result<(), StorageError>
+    async fn append<I>(
+        &mut self,
+        entries: I,
+        callback: LogFlushed<TypeConfig>,
+    ) -> Result<(), StorageError>
     where
         I: IntoIterator<Item = Entry> + Send,
         I::IntoIter: Send,
@@ -180,7 +194,9 @@ impl RaftLogStorage<TypeConfig> for LogStore {
         batch.delete_range_cf(self.cf_log(), log_key(log_id.index), log_key(u64::MAX));
         // delete_range's end is exclusive: remove the last possible key too.
         batch.delete_cf(self.cf_log(), log_key(u64::MAX));
-        self.db.write_opt(batch, &synced()).map_err(|e| err::write_logs(&e))
+        self.db
+            .write_opt(batch, &synced())
+            .map_err(|e| err::write_logs(&e))
     }
 
     async fn purge(&mut self, log_id: LogId) -> Result<(), StorageError> {
@@ -189,6 +205,8 @@ impl RaftLogStorage<TypeConfig> for LogStore {
         self.put_meta(LAST_PURGED, &log_id)?;
         let mut batch = WriteBatch::default();
         batch.delete_range_cf(self.cf_log(), log_key(0), log_key(log_id.index + 1));
-        self.db.write_opt(batch, &synced()).map_err(|e| err::write_logs(&e))
+        self.db
+            .write_opt(batch, &synced())
+            .map_err(|e| err::write_logs(&e))
     }
 }

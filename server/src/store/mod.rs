@@ -15,6 +15,10 @@
 //! log, it is durable no later than the next synced log write; if a crash
 //! loses it, openraft re-applies the entries from the durable log.
 
+// openraft's traits fix the error type (`StorageError`, large); helpers here
+// return it too rather than converting back and forth.
+#![allow(clippy::result_large_err)]
+
 pub mod keys;
 pub mod log_store;
 pub mod state_machine;
@@ -83,7 +87,15 @@ pub(crate) mod err {
             }
         )*};
     }
-    io_errors!(read, write, read_logs, write_logs, write_vote, read_state_machine, write_state_machine);
+    io_errors!(
+        read,
+        write,
+        read_logs,
+        write_logs,
+        write_vote,
+        read_state_machine,
+        write_state_machine
+    );
 
     pub(crate) fn write_snapshot<E: std::error::Error + 'static>(
         signature: Option<SnapshotSignature<u64>>,

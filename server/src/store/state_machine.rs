@@ -10,7 +10,7 @@ use std::sync::{Arc, RwLock, RwLockReadGuard};
 
 use openraft::storage::{RaftStateMachine, Snapshot};
 use openraft::{EntryPayload, RaftSnapshotBuilder, SnapshotMeta};
-use rocksdb::{DB, Direction, IteratorMode, WriteBatch, WriteOptions};
+use rocksdb::{DB, IteratorMode, WriteBatch, WriteOptions};
 use serde::{Deserialize, Serialize};
 use tokio::sync::broadcast;
 
@@ -48,7 +48,9 @@ pub struct StateHandle {
 impl StateHandle {
     /// Reads the applied state. Hold the guard briefly: apply waits for it.
     pub fn read(&self) -> RwLockReadGuard<'_, AppliedState> {
-        self.inner.read().unwrap_or_else(|poisoned| poisoned.into_inner())
+        self.inner
+            .read()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
     }
 
     /// Events applied from now on. Subscribe before proposing a command whose
@@ -81,7 +83,8 @@ pub struct StateMachineStore {
 }
 
 fn cf<'a>(db: &'a DB, name: &str) -> &'a rocksdb::ColumnFamily {
-    db.cf_handle(name).expect("column families are created at open")
+    db.cf_handle(name)
+        .expect("column families are created at open")
 }
 
 fn synced() -> WriteOptions {
@@ -116,16 +119,21 @@ impl StateMachineStore {
                 let split = rest.iter().position(|b| *b == 0).unwrap_or(rest.len());
                 let lock_key = sm::LockKey::new(
                     String::from_utf8_lossy(&rest[..split]).into_owned(),
-                    String::from_utf8_lossy(rest.get(split + 1..).unwrap_or_default())
-                        .into_owned(),
+                    String::from_utf8_lossy(rest.get(split + 1..).unwrap_or_default()).into_owned(),
                 );
-                applied.state.locks.insert(lock_key, decode(&value).map_err(sm_read_err)?);
+                applied
+                    .state
+                    .locks
+                    .insert(lock_key, decode(&value).map_err(sm_read_err)?);
             } else if key.starts_with(keys::LEASE_PREFIX) {
                 let lease: sm::TtlLease = decode(&value).map_err(sm_read_err)?;
                 applied.state.leases.insert(lease.id, lease);
             } else if let Some(client) = key.strip_prefix(keys::SESSION_PREFIX) {
                 let client = String::from_utf8_lossy(client).into_owned();
-                applied.state.sessions.insert(client, decode(&value).map_err(sm_read_err)?);
+                applied
+                    .state
+                    .sessions
+                    .insert(client, decode(&value).map_err(sm_read_err)?);
             } else if &*key == LAST_APPLIED {
                 applied.last_applied = decode(&value).map_err(sm_read_err)?;
             } else if &*key == MEMBERSHIP {
@@ -135,7 +143,13 @@ impl StateMachineStore {
             }
         }
         let (events, _) = broadcast::channel(EVENT_CHANNEL_CAPACITY);
-        let store = Self { db, handle: StateHandle { inner: Arc::new(RwLock::new(applied)), events } };
+        let store = Self {
+            db,
+            handle: StateHandle {
+                inner: Arc::new(RwLock::new(applied)),
+                events,
+            },
+        };
 
         // A snapshot newer than the persisted state cannot normally exist (the
         // snapshot is written after the state it was built from, through the
@@ -155,7 +169,10 @@ impl StateMachineStore {
     }
 
     fn read_stored_snapshot(&self) -> Result<Option<StoredSnapshot>, StorageError> {
-        let Some(bytes) = self.db.get_cf(cf(&self.db, CF_META), SNAPSHOT).map_err(sm_read_err)?
+        let Some(bytes) = self
+            .db
+            .get_cf(cf(&self.db, CF_META), SNAPSHOT)
+            .map_err(sm_read_err)?
         else {
             return Ok(None);
         };
@@ -239,18 +256,32 @@ impl RaftSnapshotBuilder<TypeConfig> for SnapshotBuilder {
                 membership: applied.membership.clone(),
                 state: applied.state.clone(),
             };
-            (encode(&file), applied.last_applied, applied.membership.clone())
+            (
+                encode(&file),
+                applied.last_applied,
+                applied.membership.clone(),
+            )
         };
         let snapshot_id = match last_applied {
             Some(id) => format!("{}-{}-{}", id.leader_id.term, id.index, data.len()),
             None => format!("0-0-{}", data.len()),
         };
-        let meta = SnapshotMeta { last_log_id: last_applied, last_membership: membership, snapshot_id };
-        let stored = StoredSnapshot { meta: meta.clone(), data };
+        let meta = SnapshotMeta {
+            last_log_id: last_applied,
+            last_membership: membership,
+            snapshot_id,
+        };
+        let stored = StoredSnapshot {
+            meta: meta.clone(),
+            data,
+        };
         self.db
             .put_cf_opt(cf(&self.db, CF_META), SNAPSHOT, encode(&stored), &synced())
             .map_err(|e| err::write_snapshot(Some(meta.signature()), &e))?;
-        Ok(Snapshot { meta, snapshot: Box::new(Cursor::new(stored.data)) })
+        Ok(Snapshot {
+            meta,
+            snapshot: Box::new(Cursor::new(stored.data)),
+        })
     }
 }
 
@@ -292,8 +323,7 @@ impl RaftStateMachine<TypeConfig> for StateMachineStore {
                         response
                     }
                     EntryPayload::Membership(membership) => {
-                        applied.membership =
-                            StoredMembership::new(Some(entry.log_id), membership);
+                        applied.membership = StoredMembership::new(Some(entry.log_id), membership);
                         membership_changed = true;
                         Response::empty()
                     }
@@ -321,7 +351,10 @@ impl RaftStateMachine<TypeConfig> for StateMachineStore {
     }
 
     async fn get_snapshot_builder(&mut self) -> Self::SnapshotBuilder {
-        SnapshotBuilder { db: self.db.clone(), handle: self.handle.clone() }
+        SnapshotBuilder {
+            db: self.db.clone(),
+            handle: self.handle.clone(),
+        }
     }
 
     async fn begin_receiving_snapshot(&mut self) -> Result<Box<Cursor<Vec<u8>>>, StorageError> {
@@ -335,7 +368,10 @@ impl RaftStateMachine<TypeConfig> for StateMachineStore {
     ) -> Result<(), StorageError> {
         let data = snapshot.into_inner();
         self.restore(&data)?;
-        let stored = StoredSnapshot { meta: meta.clone(), data };
+        let stored = StoredSnapshot {
+            meta: meta.clone(),
+            data,
+        };
         self.db
             .put_cf_opt(cf(&self.db, CF_META), SNAPSHOT, encode(&stored), &synced())
             .map_err(|e| err::write_snapshot(Some(meta.signature()), &e))?;
@@ -343,22 +379,9 @@ impl RaftStateMachine<TypeConfig> for StateMachineStore {
     }
 
     async fn get_current_snapshot(&mut self) -> Result<Option<Snapshot<TypeConfig>>, StorageError> {
-        Ok(self
-            .read_stored_snapshot()?
-            .map(|s| Snapshot { meta: s.meta, snapshot: Box::new(Cursor::new(s.data)) }))
+        Ok(self.read_stored_snapshot()?.map(|s| Snapshot {
+            meta: s.meta,
+            snapshot: Box::new(Cursor::new(s.data)),
+        }))
     }
-}
-
-/// Events stored at or after `from`, oldest first, at most `limit`.
-pub fn read_events(db: &DB, from: sm::Revision, limit: usize) -> Result<Vec<Event>, StorageError> {
-    let mut out = Vec::new();
-    let start = keys::event_key(from);
-    for item in db.iterator_cf(cf(db, CF_EVENTS), IteratorMode::From(&start, Direction::Forward)) {
-        if out.len() >= limit {
-            break;
-        }
-        let (_, value) = item.map_err(sm_read_err)?;
-        out.push(decode(&value).map_err(sm_read_err)?);
-    }
-    Ok(out)
 }

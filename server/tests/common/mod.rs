@@ -71,22 +71,38 @@ impl Cluster {
             addrs.insert(id, listener.local_addr().unwrap());
             listeners.insert(id, listener);
         }
-        let members = addrs.iter().map(|(id, a)| format!("{id}={a}")).collect::<Vec<_>>().join(",");
-        let mut cluster = Cluster { nodes: BTreeMap::new(), dirs: BTreeMap::new(), addrs, tweak };
+        let members = addrs
+            .iter()
+            .map(|(id, a)| format!("{id}={a}"))
+            .collect::<Vec<_>>()
+            .join(",");
+        let mut cluster = Cluster {
+            nodes: BTreeMap::new(),
+            dirs: BTreeMap::new(),
+            addrs,
+            tweak,
+        };
         for (id, listener) in listeners {
             let dir = tempfile::tempdir().unwrap();
             let mut config = test_config(id, dir.path());
             config.initial_members = Some(members.clone());
             tweak(&mut config);
             let http = TcpListener::bind("127.0.0.1:0").await.unwrap();
-            let node = Node::start_with(config, listener, http).await.expect("replica starts");
+            let node = Node::start_with(config, listener, http)
+                .await
+                .expect("replica starts");
             cluster.nodes.insert(id, Some(node));
             cluster.dirs.insert(id, dir);
         }
         let leader = cluster.wait_leader().await;
         // The new leader's first (blank) entry is applied once a linearizable
         // read succeeds: tests then start from a settled log.
-        cluster.node(leader).raft().ensure_linearizable().await.expect("leader serves reads");
+        cluster
+            .node(leader)
+            .raft()
+            .ensure_linearizable()
+            .await
+            .expect("leader serves reads");
         cluster
     }
 
@@ -102,12 +118,22 @@ impl Cluster {
 
     /// A client of the whole cluster.
     pub fn client(&self) -> Client {
-        Client::new(self.endpoints(), Options { retry_timeout: DEADLINE, ..Options::default() }).unwrap()
+        Client::new(
+            self.endpoints(),
+            Options {
+                retry_timeout: DEADLINE,
+                ..Options::default()
+            },
+        )
+        .unwrap()
     }
 
     /// A client that talks to one replica only (no leader following).
     pub fn client_of(&self, id: u64) -> Client {
-        let options = Options { retry_timeout: Duration::from_millis(1), ..Options::default() };
+        let options = Options {
+            retry_timeout: Duration::from_millis(1),
+            ..Options::default()
+        };
         Client::new([self.addrs[&id].to_string()], options).unwrap()
     }
 
@@ -116,24 +142,34 @@ impl Cluster {
         let deadline = tokio::time::Instant::now() + DEADLINE;
         loop {
             let running: Vec<&Node> = self.nodes.values().flatten().collect();
-            let leaders: Vec<Option<u64>> =
-                running.iter().map(|n| n.raft().metrics().borrow().current_leader).collect();
+            let leaders: Vec<Option<u64>> = running
+                .iter()
+                .map(|n| n.raft().metrics().borrow().current_leader)
+                .collect();
             if let Some(Some(leader)) = leaders.first().copied()
                 && leaders.iter().all(|l| *l == Some(leader))
                 && self.nodes.get(&leader).is_some_and(|n| {
-                    n.as_ref().is_some_and(|n| n.raft().metrics().borrow().state == ServerState::Leader)
+                    n.as_ref()
+                        .is_some_and(|n| n.raft().metrics().borrow().state == ServerState::Leader)
                 })
             {
                 return leader;
             }
-            assert!(tokio::time::Instant::now() < deadline, "no agreed leader within {DEADLINE:?}: {leaders:?}");
+            assert!(
+                tokio::time::Instant::now() < deadline,
+                "no agreed leader within {DEADLINE:?}: {leaders:?}"
+            );
             tokio::time::sleep(Duration::from_millis(20)).await;
         }
     }
 
     /// Stops replica `id` without a leader hand-over.
     pub async fn stop(&mut self, id: u64) {
-        let node = self.nodes.get_mut(&id).and_then(Option::take).expect("replica is running");
+        let node = self
+            .nodes
+            .get_mut(&id)
+            .and_then(Option::take)
+            .expect("replica is running");
         node.stop().await;
     }
 
@@ -141,7 +177,11 @@ impl Cluster {
     pub async fn restart(&mut self, id: u64) {
         let mut config = test_config(id, self.dirs[&id].path());
         config.initial_members = Some(
-            self.addrs.iter().map(|(id, a)| format!("{id}={a}")).collect::<Vec<_>>().join(","),
+            self.addrs
+                .iter()
+                .map(|(id, a)| format!("{id}={a}"))
+                .collect::<Vec<_>>()
+                .join(","),
         );
         (self.tweak)(&mut config);
         let deadline = tokio::time::Instant::now() + DEADLINE;
@@ -149,13 +189,19 @@ impl Cluster {
             match TcpListener::bind(self.addrs[&id]).await {
                 Ok(listener) => break listener,
                 Err(err) => {
-                    assert!(tokio::time::Instant::now() < deadline, "cannot rebind {}: {err}", self.addrs[&id]);
+                    assert!(
+                        tokio::time::Instant::now() < deadline,
+                        "cannot rebind {}: {err}",
+                        self.addrs[&id]
+                    );
                     tokio::time::sleep(Duration::from_millis(50)).await;
                 }
             }
         };
         let http = TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let node = Node::start_with(config, listener, http).await.expect("replica restarts");
+        let node = Node::start_with(config, listener, http)
+            .await
+            .expect("replica restarts");
         self.nodes.insert(id, Some(node));
     }
 
@@ -171,7 +217,12 @@ impl Cluster {
 
     /// The leader's last applied index.
     pub fn applied(&self, id: u64) -> u64 {
-        self.node(id).raft().metrics().borrow().last_applied.map_or(0, |l| l.index)
+        self.node(id)
+            .raft()
+            .metrics()
+            .borrow()
+            .last_applied
+            .map_or(0, |l| l.index)
     }
 
     /// Stops every replica.
@@ -186,10 +237,17 @@ impl Cluster {
 
 /// A test pod.
 pub fn pod(uid: &str) -> pb::Pod {
-    pb::Pod { uid: uid.to_string(), namespace: "default".into(), name: format!("pod-{uid}") }
+    pb::Pod {
+        uid: uid.to_string(),
+        namespace: "default".into(),
+        name: format!("pod-{uid}"),
+    }
 }
 
 /// A lock key in the `gpu-bind` scope.
 pub fn lock(name: &str) -> pb::LockKey {
-    pb::LockKey { scope: "gpu-bind".into(), name: name.to_string() }
+    pb::LockKey {
+        scope: "gpu-bind".into(),
+        name: name.to_string(),
+    }
 }

@@ -3,9 +3,9 @@
 use serde::{Deserialize, Serialize};
 
 use super::{CommandError, Reply};
+use crate::sm::Txn;
 use crate::sm::event::EventKind;
 use crate::sm::types::{Hold, LockKey, Pod, Waiter};
-use crate::sm::Txn;
 
 /// Take `key` for `pod`, or wait for it.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -32,20 +32,28 @@ impl Acquire {
     /// caller does not wait or the queue is full.
     pub fn apply(self, txn: &mut Txn<'_>) -> Result<Reply, CommandError> {
         if let Some(lock) = txn.state.locks.get(&self.key) {
-            if let Some(hold) = &lock.holder {
-                if hold.pod.uid == self.pod.uid {
-                    return Ok(Reply::Granted(hold.clone()));
-                }
+            if let Some(hold) = &lock.holder
+                && hold.pod.uid == self.pod.uid
+            {
+                return Ok(Reply::Granted(hold.clone()));
             }
             if let Some(position) = lock.position_of(&self.pod.uid) {
-                return Ok(Reply::Queued { position: position as u32 });
+                return Ok(Reply::Queued {
+                    position: position as u32,
+                });
             }
         }
         if self.lease_id != 0 && !txn.state.leases.contains_key(&self.lease_id) {
-            return Err(CommandError::LeaseNotFound { lease_id: self.lease_id });
+            return Err(CommandError::LeaseNotFound {
+                lease_id: self.lease_id,
+            });
         }
         let (index, now) = (txn.index, txn.now_ms);
-        let current = txn.state.locks.get(&self.key).and_then(|l| l.holder.clone());
+        let current = txn
+            .state
+            .locks
+            .get(&self.key)
+            .and_then(|l| l.holder.clone());
         match current {
             None => {
                 let hold = Hold {
@@ -59,7 +67,10 @@ impl Acquire {
                 let lock = txn.lock_mut(&self.key);
                 lock.holder = Some(hold.clone());
                 lock.last_token = index;
-                txn.emit(EventKind::LockGranted { key: self.key, hold: hold.clone() });
+                txn.emit(EventKind::LockGranted {
+                    key: self.key,
+                    hold: hold.clone(),
+                });
                 Ok(Reply::Granted(hold))
             }
             Some(holder) => {
@@ -70,9 +81,16 @@ impl Acquire {
                         token: holder.token,
                     });
                 }
-                let queued = txn.state.locks.get(&self.key).map_or(0, |l| l.waiters.len());
+                let queued = txn
+                    .state
+                    .locks
+                    .get(&self.key)
+                    .map_or(0, |l| l.waiters.len());
                 if queued >= self.queue_limit as usize {
-                    return Err(CommandError::QueueFull { key: self.key, limit: self.queue_limit });
+                    return Err(CommandError::QueueFull {
+                        key: self.key,
+                        limit: self.queue_limit,
+                    });
                 }
                 let waiter = Waiter {
                     pod: self.pod.clone(),
@@ -85,7 +103,11 @@ impl Acquire {
                 let lock = txn.lock_mut(&self.key);
                 lock.waiters.push_back(waiter);
                 let position = lock.waiters.len() as u32;
-                txn.emit(EventKind::LockQueued { key: self.key, pod: self.pod, position });
+                txn.emit(EventKind::LockQueued {
+                    key: self.key,
+                    pod: self.pod,
+                    position,
+                });
                 Ok(Reply::Queued { position })
             }
         }

@@ -37,10 +37,16 @@ impl CancelWait {
         if let Some(hold) = &lock.holder
             && hold.pod.uid == self.pod_uid
         {
-            return Ok(Reply::WaitCancelled(CancelOutcome::AlreadyGranted(hold.clone())));
+            return Ok(Reply::WaitCancelled(CancelOutcome::AlreadyGranted(
+                hold.clone(),
+            )));
         }
         let uid = self.pod_uid;
-        if txn.remove_waiters(&self.key, |w| w.pod.uid == uid, WaitEndReason::DeadlineExceeded) {
+        if txn.remove_waiters(
+            &self.key,
+            |w| w.pod.uid == uid,
+            WaitEndReason::DeadlineExceeded,
+        ) {
             Ok(Reply::WaitCancelled(CancelOutcome::Removed))
         } else {
             Ok(Reply::WaitCancelled(CancelOutcome::NotWaiting))

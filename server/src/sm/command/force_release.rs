@@ -21,10 +21,22 @@ impl ForceRelease {
     /// Releases the holder (if any) and grants the next waiter. Releasing a
     /// free lock is not an error: the answer says nothing was released.
     pub fn apply(self, txn: &mut Txn<'_>) -> Result<Reply, CommandError> {
-        if txn.state.locks.get(&self.key).and_then(|l| l.holder.as_ref()).is_none() {
-            return Ok(Reply::Released { released: None, next: None });
+        if txn
+            .state
+            .locks
+            .get(&self.key)
+            .and_then(|l| l.holder.as_ref())
+            .is_none()
+        {
+            return Ok(Reply::Released {
+                released: None,
+                next: None,
+            });
         }
-        let reason = ReleaseReason::Forced { operator: self.operator, reason: self.reason };
+        let reason = ReleaseReason::Forced {
+            operator: self.operator,
+            reason: self.reason,
+        };
         let (released, next) = txn.release_and_hand_over(&self.key, reason);
         Ok(Reply::Released { released, next })
     }

@@ -26,8 +26,14 @@ impl GrantLease {
         };
         txn.state.leases.insert(lease_id, lease);
         txn.dirty.leases.insert(lease_id);
-        txn.emit(EventKind::LeaseGranted { lease_id, ttl_ms: self.ttl_ms });
-        Ok(Reply::Lease { lease_id, ttl_ms: self.ttl_ms })
+        txn.emit(EventKind::LeaseGranted {
+            lease_id,
+            ttl_ms: self.ttl_ms,
+        });
+        Ok(Reply::Lease {
+            lease_id,
+            ttl_ms: self.ttl_ms,
+        })
     }
 }
 
@@ -43,12 +49,18 @@ impl KeepAliveLease {
     pub fn apply(self, txn: &mut Txn<'_>) -> Result<Reply, CommandError> {
         let now = txn.now_ms;
         let Some(lease) = txn.state.leases.get_mut(&self.lease_id) else {
-            return Ok(Reply::Lease { lease_id: self.lease_id, ttl_ms: 0 });
+            return Ok(Reply::Lease {
+                lease_id: self.lease_id,
+                ttl_ms: 0,
+            });
         };
         lease.expires_at_ms = now.saturating_add(lease.ttl_ms);
         let ttl_ms = lease.ttl_ms;
         txn.dirty.leases.insert(self.lease_id);
-        Ok(Reply::Lease { lease_id: self.lease_id, ttl_ms })
+        Ok(Reply::Lease {
+            lease_id: self.lease_id,
+            ttl_ms,
+        })
     }
 }
 
@@ -63,7 +75,9 @@ impl RevokeLease {
     /// Fails with `LeaseNotFound` if the lease is already gone.
     pub fn apply(self, txn: &mut Txn<'_>) -> Result<Reply, CommandError> {
         if !txn.state.leases.contains_key(&self.lease_id) {
-            return Err(CommandError::LeaseNotFound { lease_id: self.lease_id });
+            return Err(CommandError::LeaseNotFound {
+                lease_id: self.lease_id,
+            });
         }
         Ok(end_lease(txn, self.lease_id, false))
     }
@@ -85,5 +99,9 @@ pub(crate) fn end_lease(txn: &mut Txn<'_>, lease_id: u64, expired: bool) -> Repl
         WaitEndReason::LeaseEnded { lease_id },
     );
     txn.emit(EventKind::LeaseEnded { lease_id, expired });
-    Reply::Revoked { released, dequeued, granted }
+    Reply::Revoked {
+        released,
+        dequeued,
+        granted,
+    }
 }

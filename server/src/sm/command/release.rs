@@ -24,7 +24,11 @@ impl Release {
     /// Refuses a pod that does not hold the lock (naming the holder and its
     /// token) and a stale token of the holding pod.
     pub fn apply(self, txn: &mut Txn<'_>) -> Result<Reply, CommandError> {
-        let holder = txn.state.locks.get(&self.key).and_then(|l| l.holder.as_ref());
+        let holder = txn
+            .state
+            .locks
+            .get(&self.key)
+            .and_then(|l| l.holder.as_ref());
         match holder {
             None => {
                 return Err(CommandError::NotHolder {
@@ -49,7 +53,9 @@ impl Release {
             }
             Some(_) => {}
         }
-        let reason = ReleaseReason::Released { outcome: self.outcome };
+        let reason = ReleaseReason::Released {
+            outcome: self.outcome,
+        };
         let (released, next) = txn.release_and_hand_over(&self.key, reason);
         Ok(Reply::Released { released, next })
     }

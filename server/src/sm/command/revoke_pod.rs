@@ -25,14 +25,25 @@ impl RevokePod {
         let outcome = revoke_matching(
             txn,
             |pod_uid, _lease| pod_uid == uid,
-            ReleaseReason::PodRevoked { reason: reason.clone() },
-            WaitEndReason::PodRevoked { reason: reason.clone() },
+            ReleaseReason::PodRevoked {
+                reason: reason.clone(),
+            },
+            WaitEndReason::PodRevoked {
+                reason: reason.clone(),
+            },
         );
         if !outcome.0.is_empty() || !outcome.1.is_empty() {
-            txn.emit(EventKind::PodRevoked { pod_uid: self.pod_uid, reason: self.reason });
+            txn.emit(EventKind::PodRevoked {
+                pod_uid: self.pod_uid,
+                reason: self.reason,
+            });
         }
         let (released, dequeued, granted) = outcome;
-        Ok(Reply::Revoked { released, dequeued, granted })
+        Ok(Reply::Revoked {
+            released,
+            dequeued,
+            granted,
+        })
     }
 }
 
@@ -48,7 +59,11 @@ pub(crate) fn revoke_matching(
     let mut held = Vec::new();
     let mut waiting = Vec::new();
     for (key, lock) in &txn.state.locks {
-        if lock.holder.as_ref().is_some_and(|h| matches(&h.pod.uid, h.lease_id)) {
+        if lock
+            .holder
+            .as_ref()
+            .is_some_and(|h| matches(&h.pod.uid, h.lease_id))
+        {
             held.push(key.clone());
         }
         if lock.waiters.iter().any(|w| matches(&w.pod.uid, w.lease_id)) {
@@ -56,7 +71,11 @@ pub(crate) fn revoke_matching(
         }
     }
     for key in &waiting {
-        txn.remove_waiters(key, |w| matches(&w.pod.uid, w.lease_id), wait_reason.clone());
+        txn.remove_waiters(
+            key,
+            |w| matches(&w.pod.uid, w.lease_id),
+            wait_reason.clone(),
+        );
     }
     let mut granted = Vec::new();
     for key in &held {

@@ -34,7 +34,11 @@ impl Sweep {
     /// The hold timeout of `scope`, or `None` while the lock-delay for it is
     /// in force.
     pub fn timeout_for(&self, scope: &str) -> Option<u64> {
-        let timeout = self.scope_hold_timeout_ms.get(scope).copied().unwrap_or(self.hold_timeout_ms);
+        let timeout = self
+            .scope_hold_timeout_ms
+            .get(scope)
+            .copied()
+            .unwrap_or(self.hold_timeout_ms);
         (timeout <= self.leader_tenure_ms).then_some(timeout)
     }
 
@@ -101,7 +105,12 @@ impl Sweep {
             txn.state.sessions.remove(&client);
             txn.dirty.sessions.insert(client);
         }
-        Ok(Reply::Swept { waits, leases, holds, sessions })
+        Ok(Reply::Swept {
+            waits,
+            leases,
+            holds,
+            sessions,
+        })
     }
 }
 
@@ -114,8 +123,14 @@ pub fn sweep_due(state: &crate::sm::State, now_ms: u64, sweep: &Sweep) -> bool {
         .values()
         .flat_map(|l| l.waiters.iter())
         .any(|w| w.deadline_ms != 0 && w.deadline_ms <= now_ms);
-    let leases = state.leases.values().any(|l| sweep.lease_may_expire(l, now_ms));
-    let holds = state.locks.iter().any(|(k, l)| sweep.hold_due(k, l, now_ms).is_some());
+    let leases = state
+        .leases
+        .values()
+        .any(|l| sweep.lease_may_expire(l, now_ms));
+    let holds = state
+        .locks
+        .iter()
+        .any(|(k, l)| sweep.hold_due(k, l, now_ms).is_some());
     let sessions = state
         .sessions
         .values()

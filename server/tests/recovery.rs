@@ -1,0 +1,250 @@
+//! Recovery on a 3-replica in-process cluster: restart from RocksDB, catch-up
+//! by snapshot install, timeouts on committed time, membership changes.
+
+mod common;
+
+use std::time::Duration;
+
+use common::{Cluster, DEADLINE, lock, pod};
+use tether_client::Error;
+use tether_client::proto::Outcome;
+
+/// The state every replica must agree on (what a snapshot carries).
+fn state_bytes(cluster: &Cluster, id: u64) -> Vec<u8> {
+    tether_server::store::encode(&cluster.node(id).ctx().state.read().state)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn stopped_replica_recovers_from_rocksdb_and_catches_up() {
+    let mut cluster = Cluster::start(3).await;
+    let client = cluster.client();
+    let leader = cluster.wait_leader().await;
+    let follower = *cluster.addrs.keys().find(|id| **id != leader).unwrap();
+    for i in 0..10 {
+        client
+            .acquire(
+                &lock(&format!("before-{i}")),
+                &pod("u1"),
+                vec![i],
+                Duration::ZERO,
+                0,
+            )
+            .await
+            .unwrap();
+    }
+    cluster
+        .wait_applied(follower, cluster.applied(leader))
+        .await;
+    cluster.stop(follower).await;
+    for i in 0..10 {
+        client
+            .acquire(
+                &lock(&format!("during-{i}")),
+                &pod("u2"),
+                vec![i],
+                Duration::ZERO,
+                0,
+            )
+            .await
+            .unwrap();
+    }
+    cluster.restart(follower).await;
+    let target = cluster.applied(leader);
+    cluster.wait_applied(follower, target).await;
+    assert_eq!(
+        state_bytes(&cluster, follower),
+        state_bytes(&cluster, leader)
+    );
+    cluster.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn whole_cluster_restart_keeps_holds_queues_and_dedupe() {
+    let mut cluster = Cluster::start(3).await;
+    let client = cluster.client();
+    let hold = client
+        .acquire(&lock("n1"), &pod("u1"), b"plan".to_vec(), Duration::ZERO, 0)
+        .await
+        .unwrap();
+    let leader = cluster.wait_leader().await;
+    for id in [1, 2, 3] {
+        cluster.wait_applied(id, cluster.applied(leader)).await;
+    }
+    let before = state_bytes(&cluster, leader);
+    for id in [1, 2, 3] {
+        cluster.stop(id).await;
+    }
+    for id in [1, 2, 3] {
+        cluster.restart(id).await;
+    }
+    let leader = cluster.wait_leader().await;
+    let seen = client
+        .holder(&lock("n1"))
+        .await
+        .unwrap()
+        .expect("hold survived a full restart");
+    assert_eq!(seen.token, hold.token);
+    assert_eq!(seen.payload, b"plan");
+    // Only the new leader's blank entry was added; the domain state is equal
+    // except for committed time.
+    let mut after: tether_server::sm::State =
+        tether_server::store::decode(&state_bytes(&cluster, leader)).unwrap();
+    let before: tether_server::sm::State = tether_server::store::decode(&before).unwrap();
+    after.now_ms = before.now_ms;
+    assert_eq!(after, before);
+    cluster.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn lagging_replica_is_brought_back_by_snapshot_install() {
+    let mut cluster = Cluster::start_with(3, |c| {
+        c.snapshot_every = 1_000_000;
+        c.keep_logs_after_snapshot = 0;
+    })
+    .await;
+    let client = cluster.client();
+    let leader = cluster.wait_leader().await;
+    let lagging = *cluster.addrs.keys().find(|id| **id != leader).unwrap();
+    cluster.stop(lagging).await;
+    for i in 0..30 {
+        client
+            .acquire(
+                &lock(&format!("n{i}")),
+                &pod(&format!("u{i}")),
+                vec![],
+                Duration::ZERO,
+                0,
+            )
+            .await
+            .unwrap();
+    }
+    let snapshot_index = client.snapshot().await.unwrap();
+    assert!(snapshot_index >= 30);
+    // The leader purged the log the snapshot covers.
+    let deadline = tokio::time::Instant::now() + DEADLINE;
+    while cluster
+        .node(leader)
+        .raft()
+        .metrics()
+        .borrow()
+        .purged
+        .map_or(0, |l| l.index)
+        < snapshot_index
+    {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "leader did not purge its log"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    cluster.restart(lagging).await;
+    cluster.wait_applied(lagging, cluster.applied(leader)).await;
+    let installed = cluster
+        .node(lagging)
+        .raft()
+        .metrics()
+        .borrow()
+        .snapshot
+        .map_or(0, |l| l.index);
+    assert!(
+        installed >= snapshot_index,
+        "lagging replica caught up without installing the snapshot"
+    );
+    assert_eq!(
+        state_bytes(&cluster, lagging),
+        state_bytes(&cluster, leader)
+    );
+    // And it survives a restart from the installed snapshot.
+    cluster.stop(lagging).await;
+    cluster.restart(lagging).await;
+    cluster.wait_applied(lagging, cluster.applied(leader)).await;
+    assert_eq!(
+        state_bytes(&cluster, lagging),
+        state_bytes(&cluster, leader)
+    );
+    cluster.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn hold_timeout_releases_on_committed_time_and_hands_over() {
+    let cluster = Cluster::start_with(3, |c| c.hold_timeout = Duration::from_millis(1500)).await;
+    let client = cluster.client();
+    let key = lock("n-timeout");
+    let first = client
+        .acquire(&key, &pod("slow"), vec![], Duration::ZERO, 0)
+        .await
+        .unwrap();
+    let next = client
+        .acquire(&key, &pod("next"), vec![], DEADLINE, 0)
+        .await
+        .unwrap();
+    assert_eq!(next.pod.unwrap().uid, "next");
+    assert!(next.token > first.token);
+    // The timed-out holder's token is now stale.
+    let err = client
+        .release(&key, "slow", first.token, Outcome::Allocated)
+        .await
+        .unwrap_err();
+    assert!(matches!(err, Error::FailedPrecondition(_)), "{err}");
+    cluster.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn ttl_lease_keeps_holds_while_kept_alive_and_releases_them_when_it_expires() {
+    let cluster = Cluster::start(3).await;
+    let client = cluster.client();
+    // Below 3 x the election timeout upper bound (3 x 1.5 s): refused.
+    let err = client
+        .grant_lease(Duration::from_secs(1))
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(&err, Error::InvalidArgument(m) if m.contains("minimum")),
+        "{err}"
+    );
+    let ttl = Duration::from_millis(4500);
+    let lease = client.grant_lease(ttl).await.unwrap();
+    let key = lock("n-lease");
+    client
+        .acquire(&key, &pod("lockctl-session"), vec![], Duration::ZERO, lease)
+        .await
+        .unwrap();
+    let start = tokio::time::Instant::now();
+    while start.elapsed() < ttl * 2 {
+        assert_eq!(
+            client.keep_alive_once(lease).await.unwrap(),
+            ttl.as_millis() as u64
+        );
+        tokio::time::sleep(ttl / 4).await;
+    }
+    assert!(
+        client.holder(&key).await.unwrap().is_some(),
+        "kept alive, so still held"
+    );
+    let deadline = tokio::time::Instant::now() + DEADLINE;
+    while client.holder(&key).await.unwrap().is_some() {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "lease never expired"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert_eq!(client.keep_alive_once(lease).await.unwrap(), 0);
+    cluster.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn leader_transfer_hands_over_to_the_target() {
+    let cluster = Cluster::start(3).await;
+    let client = cluster.client();
+    let leader = cluster.wait_leader().await;
+    client
+        .acquire(&lock("n1"), &pod("u1"), vec![], Duration::ZERO, 0)
+        .await
+        .unwrap();
+    let target = *cluster.addrs.keys().find(|id| **id != leader).unwrap();
+    assert_eq!(client.transfer_leader(target).await.unwrap(), target);
+    assert_eq!(cluster.wait_leader().await, target);
+    assert!(client.holder(&lock("n1")).await.unwrap().is_some());
+    cluster.shutdown().await;
+}
