@@ -41,6 +41,8 @@ pub struct Node {
     http_addr: SocketAddr,
     shutdown: watch::Sender<bool>,
     tasks: Vec<JoinHandle<()>>,
+    /// The replica's database, held to know when Raft's tasks have let go.
+    db: Arc<rocksdb::DB>,
 }
 
 impl Node {
@@ -74,7 +76,7 @@ impl Node {
         std::fs::create_dir_all(&config.data_dir).with_context(|| {
             format!("cannot create data directory {}", config.data_dir.display())
         })?;
-        let (log_store, sm_store) = store::open(&config.data_dir)
+        let (db, log_store, sm_store) = store::open(&config.data_dir)
             .await
             .with_context(|| format!("cannot open the store in {}", config.data_dir.display()))?;
         let state = sm_store.handle();
@@ -146,6 +148,7 @@ impl Node {
             http_addr,
             shutdown,
             tasks,
+            db,
         })
     }
 
@@ -205,6 +208,16 @@ impl Node {
         for task in self.tasks {
             task.abort();
             let _ = task.await;
+        }
+        // Raft's storage tasks end shortly after shutdown; wait for them to
+        // drop the database so the directory can be opened again at once
+        // (RocksDB takes a lock file per directory).
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while Arc::strong_count(&self.db) > 1 && Instant::now() < deadline {
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        if Arc::strong_count(&self.db) > 1 {
+            tracing::warn!("storage still in use 10 s after shutdown");
         }
         tracing::info!(node_id = self.ctx.id, "replica stopped");
     }

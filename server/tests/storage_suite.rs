@@ -11,7 +11,7 @@ struct RocksBuilder;
 impl StoreBuilder<TypeConfig, LogStore, StateMachineStore, TempDir> for RocksBuilder {
     async fn build(&self) -> Result<(TempDir, LogStore, StateMachineStore), StorageError> {
         let dir = tempfile::tempdir().expect("a temp dir");
-        let (log, sm) = store::open(dir.path()).await?;
+        let (_db, log, sm) = store::open(dir.path()).await?;
         Ok((dir, log, sm))
     }
 }

@@ -55,12 +55,14 @@ pub fn open_db(dir: &Path) -> Result<Arc<DB>, rocksdb::Error> {
     Ok(Arc::new(DB::open_cf_descriptors(&opts, dir, cfs)?))
 }
 
-/// Opens the database and builds both halves of the store over it.
-pub async fn open(dir: &Path) -> Result<(LogStore, StateMachineStore), StorageError> {
+/// Opens the database and builds both halves of the store over it. The
+/// returned `Arc<DB>` lets the owner wait until Raft has let go of the
+/// database (RocksDB allows one opener per directory).
+pub async fn open(dir: &Path) -> Result<(Arc<DB>, LogStore, StateMachineStore), StorageError> {
     let db = open_db(dir).map_err(|e| err::read_state_machine(&e))?;
     let log = LogStore::new(db.clone());
-    let sm = StateMachineStore::load(db)?;
-    Ok((log, sm))
+    let sm = StateMachineStore::load(db.clone())?;
+    Ok((db, log, sm))
 }
 
 /// Encodes a value in the log's binary format.

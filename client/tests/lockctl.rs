@@ -1,0 +1,174 @@
+//! The `lockctl` binary against a real single-node replica: outputs, JSON,
+//! and exit codes.
+
+use std::process::{Command, Output};
+use std::time::Duration;
+
+use tether_server::{Config, Node};
+use tokio::net::TcpListener;
+
+async fn start_replica(dir: &std::path::Path) -> Node {
+    let mut config = Config::defaults();
+    config.data_dir = dir.to_path_buf();
+    config.heartbeat_interval = Duration::from_millis(100);
+    config.election_timeout = Duration::from_millis(750);
+    let grpc = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let http = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let node = Node::start_with(config, grpc, http).await.unwrap();
+    node.raft()
+        .wait(Some(Duration::from_secs(60)))
+        .state(openraft::ServerState::Leader, "single node leads")
+        .await
+        .unwrap();
+    node
+}
+
+/// Runs lockctl off the async runtime's worker threads.
+async fn lockctl(endpoint: &str, args: &[&str]) -> Output {
+    let endpoint = endpoint.to_string();
+    let args: Vec<String> = args.iter().map(|a| a.to_string()).collect();
+    tokio::task::spawn_blocking(move || {
+        Command::new(env!("CARGO_BIN_EXE_lockctl"))
+            .arg("--endpoints")
+            .arg(endpoint)
+            .args(args)
+            .output()
+            .unwrap()
+    })
+    .await
+    .unwrap()
+}
+
+fn stdout(out: &Output) -> String {
+    String::from_utf8_lossy(&out.stdout).trim().to_string()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn lockctl_walkthrough_prints_tokens_and_uses_documented_exit_codes() {
+    let dir = tempfile::tempdir().unwrap();
+    let node = start_replica(dir.path()).await;
+    let ep = node.addr().to_string();
+
+    let out = lockctl(
+        &ep,
+        &[
+            "lock",
+            "acquire",
+            "gpu-bind/node-1",
+            "--pod-uid",
+            "uid-1",
+            "--pod",
+            "ml/train-0",
+            "--payload",
+            "gpu0",
+        ],
+    )
+    .await;
+    assert!(out.status.success(), "{out:?}");
+    let token: u64 = stdout(&out).parse().expect("acquire prints the token");
+
+    let out = lockctl(
+        &ep,
+        &["lock", "acquire", "gpu-bind/node-1", "--pod-uid", "uid-2"],
+    )
+    .await;
+    assert_eq!(out.status.code(), Some(3), "held lock: exit 3");
+    assert!(String::from_utf8_lossy(&out.stderr).contains(&format!("token {token}")));
+
+    let out = lockctl(&ep, &["-o", "json", "lock", "holder", "gpu-bind/node-1"]).await;
+    assert!(out.status.success());
+    let json: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(json["holder"]["token"], token);
+    assert_eq!(json["holder"]["payload"], "gpu0");
+    assert_eq!(json["holder"]["pod"]["namespace"], "ml");
+
+    let out = lockctl(&ep, &["lock", "list"]).await;
+    assert!(stdout(&out).contains("gpu-bind/node-1"), "{}", stdout(&out));
+
+    let out = lockctl(
+        &ep,
+        &[
+            "lock",
+            "release",
+            "gpu-bind/node-1",
+            "--pod-uid",
+            "uid-1",
+            "--token",
+            &(token + 1).to_string(),
+        ],
+    )
+    .await;
+    assert_eq!(out.status.code(), Some(3), "stale token: exit 3");
+    assert!(String::from_utf8_lossy(&out.stderr).contains(&format!("current token is {token}")));
+
+    let out = lockctl(
+        &ep,
+        &[
+            "lock",
+            "acquire",
+            "gpu-bind/node-1",
+            "--pod-uid",
+            "uid-2",
+            "--wait",
+            "300ms",
+        ],
+    )
+    .await;
+    assert_eq!(out.status.code(), Some(4), "wait deadline: exit 4");
+
+    let out = lockctl(
+        &ep,
+        &[
+            "lock",
+            "release",
+            "gpu-bind/node-1",
+            "--pod-uid",
+            "uid-1",
+            "--token",
+            &token.to_string(),
+            "--outcome",
+            "allocated",
+        ],
+    )
+    .await;
+    assert!(out.status.success(), "{out:?}");
+
+    let out = lockctl(
+        &ep,
+        &["lock", "acquire", "gpu-bind/node-1", "--pod-uid", "uid-3"],
+    )
+    .await;
+    assert!(out.status.success());
+    let out = lockctl(
+        &ep,
+        &[
+            "lock",
+            "force-release",
+            "gpu-bind/node-1",
+            "--reason",
+            "test",
+            "--operator",
+            "ops",
+        ],
+    )
+    .await;
+    assert!(stdout(&out).contains("force-released"), "{}", stdout(&out));
+    let out = lockctl(&ep, &["lock", "holder", "gpu-bind/node-1"]).await;
+    assert!(stdout(&out).contains("is free"), "{}", stdout(&out));
+
+    let out = lockctl(&ep, &["lock", "acquire", "Bad/Name", "--pod-uid", "u"]).await;
+    assert_eq!(out.status.code(), Some(2), "invalid argument: exit 2");
+
+    let out = lockctl(&ep, &["lease", "revoke-pod", "uid-9"]).await;
+    assert!(out.status.success(), "{out:?}");
+
+    let out = lockctl(&ep, &["cluster", "status"]).await;
+    assert!(stdout(&out).contains("leader: node 1"), "{}", stdout(&out));
+
+    let dead = "127.0.0.1:1";
+    let out = lockctl(dead, &["--timeout", "200ms", "cluster", "status"]).await;
+    assert_eq!(out.status.code(), Some(5), "nothing reachable: exit 5");
+    assert!(String::from_utf8_lossy(&out.stderr).contains("is tetherd running"));
+
+    node.stop().await;
+}
