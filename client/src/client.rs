@@ -1,7 +1,7 @@
 //! The Tether client: endpoint list, leader following with backoff, request
 //! ids for exactly-once retries, deadlines on every call.
 
-use std::collections::HashMap;
+use std::collections::{BTreeSet, HashMap};
 use std::future::Future;
 use std::hash::{BuildHasher, Hasher};
 use std::sync::Mutex;
@@ -51,6 +51,24 @@ pub struct Client {
     /// The replica to try first (the believed leader).
     preferred: Mutex<String>,
     channels: Mutex<HashMap<String, Channel>>,
+    /// Sequences of requests not yet answered.
+    in_flight: Mutex<BTreeSet<u64>>,
+}
+
+/// Marks a request complete (answered, or given up on) when dropped.
+pub struct InFlight<'a> {
+    client: &'a Client,
+    sequence: u64,
+}
+
+impl Drop for InFlight<'_> {
+    fn drop(&mut self) {
+        self.client
+            .in_flight
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .remove(&self.sequence);
+    }
 }
 
 /// A random-enough client id without a randomness dependency: std's
@@ -127,6 +145,7 @@ impl Client {
             client_id,
             sequence: AtomicU64::new(0),
             channels: Mutex::new(HashMap::new()),
+            in_flight: Mutex::new(BTreeSet::new()),
         })
     }
 
@@ -135,12 +154,27 @@ impl Client {
         &self.client_id
     }
 
-    /// A fresh request id; reuse it when retrying the same request.
-    pub fn next_request_id(&self) -> pb::RequestId {
-        pb::RequestId {
+    /// A fresh request id for one logical request (its retries reuse it),
+    /// and a guard that marks the request complete when dropped. The id
+    /// carries the lowest sequence still in flight, so the server forgets the
+    /// answers this client has already seen.
+    pub fn begin_request(&self) -> (pb::RequestId, InFlight<'_>) {
+        let mut in_flight = self.in_flight.lock().unwrap_or_else(|p| p.into_inner());
+        let sequence = self.sequence.fetch_add(1, Ordering::Relaxed) + 1;
+        in_flight.insert(sequence);
+        let first_incomplete = in_flight.first().copied().unwrap_or(sequence);
+        let id = pb::RequestId {
             client_id: self.client_id.clone(),
-            sequence: self.sequence.fetch_add(1, Ordering::Relaxed) + 1,
-        }
+            sequence,
+            first_incomplete,
+        };
+        (
+            id,
+            InFlight {
+                client: self,
+                sequence,
+            },
+        )
     }
 
     fn channel(&self, addr: &str) -> Result<Channel> {
@@ -268,8 +302,9 @@ impl Client {
         lease_id: u64,
         on_progress: impl Fn(AcquireProgress),
     ) -> Result<pb::Hold> {
+        let (request_id, _in_flight) = self.begin_request();
         let request = pb::AcquireRequest {
-            request_id: Some(self.next_request_id()),
+            request_id: Some(request_id),
             key: Some(key.clone()),
             pod: Some(pod.clone()),
             payload,
@@ -313,8 +348,9 @@ impl Client {
         token: u64,
         outcome: pb::Outcome,
     ) -> Result<Option<pb::Hold>> {
+        let (request_id, _in_flight) = self.begin_request();
         let request = pb::ReleaseRequest {
-            request_id: Some(self.next_request_id()),
+            request_id: Some(request_id),
             key: Some(key.clone()),
             pod_uid: pod_uid.to_string(),
             token,
@@ -396,8 +432,9 @@ impl Client {
         operator: &str,
         reason: &str,
     ) -> Result<pb::ForceReleaseResponse> {
+        let (request_id, _in_flight) = self.begin_request();
         let request = pb::ForceReleaseRequest {
-            request_id: Some(self.next_request_id()),
+            request_id: Some(request_id),
             key: Some(key.clone()),
             operator: operator.to_string(),
             reason: reason.to_string(),
@@ -416,8 +453,9 @@ impl Client {
 
     /// Releases every hold and queued wait of a pod UID in one entry.
     pub async fn revoke_pod(&self, pod_uid: &str, reason: &str) -> Result<pb::RevokePodResponse> {
+        let (request_id, _in_flight) = self.begin_request();
         let request = pb::RevokePodRequest {
-            request_id: Some(self.next_request_id()),
+            request_id: Some(request_id),
             pod_uid: pod_uid.to_string(),
             reason: reason.to_string(),
         };
@@ -435,8 +473,9 @@ impl Client {
 
     /// Grants a TTL lease; returns its id.
     pub async fn grant_lease(&self, ttl: Duration) -> Result<u64> {
+        let (request_id, _in_flight) = self.begin_request();
         let request = pb::LeaseGrantRequest {
-            request_id: Some(self.next_request_id()),
+            request_id: Some(request_id),
             ttl_ms: ttl.as_millis() as u64,
         };
         self.with_leader(Duration::ZERO, |channel| {
@@ -472,8 +511,9 @@ impl Client {
 
     /// Revokes a TTL lease and what is attached to it.
     pub async fn revoke_lease(&self, lease_id: u64) -> Result<pb::LeaseRevokeResponse> {
+        let (request_id, _in_flight) = self.begin_request();
         let request = pb::LeaseRevokeRequest {
-            request_id: Some(self.next_request_id()),
+            request_id: Some(request_id),
             lease_id,
         };
         self.with_leader(Duration::ZERO, |channel| {

@@ -29,6 +29,6 @@
 mod client;
 mod error;
 
-pub use client::{AcquireProgress, Client, Options, parse_lock_key};
+pub use client::{AcquireProgress, Client, InFlight, Options, parse_lock_key};
 pub use error::{Error, Result};
 pub use tether_proto as proto;

@@ -85,6 +85,16 @@ pub struct Config {
     #[arg(long, env = "TETHER_SWEEP_INTERVAL", default_value = "100ms", value_parser = humantime::parse_duration)]
     pub sweep_interval: Duration,
 
+    /// Events (the audit trail of grants, releases, revokes) of this many most
+    /// recent log entries are kept on disk; older ones are deleted when a
+    /// snapshot is built.
+    #[arg(
+        long,
+        env = "TETHER_EVENT_RETENTION_ENTRIES",
+        default_value_t = 1_000_000
+    )]
+    pub event_retention_entries: u64,
+
     /// Dedupe records of clients idle this long are dropped.
     #[arg(long, env = "TETHER_SESSION_IDLE", default_value = "1h", value_parser = humantime::parse_duration)]
     pub session_idle: Duration,

@@ -76,9 +76,10 @@ impl Node {
         std::fs::create_dir_all(&config.data_dir).with_context(|| {
             format!("cannot create data directory {}", config.data_dir.display())
         })?;
-        let (db, log_store, sm_store) = store::open(&config.data_dir)
+        let (db, log_store, mut sm_store) = store::open(&config.data_dir)
             .await
             .with_context(|| format!("cannot open the store in {}", config.data_dir.display()))?;
+        sm_store.set_event_retention(config.event_retention_entries);
         let state = sm_store.handle();
 
         let election_ms = config.election_timeout.as_millis() as u64;

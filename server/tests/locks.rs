@@ -291,6 +291,7 @@ async fn retried_request_after_a_leader_change_is_not_applied_twice() {
         request_id: Some(pb::RequestId {
             client_id: "retry-test".into(),
             sequence: 1,
+            first_incomplete: 1,
         }),
         key: Some(key.clone()),
         pod: Some(pod("u1")),

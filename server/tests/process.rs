@@ -225,6 +225,28 @@ async fn sigkilled_replicas_restart_from_rocksdb_keep_acknowledged_holds_and_cat
     replicas[leader_pos].spawn();
     let (_, applied) = wait_leader(&client, &replicas).await;
     wait_applied(&client, &replicas[leader_pos], applied).await;
+
+    // SIGTERM the leader: it hands leadership over, then exits cleanly.
+    let (leader, _) = wait_leader(&client, &replicas).await;
+    let pos = replicas.iter().position(|r| r.id == leader).unwrap();
+    let mut child = replicas[pos].child.take().unwrap();
+    let term = Command::new("kill")
+        .args(["-TERM", &child.id().to_string()])
+        .status()
+        .unwrap();
+    assert!(term.success());
+    let exit = tokio::task::spawn_blocking(move || child.wait().unwrap())
+        .await
+        .unwrap();
+    assert!(exit.success(), "tetherd exit status on SIGTERM: {exit:?}");
+    let log = std::fs::read_to_string(&replicas[pos].log).unwrap();
+    assert!(
+        log.contains("leadership handed over before shutdown"),
+        "no hand-over in the log:\n{log}"
+    );
+    let (new_leader, _) = wait_leader(&client, &replicas).await;
+    assert_ne!(new_leader, leader);
+    assert!(client.holder(&lock("n1")).await.unwrap().is_some());
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -248,3 +248,61 @@ async fn leader_transfer_hands_over_to_the_target() {
     assert!(client.holder(&lock("n1")).await.unwrap().is_some());
     cluster.shutdown().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn learner_is_added_promoted_and_a_voter_removed() {
+    let mut cluster = Cluster::start(3).await;
+    let client = cluster.client();
+    client
+        .acquire(&lock("n1"), &pod("u1"), b"p".to_vec(), Duration::ZERO, 0)
+        .await
+        .unwrap();
+    cluster.add_node(4).await;
+    let addr4 = cluster.addrs[&4].to_string();
+    client.add_learner(4, &addr4, true).await.unwrap();
+    let leader = cluster.wait_leader().await;
+    cluster.wait_applied(4, cluster.applied(leader)).await;
+    assert_eq!(
+        state_bytes(&cluster, 4),
+        state_bytes(&cluster, leader),
+        "learner replicated the state"
+    );
+
+    client
+        .change_membership(vec![1, 2, 3, 4], false)
+        .await
+        .unwrap();
+    let status = client.status_of(&addr4).await.unwrap();
+    let voters: Vec<u64> = status
+        .members
+        .iter()
+        .filter(|m| m.voter)
+        .map(|m| m.node_id)
+        .collect();
+    assert_eq!(voters, vec![1, 2, 3, 4]);
+
+    // Remove a voter that is not the leader; the cluster keeps working.
+    let leader = cluster.wait_leader().await;
+    let removed = [1, 2, 3].into_iter().find(|id| *id != leader).unwrap();
+    let remaining: Vec<u64> = [1, 2, 3, 4]
+        .into_iter()
+        .filter(|id| *id != removed)
+        .collect();
+    client
+        .change_membership(remaining.clone(), false)
+        .await
+        .unwrap();
+    cluster.stop(removed).await;
+    cluster.addrs.remove(&removed);
+    cluster.nodes.remove(&removed);
+    let client = cluster.client();
+    let hold = client
+        .acquire(&lock("n2"), &pod("u2"), vec![], Duration::ZERO, 0)
+        .await
+        .unwrap();
+    assert!(hold.token > 0);
+    let status = client.status_of(&addr4).await.unwrap();
+    let members: Vec<u64> = status.members.iter().map(|m| m.node_id).collect();
+    assert_eq!(members, remaining);
+    cluster.shutdown().await;
+}

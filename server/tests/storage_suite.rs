@@ -20,3 +20,58 @@ impl StoreBuilder<TypeConfig, LogStore, StateMachineStore, TempDir> for RocksBui
 fn rocksdb_store_passes_openraft_storage_suite() {
     Suite::test_all(RocksBuilder).expect("openraft storage suite");
 }
+
+mod store_behaviour {
+    use openraft::storage::RaftStateMachine;
+    use openraft::{CommittedLeaderId, EntryPayload, LogId, RaftSnapshotBuilder};
+    use tether_server::raft::Entry;
+    use tether_server::sm::command::Acquire;
+    use tether_server::sm::{Command, EventKind, LockKey, Pod, Request, Revision};
+    use tether_server::store::{self, read_events};
+
+    fn acquire_entry(index: u64) -> Entry {
+        let command = Command::Acquire(Acquire {
+            key: LockKey::new("gpu-bind", format!("node-{index}")),
+            pod: Pod {
+                uid: format!("u{index}"),
+                ..Default::default()
+            },
+            payload: vec![],
+            wait_ms: 0,
+            lease_id: 0,
+            client_id: "c".into(),
+            queue_limit: 10,
+        });
+        Entry {
+            log_id: LogId::new(CommittedLeaderId::new(1, 1), index),
+            payload: EntryPayload::Normal(Request::new(None, 1000 + index, command)),
+        }
+    }
+
+    #[tokio::test]
+    async fn applied_state_and_events_survive_reopen_and_old_events_are_pruned_at_snapshot() {
+        let dir = tempfile::tempdir().unwrap();
+        {
+            let (_db, _log, mut sm) = store::open(dir.path()).await.unwrap();
+            sm.apply((1..=20).map(acquire_entry)).await.unwrap();
+        }
+        let (db, _log, mut sm) = store::open(dir.path()).await.unwrap();
+        let (applied, _) = sm.applied_state().await.unwrap();
+        assert_eq!(
+            applied.unwrap().index,
+            20,
+            "last_applied persisted with the state"
+        );
+        assert_eq!(sm.handle().read().state.locks.len(), 20);
+        let events = read_events(&db, Revision { index: 0, sub: 0 }, 100).unwrap();
+        assert_eq!(events.len(), 20);
+        assert!(matches!(&events[0].kind, EventKind::LockGranted { hold, .. } if hold.token == 1));
+
+        sm.set_event_retention(5);
+        let mut builder = sm.get_snapshot_builder().await;
+        builder.build_snapshot().await.unwrap();
+        let events = read_events(&db, Revision { index: 0, sub: 0 }, 100).unwrap();
+        let indexes: Vec<u64> = events.iter().map(|e| e.revision.index).collect();
+        assert_eq!(indexes, (15..=20).collect::<Vec<_>>());
+    }
+}

@@ -104,9 +104,17 @@ pub fn request_id(id: Option<&tether_proto::RequestId>) -> Result<Option<crate::
     if id.sequence == 0 {
         return Err(invalid("request sequence must start at 1".to_string()));
     }
+    if id.first_incomplete > id.sequence {
+        return Err(invalid(format!(
+            "first_incomplete {} is above the request's own sequence {}: a request is incomplete \
+             until it is answered",
+            id.first_incomplete, id.sequence
+        )));
+    }
     Ok(Some(crate::sm::RequestId {
         client_id: id.client_id.clone(),
         sequence: id.sequence,
+        first_incomplete: id.first_incomplete,
     }))
 }
 

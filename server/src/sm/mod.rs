@@ -260,21 +260,17 @@ pub fn apply(state: &mut State, index: u64, request: &Request) -> (Response, Vec
             };
             return (response, Vec::new(), Dirty::default());
         }
-        let oldest = session.responses.keys().next().copied().unwrap_or(0);
-        if session.responses.len() >= SESSION_WINDOW && id.sequence < oldest {
+        if id.sequence < session.acknowledged_below {
             let err = CommandError::SequenceTooOld {
                 client_id: id.client_id.clone(),
                 sequence: id.sequence,
-                oldest_kept: oldest,
+                oldest_kept: session.acknowledged_below,
             };
-            return (
-                Response {
-                    result: Err(err),
-                    deduplicated: false,
-                },
-                Vec::new(),
-                Dirty::default(),
-            );
+            let response = Response {
+                result: Err(err),
+                deduplicated: false,
+            };
+            return (response, Vec::new(), Dirty::default());
         }
     }
 
@@ -284,8 +280,13 @@ pub fn apply(state: &mut State, index: u64, request: &Request) -> (Response, Vec
     if let Some(id) = &request.request_id {
         let session = txn.state.sessions.entry(id.client_id.clone()).or_default();
         session.responses.insert(id.sequence, result.clone());
-        while session.responses.len() > SESSION_WINDOW {
-            session.responses.pop_first();
+        // Forget what the client has seen answered; bound the rest.
+        let done_below = id.first_incomplete.min(id.sequence);
+        session.acknowledged_below = session.acknowledged_below.max(done_below);
+        session.responses = session.responses.split_off(&session.acknowledged_below);
+        while session.responses.len() > SESSION_MAX_RESPONSES {
+            let (oldest, _) = session.responses.pop_first().expect("non-empty");
+            session.acknowledged_below = oldest + 1;
         }
         session.last_seen_ms = now_ms;
         txn.dirty.sessions.insert(id.client_id.clone());

@@ -254,6 +254,7 @@ fn retried_request_is_answered_from_the_dedupe_table() {
     let id = RequestId {
         client_id: "c1".into(),
         sequence: 1,
+        first_incomplete: 1,
     };
     let first = m.run_as(Some(id.clone()), acquire("a", "u1", 0));
     m.run(release("a", "u1", 1)).unwrap();
@@ -267,28 +268,63 @@ fn retried_request_is_answered_from_the_dedupe_table() {
 }
 
 #[test]
-fn sequences_older_than_the_window_are_refused() {
+fn acknowledged_sequences_are_forgotten_and_refused() {
     let mut m = Machine::new();
-    for seq in 1..=(SESSION_WINDOW as u64 + 5) {
+    let id = |sequence, first_incomplete| {
+        Some(RequestId {
+            client_id: "c".into(),
+            sequence,
+            first_incomplete,
+        })
+    };
+    m.run_as(id(1, 1), acquire("a", "u1", 0));
+    m.run_as(id(2, 1), acquire("b", "u1", 0));
+    // Sequence 1 still incomplete: its answer is kept for a retry.
+    assert!(m.run_as(id(1, 1), acquire("a", "u1", 0)).deduplicated);
+    // The client has seen 1 and 2 answered: both are forgotten.
+    m.run_as(id(3, 3), acquire("c", "u1", 0));
+    assert_eq!(
+        m.state.sessions["c"]
+            .responses
+            .keys()
+            .copied()
+            .collect::<Vec<_>>(),
+        vec![3]
+    );
+    let late = m.run_as(id(1, 1), acquire("z", "u9", 0));
+    assert!(
+        matches!(
+            late.result,
+            Err(CommandError::SequenceTooOld {
+                sequence: 1,
+                oldest_kept: 3,
+                ..
+            })
+        ),
+        "{late:?}"
+    );
+    assert!(
+        !m.state.locks.contains_key(&key("z")),
+        "a refused retry changes nothing"
+    );
+}
+
+#[test]
+fn unacknowledged_responses_are_bounded_per_client() {
+    let mut m = Machine::new();
+    for seq in 1..=(SESSION_MAX_RESPONSES as u64 + 10) {
         m.run_as(
             Some(RequestId {
                 client_id: "c".into(),
                 sequence: seq,
+                first_incomplete: 0,
             }),
             acquire("a", "u1", 0),
         );
     }
-    let old = m.run_as(
-        Some(RequestId {
-            client_id: "c".into(),
-            sequence: 1,
-        }),
-        acquire("a", "u2", 0),
-    );
-    assert!(matches!(
-        old.result,
-        Err(CommandError::SequenceTooOld { .. })
-    ));
+    let session = &m.state.sessions["c"];
+    assert_eq!(session.responses.len(), SESSION_MAX_RESPONSES);
+    assert_eq!(session.acknowledged_below, 11);
 }
 
 #[test]
@@ -542,6 +578,7 @@ fn random_sequences_keep_mutual_exclusion_fifo_and_increasing_tokens() {
             let id = (rng.below(2) == 0).then(|| RequestId {
                 client_id: format!("c{}", rng.below(3)),
                 sequence: m.index + 1,
+                first_incomplete: m.index.saturating_sub(rng.below(4)),
             });
             m.run_as(id, command);
             check_invariants(

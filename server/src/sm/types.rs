@@ -227,18 +227,26 @@ pub struct RequestId {
     pub client_id: String,
     /// Increasing per client.
     pub sequence: u64,
+    /// The lowest sequence the client has not yet seen an answer to: every
+    /// lower one is done, so its stored response may be dropped (the Raft
+    /// thesis' client sessions, section 6.3).
+    pub first_incomplete: u64,
 }
 
-/// Per-client dedupe record: the responses to the client's most recent
-/// sequences, so that a retry gets the stored answer.
+/// Per-client dedupe record: the responses to the client's requests that it
+/// may still retry, so that a retry gets the stored answer.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, Default)]
 pub struct ClientSession {
-    /// Responses by sequence; only the newest [`SESSION_WINDOW`] are kept.
+    /// Responses by sequence, from `acknowledged_below` on.
     pub responses: BTreeMap<u64, crate::sm::CommandResult>,
+    /// Sequences below this are done (the client said so, or they fell out
+    /// of the [`SESSION_MAX_RESPONSES`] bound): a request with one is refused
+    /// rather than applied a second time.
+    pub acknowledged_below: u64,
     /// Committed time of the client's last request, for eviction.
     pub last_seen_ms: u64,
 }
 
-/// How many recent responses are kept per client. A client may have this many
-/// requests in flight at once and still retry any of them exactly once.
-pub const SESSION_WINDOW: usize = 64;
+/// Most responses kept per client: the bound on requests one client may have
+/// in flight (unacknowledged) at once.
+pub const SESSION_MAX_RESPONSES: usize = 4096;

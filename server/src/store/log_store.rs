@@ -86,7 +86,7 @@ impl LogStore {
 
 /// Decodes a log entry, stopping the replica with a clear error if it was
 /// written by a newer format than this build understands.
-fn decode_entry(bytes: &[u8]) -> Result<Entry, StorageError> {
+pub fn decode_entry(bytes: &[u8]) -> Result<Entry, StorageError> {
     let entry: Entry = decode(bytes).map_err(|e| {
         err::read_logs(&std::io::Error::other(format!(
             "cannot decode a log entry ({e}); it may have been written by a newer Tether \

@@ -31,7 +31,8 @@ use serde::Serialize;
 use serde::de::DeserializeOwned;
 
 pub use log_store::LogStore;
-pub use state_machine::{StateHandle, StateMachineStore};
+pub use log_store::decode_entry;
+pub use state_machine::{SnapshotFile, StateHandle, StateMachineStore, read_events};
 
 use crate::raft::StorageError;
 

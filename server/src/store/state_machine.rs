@@ -61,12 +61,31 @@ impl StateHandle {
 }
 
 /// The serialized form of a snapshot.
-#[derive(Serialize, Deserialize)]
-struct SnapshotFile {
-    format_version: u16,
-    last_applied: Option<LogId>,
-    membership: StoredMembership,
-    state: State,
+#[derive(Debug, PartialEq, Serialize, Deserialize)]
+pub struct SnapshotFile {
+    /// [`FORMAT_VERSION`] of the writer.
+    pub format_version: u16,
+    /// Last log id the snapshot covers.
+    pub last_applied: Option<LogId>,
+    /// Membership as of `last_applied`.
+    pub membership: StoredMembership,
+    /// The domain state, dedupe table included.
+    pub state: State,
+}
+
+impl SnapshotFile {
+    /// Decodes a snapshot, refusing one written by a newer format.
+    pub fn decode(data: &[u8]) -> Result<SnapshotFile, StorageError> {
+        let file: SnapshotFile = decode(data).map_err(|e| {
+            sm_read_err(std::io::Error::other(format!(
+                "cannot decode snapshot ({e}); it may come from a newer Tether: upgrade this replica"
+            )))
+        })?;
+        if file.format_version > FORMAT_VERSION {
+            return Err(format_error("snapshot", file.format_version));
+        }
+        Ok(file)
+    }
 }
 
 /// A snapshot as kept in the `meta` column family.
@@ -80,7 +99,11 @@ struct StoredSnapshot {
 pub struct StateMachineStore {
     db: Arc<DB>,
     handle: StateHandle,
+    event_retention_entries: u64,
 }
+
+/// Events of this many most recent log entries are kept by default.
+pub const DEFAULT_EVENT_RETENTION_ENTRIES: u64 = 1_000_000;
 
 fn cf<'a>(db: &'a DB, name: &str) -> &'a rocksdb::ColumnFamily {
     db.cf_handle(name)
@@ -149,6 +172,7 @@ impl StateMachineStore {
                 inner: Arc::new(RwLock::new(applied)),
                 events,
             },
+            event_retention_entries: DEFAULT_EVENT_RETENTION_ENTRIES,
         };
 
         // A snapshot newer than the persisted state cannot normally exist (the
@@ -161,6 +185,12 @@ impl StateMachineStore {
             }
         }
         Ok(store)
+    }
+
+    /// Keeps the events of only the last `entries` log entries; older ones
+    /// are deleted each time a snapshot is built.
+    pub fn set_event_retention(&mut self, entries: u64) {
+        self.event_retention_entries = entries;
     }
 
     /// The shared read handle.
@@ -181,14 +211,7 @@ impl StateMachineStore {
 
     /// Replaces the state (memory and `sm` column family) with a snapshot's.
     fn restore(&self, data: &[u8]) -> Result<(), StorageError> {
-        let file: SnapshotFile = decode(data).map_err(|e| {
-            sm_read_err(std::io::Error::other(format!(
-                "cannot decode snapshot ({e}); it may come from a newer Tether: upgrade this replica"
-            )))
-        })?;
-        if file.format_version > FORMAT_VERSION {
-            return Err(format_error("snapshot", file.format_version));
-        }
+        let file = SnapshotFile::decode(data)?;
         let sm_cf = cf(&self.db, CF_SM);
         let mut batch = WriteBatch::default();
         for item in self.db.iterator_cf(sm_cf, IteratorMode::Start) {
@@ -244,6 +267,7 @@ fn write_dirty(batch: &mut WriteBatch, db: &DB, state: &State, dirty: &Dirty) {
 pub struct SnapshotBuilder {
     db: Arc<DB>,
     handle: StateHandle,
+    event_retention_entries: u64,
 }
 
 impl RaftSnapshotBuilder<TypeConfig> for SnapshotBuilder {
@@ -278,6 +302,19 @@ impl RaftSnapshotBuilder<TypeConfig> for SnapshotBuilder {
         self.db
             .put_cf_opt(cf(&self.db, CF_META), SNAPSHOT, encode(&stored), &synced())
             .map_err(|e| err::write_snapshot(Some(meta.signature()), &e))?;
+        // Snapshots are the moment of housekeeping: events older than the
+        // retention window are deleted (history beyond it is not kept).
+        let applied = last_applied.map_or(0, |l| l.index);
+        if applied > self.event_retention_entries {
+            let first = keys::event_key(sm::Revision { index: 0, sub: 0 });
+            let end = keys::event_key(sm::Revision {
+                index: applied - self.event_retention_entries,
+                sub: 0,
+            });
+            self.db
+                .delete_range_cf(cf(&self.db, CF_EVENTS), first, end)
+                .map_err(sm_write_err)?;
+        }
         Ok(Snapshot {
             meta,
             snapshot: Box::new(Cursor::new(stored.data)),
@@ -354,6 +391,7 @@ impl RaftStateMachine<TypeConfig> for StateMachineStore {
         SnapshotBuilder {
             db: self.db.clone(),
             handle: self.handle.clone(),
+            event_retention_entries: self.event_retention_entries,
         }
     }
 
@@ -384,4 +422,16 @@ impl RaftStateMachine<TypeConfig> for StateMachineStore {
             snapshot: Box::new(Cursor::new(s.data)),
         }))
     }
+}
+
+/// Events stored at or after `from`, oldest first, at most `limit`.
+pub fn read_events(db: &DB, from: sm::Revision, limit: usize) -> Result<Vec<Event>, StorageError> {
+    let start = keys::event_key(from);
+    let mode = IteratorMode::From(&start, rocksdb::Direction::Forward);
+    let mut out = Vec::new();
+    for item in db.iterator_cf(cf(db, CF_EVENTS), mode).take(limit) {
+        let (_, value) = item.map_err(sm_read_err)?;
+        out.push(decode(&value).map_err(sm_read_err)?);
+    }
+    Ok(out)
 }

@@ -205,6 +205,29 @@ impl Cluster {
         self.nodes.insert(id, Some(node));
     }
 
+    /// Starts a new, empty replica `id` that waits to be added (it is not the
+    /// lowest id of the initial members, so it does not bootstrap).
+    pub async fn add_node(&mut self, id: u64) {
+        let members = self
+            .addrs
+            .iter()
+            .map(|(id, a)| format!("{id}={a}"))
+            .collect::<Vec<_>>()
+            .join(",");
+        let dir = tempfile::tempdir().unwrap();
+        let mut config = test_config(id, dir.path());
+        config.initial_members = Some(members);
+        (self.tweak)(&mut config);
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        self.addrs.insert(id, listener.local_addr().unwrap());
+        let http = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let node = Node::start_with(config, listener, http)
+            .await
+            .expect("new replica starts");
+        self.nodes.insert(id, Some(node));
+        self.dirs.insert(id, dir);
+    }
+
     /// Waits until replica `id` has applied at least `index`.
     pub async fn wait_applied(&self, id: u64, index: u64) {
         self.node(id)

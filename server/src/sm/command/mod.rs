@@ -162,10 +162,11 @@ pub enum CommandError {
         /// The lease.
         lease_id: u64,
     },
-    /// A retry so old that its stored answer was dropped from the dedupe
-    /// window: applying it again could apply it twice, so it is refused.
+    /// A request whose sequence the client already reported done (or that
+    /// fell out of the dedupe bound): applying it could apply it twice, so it
+    /// is refused.
     #[error(
-        "request {client_id}#{sequence} is older than the dedupe window (oldest kept: {oldest_kept}); its outcome is unknown, read the state before retrying with a new sequence"
+        "request {client_id}#{sequence} is below the client's acknowledged sequences (first kept: {oldest_kept}); its outcome is unknown, read the state before retrying with a new sequence"
     )]
     SequenceTooOld {
         /// The client.
