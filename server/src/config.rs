@@ -95,6 +95,11 @@ pub struct Config {
     )]
     pub event_retention_entries: u64,
 
+    /// How long a gone node is remembered (so a late assignment cannot pin to
+    /// it) before its tombstone is dropped.
+    #[arg(long, env = "TETHER_NODE_TOMBSTONE", default_value = "24h", value_parser = humantime::parse_duration)]
+    pub node_tombstone: Duration,
+
     /// Dedupe records of clients idle this long are dropped.
     #[arg(long, env = "TETHER_SESSION_IDLE", default_value = "1h", value_parser = humantime::parse_duration)]
     pub session_idle: Duration,

@@ -87,7 +87,9 @@ impl From<ApiError> for Status {
             ApiError::TooLarge(_) => Status::resource_exhausted(message),
             ApiError::Command(cmd) => {
                 let code = match *cmd {
-                    CommandError::QueueFull { .. } => Code::ResourceExhausted,
+                    CommandError::QueueFull { .. } | CommandError::NoCandidateFits { .. } => {
+                        Code::ResourceExhausted
+                    }
                     CommandError::LeaseNotFound { .. } => Code::NotFound,
                     CommandError::LockHeld { .. }
                     | CommandError::NotHolder { .. }

@@ -318,6 +318,7 @@ async fn sweeper(ctx: Arc<Ctx>, mut shutdown: watch::Receiver<bool>) {
                 .map(|(scope, d)| (scope.clone(), d.as_millis() as u64))
                 .collect(),
             session_idle_ms: ctx.config.session_idle.as_millis() as u64,
+            node_tombstone_ms: ctx.config.node_tombstone.as_millis() as u64,
         };
         let now = wall_clock_ms();
         if !sweep_due(&ctx.state.read().state, now, &sweep) {
@@ -331,19 +332,25 @@ async fn sweeper(ctx: Arc<Ctx>, mut shutdown: watch::Receiver<bool>) {
                     leases,
                     holds,
                     sessions,
+                    pins,
+                    stuck,
                 }) = response.data.result
                 {
                     ctx.metrics.swept("wait", waits.into());
                     ctx.metrics.swept("lease", leases.into());
                     ctx.metrics.swept("hold", holds.into());
                     ctx.metrics.swept("session", sessions.into());
-                    if holds > 0 || leases > 0 {
+                    ctx.metrics.swept("pin", pins.into());
+                    ctx.metrics.swept("stuck_hold", stuck.into());
+                    if holds > 0 || leases > 0 || pins > 0 || stuck > 0 {
                         tracing::info!(
                             waits,
                             leases,
                             holds,
                             sessions,
-                            "sweep expired holds or leases"
+                            pins,
+                            stuck,
+                            "sweep expired or reported"
                         );
                     }
                 }

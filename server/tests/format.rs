@@ -11,6 +11,7 @@ use std::path::PathBuf;
 
 use openraft::{BasicNode, CommittedLeaderId, EntryPayload, Membership};
 use tether_server::raft::{Entry, LogId, StoredMembership};
+use tether_server::sm::affinity::*;
 use tether_server::sm::command::*;
 use tether_server::sm::*;
 use tether_server::store::{SnapshotFile, decode, decode_entry, encode};
@@ -34,6 +35,33 @@ fn pod(uid: &str) -> Pod {
 
 fn key() -> LockKey {
     LockKey::new("gpu-bind", "node-7")
+}
+
+fn pin_key() -> PinKey {
+    PinKey::new("slurm/nodeset-a", "3")
+}
+
+fn pin() -> Pin {
+    Pin {
+        node: "node-7".into(),
+        pinned_at_ms: 1_790_000_000_000,
+        pod_uid: "a".into(),
+        labels: BTreeMap::from([("app".into(), "slurmd".into())]),
+        lifetime_ms: 600_000,
+        last_running_at_ms: 1_790_000_000_001,
+        owner: OwnerState::Running,
+    }
+}
+
+fn node_info() -> NodeInfo {
+    NodeInfo {
+        uid: "n-uid".into(),
+        labels: BTreeMap::from([("zone".into(), "a".into())]),
+        ready: true,
+        unschedulable: false,
+        joined_at_ms: 1_790_000_000_000,
+        gone_at_ms: None,
+    }
 }
 
 fn membership() -> Membership<u64, BasicNode> {
@@ -90,6 +118,45 @@ fn v1_entries() -> Vec<Entry> {
             hold_timeout_ms: 300_000,
             scope_hold_timeout_ms: BTreeMap::from([("gpu-bind".into(), 120_000)]),
             session_idle_ms: 3_600_000,
+            node_tombstone_ms: 86_400_000,
+        }),
+        Command::Assign(Assign {
+            key: pin_key(),
+            candidates: vec!["node-7".into(), "node-8".into()],
+            pod_uid: "a".into(),
+            lifetime_ms: 600_000,
+            labels: BTreeMap::from([("app".into(), "slurmd".into())]),
+            affinity: Affinity {
+                required: vec![],
+                required_anti: vec![AffinityTerm {
+                    selector: LabelSelector {
+                        match_labels: BTreeMap::from([("app".into(), "slurmd".into())]),
+                        match_expressions: vec![Requirement {
+                            key: "tier".into(),
+                            op: SelectorOp::In,
+                            values: vec!["a".into()],
+                        }],
+                    },
+                    topology_key: "zone".into(),
+                }],
+                preferred: vec![],
+                preferred_anti: vec![],
+            },
+        }),
+        Command::ReleasePin(ReleasePin {
+            key: pin_key(),
+            reason: "scale-in".into(),
+        }),
+        Command::ReportNode(ReportNode {
+            name: "node-7".into(),
+            uid: "n-uid".into(),
+            state: NodeState::Ready,
+            labels: Some(BTreeMap::from([("zone".into(), "a".into())])),
+            unschedulable: Some(false),
+        }),
+        Command::ReportPod(ReportPod {
+            pod_uid: "a".into(),
+            phase: PodPhase::Running,
         }),
     ];
     let mut entries = vec![
@@ -141,6 +208,7 @@ fn v1_snapshot() -> SnapshotFile {
             holder: Some(hold.clone()),
             waiters: [waiter].into(),
             last_token: 3,
+            stuck_token: 0,
         },
     );
     state.leases.insert(
@@ -165,6 +233,9 @@ fn v1_snapshot() -> SnapshotFile {
     );
     state.sessions.insert("client-1".into(), session);
     state.now_ms = 1_790_000_000_002;
+    state.pins.insert(pin_key(), pin());
+    state.nodes.insert("node-7".into(), node_info());
+    state.pods.insert("a".into(), PodPhase::Running);
     SnapshotFile {
         format_version: 1,
         last_applied: Some(log_id(1, 12)),

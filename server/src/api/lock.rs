@@ -108,6 +108,9 @@ async fn follow_wait(
                                 "the wait of pod uid {pod_uid} for lock {key} ended: pod revoked \
                                  ({reason})"
                             )),
+                            WaitEndReason::NodeGone => ApiError::Aborted(format!(
+                                "the wait of pod uid {pod_uid} for lock {key} ended: the node is gone"
+                            )),
                             WaitEndReason::LeaseEnded { lease_id } => ApiError::Aborted(format!(
                                 "the wait of pod uid {pod_uid} for lock {key} ended: lease \
                                  {lease_id} expired or was revoked"

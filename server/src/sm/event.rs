@@ -4,7 +4,10 @@
 
 use serde::{Deserialize, Serialize};
 
-use super::types::{Hold, LockKey, Pod, ReleaseReason, WaitEndReason};
+use super::types::{
+    Hold, LockKey, NodeInfo, Pin, PinKey, PinReleaseReason, Pod, PodPhase, ReleaseReason,
+    WaitEndReason,
+};
 
 /// Position of an event: the log index of its entry and its order within it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
@@ -85,5 +88,77 @@ pub enum EventKind {
         lease_id: u64,
         /// True if it expired, false if revoked.
         expired: bool,
+    },
+    /// A pin was created.
+    PinAssigned {
+        /// The pin.
+        key: PinKey,
+        /// Its state.
+        pin: Pin,
+    },
+    /// A pin ended.
+    PinReleased {
+        /// The pin.
+        key: PinKey,
+        /// The node it pinned to.
+        node: String,
+        /// Why.
+        reason: PinReleaseReason,
+    },
+    /// An existing pin got a new owning pod (the member's pod was recreated).
+    PinOwnerChanged {
+        /// The pin.
+        key: PinKey,
+        /// The new owner.
+        pod_uid: String,
+    },
+    /// A node joined (or re-joined after being gone).
+    NodeJoined {
+        /// Node name.
+        node: String,
+        /// Its registry entry.
+        info: NodeInfo,
+    },
+    /// A node became ready.
+    NodeReady {
+        /// Node name.
+        node: String,
+    },
+    /// A node stopped being ready.
+    NodeNotReady {
+        /// Node name.
+        node: String,
+    },
+    /// A node's labels or schedulability changed.
+    NodeUpdated {
+        /// Node name.
+        node: String,
+        /// Its registry entry.
+        info: NodeInfo,
+    },
+    /// A node is gone; its pins and locks were released in the same entry.
+    NodeGone {
+        /// Node name.
+        node: String,
+    },
+    /// A pod's phase was reported.
+    PodReported {
+        /// Pod UID.
+        pod_uid: String,
+        /// The phase.
+        phase: PodPhase,
+    },
+    /// A hold passed its timeout while its pod is alive and not started: it
+    /// is kept (handing over during a slow `Allocate` would swap devices
+    /// between pods) and reported instead.
+    LockStuck {
+        /// The lock.
+        key: LockKey,
+        /// The holder.
+        pod: Pod,
+        /// Its token.
+        token: u64,
+        /// How long it has been held, ms.
+        held_ms: u64,
     },
 }

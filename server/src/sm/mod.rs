@@ -18,6 +18,7 @@
 // the size of what they report.
 #![allow(clippy::result_large_err)]
 
+pub mod affinity;
 pub mod command;
 pub mod event;
 pub mod types;
@@ -95,6 +96,13 @@ pub struct State {
     pub sessions: BTreeMap<String, ClientSession>,
     /// Committed time: the highest leader stamp applied so far.
     pub now_ms: u64,
+    /// Pod-to-node pins.
+    pub pins: BTreeMap<PinKey, Pin>,
+    /// The node registry (live nodes, and tombstones of gone ones).
+    pub nodes: BTreeMap<String, NodeInfo>,
+    /// Reported phases of pods that are alive (starting or running); a pod
+    /// absent here is unknown, terminal or gone.
+    pub pods: BTreeMap<String, PodPhase>,
 }
 
 /// The keys an entry changed, so the store writes only those.
@@ -106,6 +114,12 @@ pub struct Dirty {
     pub leases: BTreeSet<u64>,
     /// Sessions changed.
     pub sessions: BTreeSet<String>,
+    /// Pins changed.
+    pub pins: BTreeSet<PinKey>,
+    /// Nodes changed.
+    pub nodes: BTreeSet<String>,
+    /// Pods changed.
+    pub pods: BTreeSet<String>,
 }
 
 impl Dirty {
@@ -114,6 +128,9 @@ impl Dirty {
         self.locks.extend(other.locks);
         self.leases.extend(other.leases);
         self.sessions.extend(other.sessions);
+        self.pins.extend(other.pins);
+        self.nodes.extend(other.nodes);
+        self.pods.extend(other.pods);
     }
 }
 
@@ -202,6 +219,43 @@ impl Txn<'_> {
         }
         let next = self.grant_next(key);
         (released, next)
+    }
+
+    /// Ends pin `key` (if it exists) for `reason`; returns it.
+    pub fn release_pin(&mut self, key: &PinKey, reason: PinReleaseReason) -> Option<Pin> {
+        let pin = self.state.pins.remove(key)?;
+        self.dirty.pins.insert(key.clone());
+        self.emit(EventKind::PinReleased {
+            key: key.clone(),
+            node: pin.node.clone(),
+            reason,
+        });
+        Some(pin)
+    }
+
+    /// Records what is known of the pod owning pins: `Running` refreshes
+    /// `last_running_at`, `Stopped` starts the lifetime countdown from now.
+    /// Returns true if any pin changed.
+    pub fn set_pin_owner_state(&mut self, pod_uid: &str, owner: OwnerState) -> bool {
+        let now = self.now_ms;
+        let mut changed = false;
+        for (key, pin) in self
+            .state
+            .pins
+            .iter_mut()
+            .filter(|(_, p)| p.pod_uid == pod_uid)
+        {
+            if pin.owner == owner {
+                continue;
+            }
+            if owner == OwnerState::Running || owner == OwnerState::Stopped {
+                pin.last_running_at_ms = now;
+            }
+            pin.owner = owner;
+            self.dirty.pins.insert(key.clone());
+            changed = true;
+        }
+        changed
     }
 
     /// Removes every wait on `key` matching `pred`, emitting `WaitEnded`.

@@ -2,6 +2,7 @@
 
 use std::collections::{BTreeMap, VecDeque};
 
+use super::affinity::*;
 use super::command::*;
 use super::*;
 
@@ -75,13 +76,18 @@ fn release(name: &str, uid: &str, token: u64) -> Command {
     })
 }
 
-fn sweep(tenure_ms: u64, hold_timeout_ms: u64) -> Command {
-    Command::Sweep(Sweep {
+fn sweep_settings(tenure_ms: u64, hold_timeout_ms: u64) -> Sweep {
+    Sweep {
         leader_tenure_ms: tenure_ms,
         hold_timeout_ms,
         scope_hold_timeout_ms: BTreeMap::new(),
         session_idle_ms: u64::MAX / 2,
-    })
+        node_tombstone_ms: u64::MAX / 2,
+    }
+}
+
+fn sweep(tenure_ms: u64, hold_timeout_ms: u64) -> Command {
+    Command::Sweep(sweep_settings(tenure_ms, hold_timeout_ms))
 }
 
 fn granted(result: CommandResult) -> Hold {
@@ -334,16 +340,7 @@ fn sweep_drops_waits_past_their_deadline() {
     m.run(acquire("a", "u2", 500)).unwrap();
     m.run(acquire("a", "u3", 5000)).unwrap();
     m.now += 1000;
-    assert!(sweep_due(
-        &m.state,
-        m.now,
-        &Sweep {
-            leader_tenure_ms: 0,
-            hold_timeout_ms: 1 << 40,
-            scope_hold_timeout_ms: BTreeMap::new(),
-            session_idle_ms: 1 << 40
-        }
-    ));
+    assert!(sweep_due(&m.state, m.now, &sweep_settings(0, 1 << 40)));
     let reply = m.run(sweep(0, 1 << 40)).unwrap();
     assert!(matches!(
         reply,
@@ -464,7 +461,34 @@ impl Rng {
 fn random_command(rng: &mut Rng, m: &Machine) -> Command {
     let lock = format!("n{}", rng.below(3));
     let uid = format!("p{}", rng.below(8));
-    match rng.below(10) {
+    match rng.below(16) {
+        10..=11 => spread_assign(&format!("m{}", rng.below(6)), &uid, rng.below(3) * 1000),
+        12 => Command::ReleasePin(ReleasePin {
+            key: PinKey::new("spread", format!("m{}", rng.below(6))),
+            reason: "test".into(),
+        }),
+        13 => {
+            let node = format!("n{}", rng.below(NODES));
+            let state = [
+                NodeState::Joined,
+                NodeState::Ready,
+                NodeState::NotReady,
+                NodeState::Gone,
+            ][rng.below(4) as usize];
+            report_node(&node, state)
+        }
+        14 => {
+            let phase = [
+                PodPhase::Starting,
+                PodPhase::Running,
+                PodPhase::Terminal,
+                PodPhase::Gone,
+            ][rng.below(4) as usize];
+            Command::ReportPod(ReportPod {
+                pod_uid: uid,
+                phase,
+            })
+        }
         0..=3 => acquire(&lock, &uid, [0, 200, 5_000][rng.below(3) as usize]),
         4..=5 => {
             // Mostly the real holder and token, sometimes a wrong one.
@@ -498,6 +522,294 @@ fn random_command(rng: &mut Rng, m: &Machine) -> Command {
 
 /// Checks the invariants that must hold after every entry, and that grants
 /// follow the queue order seen in earlier events.
+fn pinned(result: CommandResult) -> (Pin, bool) {
+    match result {
+        Ok(Reply::Pinned { pin, created }) => (pin, created),
+        other => panic!("expected a pin, got {other:?}"),
+    }
+}
+
+fn plain_assign(member: &str, pod_uid: &str, candidates: &[&str], lifetime_ms: u64) -> Command {
+    Command::Assign(Assign {
+        key: PinKey::new("slurm/set-a", member),
+        candidates: candidates.iter().map(|c| c.to_string()).collect(),
+        pod_uid: pod_uid.into(),
+        lifetime_ms,
+        labels: BTreeMap::new(),
+        affinity: Affinity::default(),
+    })
+}
+
+#[test]
+fn assign_is_idempotent_and_a_new_pod_takes_over_the_pin() {
+    let mut m = Machine::new();
+    let (first, created) = pinned(m.run(plain_assign("3", "pod-a", &["n1", "n2"], 0)));
+    assert!(created);
+    assert_eq!(first.node, "n1");
+    let (again, created) = pinned(m.run(plain_assign("3", "pod-a", &["n2"], 0)));
+    assert!(!created);
+    assert_eq!(again, first);
+    // The member's pod is recreated: same pin, new owner.
+    let (restarted, created) = pinned(m.run(plain_assign("3", "pod-b", &["n2"], 0)));
+    assert!(!created);
+    assert_eq!(restarted.node, "n1");
+    assert_eq!(restarted.pod_uid, "pod-b");
+}
+
+#[test]
+fn pin_lifetime_counts_only_after_the_pod_stops() {
+    let mut m = Machine::new();
+    pinned(m.run(plain_assign("0", "pod-a", &["n1"], 1_000)));
+    m.run(Command::ReportPod(ReportPod {
+        pod_uid: "pod-a".into(),
+        phase: PodPhase::Running,
+    }))
+    .unwrap();
+    m.now += 10_000;
+    m.run(sweep(1 << 40, 1 << 40)).unwrap();
+    assert!(
+        m.state.pins.contains_key(&PinKey::new("slurm/set-a", "0")),
+        "running pods keep their pins"
+    );
+    m.run(Command::ReportPod(ReportPod {
+        pod_uid: "pod-a".into(),
+        phase: PodPhase::Terminal,
+    }))
+    .unwrap();
+    m.now += 500;
+    m.run(sweep(1 << 40, 1 << 40)).unwrap();
+    assert!(
+        m.state.pins.contains_key(&PinKey::new("slurm/set-a", "0")),
+        "lifetime not yet passed"
+    );
+    m.now += 600;
+    // A new leader that has not led for a full lifetime does not expire it.
+    m.run(sweep(500, 1 << 40)).unwrap();
+    assert!(
+        m.state.pins.contains_key(&PinKey::new("slurm/set-a", "0")),
+        "lock-delay"
+    );
+    assert!(matches!(
+        m.run(sweep(1 << 40, 1 << 40)).unwrap(),
+        Reply::Swept { pins: 1, .. }
+    ));
+    assert!(m.state.pins.is_empty());
+}
+
+#[test]
+fn permanent_pins_survive_pod_restarts_and_stops() {
+    let mut m = Machine::new();
+    pinned(m.run(plain_assign("0", "pod-a", &["n1"], 0)));
+    m.run(Command::ReportPod(ReportPod {
+        pod_uid: "pod-a".into(),
+        phase: PodPhase::Gone,
+    }))
+    .unwrap();
+    m.now += 1 << 30;
+    m.run(sweep(1 << 40, 1 << 40)).unwrap();
+    let (pin, created) = pinned(m.run(plain_assign("0", "pod-b", &["n2"], 0)));
+    assert!(!created);
+    assert_eq!(pin.node, "n1");
+}
+
+#[test]
+fn node_gone_releases_its_pins_and_locks_and_blocks_new_pins_there() {
+    let mut m = Machine::new();
+    for node in ["n1", "n2"] {
+        m.run(report_node(node, NodeState::Ready)).unwrap();
+    }
+    pinned(m.run(plain_assign("0", "pod-a", &["n1", "n2"], 0)));
+    granted(m.run(acquire("n1", "pod-x", 0)));
+    m.run(acquire("n1", "pod-y", 10_000)).unwrap();
+    let reply = m.run(report_node("n1", NodeState::Gone)).unwrap();
+    assert_eq!(
+        reply,
+        Reply::NodeReported {
+            changed: true,
+            pins_released: 1,
+            locks_released: 1
+        }
+    );
+    assert!(m.state.pins.is_empty());
+    assert!(
+        m.state.locks.is_empty(),
+        "holder released and queue dropped"
+    );
+    assert!(m.events.iter().any(|e| matches!(
+        &e.kind,
+        EventKind::PinReleased {
+            reason: PinReleaseReason::NodeGone,
+            ..
+        }
+    )));
+    // Idempotent.
+    assert_eq!(
+        m.run(report_node("n1", NodeState::Gone)).unwrap(),
+        Reply::NodeReported {
+            changed: false,
+            pins_released: 0,
+            locks_released: 0
+        }
+    );
+    // The next assignment of the member picks a live candidate.
+    let (pin, _) = pinned(m.run(plain_assign("0", "pod-a", &["n1", "n2"], 0)));
+    assert_eq!(pin.node, "n2");
+}
+
+#[test]
+fn node_reports_are_idempotent_and_emit_transitions_once() {
+    let mut m = Machine::new();
+    m.run(report_node("n1", NodeState::Joined)).unwrap();
+    m.run(report_node("n1", NodeState::Ready)).unwrap();
+    m.run(report_node("n1", NodeState::Ready)).unwrap();
+    m.run(report_node("n1", NodeState::NotReady)).unwrap();
+    let kinds: Vec<&str> = m
+        .events
+        .iter()
+        .map(|e| match e.kind {
+            EventKind::NodeJoined { .. } => "joined",
+            EventKind::NodeReady { .. } => "ready",
+            EventKind::NodeNotReady { .. } => "not-ready",
+            _ => "other",
+        })
+        .collect();
+    assert_eq!(kinds, ["joined", "ready", "not-ready"]);
+}
+
+#[test]
+fn a_hold_whose_pod_has_not_started_is_kept_past_the_timeout_and_reported_once() {
+    let mut m = Machine::new();
+    granted(m.run(acquire("a", "slow", 0)));
+    m.run(acquire("a", "next", 1 << 30)).unwrap();
+    m.run(Command::ReportPod(ReportPod {
+        pod_uid: "slow".into(),
+        phase: PodPhase::Starting,
+    }))
+    .unwrap();
+    m.now += 10_000;
+    assert!(matches!(
+        m.run(sweep(1 << 40, 5_000)).unwrap(),
+        Reply::Swept {
+            holds: 0,
+            stuck: 1,
+            ..
+        }
+    ));
+    assert!(
+        !sweep_due(&m.state, m.now, &sweep_settings(1 << 40, 5_000)),
+        "reported once, not at every sweep"
+    );
+    assert_eq!(
+        m.state.locks[&key("a")].holder.as_ref().unwrap().pod.uid,
+        "slow"
+    );
+    // Once the pod runs (Allocate happened) the timeout may hand over.
+    m.run(Command::ReportPod(ReportPod {
+        pod_uid: "slow".into(),
+        phase: PodPhase::Running,
+    }))
+    .unwrap();
+    assert!(matches!(
+        m.run(sweep(1 << 40, 5_000)).unwrap(),
+        Reply::Swept { holds: 1, .. }
+    ));
+    assert_eq!(
+        m.state.locks[&key("a")].holder.as_ref().unwrap().pod.uid,
+        "next"
+    );
+}
+
+#[test]
+fn terminal_pod_report_revokes_its_holds() {
+    let mut m = Machine::new();
+    granted(m.run(acquire("a", "done", 0)));
+    m.run(Command::ReportPod(ReportPod {
+        pod_uid: "done".into(),
+        phase: PodPhase::Terminal,
+    }))
+    .unwrap();
+    assert!(m.state.locks.is_empty());
+}
+
+#[test]
+fn anti_affinity_by_zone_is_never_violated_and_the_error_names_each_candidate() {
+    let mut m = Machine::new();
+    for i in 0..NODES {
+        m.run(report_node(&format!("n{i}"), NodeState::Ready))
+            .unwrap();
+    }
+    for member in 0..3 {
+        pinned(m.run(spread_assign(&member.to_string(), "", 0)));
+    }
+    let err = m.run(spread_assign("3", "", 0)).unwrap_err();
+    let text = err.to_string();
+    for i in 0..NODES {
+        assert!(text.contains(&format!("n{i}: pin spread/")), "{text}");
+    }
+    check_pin_invariants(&m.state, 0);
+}
+
+/// Nodes of the property test: `n0`..`n5`, zone = index % 3 (fixed, so
+/// anti-affinity by zone is checkable on the state alone).
+const NODES: u64 = 6;
+
+fn zone_of(node: &str) -> String {
+    let index: u64 = node.trim_start_matches('n').parse().unwrap();
+    format!("z{}", index % 3)
+}
+
+fn report_node(node: &str, state: NodeState) -> Command {
+    Command::ReportNode(ReportNode {
+        name: node.into(),
+        uid: format!("uid-{node}"),
+        state,
+        labels: Some(BTreeMap::from([("zone".to_string(), zone_of(node))])),
+        unschedulable: None,
+    })
+}
+
+/// An assignment in the `spread` set: required anti-affinity by zone
+/// against the set's own pins.
+fn spread_assign(member: &str, pod_uid: &str, lifetime_ms: u64) -> Command {
+    let term = AffinityTerm {
+        selector: LabelSelector {
+            match_labels: BTreeMap::from([("app".into(), "spread".into())]),
+            ..Default::default()
+        },
+        topology_key: "zone".into(),
+    };
+    Command::Assign(Assign {
+        key: PinKey::new("spread", member),
+        candidates: (0..NODES).map(|i| format!("n{i}")).collect(),
+        pod_uid: pod_uid.into(),
+        lifetime_ms,
+        labels: BTreeMap::from([("app".into(), "spread".into())]),
+        affinity: Affinity {
+            required_anti: vec![term],
+            ..Default::default()
+        },
+    })
+}
+
+/// No pin on a gone node; no two `spread` pins in one zone.
+fn check_pin_invariants(state: &State, seed: u64) {
+    let mut zones = BTreeMap::new();
+    for (key, pin) in &state.pins {
+        let node = state.nodes.get(&pin.node);
+        assert!(
+            node.is_none_or(|n| n.gone_at_ms.is_none()),
+            "seed {seed}: pin {key} on gone node {}",
+            pin.node
+        );
+        if key.set == "spread" {
+            let zone = zone_of(&pin.node);
+            if let Some(other) = zones.insert(zone.clone(), key.clone()) {
+                panic!("seed {seed}: pins {other} and {key} share zone {zone}");
+            }
+        }
+    }
+}
+
 fn check_invariants(
     state: &State,
     new_events: &[Event],
@@ -563,6 +875,7 @@ fn random_sequences_keep_mutual_exclusion_fifo_and_increasing_tokens() {
         .ok()
         .and_then(|s| s.parse().ok())
         .unwrap_or(0x5eed_u64);
+    let (mut pins_assigned, mut nodes_gone, mut grants) = (0, 0, 0);
     for round in 0..40u64 {
         let seed = base_seed.wrapping_add(round).max(1);
         println!("state machine property test seed {seed} (replay: TETHER_SM_SEED={seed})");
@@ -581,6 +894,7 @@ fn random_sequences_keep_mutual_exclusion_fifo_and_increasing_tokens() {
                 first_incomplete: m.index.saturating_sub(rng.below(4)),
             });
             m.run_as(id, command);
+            check_pin_invariants(&m.state, seed);
             check_invariants(
                 &m.state,
                 &m.events[before..],
@@ -609,7 +923,33 @@ fn random_sequences_keep_mutual_exclusion_fifo_and_increasing_tokens() {
             replica, m.state,
             "seed {seed}: snapshot + log replay diverged"
         );
+        // The log is the source of truth: re-applying it on a fresh state
+        // machine gives byte-identical state and the same event stream.
+        let mut fresh = State::default();
+        let mut events = Vec::new();
+        for (index, request) in &m.log {
+            events.extend(apply(&mut fresh, *index, request).1);
+        }
+        assert_eq!(
+            crate::store::encode(&fresh),
+            crate::store::encode(&m.state),
+            "seed {seed}: replay diverged"
+        );
+        assert_eq!(events, m.events, "seed {seed}: replay emitted other events");
+        for event in &m.events {
+            match event.kind {
+                EventKind::PinAssigned { .. } => pins_assigned += 1,
+                EventKind::NodeGone { .. } => nodes_gone += 1,
+                EventKind::LockGranted { .. } => grants += 1,
+                _ => {}
+            }
+        }
     }
+    // The generator must exercise what the invariants are about.
+    assert!(
+        pins_assigned > 100 && nodes_gone > 20 && grants > 100,
+        "{pins_assigned} pins, {nodes_gone} nodes gone, {grants} grants"
+    );
 }
 
 #[test]

@@ -115,6 +115,9 @@ pub struct Lock {
     pub waiters: VecDeque<Waiter>,
     /// Highest token ever granted on this lock.
     pub last_token: u64,
+    /// Token of the hold for which `LockStuck` was last emitted (0 = none),
+    /// so a stuck hold is reported once, not at every sweep.
+    pub stuck_token: u64,
 }
 
 impl Lock {
@@ -184,6 +187,8 @@ pub enum ReleaseReason {
         /// The timeout that applied, ms.
         timeout_ms: u64,
     },
+    /// The node the lock is named after is gone.
+    NodeGone,
 }
 
 impl fmt::Display for ReleaseReason {
@@ -199,6 +204,7 @@ impl fmt::Display for ReleaseReason {
             ReleaseReason::HoldTimeout { timeout_ms } => {
                 write!(f, "hold timeout ({timeout_ms} ms) passed")
             }
+            ReleaseReason::NodeGone => write!(f, "node gone"),
         }
     }
 }
@@ -218,6 +224,8 @@ pub enum WaitEndReason {
         /// The lease.
         lease_id: u64,
     },
+    /// The node the lock is named after is gone.
+    NodeGone,
 }
 
 /// The identity of one client request, for exactly-once application.
@@ -250,3 +258,122 @@ pub struct ClientSession {
 /// Most responses kept per client: the bound on requests one client may have
 /// in flight (unacknowledged) at once.
 pub const SESSION_MAX_RESPONSES: usize = 4096;
+
+/// A pin's name: `{set, member}`, e.g. `{slurm/nodeset-a, "3"}`. Members are
+/// strings and gaps are normal.
+#[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
+pub struct PinKey {
+    /// The workload (e.g. a NodeSet), may contain '/'.
+    pub set: String,
+    /// The member within it (e.g. an ordinal).
+    pub member: String,
+}
+
+impl PinKey {
+    /// Builds a key from its two parts.
+    pub fn new(set: impl Into<String>, member: impl Into<String>) -> Self {
+        Self {
+            set: set.into(),
+            member: member.into(),
+        }
+    }
+}
+
+impl fmt::Display for PinKey {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}/{}", self.set, self.member)
+    }
+}
+
+/// What Tether knows of a pin's owning pod.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub enum OwnerState {
+    /// Nothing reported (no bridge, or not yet).
+    Unknown,
+    /// Alive, containers not started.
+    Starting,
+    /// Running: the lifetime countdown is paused.
+    Running,
+    /// Terminal or gone: the lifetime countdown runs from `last_running_at_ms`.
+    Stopped,
+}
+
+/// A pod-to-node pin.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Pin {
+    /// The node the member is pinned to.
+    pub node: String,
+    /// Committed time of the assignment.
+    pub pinned_at_ms: u64,
+    /// The current owning pod (may change across pod restarts; empty = none).
+    pub pod_uid: String,
+    /// Labels, matched by affinity terms of later assignments.
+    pub labels: BTreeMap<String, String>,
+    /// How long the pin outlives its stopped pod; 0 = permanent.
+    pub lifetime_ms: u64,
+    /// Committed time the owner was last seen running (or stopped).
+    pub last_running_at_ms: u64,
+    /// What is known of the owner.
+    pub owner: OwnerState,
+}
+
+/// A node as the bridge reports it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct NodeInfo {
+    /// Kubernetes node UID.
+    pub uid: String,
+    /// Node labels (topology for affinity).
+    pub labels: BTreeMap<String, String>,
+    /// Ready condition.
+    pub ready: bool,
+    /// `spec.unschedulable` (cordoned).
+    pub unschedulable: bool,
+    /// Committed time it joined.
+    pub joined_at_ms: u64,
+    /// Set when the node is gone: kept as a tombstone for a while so a late
+    /// assignment cannot pin to it.
+    pub gone_at_ms: Option<u64>,
+}
+
+/// A node report's state.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub enum NodeState {
+    /// Exists (created or first seen).
+    Joined,
+    /// Ready condition true.
+    Ready,
+    /// Ready condition false or unknown.
+    NotReady,
+    /// Deleted (NotFound after a list).
+    Gone,
+}
+
+/// A pod report's phase.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub enum PodPhase {
+    /// Alive, containers not started (e.g. waiting for `Allocate`).
+    Starting,
+    /// Containers started.
+    Running,
+    /// Succeeded or Failed.
+    Terminal,
+    /// Deleted.
+    Gone,
+}
+
+/// Why a pin ended.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub enum PinReleaseReason {
+    /// Released by a client.
+    Released {
+        /// Why, as the client said.
+        reason: String,
+    },
+    /// Its node is gone.
+    NodeGone,
+    /// Its lifetime passed after the owner stopped.
+    Expired {
+        /// The lifetime.
+        lifetime_ms: u64,
+    },
+}

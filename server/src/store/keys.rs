@@ -1,6 +1,6 @@
 //! Key layout of the `log`, `sm` and `events` column families.
 
-use crate::sm::{LockKey, Revision};
+use crate::sm::{LockKey, PinKey, Revision};
 
 /// `log` key of a log index: big-endian so RocksDB's order is index order.
 pub fn log_key(index: u64) -> [u8; 8] {
@@ -57,4 +57,44 @@ pub fn session_key(client_id: &str) -> Vec<u8> {
     let mut out = SESSION_PREFIX.to_vec();
     out.extend_from_slice(client_id.as_bytes());
     out
+}
+
+/// Prefix of pin records in `sm`.
+pub const PIN_PREFIX: &[u8] = b"p/";
+/// Prefix of node registry records in `sm`.
+pub const NODE_PREFIX: &[u8] = b"n/";
+/// Prefix of pod phase records in `sm`.
+pub const POD_PREFIX: &[u8] = b"o/";
+
+/// `sm` key of a pin (NUL separates set from member; names are validated to
+/// contain none).
+pub fn pin_key(key: &PinKey) -> Vec<u8> {
+    let mut out = PIN_PREFIX.to_vec();
+    out.extend_from_slice(key.set.as_bytes());
+    out.push(0);
+    out.extend_from_slice(key.member.as_bytes());
+    out
+}
+
+/// `sm` key of a node.
+pub fn node_key(name: &str) -> Vec<u8> {
+    let mut out = NODE_PREFIX.to_vec();
+    out.extend_from_slice(name.as_bytes());
+    out
+}
+
+/// `sm` key of a pod's phase.
+pub fn pod_key(uid: &str) -> Vec<u8> {
+    let mut out = POD_PREFIX.to_vec();
+    out.extend_from_slice(uid.as_bytes());
+    out
+}
+
+/// Splits `a\0b` into its two parts.
+pub fn split_pair(rest: &[u8]) -> (String, String) {
+    let split = rest.iter().position(|b| *b == 0).unwrap_or(rest.len());
+    (
+        String::from_utf8_lossy(&rest[..split]).into_owned(),
+        String::from_utf8_lossy(rest.get(split + 1..).unwrap_or_default()).into_owned(),
+    )
 }

@@ -5,6 +5,7 @@
 //! keys it changed, its events and `last_applied` in one `WriteBatch`, and
 //! `load` rebuilds the memory state from the column family at start-up.
 
+use std::collections::BTreeMap;
 use std::io::Cursor;
 use std::sync::{Arc, RwLock, RwLockReadGuard};
 
@@ -139,15 +140,29 @@ impl StateMachineStore {
         for item in db.iterator_cf(sm_cf, IteratorMode::Start) {
             let (key, value) = item.map_err(sm_read_err)?;
             if let Some(rest) = key.strip_prefix(keys::LOCK_PREFIX) {
-                let split = rest.iter().position(|b| *b == 0).unwrap_or(rest.len());
-                let lock_key = sm::LockKey::new(
-                    String::from_utf8_lossy(&rest[..split]).into_owned(),
-                    String::from_utf8_lossy(rest.get(split + 1..).unwrap_or_default()).into_owned(),
+                let (scope, name) = keys::split_pair(rest);
+                applied.state.locks.insert(
+                    sm::LockKey::new(scope, name),
+                    decode(&value).map_err(sm_read_err)?,
                 );
+            } else if let Some(rest) = key.strip_prefix(keys::PIN_PREFIX) {
+                let (set, member) = keys::split_pair(rest);
+                applied.state.pins.insert(
+                    sm::PinKey::new(set, member),
+                    decode(&value).map_err(sm_read_err)?,
+                );
+            } else if let Some(name) = key.strip_prefix(keys::NODE_PREFIX) {
+                let name = String::from_utf8_lossy(name).into_owned();
                 applied
                     .state
-                    .locks
-                    .insert(lock_key, decode(&value).map_err(sm_read_err)?);
+                    .nodes
+                    .insert(name, decode(&value).map_err(sm_read_err)?);
+            } else if let Some(uid) = key.strip_prefix(keys::POD_PREFIX) {
+                let uid = String::from_utf8_lossy(uid).into_owned();
+                applied
+                    .state
+                    .pods
+                    .insert(uid, decode(&value).map_err(sm_read_err)?);
             } else if key.starts_with(keys::LEASE_PREFIX) {
                 let lease: sm::TtlLease = decode(&value).map_err(sm_read_err)?;
                 applied.state.leases.insert(lease.id, lease);
@@ -218,15 +233,7 @@ impl StateMachineStore {
             let (key, _) = item.map_err(sm_read_err)?;
             batch.delete_cf(sm_cf, key);
         }
-        for (key, lock) in &file.state.locks {
-            batch.put_cf(sm_cf, keys::lock_key(key), encode(lock));
-        }
-        for (id, lease) in &file.state.leases {
-            batch.put_cf(sm_cf, keys::lease_key(*id), encode(lease));
-        }
-        for (client, session) in &file.state.sessions {
-            batch.put_cf(sm_cf, keys::session_key(client), encode(session));
-        }
+        write_state(&mut batch, &self.db, &file.state, None);
         batch.put_cf(sm_cf, NOW, encode(&file.state.now_ms));
         batch.put_cf(sm_cf, LAST_APPLIED, encode(&file.last_applied));
         batch.put_cf(sm_cf, MEMBERSHIP, encode(&file.membership));
@@ -240,25 +247,55 @@ impl StateMachineStore {
     }
 }
 
-/// Writes the keys an apply changed into `batch`.
-fn write_dirty(batch: &mut WriteBatch, db: &DB, state: &State, dirty: &Dirty) {
-    let sm_cf = cf(db, CF_SM);
-    for key in &dirty.locks {
-        match state.locks.get(key) {
-            Some(lock) => batch.put_cf(sm_cf, keys::lock_key(key), encode(lock)),
-            None => batch.delete_cf(sm_cf, keys::lock_key(key)),
+/// Writes `changed` keys of one map into `batch`: put if present, delete if
+/// gone.
+fn write_changed<'a, K: Ord + 'a, V: Serialize>(
+    batch: &mut WriteBatch,
+    cf: &rocksdb::ColumnFamily,
+    changed: impl IntoIterator<Item = &'a K>,
+    map: &BTreeMap<K, V>,
+    key: impl Fn(&K) -> Vec<u8>,
+) {
+    for k in changed {
+        match map.get(k) {
+            Some(value) => batch.put_cf(cf, key(k), encode(value)),
+            None => batch.delete_cf(cf, key(k)),
         }
     }
-    for id in &dirty.leases {
-        match state.leases.get(id) {
-            Some(lease) => batch.put_cf(sm_cf, keys::lease_key(*id), encode(lease)),
-            None => batch.delete_cf(sm_cf, keys::lease_key(*id)),
+}
+
+/// Writes the keys an apply changed (`dirty`), or every key of the state
+/// (`None`, when restoring a snapshot), into `batch`.
+fn write_state(batch: &mut WriteBatch, db: &DB, state: &State, dirty: Option<&Dirty>) {
+    let cf = cf(db, CF_SM);
+    match dirty {
+        Some(d) => {
+            write_changed(batch, cf, &d.locks, &state.locks, keys::lock_key);
+            write_changed(batch, cf, &d.leases, &state.leases, |id| {
+                keys::lease_key(*id)
+            });
+            write_changed(batch, cf, &d.sessions, &state.sessions, |c| {
+                keys::session_key(c)
+            });
+            write_changed(batch, cf, &d.pins, &state.pins, keys::pin_key);
+            write_changed(batch, cf, &d.nodes, &state.nodes, |n| keys::node_key(n));
+            write_changed(batch, cf, &d.pods, &state.pods, |u| keys::pod_key(u));
         }
-    }
-    for client in &dirty.sessions {
-        match state.sessions.get(client) {
-            Some(session) => batch.put_cf(sm_cf, keys::session_key(client), encode(session)),
-            None => batch.delete_cf(sm_cf, keys::session_key(client)),
+        None => {
+            write_changed(batch, cf, state.locks.keys(), &state.locks, keys::lock_key);
+            write_changed(batch, cf, state.leases.keys(), &state.leases, |id| {
+                keys::lease_key(*id)
+            });
+            write_changed(batch, cf, state.sessions.keys(), &state.sessions, |c| {
+                keys::session_key(c)
+            });
+            write_changed(batch, cf, state.pins.keys(), &state.pins, keys::pin_key);
+            write_changed(batch, cf, state.nodes.keys(), &state.nodes, |n| {
+                keys::node_key(n)
+            });
+            write_changed(batch, cf, state.pods.keys(), &state.pods, |u| {
+                keys::pod_key(u)
+            });
         }
     }
 }
@@ -367,7 +404,7 @@ impl RaftStateMachine<TypeConfig> for StateMachineStore {
                 };
                 responses.push(response);
             }
-            write_dirty(&mut batch, &self.db, &applied.state, &dirty);
+            write_state(&mut batch, &self.db, &applied.state, Some(&dirty));
             let sm_cf = cf(&self.db, CF_SM);
             let events_cf = cf(&self.db, CF_EVENTS);
             for event in &all_events {

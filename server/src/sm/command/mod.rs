@@ -3,25 +3,33 @@
 //! an error has changed nothing.
 
 mod acquire;
+mod assign;
 mod cancel_wait;
 mod force_release;
 mod lease;
 mod release;
+mod release_pin;
+mod report_node;
+mod report_pod;
 mod revoke_pod;
 mod sweep;
 
 pub use acquire::Acquire;
+pub use assign::Assign;
 pub use cancel_wait::{CancelOutcome, CancelWait};
 pub use force_release::ForceRelease;
 pub use lease::{GrantLease, KeepAliveLease, RevokeLease};
 pub use release::Release;
+pub use release_pin::ReleasePin;
+pub use report_node::ReportNode;
+pub use report_pod::ReportPod;
 pub use revoke_pod::RevokePod;
 pub use sweep::{Sweep, sweep_due};
 
 use serde::{Deserialize, Serialize};
 
 use super::Txn;
-use super::types::{Hold, LockKey, Pod};
+use super::types::{Hold, LockKey, Pin, PinKey, Pod};
 
 /// A command in the log. Variants are only appended (on-disk format).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -45,6 +53,14 @@ pub enum Command {
     /// Leader housekeeping: expire waits, leases, holds and sessions that are
     /// due on committed time.
     Sweep(Sweep),
+    /// Pin a workload member to a node.
+    Assign(Assign),
+    /// Release a pin.
+    ReleasePin(ReleasePin),
+    /// Report a node's state (bridge).
+    ReportNode(ReportNode),
+    /// Report a pod's phase (bridge).
+    ReportPod(ReportPod),
 }
 
 impl Command {
@@ -60,6 +76,10 @@ impl Command {
             Command::KeepAliveLease(c) => c.apply(txn),
             Command::RevokeLease(c) => c.apply(txn),
             Command::Sweep(c) => c.apply(txn),
+            Command::Assign(c) => c.apply(txn),
+            Command::ReleasePin(c) => c.apply(txn),
+            Command::ReportNode(c) => c.apply(txn),
+            Command::ReportPod(c) => c.apply(txn),
         }
     }
 }
@@ -112,6 +132,31 @@ pub enum Reply {
         holds: u32,
         /// Dedupe sessions evicted.
         sessions: u32,
+        /// Pins whose lifetime passed.
+        pins: u32,
+        /// Holds kept past their timeout because their pod has not started.
+        stuck: u32,
+    },
+    /// An assignment's pin (existing or new).
+    Pinned {
+        /// The pin.
+        pin: Pin,
+        /// False when the pin already existed.
+        created: bool,
+    },
+    /// A pin release (None if there was no such pin).
+    PinReleased {
+        /// The pin that ended.
+        pin: Option<Pin>,
+    },
+    /// What a node report did.
+    NodeReported {
+        /// Whether the registry changed.
+        changed: bool,
+        /// Pins released (node gone).
+        pins_released: u32,
+        /// Lock holds released (node gone).
+        locks_released: u32,
     },
 }
 
@@ -176,6 +221,25 @@ pub enum CommandError {
         /// The oldest sequence still remembered.
         oldest_kept: u64,
     },
+    /// No candidate node satisfies the assignment's rules.
+    #[error("no candidate node fits pin {key}: {}", describe_refusals(.reasons))]
+    NoCandidateFits {
+        /// The pin.
+        key: PinKey,
+        /// Per candidate, why it was refused.
+        reasons: Vec<(String, String)>,
+    },
+}
+
+fn describe_refusals(reasons: &[(String, String)]) -> String {
+    if reasons.is_empty() {
+        return "no candidate nodes were given".to_string();
+    }
+    reasons
+        .iter()
+        .map(|(node, why)| format!("{node}: {why}"))
+        .collect::<Vec<_>>()
+        .join("; ")
 }
 
 fn describe_holder(current: &Option<(Pod, u64)>) -> String {

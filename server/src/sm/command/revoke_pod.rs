@@ -6,7 +6,7 @@ use serde::{Deserialize, Serialize};
 use super::{CommandError, Reply};
 use crate::sm::Txn;
 use crate::sm::event::EventKind;
-use crate::sm::types::{Hold, LockKey, ReleaseReason, WaitEndReason};
+use crate::sm::types::{Hold, LockKey, OwnerState, ReleaseReason, WaitEndReason};
 
 /// Revoke the pod lease of `pod_uid`.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -20,30 +20,34 @@ pub struct RevokePod {
 impl RevokePod {
     /// Idempotent: revoking a pod that holds nothing changes nothing.
     pub fn apply(self, txn: &mut Txn<'_>) -> Result<Reply, CommandError> {
-        let uid = self.pod_uid.clone();
-        let reason = self.reason.clone();
-        let outcome = revoke_matching(
-            txn,
-            |pod_uid, _lease| pod_uid == uid,
-            ReleaseReason::PodRevoked {
-                reason: reason.clone(),
-            },
-            WaitEndReason::PodRevoked {
-                reason: reason.clone(),
-            },
-        );
-        if !outcome.0.is_empty() || !outcome.1.is_empty() {
-            txn.emit(EventKind::PodRevoked {
-                pod_uid: self.pod_uid,
-                reason: self.reason,
-            });
-        }
-        let (released, dequeued, granted) = outcome;
-        Ok(Reply::Revoked {
-            released,
-            dequeued,
-            granted,
-        })
+        Ok(revoke_pod(txn, &self.pod_uid, &self.reason))
+    }
+}
+
+/// Revokes the pod lease of `pod_uid`: ends its holds and waits (granting
+/// next waiters) and starts the lifetime countdown of its pins.
+pub(crate) fn revoke_pod(txn: &mut Txn<'_>, pod_uid: &str, reason: &str) -> Reply {
+    let (released, dequeued, granted) = revoke_matching(
+        txn,
+        |uid, _lease| uid == pod_uid,
+        ReleaseReason::PodRevoked {
+            reason: reason.to_string(),
+        },
+        WaitEndReason::PodRevoked {
+            reason: reason.to_string(),
+        },
+    );
+    let pins_stopped = txn.set_pin_owner_state(pod_uid, OwnerState::Stopped);
+    if !released.is_empty() || !dequeued.is_empty() || pins_stopped {
+        txn.emit(EventKind::PodRevoked {
+            pod_uid: pod_uid.to_string(),
+            reason: reason.to_string(),
+        });
+    }
+    Reply::Revoked {
+        released,
+        dequeued,
+        granted,
     }
 }
 

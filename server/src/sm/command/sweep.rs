@@ -2,11 +2,11 @@
 //! committed time. What expires is decided here, from the entry's committed
 //! time, so every replica reaches the same result.
 //!
-//! Lock-delay: a new leader's clock may run ahead of the old one's, so a hold
-//! or TTL lease may expire only once the proposing leader has led for at least
-//! that hold's timeout or that lease's TTL (`leader_tenure_ms`, stamped in the
-//! entry). Anything still alive would have been refreshed or released through
-//! this leader within that window.
+//! Lock-delay: a new leader's clock may run ahead of the old one's, so a hold,
+//! TTL lease or pin may expire only once the proposing leader has led for at
+//! least that hold's timeout, lease's TTL or pin's lifetime
+//! (`leader_tenure_ms`, stamped in the entry). Anything still alive would have
+//! been refreshed or released through this leader within that window.
 
 use std::collections::BTreeMap;
 
@@ -14,8 +14,12 @@ use serde::{Deserialize, Serialize};
 
 use super::lease::end_lease;
 use super::{CommandError, Reply};
-use crate::sm::Txn;
-use crate::sm::types::{LockKey, ReleaseReason, WaitEndReason};
+use crate::sm::event::EventKind;
+use crate::sm::types::{
+    Lock, LockKey, OwnerState, Pin, PinKey, PinReleaseReason, PodPhase, ReleaseReason, TtlLease,
+    WaitEndReason, Waiter,
+};
+use crate::sm::{State, Txn};
 
 /// Expire what is due.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -28,6 +32,20 @@ pub struct Sweep {
     pub scope_hold_timeout_ms: BTreeMap<String, u64>,
     /// Dedupe sessions idle this long are evicted.
     pub session_idle_ms: u64,
+    /// Tombstones of gone nodes are dropped this long after the node went.
+    pub node_tombstone_ms: u64,
+}
+
+/// What a hold past its timeout gets.
+enum HoldVerdict {
+    /// Not yet due (or the lock-delay protects it).
+    NotDue,
+    /// Due, and its pod is unknown, running, terminal or gone: release.
+    Release(u64),
+    /// Due, but its pod is alive and not started: keep, report once.
+    Stuck,
+    /// Stuck and already reported.
+    StuckReported,
 }
 
 impl Sweep {
@@ -42,31 +60,61 @@ impl Sweep {
         (timeout <= self.leader_tenure_ms).then_some(timeout)
     }
 
-    fn lease_may_expire(&self, lease: &crate::sm::TtlLease, now_ms: u64) -> bool {
+    fn lease_due(&self, lease: &TtlLease, now_ms: u64) -> bool {
         lease.expires_at_ms <= now_ms && lease.ttl_ms <= self.leader_tenure_ms
     }
 
-    fn hold_due(&self, key: &LockKey, lock: &crate::sm::Lock, now_ms: u64) -> Option<u64> {
-        let timeout = self.timeout_for(&key.scope)?;
-        let hold = lock.holder.as_ref()?;
-        (hold.granted_at_ms.saturating_add(timeout) <= now_ms).then_some(timeout)
+    fn wait_due(waiter: &Waiter, now_ms: u64) -> bool {
+        waiter.deadline_ms != 0 && waiter.deadline_ms <= now_ms
     }
 
-    /// Drops waits past their deadline, expires due TTL leases and held-too-long
-    /// holds, and evicts idle dedupe sessions.
+    fn pin_due(&self, pin: &Pin, now_ms: u64) -> bool {
+        pin.lifetime_ms > 0
+            && pin.owner == OwnerState::Stopped
+            && pin.last_running_at_ms.saturating_add(pin.lifetime_ms) <= now_ms
+            && pin.lifetime_ms <= self.leader_tenure_ms
+    }
+
+    fn hold_verdict(&self, state: &State, key: &LockKey, lock: &Lock, now_ms: u64) -> HoldVerdict {
+        let (Some(timeout), Some(hold)) = (self.timeout_for(&key.scope), lock.holder.as_ref())
+        else {
+            return HoldVerdict::NotDue;
+        };
+        if hold.granted_at_ms.saturating_add(timeout) > now_ms {
+            return HoldVerdict::NotDue;
+        }
+        match state.pods.get(&hold.pod.uid) {
+            Some(PodPhase::Starting) if lock.stuck_token == hold.token => {
+                HoldVerdict::StuckReported
+            }
+            Some(PodPhase::Starting) => HoldVerdict::Stuck,
+            _ => HoldVerdict::Release(timeout),
+        }
+    }
+
+    /// Drops waits past their deadline, expires due TTL leases, holds and
+    /// pins, reports stuck holds, evicts idle sessions and old tombstones.
     pub fn apply(self, txn: &mut Txn<'_>) -> Result<Reply, CommandError> {
         let now = txn.now_ms;
-        let late = |w: &crate::sm::Waiter| w.deadline_ms != 0 && w.deadline_ms <= now;
         let late_waits: Vec<(LockKey, usize)> = txn
             .state
             .locks
             .iter()
-            .map(|(k, l)| (k.clone(), l.waiters.iter().filter(|w| late(w)).count()))
+            .map(|(k, l)| {
+                (
+                    k.clone(),
+                    l.waiters.iter().filter(|w| Self::wait_due(w, now)).count(),
+                )
+            })
             .filter(|(_, n)| *n > 0)
             .collect();
         let mut waits = 0;
         for (key, count) in &late_waits {
-            txn.remove_waiters(key, late, WaitEndReason::DeadlineExceeded);
+            txn.remove_waiters(
+                key,
+                |w| Self::wait_due(w, now),
+                WaitEndReason::DeadlineExceeded,
+            );
             waits += *count as u32;
         }
 
@@ -74,7 +122,7 @@ impl Sweep {
             .state
             .leases
             .values()
-            .filter(|l| self.lease_may_expire(l, now))
+            .filter(|l| self.lease_due(l, now))
             .map(|l| l.id)
             .collect();
         let leases = due_leases.len() as u32;
@@ -82,15 +130,47 @@ impl Sweep {
             end_lease(txn, lease_id, true);
         }
 
-        let due_holds: Vec<(LockKey, u64)> = txn
+        let mut holds = 0;
+        let mut stuck = 0;
+        let verdicts: Vec<(LockKey, HoldVerdict)> = txn
             .state
             .locks
             .iter()
-            .filter_map(|(key, lock)| Some((key.clone(), self.hold_due(key, lock, now)?)))
+            .map(|(key, lock)| (key.clone(), self.hold_verdict(txn.state, key, lock, now)))
             .collect();
-        let holds = due_holds.len() as u32;
-        for (key, timeout_ms) in due_holds {
-            txn.release_and_hand_over(&key, ReleaseReason::HoldTimeout { timeout_ms });
+        for (key, verdict) in verdicts {
+            match verdict {
+                HoldVerdict::Release(timeout_ms) => {
+                    txn.release_and_hand_over(&key, ReleaseReason::HoldTimeout { timeout_ms });
+                    holds += 1;
+                }
+                HoldVerdict::Stuck => {
+                    let lock = txn.lock_mut(&key);
+                    let hold = lock.holder.clone().expect("a stuck verdict has a holder");
+                    lock.stuck_token = hold.token;
+                    let held_ms = now.saturating_sub(hold.granted_at_ms);
+                    txn.emit(EventKind::LockStuck {
+                        key,
+                        pod: hold.pod,
+                        token: hold.token,
+                        held_ms,
+                    });
+                    stuck += 1;
+                }
+                HoldVerdict::NotDue | HoldVerdict::StuckReported => {}
+            }
+        }
+
+        let due_pins: Vec<(PinKey, u64)> = txn
+            .state
+            .pins
+            .iter()
+            .filter(|(_, p)| self.pin_due(p, now))
+            .map(|(k, p)| (k.clone(), p.lifetime_ms))
+            .collect();
+        let pins = due_pins.len() as u32;
+        for (key, lifetime_ms) in due_pins {
+            txn.release_pin(&key, PinReleaseReason::Expired { lifetime_ms });
         }
 
         let idle: Vec<String> = txn
@@ -105,35 +185,56 @@ impl Sweep {
             txn.state.sessions.remove(&client);
             txn.dirty.sessions.insert(client);
         }
+
+        let old_tombstones: Vec<String> = txn
+            .state
+            .nodes
+            .iter()
+            .filter(|(_, n)| {
+                n.gone_at_ms
+                    .is_some_and(|t| t.saturating_add(self.node_tombstone_ms) <= now)
+            })
+            .map(|(name, _)| name.clone())
+            .collect();
+        for name in old_tombstones {
+            txn.state.nodes.remove(&name);
+            txn.dirty.nodes.insert(name);
+        }
         Ok(Reply::Swept {
             waits,
             leases,
             holds,
             sessions,
+            pins,
+            stuck,
         })
     }
 }
 
-/// Whether a [`Sweep`] would expire anything at committed time `now_ms`: the
+/// Whether a [`Sweep`] would change anything at committed time `now_ms`: the
 /// leader asks this of its applied state before proposing, so an idle cluster
 /// writes no sweep entries.
-pub fn sweep_due(state: &crate::sm::State, now_ms: u64, sweep: &Sweep) -> bool {
+pub fn sweep_due(state: &State, now_ms: u64, sweep: &Sweep) -> bool {
     let waits = state
         .locks
         .values()
         .flat_map(|l| l.waiters.iter())
-        .any(|w| w.deadline_ms != 0 && w.deadline_ms <= now_ms);
-    let leases = state
-        .leases
-        .values()
-        .any(|l| sweep.lease_may_expire(l, now_ms));
-    let holds = state
-        .locks
-        .iter()
-        .any(|(k, l)| sweep.hold_due(k, l, now_ms).is_some());
+        .any(|w| Sweep::wait_due(w, now_ms));
+    let leases = state.leases.values().any(|l| sweep.lease_due(l, now_ms));
+    let holds = state.locks.iter().any(|(k, l)| {
+        matches!(
+            sweep.hold_verdict(state, k, l, now_ms),
+            HoldVerdict::Release(_) | HoldVerdict::Stuck
+        )
+    });
+    let pins = state.pins.values().any(|p| sweep.pin_due(p, now_ms));
     let sessions = state
         .sessions
         .values()
         .any(|s| s.last_seen_ms.saturating_add(sweep.session_idle_ms) <= now_ms);
-    waits || leases || holds || sessions
+    let tombstones = state.nodes.values().any(|n| {
+        n.gone_at_ms
+            .is_some_and(|t| t.saturating_add(sweep.node_tombstone_ms) <= now_ms)
+    });
+    waits || leases || holds || pins || sessions || tombstones
 }

@@ -1,0 +1,181 @@
+//! `ReportNode`: the bridge reports a node joining, its readiness, labels and
+//! schedulability, or its deletion. Idempotent: a report that changes nothing
+//! emits nothing.
+
+use std::collections::BTreeMap;
+
+use serde::{Deserialize, Serialize};
+
+use super::{CommandError, Reply};
+use crate::sm::Txn;
+use crate::sm::event::EventKind;
+use crate::sm::types::{
+    NodeInfo, NodeState, PinKey, PinReleaseReason, ReleaseReason, WaitEndReason,
+};
+
+/// Report node `name`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ReportNode {
+    /// Node name.
+    pub name: String,
+    /// Node UID (may be empty when unknown).
+    pub uid: String,
+    /// What happened.
+    pub state: NodeState,
+    /// New labels, if the report carries them.
+    pub labels: Option<BTreeMap<String, String>>,
+    /// New schedulability, if the report carries it.
+    pub unschedulable: Option<bool>,
+}
+
+impl ReportNode {
+    /// Applies the report; `Gone` releases the node's pins and the locks named
+    /// after it in this same entry.
+    pub fn apply(self, txn: &mut Txn<'_>) -> Result<Reply, CommandError> {
+        let now = txn.now_ms;
+        let existing = txn
+            .state
+            .nodes
+            .get(&self.name)
+            .filter(|n| n.gone_at_ms.is_none())
+            .cloned();
+        if self.state == NodeState::Gone {
+            if txn
+                .state
+                .nodes
+                .get(&self.name)
+                .is_some_and(|n| n.gone_at_ms.is_some())
+            {
+                return Ok(Reply::NodeReported {
+                    changed: false,
+                    pins_released: 0,
+                    locks_released: 0,
+                });
+            }
+            return Ok(node_gone(txn, &self.name, self.uid));
+        }
+        let Some(mut info) = existing else {
+            let info = NodeInfo {
+                uid: self.uid,
+                labels: self.labels.unwrap_or_default(),
+                ready: self.state == NodeState::Ready,
+                unschedulable: self.unschedulable.unwrap_or(false),
+                joined_at_ms: now,
+                gone_at_ms: None,
+            };
+            txn.state.nodes.insert(self.name.clone(), info.clone());
+            txn.dirty.nodes.insert(self.name.clone());
+            let ready = info.ready;
+            txn.emit(EventKind::NodeJoined {
+                node: self.name.clone(),
+                info,
+            });
+            if ready {
+                txn.emit(EventKind::NodeReady { node: self.name });
+            }
+            return Ok(Reply::NodeReported {
+                changed: true,
+                pins_released: 0,
+                locks_released: 0,
+            });
+        };
+        let before = info.clone();
+        if !self.uid.is_empty() {
+            info.uid = self.uid;
+        }
+        if let Some(labels) = self.labels {
+            info.labels = labels;
+        }
+        if let Some(unschedulable) = self.unschedulable {
+            info.unschedulable = unschedulable;
+        }
+        match self.state {
+            NodeState::Ready => info.ready = true,
+            NodeState::NotReady => info.ready = false,
+            NodeState::Joined | NodeState::Gone => {}
+        }
+        if info == before {
+            return Ok(Reply::NodeReported {
+                changed: false,
+                pins_released: 0,
+                locks_released: 0,
+            });
+        }
+        txn.state.nodes.insert(self.name.clone(), info.clone());
+        txn.dirty.nodes.insert(self.name.clone());
+        if info.ready != before.ready {
+            let node = self.name.clone();
+            txn.emit(if info.ready {
+                EventKind::NodeReady { node }
+            } else {
+                EventKind::NodeNotReady { node }
+            });
+        }
+        if info.labels != before.labels
+            || info.unschedulable != before.unschedulable
+            || info.uid != before.uid
+        {
+            txn.emit(EventKind::NodeUpdated {
+                node: self.name,
+                info,
+            });
+        }
+        Ok(Reply::NodeReported {
+            changed: true,
+            pins_released: 0,
+            locks_released: 0,
+        })
+    }
+}
+
+/// Marks `name` gone (a tombstone), releases every pin on it and every lock
+/// named after it (holder and queue: those pods must be rescheduled).
+fn node_gone(txn: &mut Txn<'_>, name: &str, uid: String) -> Reply {
+    let now = txn.now_ms;
+    let pins: Vec<PinKey> = txn
+        .state
+        .pins
+        .iter()
+        .filter(|(_, p)| p.node == name)
+        .map(|(k, _)| k.clone())
+        .collect();
+    for key in &pins {
+        txn.release_pin(key, PinReleaseReason::NodeGone);
+    }
+    let locks: Vec<_> = txn
+        .state
+        .locks
+        .keys()
+        .filter(|k| k.name == name)
+        .cloned()
+        .collect();
+    let mut locks_released = 0;
+    for key in &locks {
+        txn.remove_waiters(key, |_| true, WaitEndReason::NodeGone);
+        let (released, _) = txn.release_and_hand_over(key, ReleaseReason::NodeGone);
+        locks_released += u32::from(released.is_some());
+    }
+    let mut info = txn.state.nodes.remove(name).unwrap_or(NodeInfo {
+        uid: String::new(),
+        labels: BTreeMap::new(),
+        ready: false,
+        unschedulable: false,
+        joined_at_ms: now,
+        gone_at_ms: None,
+    });
+    if !uid.is_empty() {
+        info.uid = uid;
+    }
+    info.ready = false;
+    info.gone_at_ms = Some(now);
+    txn.state.nodes.insert(name.to_string(), info);
+    txn.dirty.nodes.insert(name.to_string());
+    txn.emit(EventKind::NodeGone {
+        node: name.to_string(),
+    });
+    Reply::NodeReported {
+        changed: true,
+        pins_released: pins.len() as u32,
+        locks_released,
+    }
+}
