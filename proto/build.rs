@@ -2,8 +2,10 @@
 //! generates prost messages and tonic clients/servers.
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
-    let files = ["common", "lock", "lease", "cluster", "raft"]
-        .map(|name| format!("tether/v1/{name}.proto"));
+    let files = [
+        "common", "lock", "lease", "pin", "node", "watch", "cluster", "raft",
+    ]
+    .map(|name| format!("tether/v1/{name}.proto"));
     for file in &files {
         println!("cargo:rerun-if-changed={file}");
     }

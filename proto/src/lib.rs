@@ -7,6 +7,9 @@
 //! - `tether/v1/common.proto` — request ids, pods, lock keys, response headers.
 //! - `tether/v1/lock.proto` — `LockService`.
 //! - `tether/v1/lease.proto` — `LeaseService` (pod revokes, TTL leases).
+//! - `tether/v1/pin.proto` — `PinService` (pins, affinity).
+//! - `tether/v1/node.proto` — `NodeService` (the node registry).
+//! - `tether/v1/watch.proto` — `WatchService` (event stream, history).
 //! - `tether/v1/cluster.proto` — `ClusterService` (status, membership).
 //! - `tether/v1/raft.proto` — internal `RaftService` between replicas.
 
@@ -24,3 +27,7 @@ pub const LEADER_ID_METADATA: &str = "x-tether-leader-id";
 /// gRPC metadata key carrying the leader's client address on an
 /// `UNAVAILABLE` answer from a follower.
 pub const LEADER_ADDR_METADATA: &str = "x-tether-leader-addr";
+
+/// gRPC metadata key carrying the oldest retained revision's log index on an
+/// `OUT_OF_RANGE` answer to a watch from a compacted revision.
+pub const COMPACT_REVISION_METADATA: &str = "x-tether-compact-revision";

@@ -11,7 +11,10 @@ use openraft::{BasicNode, ServerState, SnapshotPolicy};
 use tether_proto::cluster_service_server::ClusterServiceServer;
 use tether_proto::lease_service_server::LeaseServiceServer;
 use tether_proto::lock_service_server::LockServiceServer;
+use tether_proto::node_service_server::NodeServiceServer;
+use tether_proto::pin_service_server::PinServiceServer;
 use tether_proto::raft_service_server::RaftServiceServer;
+use tether_proto::watch_service_server::WatchServiceServer;
 use tokio::net::TcpListener;
 use tokio::sync::watch;
 use tokio::task::JoinHandle;
@@ -20,7 +23,10 @@ use tokio_stream::wrappers::TcpListenerStream;
 use crate::api::cluster::{ClusterApi, transfer_leader};
 use crate::api::lease::LeaseApi;
 use crate::api::lock::LockApi;
+use crate::api::node::NodeApi;
+use crate::api::pin::PinApi;
 use crate::api::raft::RaftApi;
+use crate::api::watch::WatchApi;
 use crate::api::{Ctx, wall_clock_ms};
 use crate::config::{Config, parse_members};
 use crate::metrics::Metrics;
@@ -105,6 +111,7 @@ impl Node {
             addr: advertise.clone(),
             raft: raft.clone(),
             state,
+            db: db.clone(),
             config: config.clone(),
             metrics: Arc::new(Metrics::default()),
             shutdown: shutdown_rx.clone(),
@@ -119,6 +126,9 @@ impl Node {
                     .max_decoding_message_size(MAX_GRPC_MESSAGE),
             )
             .add_service(LeaseServiceServer::new(LeaseApi::new(ctx.clone())))
+            .add_service(PinServiceServer::new(PinApi::new(ctx.clone())))
+            .add_service(NodeServiceServer::new(NodeApi::new(ctx.clone())))
+            .add_service(WatchServiceServer::new(WatchApi::new(ctx.clone())))
             .add_service(ClusterServiceServer::new(ClusterApi::new(ctx.clone())))
             .add_service(
                 RaftServiceServer::new(RaftApi::new(ctx.clone()))
@@ -202,25 +212,35 @@ impl Node {
     /// Stops at once without handing over leadership (what a crash looks like
     /// to the other replicas, minus the lost unsynced writes).
     pub async fn stop(self) {
-        let _ = self.shutdown.send(true);
-        if let Err(err) = self.ctx.raft.shutdown().await {
+        let Node {
+            ctx,
+            shutdown,
+            tasks,
+            db,
+            ..
+        } = self;
+        let id = ctx.id;
+        let _ = shutdown.send(true);
+        if let Err(err) = ctx.raft.shutdown().await {
             tracing::warn!(%err, "Raft shutdown failed");
         }
-        for task in self.tasks {
+        for task in tasks {
             task.abort();
             let _ = task.await;
         }
-        // Raft's storage tasks end shortly after shutdown; wait for them to
-        // drop the database so the directory can be opened again at once
-        // (RocksDB takes a lock file per directory).
+        // Raft's storage tasks, and API tasks holding the context (queued
+        // acquires, watches: they end on shutdown), let go of the database
+        // shortly after; wait for that so the directory can be opened again
+        // at once (RocksDB takes a lock file per directory).
+        drop(ctx);
         let deadline = Instant::now() + Duration::from_secs(10);
-        while Arc::strong_count(&self.db) > 1 && Instant::now() < deadline {
+        while Arc::strong_count(&db) > 1 && Instant::now() < deadline {
             tokio::time::sleep(Duration::from_millis(10)).await;
         }
-        if Arc::strong_count(&self.db) > 1 {
+        if Arc::strong_count(&db) > 1 {
             tracing::warn!("storage still in use 10 s after shutdown");
         }
-        tracing::info!(node_id = self.ctx.id, "replica stopped");
+        tracing::info!(node_id = id, "replica stopped");
     }
 }
 

@@ -83,3 +83,289 @@ pub fn granted_to(granted: &[(sm::LockKey, sm::Hold)]) -> Vec<pb::GrantedHold> {
         })
         .collect()
 }
+
+/// Wire pin.
+pub fn pin_to(key: &sm::PinKey, pin: &sm::Pin) -> pb::Pin {
+    pb::Pin {
+        key: Some(pb::PinKey {
+            set: key.set.clone(),
+            member: key.member.clone(),
+        }),
+        node: pin.node.clone(),
+        pinned_at_ms: pin.pinned_at_ms,
+        pod_uid: pin.pod_uid.clone(),
+        labels: pin
+            .labels
+            .iter()
+            .map(|(k, v)| (k.clone(), v.clone()))
+            .collect(),
+        lifetime_ms: pin.lifetime_ms,
+        last_running_at_ms: pin.last_running_at_ms,
+        owner: match pin.owner {
+            sm::OwnerState::Unknown => pb::OwnerState::OwnerUnknown,
+            sm::OwnerState::Starting => pb::OwnerState::OwnerStarting,
+            sm::OwnerState::Running => pb::OwnerState::OwnerRunning,
+            sm::OwnerState::Stopped => pb::OwnerState::OwnerStopped,
+        } as i32,
+    }
+}
+
+/// Wire node.
+pub fn node_to(name: &str, node: &sm::NodeInfo) -> pb::Node {
+    pb::Node {
+        name: name.to_string(),
+        uid: node.uid.clone(),
+        labels: node
+            .labels
+            .iter()
+            .map(|(k, v)| (k.clone(), v.clone()))
+            .collect(),
+        ready: node.ready,
+        unschedulable: node.unschedulable,
+        joined_at_ms: node.joined_at_ms,
+        gone_at_ms: node.gone_at_ms.unwrap_or(0),
+    }
+}
+
+/// Wire revision.
+pub fn revision_to(revision: sm::Revision) -> pb::Revision {
+    pb::Revision {
+        index: revision.index,
+        sub: revision.sub,
+    }
+}
+
+fn lock_event_key(key: &sm::LockKey) -> String {
+    format!("lock/{}/{}", key.scope, key.name)
+}
+
+fn pin_event_key(key: &sm::PinKey) -> String {
+    format!("pin/{}/{}", key.set, key.member)
+}
+
+/// Wire event: kind name, key string, and the fields that kind has.
+pub fn event_to(event: &sm::Event) -> pb::Event {
+    use sm::EventKind as K;
+    let mut out = pb::Event {
+        revision: Some(revision_to(event.revision)),
+        time_ms: event.time_ms,
+        ..Default::default()
+    };
+    let mut attr = |k: &str, v: String| {
+        out.attributes.insert(k.to_string(), v);
+    };
+    let (kind, key, pod, token, reason, node, payload): (
+        &str,
+        String,
+        Option<&sm::Pod>,
+        u64,
+        String,
+        String,
+        Vec<u8>,
+    ) = match &event.kind {
+        K::LockGranted { key, hold } => {
+            attr("client_id", hold.client_id.clone());
+            (
+                "LockGranted",
+                lock_event_key(key),
+                Some(&hold.pod),
+                hold.token,
+                String::new(),
+                String::new(),
+                hold.payload.clone(),
+            )
+        }
+        K::LockQueued { key, pod, position } => {
+            attr("position", position.to_string());
+            (
+                "LockQueued",
+                lock_event_key(key),
+                Some(pod),
+                0,
+                String::new(),
+                String::new(),
+                vec![],
+            )
+        }
+        K::LockReleased {
+            key,
+            pod,
+            token,
+            reason,
+        } => {
+            if let sm::ReleaseReason::Forced { operator, .. } = reason {
+                attr("operator", operator.clone());
+            }
+            (
+                "LockReleased",
+                lock_event_key(key),
+                Some(pod),
+                *token,
+                reason.to_string(),
+                String::new(),
+                vec![],
+            )
+        }
+        K::WaitEnded { key, pod, reason } => (
+            "WaitEnded",
+            lock_event_key(key),
+            Some(pod),
+            0,
+            format!("{reason:?}"),
+            String::new(),
+            vec![],
+        ),
+        K::LockStuck {
+            key,
+            pod,
+            token,
+            held_ms,
+        } => {
+            attr("held_ms", held_ms.to_string());
+            (
+                "LockStuck",
+                lock_event_key(key),
+                Some(pod),
+                *token,
+                "pod has not started".into(),
+                String::new(),
+                vec![],
+            )
+        }
+        K::PodRevoked { pod_uid, reason } => (
+            "PodRevoked",
+            format!("pod/{pod_uid}"),
+            None,
+            0,
+            reason.clone(),
+            String::new(),
+            vec![],
+        ),
+        K::PodReported { pod_uid, phase } => {
+            attr("phase", format!("{phase:?}"));
+            (
+                "PodReported",
+                format!("pod/{pod_uid}"),
+                None,
+                0,
+                String::new(),
+                String::new(),
+                vec![],
+            )
+        }
+        K::LeaseGranted { lease_id, ttl_ms } => {
+            attr("ttl_ms", ttl_ms.to_string());
+            (
+                "LeaseGranted",
+                format!("lease/{lease_id}"),
+                None,
+                0,
+                String::new(),
+                String::new(),
+                vec![],
+            )
+        }
+        K::LeaseEnded { lease_id, expired } => {
+            let reason = if *expired { "expired" } else { "revoked" };
+            (
+                "LeaseEnded",
+                format!("lease/{lease_id}"),
+                None,
+                0,
+                reason.into(),
+                String::new(),
+                vec![],
+            )
+        }
+        K::PinAssigned { key, pin } => {
+            attr("pod_uid", pin.pod_uid.clone());
+            attr("lifetime_ms", pin.lifetime_ms.to_string());
+            (
+                "PinAssigned",
+                pin_event_key(key),
+                None,
+                0,
+                String::new(),
+                pin.node.clone(),
+                vec![],
+            )
+        }
+        K::PinReleased { key, node, reason } => (
+            "PinReleased",
+            pin_event_key(key),
+            None,
+            0,
+            format!("{reason:?}"),
+            node.clone(),
+            vec![],
+        ),
+        K::PinOwnerChanged { key, pod_uid } => {
+            attr("pod_uid", pod_uid.clone());
+            (
+                "PinOwnerChanged",
+                pin_event_key(key),
+                None,
+                0,
+                String::new(),
+                String::new(),
+                vec![],
+            )
+        }
+        K::NodeJoined { node, info } | K::NodeUpdated { node, info } => {
+            for (k, v) in &info.labels {
+                attr(&format!("label.{k}"), v.clone());
+            }
+            attr("ready", info.ready.to_string());
+            attr("unschedulable", info.unschedulable.to_string());
+            let kind = if matches!(event.kind, K::NodeJoined { .. }) {
+                "NodeJoined"
+            } else {
+                "NodeUpdated"
+            };
+            (
+                kind,
+                format!("node/{node}"),
+                None,
+                0,
+                String::new(),
+                node.clone(),
+                vec![],
+            )
+        }
+        K::NodeReady { node } => (
+            "NodeReady",
+            format!("node/{node}"),
+            None,
+            0,
+            String::new(),
+            node.clone(),
+            vec![],
+        ),
+        K::NodeNotReady { node } => (
+            "NodeNotReady",
+            format!("node/{node}"),
+            None,
+            0,
+            String::new(),
+            node.clone(),
+            vec![],
+        ),
+        K::NodeGone { node } => (
+            "NodeGone",
+            format!("node/{node}"),
+            None,
+            0,
+            String::new(),
+            node.clone(),
+            vec![],
+        ),
+    };
+    out.kind = kind.to_string();
+    out.key = key;
+    out.pod = pod.map(pod_to);
+    out.token = token;
+    out.reason = reason;
+    out.node = node;
+    out.payload = payload;
+    out
+}

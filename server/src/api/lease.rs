@@ -14,8 +14,8 @@ use tonic::{Request, Response, Status, Streaming};
 use super::convert::{granted_to, key_to};
 use super::{Ctx, unexpected, validate};
 use crate::error::{ApiError, Result};
-use crate::sm::command::{GrantLease, KeepAliveLease, RevokeLease, RevokePod};
-use crate::sm::{Command, LockKey, Reply};
+use crate::sm::command::{GrantLease, KeepAliveLease, ReportPod, RevokeLease, RevokePod};
+use crate::sm::{Command, LockKey, PodPhase, Reply};
 
 /// The `LeaseService` implementation.
 pub struct LeaseApi {
@@ -107,6 +107,48 @@ impl LeaseApi {
         }
     }
 
+    async fn do_report_pod(&self, req: pb::ReportPodRequest) -> Result<pb::ReportPodResponse> {
+        let request_id = validate::request_id(req.request_id.as_ref())?;
+        validate::pod_uid(&req.pod_uid)?;
+        let phase = match pb::PodPhase::try_from(req.phase) {
+            Ok(pb::PodPhase::PodStarting) => PodPhase::Starting,
+            Ok(pb::PodPhase::PodRunning) => PodPhase::Running,
+            Ok(pb::PodPhase::PodTerminal) => PodPhase::Terminal,
+            Ok(pb::PodPhase::PodGone) => PodPhase::Gone,
+            _ => {
+                return Err(ApiError::InvalidArgument(
+                    "pod phase must be one of POD_STARTING, POD_RUNNING, POD_TERMINAL, POD_GONE"
+                        .into(),
+                ));
+            }
+        };
+        let command = Command::ReportPod(ReportPod {
+            pod_uid: req.pod_uid.clone(),
+            phase,
+        });
+        match self.ctx.write(request_id, command).await? {
+            Reply::Revoked {
+                released,
+                dequeued,
+                granted,
+            } => {
+                tracing::debug!(
+                    pod_uid = req.pod_uid,
+                    ?phase,
+                    released = released.len(),
+                    "pod reported"
+                );
+                Ok(pb::ReportPodResponse {
+                    released: keys_to(&released),
+                    dequeued: keys_to(&dequeued),
+                    granted: granted_to(&granted),
+                    header: Some(self.ctx.header(false)),
+                })
+            }
+            other => Err(unexpected(other)),
+        }
+    }
+
     async fn do_revoke(&self, req: pb::LeaseRevokeRequest) -> Result<pb::LeaseRevokeResponse> {
         let request_id = validate::request_id(req.request_id.as_ref())?;
         let command = Command::RevokeLease(RevokeLease {
@@ -172,6 +214,14 @@ impl LeaseService for LeaseApi {
             }
         });
         Ok(Response::new(Box::pin(ReceiverStream::new(rx))))
+    }
+
+    async fn report_pod(
+        &self,
+        request: Request<pb::ReportPodRequest>,
+    ) -> Result<Response<pb::ReportPodResponse>, Status> {
+        let result = self.do_report_pod(request.into_inner()).await;
+        self.ctx.finish("ReportPod", result).map(Response::new)
     }
 
     async fn revoke(

@@ -5,8 +5,11 @@ pub mod cluster;
 pub mod convert;
 pub mod lease;
 pub mod lock;
+pub mod node;
+pub mod pin;
 pub mod raft;
 pub mod validate;
+pub mod watch;
 
 use std::sync::Arc;
 use std::time::{SystemTime, UNIX_EPOCH};
@@ -31,6 +34,8 @@ pub struct Ctx {
     pub raft: Raft,
     /// Applied state and event stream.
     pub state: StateHandle,
+    /// The replica's database (events are read from it for watch/history).
+    pub db: Arc<rocksdb::DB>,
     /// Configuration.
     pub config: Arc<Config>,
     /// Counters.

@@ -144,6 +144,212 @@ pub fn payload(payload: &[u8], limit: usize) -> Result<()> {
     Ok(())
 }
 
+/// Most candidates one assignment may name.
+pub const MAX_CANDIDATES: usize = 1000;
+
+fn label_key_ok(key: &str) -> bool {
+    !key.is_empty()
+        && key.len() <= 253
+        && key
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || b"-_./".contains(&b))
+}
+
+fn label_value_ok(value: &str) -> bool {
+    value.len() <= 63
+        && value
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || b"-_.".contains(&b))
+}
+
+/// Labels: keys up to 253 characters of letters, digits and `-_./`; values
+/// up to 63 of letters, digits and `-_.` (Kubernetes label rules, loosely).
+pub fn labels(
+    what: &str,
+    labels: &std::collections::HashMap<String, String>,
+) -> Result<std::collections::BTreeMap<String, String>> {
+    for (key, value) in labels {
+        if !label_key_ok(key) {
+            return Err(invalid(format!(
+                "{what} key {key:?} is not valid: use up to 253 letters, digits, '-', '_', '.' or '/'"
+            )));
+        }
+        if !label_value_ok(value) {
+            return Err(invalid(format!(
+                "{what} value {value:?} (key {key:?}) is not valid: use up to 63 letters, digits, \
+                 '-', '_' or '.'"
+            )));
+        }
+    }
+    Ok(labels.iter().map(|(k, v)| (k.clone(), v.clone())).collect())
+}
+
+/// A pin key: set is 1-253 lowercase letters, digits, `-`, `.` or `/`; member
+/// is 1-63 letters, digits, `-`, `_` or `.`.
+pub fn pin_key(key: Option<&tether_proto::PinKey>) -> Result<crate::sm::PinKey> {
+    let key = key.ok_or_else(|| invalid("missing pin key (set and member)".to_string()))?;
+    let set_ok = !key.set.is_empty()
+        && key.set.len() <= 253
+        && !key.set.starts_with('/')
+        && !key.set.ends_with('/')
+        && key
+            .set
+            .bytes()
+            .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b"-./".contains(&b));
+    if !set_ok {
+        return Err(invalid(format!(
+            "pin set {:?} is not valid: use 1-253 lowercase letters, digits, '-', '.' or '/' (e.g. \
+             slurm/nodeset-a)",
+            key.set
+        )));
+    }
+    let member_ok = !key.member.is_empty()
+        && key.member.len() <= 63
+        && key
+            .member
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || b"-_.".contains(&b));
+    if !member_ok {
+        return Err(invalid(format!(
+            "pin member {:?} is not valid: use 1-63 letters, digits, '-', '_' or '.' (e.g. 3)",
+            key.member
+        )));
+    }
+    Ok(crate::sm::PinKey::new(&key.set, &key.member))
+}
+
+/// Candidate node names: 1-[`MAX_CANDIDATES`] DNS-1123 subdomains.
+pub fn candidates(candidates: &[String]) -> Result<Vec<String>> {
+    if candidates.is_empty() {
+        return Err(invalid("no candidate nodes given".to_string()));
+    }
+    if candidates.len() > MAX_CANDIDATES {
+        return Err(ApiError::TooLarge(format!(
+            "{} candidates is over the limit of {MAX_CANDIDATES}",
+            candidates.len()
+        )));
+    }
+    for node in candidates {
+        dns1123_subdomain("candidate node", node)?;
+    }
+    Ok(candidates.to_vec())
+}
+
+fn selector(
+    sel: Option<&tether_proto::LabelSelector>,
+) -> Result<crate::sm::affinity::LabelSelector> {
+    use crate::sm::affinity::{LabelSelector, Requirement, SelectorOp};
+    let Some(sel) = sel else {
+        return Ok(LabelSelector::default());
+    };
+    let match_labels = labels("selector label", &sel.match_labels)?;
+    let mut match_expressions = Vec::new();
+    for r in &sel.match_expressions {
+        if !label_key_ok(&r.key) {
+            return Err(invalid(format!(
+                "selector key {:?} is not a valid label key",
+                r.key
+            )));
+        }
+        let op = match r.operator.as_str() {
+            "In" | "in" => SelectorOp::In,
+            "NotIn" | "notin" => SelectorOp::NotIn,
+            "Exists" | "exists" => SelectorOp::Exists,
+            "DoesNotExist" | "doesnotexist" => SelectorOp::DoesNotExist,
+            other => {
+                return Err(invalid(format!(
+                    "selector operator {other:?} is not one of In, NotIn, Exists, DoesNotExist"
+                )));
+            }
+        };
+        let needs_values = matches!(op, SelectorOp::In | SelectorOp::NotIn);
+        if needs_values == r.values.is_empty() {
+            return Err(invalid(format!(
+                "selector on {:?}: {} takes {}",
+                r.key,
+                r.operator,
+                if needs_values {
+                    "at least one value"
+                } else {
+                    "no values"
+                }
+            )));
+        }
+        if let Some(bad) = r.values.iter().find(|v| !label_value_ok(v)) {
+            return Err(invalid(format!(
+                "selector value {bad:?} is not a valid label value"
+            )));
+        }
+        match_expressions.push(Requirement {
+            key: r.key.clone(),
+            op,
+            values: r.values.clone(),
+        });
+    }
+    Ok(LabelSelector {
+        match_labels,
+        match_expressions,
+    })
+}
+
+fn term(term: Option<&tether_proto::AffinityTerm>) -> Result<crate::sm::affinity::AffinityTerm> {
+    let term = term.ok_or_else(|| invalid("missing affinity term".to_string()))?;
+    if !label_key_ok(&term.topology_key) {
+        return Err(invalid(format!(
+            "topology key {:?} is not a valid label key (e.g. kubernetes.io/hostname or \
+             topology.kubernetes.io/zone)",
+            term.topology_key
+        )));
+    }
+    Ok(crate::sm::affinity::AffinityTerm {
+        selector: selector(term.label_selector.as_ref())?,
+        topology_key: term.topology_key.clone(),
+    })
+}
+
+fn weighted(
+    terms: &[tether_proto::WeightedAffinityTerm],
+) -> Result<Vec<crate::sm::affinity::WeightedTerm>> {
+    terms
+        .iter()
+        .map(|w| {
+            if !(1..=100).contains(&w.weight) {
+                return Err(invalid(format!(
+                    "preferred term weight {} is not within 1-100",
+                    w.weight
+                )));
+            }
+            Ok(crate::sm::affinity::WeightedTerm {
+                weight: w.weight,
+                term: term(w.term.as_ref())?,
+            })
+        })
+        .collect()
+}
+
+/// Affinity rules.
+pub fn affinity(
+    affinity: Option<&tether_proto::Affinity>,
+) -> Result<crate::sm::affinity::Affinity> {
+    let Some(a) = affinity else {
+        return Ok(Default::default());
+    };
+    Ok(crate::sm::affinity::Affinity {
+        required: a
+            .required
+            .iter()
+            .map(|t| term(Some(t)))
+            .collect::<Result<_>>()?,
+        required_anti: a
+            .required_anti
+            .iter()
+            .map(|t| term(Some(t)))
+            .collect::<Result<_>>()?,
+        preferred: weighted(&a.preferred)?,
+        preferred_anti: weighted(&a.preferred_anti)?,
+    })
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -22,6 +22,9 @@ use crate::sm::{self, Dirty, Event, FORMAT_VERSION, Response, State};
 
 /// `meta` key of the current snapshot.
 const SNAPSHOT: &[u8] = b"snapshot";
+/// `meta` key of the log index of the oldest retained event: events before it
+/// were deleted (retention) or never stored here (installed by snapshot).
+const EVENTS_FIRST: &[u8] = b"events_first";
 
 /// How many events a slow in-process subscriber may fall behind before it is
 /// told it lagged (it then re-reads the state).
@@ -343,14 +346,7 @@ impl RaftSnapshotBuilder<TypeConfig> for SnapshotBuilder {
         // retention window are deleted (history beyond it is not kept).
         let applied = last_applied.map_or(0, |l| l.index);
         if applied > self.event_retention_entries {
-            let first = keys::event_key(sm::Revision { index: 0, sub: 0 });
-            let end = keys::event_key(sm::Revision {
-                index: applied - self.event_retention_entries,
-                sub: 0,
-            });
-            self.db
-                .delete_range_cf(cf(&self.db, CF_EVENTS), first, end)
-                .map_err(sm_write_err)?;
+            compact_events(&self.db, applied - self.event_retention_entries)?;
         }
         Ok(Snapshot {
             meta,
@@ -443,6 +439,10 @@ impl RaftStateMachine<TypeConfig> for StateMachineStore {
     ) -> Result<(), StorageError> {
         let data = snapshot.into_inner();
         self.restore(&data)?;
+        // This replica never applied the entries the snapshot covers, so it has
+        // none of their events: its event history starts after the snapshot.
+        let covered = meta.last_log_id.map_or(0, |l| l.index);
+        compact_events(&self.db, covered + 1)?;
         let stored = StoredSnapshot {
             meta: meta.clone(),
             data,
@@ -471,4 +471,30 @@ pub fn read_events(db: &DB, from: sm::Revision, limit: usize) -> Result<Vec<Even
         out.push(decode(&value).map_err(sm_read_err)?);
     }
     Ok(out)
+}
+
+/// Deletes events of log indexes below `first_kept` and records it as the
+/// oldest retained index.
+fn compact_events(db: &DB, first_kept: u64) -> Result<(), StorageError> {
+    let start = keys::event_key(sm::Revision { index: 0, sub: 0 });
+    let end = keys::event_key(sm::Revision {
+        index: first_kept,
+        sub: 0,
+    });
+    db.delete_range_cf(cf(db, CF_EVENTS), start, end)
+        .map_err(sm_write_err)?;
+    let first = events_first_index(db)?.max(first_kept);
+    db.put_cf_opt(cf(db, CF_META), EVENTS_FIRST, encode(&first), &synced())
+        .map_err(sm_write_err)
+}
+
+/// Log index of the oldest retained event (0 = nothing was ever compacted).
+pub fn events_first_index(db: &DB) -> Result<u64, StorageError> {
+    match db
+        .get_cf(cf(db, CF_META), EVENTS_FIRST)
+        .map_err(sm_read_err)?
+    {
+        Some(bytes) => decode(&bytes).map_err(sm_read_err),
+        None => Ok(0),
+    }
 }

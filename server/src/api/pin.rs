@@ -1,0 +1,158 @@
+//! `PinService`: assign, release, get, list pins.
+
+use std::sync::Arc;
+
+use tether_proto as pb;
+use tether_proto::pin_service_server::PinService;
+use tonic::{Request, Response, Status};
+
+use super::convert::pin_to;
+use super::{Ctx, unexpected, validate};
+use crate::error::Result;
+use crate::sm::command::{Assign, ReleasePin};
+use crate::sm::{Command, Reply};
+
+/// The `PinService` implementation.
+pub struct PinApi {
+    ctx: Arc<Ctx>,
+}
+
+impl PinApi {
+    /// A service over a replica's context.
+    pub fn new(ctx: Arc<Ctx>) -> Self {
+        Self { ctx }
+    }
+
+    async fn do_assign(&self, req: pb::AssignRequest) -> Result<pb::AssignResponse> {
+        let request_id = validate::request_id(req.request_id.as_ref())?;
+        let key = validate::pin_key(req.key.as_ref())?;
+        let candidates = validate::candidates(&req.candidates)?;
+        if !req.pod_uid.is_empty() {
+            validate::pod_uid(&req.pod_uid)?;
+        }
+        let labels = validate::labels("pin label", &req.labels)?;
+        let affinity = validate::affinity(req.affinity.as_ref())?;
+        let command = Command::Assign(Assign {
+            key: key.clone(),
+            candidates,
+            pod_uid: req.pod_uid,
+            lifetime_ms: req.lifetime_ms,
+            labels,
+            affinity,
+        });
+        match self.ctx.write(request_id, command).await? {
+            Reply::Pinned { pin, created } => {
+                if created {
+                    tracing::info!(pin = %key, node = pin.node, pod_uid = pin.pod_uid, "pin assigned");
+                }
+                Ok(pb::AssignResponse {
+                    pin: Some(pin_to(&key, &pin)),
+                    created,
+                    header: Some(self.ctx.header(false)),
+                })
+            }
+            other => Err(unexpected(other)),
+        }
+    }
+
+    async fn do_release(&self, req: pb::ReleasePinRequest) -> Result<pb::ReleasePinResponse> {
+        let request_id = validate::request_id(req.request_id.as_ref())?;
+        let key = validate::pin_key(req.key.as_ref())?;
+        validate::text("reason", &req.reason, false)?;
+        let reason = if req.reason.is_empty() {
+            "released".to_string()
+        } else {
+            req.reason
+        };
+        match self
+            .ctx
+            .write(
+                request_id,
+                Command::ReleasePin(ReleasePin {
+                    key: key.clone(),
+                    reason,
+                }),
+            )
+            .await?
+        {
+            Reply::PinReleased { pin } => Ok(pb::ReleasePinResponse {
+                released: pin.as_ref().map(|p| pin_to(&key, p)),
+                header: Some(self.ctx.header(false)),
+            }),
+            other => Err(unexpected(other)),
+        }
+    }
+
+    async fn do_get(&self, req: pb::GetPinRequest) -> Result<pb::GetPinResponse> {
+        let key = validate::pin_key(req.key.as_ref())?;
+        self.ctx.linearizable().await?;
+        let pin = self
+            .ctx
+            .state
+            .read()
+            .state
+            .pins
+            .get(&key)
+            .map(|p| pin_to(&key, p));
+        Ok(pb::GetPinResponse {
+            pin,
+            header: Some(self.ctx.header(true)),
+        })
+    }
+
+    fn do_list(&self, req: pb::ListPinsRequest) -> Result<pb::ListPinsResponse> {
+        if !req.node.is_empty() {
+            validate::dns1123_subdomain("node", &req.node)?;
+        }
+        let applied = self.ctx.state.read();
+        let pins = applied
+            .state
+            .pins
+            .iter()
+            .filter(|(k, p)| {
+                (req.set.is_empty() || k.set == req.set)
+                    && (req.node.is_empty() || p.node == req.node)
+            })
+            .map(|(k, p)| pin_to(k, p))
+            .collect();
+        Ok(pb::ListPinsResponse {
+            pins,
+            header: Some(self.ctx.header(false)),
+        })
+    }
+}
+
+#[tonic::async_trait]
+impl PinService for PinApi {
+    async fn assign(
+        &self,
+        request: Request<pb::AssignRequest>,
+    ) -> Result<Response<pb::AssignResponse>, Status> {
+        let result = self.do_assign(request.into_inner()).await;
+        self.ctx.finish("Assign", result).map(Response::new)
+    }
+
+    async fn release(
+        &self,
+        request: Request<pb::ReleasePinRequest>,
+    ) -> Result<Response<pb::ReleasePinResponse>, Status> {
+        let result = self.do_release(request.into_inner()).await;
+        self.ctx.finish("ReleasePin", result).map(Response::new)
+    }
+
+    async fn get(
+        &self,
+        request: Request<pb::GetPinRequest>,
+    ) -> Result<Response<pb::GetPinResponse>, Status> {
+        let result = self.do_get(request.into_inner()).await;
+        self.ctx.finish("GetPin", result).map(Response::new)
+    }
+
+    async fn list(
+        &self,
+        request: Request<pb::ListPinsRequest>,
+    ) -> Result<Response<pb::ListPinsResponse>, Status> {
+        let result = self.do_list(request.into_inner());
+        self.ctx.finish("ListPins", result).map(Response::new)
+    }
+}

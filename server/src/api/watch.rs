@@ -1,0 +1,275 @@
+//! `WatchService`: the event stream and history, read from the events column
+//! family. A watcher reads at its own pace from RocksDB and is only woken by
+//! applies, so a slow watcher never holds up the state machine; order and
+//! gap-freedom follow from reading revisions in key order.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use tether_proto as pb;
+use tether_proto::watch_service_server::WatchService;
+use tokio::sync::{broadcast, mpsc};
+use tokio_stream::wrappers::ReceiverStream;
+use tonic::{Request, Response, Status};
+
+use super::Ctx;
+use super::convert::{event_to, revision_to};
+use crate::error::{ApiError, Result};
+use crate::sm::Revision;
+use crate::store::{events_first_index, read_events};
+
+/// Events read from RocksDB per batch.
+const BATCH: usize = 256;
+/// A watcher that does not take a batch within this long is ended, with the
+/// revision to resume from.
+const SLOW_WATCHER_TIMEOUT: Duration = Duration::from_secs(30);
+/// Longest key prefix accepted.
+const MAX_PREFIX: usize = 512;
+/// Default and largest history answer.
+const HISTORY_LIMIT: usize = 1000;
+
+/// The `WatchService` implementation.
+pub struct WatchApi {
+    ctx: Arc<Ctx>,
+}
+
+impl WatchApi {
+    /// A service over a replica's context.
+    pub fn new(ctx: Arc<Ctx>) -> Self {
+        Self { ctx }
+    }
+}
+
+type WatchItem = std::result::Result<pb::WatchResponse, Status>;
+
+fn compacted(start: Revision, first: u64) -> Status {
+    let mut status = Status::out_of_range(format!(
+        "revision {}.{} is compacted: the oldest retained event is at log index {first}; re-list \
+         the state, then watch from revision {first}",
+        start.index, start.sub
+    ));
+    if let Ok(value) = first.to_string().parse() {
+        status
+            .metadata_mut()
+            .insert(pb::COMPACT_REVISION_METADATA, value);
+    }
+    status
+}
+
+fn storage_error(err: impl std::fmt::Display) -> Status {
+    ApiError::Internal(format!("reading events: {err}")).into()
+}
+
+/// Whether a wire event passes the watch filters.
+fn wanted(event: &pb::Event, kinds: &[String], prefix: &str) -> bool {
+    (kinds.is_empty() || kinds.iter().any(|k| k == &event.kind)) && event.key.starts_with(prefix)
+}
+
+/// Streams events from `next` on until the caller leaves, the replica shuts
+/// down, the watcher is too slow, or its position is compacted away.
+async fn follow(
+    ctx: Arc<Ctx>,
+    mut next: Revision,
+    kinds: Vec<String>,
+    prefix: String,
+    mut wake: broadcast::Receiver<crate::sm::Event>,
+    tx: mpsc::Sender<WatchItem>,
+) {
+    loop {
+        let first = match events_first_index(&ctx.db) {
+            Ok(first) => first,
+            Err(err) => {
+                let _ = tx.send(Err(storage_error(err))).await;
+                return;
+            }
+        };
+        if next.index < first {
+            let _ = tx.send(Err(compacted(next, first))).await;
+            return;
+        }
+        let batch = match read_events(&ctx.db, next, BATCH) {
+            Ok(batch) => batch,
+            Err(err) => {
+                let _ = tx.send(Err(storage_error(err))).await;
+                return;
+            }
+        };
+        if let Some(last) = batch.last() {
+            next = Revision {
+                index: last.revision.index,
+                sub: last.revision.sub + 1,
+            };
+            let events: Vec<pb::Event> = batch
+                .iter()
+                .map(event_to)
+                .filter(|e| wanted(e, &kinds, &prefix))
+                .collect();
+            if events.is_empty() {
+                continue;
+            }
+            let response = pb::WatchResponse {
+                events,
+                next: Some(revision_to(next)),
+                header: Some(ctx.header(false)),
+            };
+            match tokio::time::timeout(SLOW_WATCHER_TIMEOUT, tx.send(Ok(response))).await {
+                Ok(Ok(())) => continue,
+                Ok(Err(_)) => return, // the caller left
+                Err(_) => {
+                    let err = ApiError::TooLarge(format!(
+                        "watcher too slow: it did not read for {SLOW_WATCHER_TIMEOUT:?}; resume \
+                         from revision {}.{}",
+                        next.index, next.sub
+                    ));
+                    let _ = tx.try_send(Err(err.into()));
+                    return;
+                }
+            }
+        }
+        // Caught up: sleep until something is applied.
+        tokio::select! {
+            // Any message, or "lagged", means new events exist.
+            _ = wake.recv() => {}
+            _ = ctx.shutting_down() => {
+                let err = ApiError::Unavailable(format!(
+                    "this replica is shutting down; watch again from revision {}.{} on another replica",
+                    next.index, next.sub
+                ));
+                let _ = tx.send(Err(err.into())).await;
+                return;
+            }
+            _ = tx.closed() => return,
+        }
+    }
+}
+
+impl WatchApi {
+    fn do_watch(&self, req: pb::WatchRequest) -> Result<ReceiverStream<WatchItem>, Status> {
+        if req.key_prefix.len() > MAX_PREFIX {
+            return Err(ApiError::InvalidArgument(format!(
+                "key prefix is longer than {MAX_PREFIX} bytes"
+            ))
+            .into());
+        }
+        let ctx = &self.ctx;
+        // Subscribe before reading so an apply between the read and the wait
+        // still wakes the watcher.
+        let wake = ctx.state.subscribe();
+        let start = match req.start {
+            Some(r) if r.index > 0 => Revision {
+                index: r.index,
+                sub: r.sub,
+            },
+            _ => {
+                let applied = ctx.state.read().last_applied.map_or(0, |l| l.index);
+                Revision {
+                    index: applied + 1,
+                    sub: 0,
+                }
+            }
+        };
+        let first = events_first_index(&ctx.db).map_err(storage_error)?;
+        if start.index < first {
+            return Err(compacted(start, first));
+        }
+        let (tx, rx) = mpsc::channel(16);
+        tokio::spawn(follow(
+            ctx.clone(),
+            start,
+            req.kinds,
+            req.key_prefix,
+            wake,
+            tx,
+        ));
+        Ok(ReceiverStream::new(rx))
+    }
+
+    fn do_history(&self, req: pb::HistoryRequest) -> Result<pb::HistoryResponse> {
+        if req.key.is_empty() || req.key.len() > MAX_PREFIX {
+            return Err(ApiError::InvalidArgument(
+                "history needs a key such as lock/gpu-bind/node-7, pin/slurm/set-a/3 or node/node-7".into(),
+            ));
+        }
+        let limit = match req.limit as usize {
+            0 => HISTORY_LIMIT,
+            n => n.min(HISTORY_LIMIT),
+        };
+        let first =
+            events_first_index(&self.ctx.db).map_err(|e| ApiError::Internal(e.to_string()))?;
+        let from = req
+            .from
+            .map_or(Revision { index: 0, sub: 0 }, |r| Revision {
+                index: r.index,
+                sub: r.sub,
+            });
+        let to = req.to.map(|r| Revision {
+            index: r.index,
+            sub: r.sub,
+        });
+        let until = if req.until_ms == 0 {
+            u64::MAX
+        } else {
+            req.until_ms
+        };
+        let mut events = Vec::new();
+        let mut cursor = from;
+        'scan: loop {
+            let batch = read_events(&self.ctx.db, cursor, BATCH)
+                .map_err(|e| ApiError::Internal(e.to_string()))?;
+            let Some(last) = batch.last() else { break };
+            cursor = Revision {
+                index: last.revision.index,
+                sub: last.revision.sub + 1,
+            };
+            for event in &batch {
+                // Committed time only grows with the revision: past `until`,
+                // nothing later can match.
+                if to.is_some_and(|to| event.revision > to) || event.time_ms > until {
+                    break 'scan;
+                }
+                if event.time_ms < req.since_ms {
+                    continue;
+                }
+                let wire = event_to(event);
+                if wire.key == req.key {
+                    events.push(wire);
+                    if events.len() >= limit {
+                        break 'scan;
+                    }
+                }
+            }
+        }
+        Ok(pb::HistoryResponse {
+            events,
+            oldest_retained: Some(pb::Revision {
+                index: first,
+                sub: 0,
+            }),
+            header: Some(self.ctx.header(false)),
+        })
+    }
+}
+
+#[tonic::async_trait]
+impl WatchService for WatchApi {
+    type WatchStream = ReceiverStream<WatchItem>;
+
+    async fn watch(
+        &self,
+        request: Request<pb::WatchRequest>,
+    ) -> Result<Response<Self::WatchStream>, Status> {
+        let result = self.do_watch(request.into_inner());
+        self.ctx
+            .metrics
+            .request("Watch", if result.is_ok() { "ok" } else { "refused" });
+        result.map(Response::new)
+    }
+
+    async fn history(
+        &self,
+        request: Request<pb::HistoryRequest>,
+    ) -> Result<Response<pb::HistoryResponse>, Status> {
+        let result = self.do_history(request.into_inner());
+        self.ctx.finish("History", result).map(Response::new)
+    }
+}
