@@ -12,12 +12,16 @@ use tether_proto as pb;
 use tether_proto::cluster_service_client::ClusterServiceClient;
 use tether_proto::lease_service_client::LeaseServiceClient;
 use tether_proto::lock_service_client::LockServiceClient;
+use tether_proto::node_service_client::NodeServiceClient;
+use tether_proto::pin_service_client::PinServiceClient;
+use tether_proto::watch_service_client::WatchServiceClient;
 use tether_proto::{LEADER_ADDR_METADATA, LockKey, Pod};
 use tokio::time::Instant;
 use tonic::Status;
 use tonic::transport::{Channel, Endpoint};
 
 use crate::error::{Error, Result};
+use crate::watch::Watcher;
 
 /// Client settings.
 #[derive(Debug, Clone)]
@@ -87,7 +91,7 @@ fn random_client_id() -> String {
 
 /// Whether a status means "this replica cannot serve the call now" (not the
 /// leader, down, connection reset) rather than an answer about the request.
-fn replica_unusable(status: &Status) -> bool {
+pub(crate) fn replica_unusable(status: &Status) -> bool {
     match status.code() {
         tonic::Code::Unavailable | tonic::Code::Cancelled => true,
         tonic::Code::Unknown => {
@@ -614,6 +618,208 @@ impl Client {
                 .await?
                 .into_inner()
                 .snapshot_index)
+        })
+        .await
+    }
+}
+
+impl Client {
+    /// Pins `key` to one of `candidates` (or returns its existing pin).
+    pub async fn assign(
+        &self,
+        key: &pb::PinKey,
+        candidates: Vec<String>,
+        pod_uid: &str,
+        lifetime: Duration,
+        labels: HashMap<String, String>,
+        affinity: pb::Affinity,
+    ) -> Result<pb::AssignResponse> {
+        let (request_id, _in_flight) = self.begin_request();
+        let request = pb::AssignRequest {
+            request_id: Some(request_id),
+            key: Some(key.clone()),
+            candidates,
+            pod_uid: pod_uid.to_string(),
+            lifetime_ms: lifetime.as_millis() as u64,
+            labels,
+            affinity: Some(affinity),
+        };
+        self.with_leader(Duration::ZERO, |channel| {
+            let request = request.clone();
+            async move {
+                Ok(PinServiceClient::new(channel)
+                    .assign(request)
+                    .await?
+                    .into_inner())
+            }
+        })
+        .await
+    }
+
+    /// Releases a pin; returns it (None if there was none).
+    pub async fn release_pin(&self, key: &pb::PinKey, reason: &str) -> Result<Option<pb::Pin>> {
+        let (request_id, _in_flight) = self.begin_request();
+        let request = pb::ReleasePinRequest {
+            request_id: Some(request_id),
+            key: Some(key.clone()),
+            reason: reason.to_string(),
+        };
+        self.with_leader(Duration::ZERO, |channel| {
+            let request = request.clone();
+            async move {
+                Ok(PinServiceClient::new(channel)
+                    .release(request)
+                    .await?
+                    .into_inner()
+                    .released)
+            }
+        })
+        .await
+    }
+
+    /// Linearizable read of one pin.
+    pub async fn get_pin(&self, key: &pb::PinKey) -> Result<Option<pb::Pin>> {
+        let request = pb::GetPinRequest {
+            key: Some(key.clone()),
+        };
+        self.with_leader(Duration::ZERO, |channel| {
+            let request = request.clone();
+            async move {
+                Ok(PinServiceClient::new(channel)
+                    .get(request)
+                    .await?
+                    .into_inner()
+                    .pin)
+            }
+        })
+        .await
+    }
+
+    /// Pins of a set and/or on a node (empty = any).
+    pub async fn list_pins(&self, set: &str, node: &str) -> Result<Vec<pb::Pin>> {
+        let request = pb::ListPinsRequest {
+            set: set.to_string(),
+            node: node.to_string(),
+        };
+        self.with_leader(Duration::ZERO, |channel| {
+            let request = request.clone();
+            async move {
+                Ok(PinServiceClient::new(channel)
+                    .list(request)
+                    .await?
+                    .into_inner()
+                    .pins)
+            }
+        })
+        .await
+    }
+
+    /// Reports a node (what the bridge sends).
+    pub async fn report_node(
+        &self,
+        mut request: pb::ReportNodeRequest,
+    ) -> Result<pb::ReportNodeResponse> {
+        let (request_id, _in_flight) = self.begin_request();
+        request.request_id = Some(request_id);
+        self.with_leader(Duration::ZERO, |channel| {
+            let request = request.clone();
+            async move {
+                Ok(NodeServiceClient::new(channel)
+                    .report(request)
+                    .await?
+                    .into_inner())
+            }
+        })
+        .await
+    }
+
+    /// The node registry.
+    pub async fn list_nodes(&self, include_gone: bool) -> Result<Vec<pb::Node>> {
+        self.with_leader(Duration::ZERO, |channel| async move {
+            let request = pb::ListNodesRequest { include_gone };
+            Ok(NodeServiceClient::new(channel)
+                .list(request)
+                .await?
+                .into_inner()
+                .nodes)
+        })
+        .await
+    }
+
+    /// Reports a pod's phase (what the bridge sends).
+    pub async fn report_pod(
+        &self,
+        pod_uid: &str,
+        phase: pb::PodPhase,
+    ) -> Result<pb::ReportPodResponse> {
+        let (request_id, _in_flight) = self.begin_request();
+        let request = pb::ReportPodRequest {
+            request_id: Some(request_id),
+            pod_uid: pod_uid.to_string(),
+            phase: phase as i32,
+        };
+        self.with_leader(Duration::ZERO, |channel| {
+            let request = request.clone();
+            async move {
+                Ok(LeaseServiceClient::new(channel)
+                    .report_pod(request)
+                    .await?
+                    .into_inner())
+            }
+        })
+        .await
+    }
+
+    /// Watches events from `start` (None = from now on), filtered by kinds
+    /// (empty = all) and key prefix; resumes across disconnects.
+    pub async fn watch(
+        &self,
+        start: Option<pb::Revision>,
+        kinds: Vec<String>,
+        prefix: &str,
+    ) -> Result<Watcher<'_>> {
+        let start = match start {
+            Some(start) if start.index > 0 => start,
+            _ => {
+                let status = self
+                    .with_leader(Duration::ZERO, |channel| async move {
+                        Ok(ClusterServiceClient::new(channel)
+                            .status(pb::StatusRequest {})
+                            .await?
+                            .into_inner())
+                    })
+                    .await?;
+                pb::Revision {
+                    index: status.applied_index + 1,
+                    sub: 0,
+                }
+            }
+        };
+        Ok(Watcher::new(self, start, kinds, prefix.to_string()))
+    }
+
+    /// Retained events of one key (`lock/<scope>/<name>`, `pin/<set>/<member>`,
+    /// `node/<name>`), oldest first, since `since_ms` (0 = all retained).
+    pub async fn history(
+        &self,
+        key: &str,
+        since_ms: u64,
+        limit: u32,
+    ) -> Result<pb::HistoryResponse> {
+        let request = pb::HistoryRequest {
+            key: key.to_string(),
+            since_ms,
+            limit,
+            ..Default::default()
+        };
+        self.with_leader(Duration::ZERO, |channel| {
+            let request = request.clone();
+            async move {
+                Ok(WatchServiceClient::new(channel)
+                    .history(request)
+                    .await?
+                    .into_inner())
+            }
         })
         .await
     }

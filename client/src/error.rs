@@ -33,6 +33,15 @@ pub enum Error {
     /// have been applied. Retrying with the same request id is safe.
     #[error("unavailable: {0}")]
     Unavailable(String),
+    /// A watch start revision is older than the oldest retained event:
+    /// re-list the state, then watch from `oldest_retained`.
+    #[error("compacted: {message}")]
+    Compacted {
+        /// Log index of the oldest retained event.
+        oldest_retained: u64,
+        /// The server's explanation.
+        message: String,
+    },
     /// Anything else the server said.
     #[error("{0}")]
     Other(String),
@@ -49,6 +58,7 @@ impl Error {
         match self {
             Error::InvalidArgument(_) => 2,
             Error::FailedPrecondition(_) | Error::NotFound(_) | Error::Aborted(_) => 3,
+            Error::Compacted { .. } => 6,
             Error::DeadlineExceeded(_) => 4,
             Error::Unavailable(_) | Error::ResourceExhausted(_) => 5,
             Error::Other(_) => 1,
@@ -67,6 +77,18 @@ impl From<Status> for Error {
             Code::NotFound => Error::NotFound(message),
             Code::Aborted => Error::Aborted(message),
             Code::Unavailable => Error::Unavailable(message),
+            Code::OutOfRange => {
+                let oldest_retained = status
+                    .metadata()
+                    .get(tether_proto::COMPACT_REVISION_METADATA)
+                    .and_then(|v| v.to_str().ok())
+                    .and_then(|v| v.parse().ok())
+                    .unwrap_or(0);
+                Error::Compacted {
+                    oldest_retained,
+                    message,
+                }
+            }
             code => Error::Other(format!("{code:?}: {message}")),
         }
     }

@@ -24,11 +24,14 @@
 //! # Layout
 //! - `client.rs` — [`Client`]: leader following, retries, every API call.
 //! - `error.rs` — [`Error`]: what the caller should do about a failure.
+//! - `watch.rs` — [`Watcher`]: a watch that resumes from its last revision.
 //! - `bin/lockctl.rs` — the admin CLI.
 
 mod client;
 mod error;
+mod watch;
 
 pub use client::{AcquireProgress, Client, InFlight, Options, parse_lock_key};
 pub use error::{Error, Result};
 pub use tether_proto as proto;
+pub use watch::Watcher;

@@ -1,0 +1,557 @@
+//! Pins, the node registry, pod reports, watch and history on a 3-replica
+//! in-process cluster.
+
+mod common;
+
+use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::sync::Arc;
+use std::time::Duration;
+
+use common::{Cluster, DEADLINE, lock, pod};
+use tether_client::proto::{self as pb, Outcome, PodPhase};
+use tether_client::{Client, Error};
+
+fn pin_key(member: &str) -> pb::PinKey {
+    pb::PinKey {
+        set: "slurm/nodeset-a".into(),
+        member: member.into(),
+    }
+}
+
+fn names(prefix: &str, n: usize) -> Vec<String> {
+    (0..n).map(|i| format!("{prefix}{i}")).collect()
+}
+
+async fn report_node(client: &Client, name: &str, zone: Option<&str>, state: pb::NodeState) {
+    let labels: HashMap<String, String> = zone
+        .map(|z| ("zone".to_string(), z.to_string()))
+        .into_iter()
+        .collect();
+    let request = pb::ReportNodeRequest {
+        name: name.into(),
+        uid: format!("uid-{name}"),
+        state: state as i32,
+        set_labels: true,
+        labels,
+        ..Default::default()
+    };
+    client.report_node(request).await.unwrap();
+}
+
+async fn assign(
+    client: &Client,
+    member: &str,
+    pod_uid: &str,
+    candidates: &[&str],
+    lifetime: Duration,
+) -> Result<pb::AssignResponse, Error> {
+    let candidates = candidates.iter().map(|c| c.to_string()).collect();
+    client
+        .assign(
+            &pin_key(member),
+            candidates,
+            pod_uid,
+            lifetime,
+            HashMap::new(),
+            pb::Affinity::default(),
+        )
+        .await
+}
+
+/// Polls `check` until it holds or the deadline passes.
+async fn eventually(what: &str, mut check: impl AsyncFnMut() -> bool) {
+    let deadline = tokio::time::Instant::now() + DEADLINE;
+    while !check().await {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "timed out waiting for: {what}"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn assign_is_idempotent_and_pins_survive_pod_restarts() {
+    let cluster = Cluster::start(3).await;
+    let client = cluster.client();
+    let first = assign(&client, "0", "pod-a", &["node-1", "node-2"], Duration::ZERO)
+        .await
+        .unwrap();
+    assert!(first.created);
+    let again = assign(&client, "0", "pod-a", &["node-2"], Duration::ZERO)
+        .await
+        .unwrap();
+    assert!(!again.created);
+    assert_eq!(again.pin.as_ref().unwrap().node, "node-1");
+    // The pod is deleted and recreated: a permanent pin stays.
+    client.report_pod("pod-a", PodPhase::PodGone).await.unwrap();
+    let recreated = assign(&client, "0", "pod-b", &["node-2"], Duration::ZERO)
+        .await
+        .unwrap();
+    assert!(!recreated.created);
+    let pin = recreated.pin.unwrap();
+    assert_eq!(pin.node, "node-1");
+    assert_eq!(pin.pod_uid, "pod-b");
+    assert_eq!(
+        client
+            .get_pin(&pin_key("0"))
+            .await
+            .unwrap()
+            .unwrap()
+            .pod_uid,
+        "pod-b"
+    );
+    cluster.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn pin_lifetime_runs_only_after_the_pod_stops_and_silence_never_unpins() {
+    let cluster = Cluster::start(3).await;
+    let client = cluster.client();
+    let lifetime = Duration::from_millis(1500);
+    assign(&client, "0", "pod-a", &["node-1"], lifetime)
+        .await
+        .unwrap();
+    assign(&client, "1", "pod-silent", &["node-1"], lifetime)
+        .await
+        .unwrap();
+    client
+        .report_pod("pod-a", PodPhase::PodRunning)
+        .await
+        .unwrap();
+    // Well past the lifetime: a running pod, and a pod nobody reports on
+    // (bridge unreachable), both keep their pins.
+    tokio::time::sleep(lifetime * 3).await;
+    assert!(
+        client.get_pin(&pin_key("0")).await.unwrap().is_some(),
+        "running pod lost its pin"
+    );
+    assert!(
+        client.get_pin(&pin_key("1")).await.unwrap().is_some(),
+        "silence unpinned"
+    );
+    client
+        .report_pod("pod-a", PodPhase::PodTerminal)
+        .await
+        .unwrap();
+    let stopped_at = tokio::time::Instant::now();
+    eventually("the pin expires after its lifetime", async || {
+        client.get_pin(&pin_key("0")).await.unwrap().is_none()
+    })
+    .await;
+    assert!(
+        stopped_at.elapsed() >= lifetime,
+        "expired before its lifetime"
+    );
+    assert!(client.get_pin(&pin_key("1")).await.unwrap().is_some());
+    cluster.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn node_gone_releases_pins_and_the_next_assign_picks_a_live_candidate() {
+    let cluster = Cluster::start(3).await;
+    let client = cluster.client();
+    report_node(&client, "node-1", None, pb::NodeState::NodeReady).await;
+    report_node(&client, "node-2", None, pb::NodeState::NodeReady).await;
+    let pin = assign(&client, "3", "pod-a", &["node-1", "node-2"], Duration::ZERO)
+        .await
+        .unwrap()
+        .pin
+        .unwrap();
+    assert_eq!(pin.node, "node-1");
+    let hold = client
+        .acquire(&lock("node-1"), &pod("binding"), vec![], Duration::ZERO, 0)
+        .await
+        .unwrap();
+    assert!(hold.token > 0);
+
+    let request = pb::ReportNodeRequest {
+        name: "node-1".into(),
+        state: pb::NodeState::NodeGone as i32,
+        ..Default::default()
+    };
+    let reply = client.report_node(request.clone()).await.unwrap();
+    assert_eq!((reply.pins_released, reply.locks_released), (1, 1));
+    assert!(client.get_pin(&pin_key("3")).await.unwrap().is_none());
+    assert!(client.holder(&lock("node-1")).await.unwrap().is_none());
+    // Idempotent.
+    assert!(!client.report_node(request).await.unwrap().changed);
+    let repinned = assign(&client, "3", "pod-a", &["node-1", "node-2"], Duration::ZERO)
+        .await
+        .unwrap();
+    assert_eq!(repinned.pin.unwrap().node, "node-2");
+    let nodes: Vec<String> = client
+        .list_nodes(false)
+        .await
+        .unwrap()
+        .into_iter()
+        .map(|n| n.name)
+        .collect();
+    assert_eq!(nodes, ["node-2"]);
+    cluster.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn scale_in_with_gaps_then_out_again_reuses_the_old_pins() {
+    let cluster = Cluster::start(3).await;
+    let client = cluster.client();
+    let nodes = names("node-", 4);
+    let mut placed = BTreeMap::new();
+    for member in 0..4 {
+        // Each member prefers a different node first.
+        let mut candidates: Vec<&str> = nodes.iter().map(String::as_str).collect();
+        candidates.rotate_left(member);
+        let pin = assign(
+            &client,
+            &member.to_string(),
+            &format!("pod-{member}"),
+            &candidates,
+            Duration::ZERO,
+        )
+        .await
+        .unwrap()
+        .pin
+        .unwrap();
+        placed.insert(member, pin.node);
+    }
+    // Scale 4 -> 2 removing members 1 and 3 (not highest-first: gaps).
+    for member in [1, 3] {
+        client
+            .report_pod(&format!("pod-{member}"), PodPhase::PodGone)
+            .await
+            .unwrap();
+    }
+    let pins = client.list_pins("slurm/nodeset-a", "").await.unwrap();
+    assert_eq!(pins.len(), 4, "permanent pins outlive their pods");
+    // Scale back to 4: new pods, same nodes.
+    for member in [1, 3] {
+        let pin = assign(
+            &client,
+            &member.to_string(),
+            &format!("pod-{member}-new"),
+            &["node-0"],
+            Duration::ZERO,
+        )
+        .await
+        .unwrap()
+        .pin
+        .unwrap();
+        assert_eq!(pin.node, placed[&member], "member {member} moved");
+    }
+    cluster.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn concurrent_assigners_never_break_required_anti_affinity_by_zone() {
+    let cluster = Cluster::start(3).await;
+    let client = Arc::new(cluster.client());
+    const ZONES: usize = 200;
+    let nodes = names("node-", ZONES + 10);
+    for (i, node) in nodes.iter().enumerate() {
+        report_node(
+            &client,
+            node,
+            Some(&format!("zone-{}", i % ZONES)),
+            pb::NodeState::NodeReady,
+        )
+        .await;
+    }
+    let term = pb::AffinityTerm {
+        label_selector: Some(pb::LabelSelector {
+            match_labels: HashMap::from([("app".into(), "slurmd".into())]),
+            ..Default::default()
+        }),
+        topology_key: "zone".into(),
+    };
+    let affinity = pb::Affinity {
+        required_anti: vec![term],
+        ..Default::default()
+    };
+    let mut tasks = Vec::new();
+    for assigner in 0..2usize {
+        let (client, nodes, affinity) = (client.clone(), nodes.clone(), affinity.clone());
+        tasks.push(tokio::spawn(async move {
+            for member in (assigner..ZONES).step_by(2) {
+                // Both assigners favour the same few nodes first, so they
+                // race for the same zones.
+                let mut candidates = nodes.clone();
+                candidates.rotate_left(member % 7);
+                let labels = HashMap::from([("app".to_string(), "slurmd".to_string())]);
+                client
+                    .assign(
+                        &pin_key(&member.to_string()),
+                        candidates,
+                        "",
+                        Duration::ZERO,
+                        labels,
+                        affinity.clone(),
+                    )
+                    .await
+                    .unwrap();
+            }
+        }));
+    }
+    for task in tasks {
+        task.await.unwrap();
+    }
+    let pins = client.list_pins("slurm/nodeset-a", "").await.unwrap();
+    assert_eq!(pins.len(), ZONES);
+    let node_zone: HashMap<&String, usize> = nodes
+        .iter()
+        .enumerate()
+        .map(|(i, n)| (n, i % ZONES))
+        .collect();
+    let zones: BTreeSet<usize> = pins.iter().map(|p| node_zone[&p.node]).collect();
+    assert_eq!(zones.len(), ZONES, "two pins share a zone");
+    // Zones have run out: the error says so for each candidate.
+    let labels = HashMap::from([("app".to_string(), "slurmd".to_string())]);
+    let err = client
+        .assign(
+            &pin_key("extra"),
+            nodes[..3].to_vec(),
+            "",
+            Duration::ZERO,
+            labels,
+            affinity,
+        )
+        .await
+        .unwrap_err();
+    let Error::ResourceExhausted(message) = &err else {
+        panic!("{err}")
+    };
+    assert!(
+        message.contains("no candidate node fits pin slurm/nodeset-a/extra"),
+        "{message}"
+    );
+    assert!(
+        message.contains("node-0: pin slurm/nodeset-a/"),
+        "{message}"
+    );
+    assert!(message.contains("zone=zone-0"), "{message}");
+    cluster.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn watch_resumes_without_gaps_across_a_leader_change() {
+    let mut cluster = Cluster::start(3).await;
+    let client = cluster.client();
+    // The watcher talks to the leader first, so stopping the leader breaks
+    // its stream and it must resume elsewhere.
+    let leader = cluster.wait_leader().await;
+    let mut endpoints = vec![cluster.addrs[&leader].to_string()];
+    endpoints.extend(
+        cluster
+            .addrs
+            .iter()
+            .filter(|(id, _)| **id != leader)
+            .map(|(_, a)| a.to_string()),
+    );
+    let watch_client = Client::new(
+        endpoints,
+        tether_client::Options {
+            retry_timeout: DEADLINE,
+            ..Default::default()
+        },
+    )
+    .unwrap();
+    let (seen_tx, mut seen_rx) = tokio::sync::mpsc::unbounded_channel();
+    let watcher = tokio::spawn(async move {
+        let mut watch = watch_client.watch(None, vec![], "lock/").await.unwrap();
+        loop {
+            match watch.next().await {
+                Ok(batch) => {
+                    for event in batch {
+                        if seen_tx.send(event).is_err() {
+                            return;
+                        }
+                    }
+                }
+                Err(err) => panic!("watch failed: {err}"),
+            }
+        }
+    });
+    let key = lock("node-w");
+    let mut tokens = Vec::new();
+    let mut seen: Vec<pb::Event> = Vec::new();
+    for round in 0..10 {
+        if round == 5 {
+            // Make sure the watcher is streaming from the leader, then stop it.
+            while seen.is_empty() {
+                seen.push(
+                    tokio::time::timeout(DEADLINE, seen_rx.recv())
+                        .await
+                        .expect("watch stalled")
+                        .unwrap(),
+                );
+            }
+            cluster.stop(leader).await;
+            cluster.wait_leader().await;
+        }
+        let hold = client
+            .acquire(&key, &pod(&format!("p{round}")), vec![], Duration::ZERO, 0)
+            .await
+            .unwrap();
+        client
+            .release(&key, &format!("p{round}"), hold.token, Outcome::Allocated)
+            .await
+            .unwrap();
+        tokens.push(hold.token);
+    }
+    while seen.iter().filter(|e| e.kind == "LockReleased").count() < 10 {
+        seen.push(
+            tokio::time::timeout(DEADLINE, seen_rx.recv())
+                .await
+                .expect("watch stalled")
+                .unwrap(),
+        );
+    }
+    watcher.abort();
+    let revisions: Vec<(u64, u32)> = seen
+        .iter()
+        .map(|e| {
+            let r = e.revision.unwrap();
+            (r.index, r.sub)
+        })
+        .collect();
+    assert!(
+        revisions.windows(2).all(|w| w[0] < w[1]),
+        "out of order or repeated: {revisions:?}"
+    );
+    let granted: Vec<u64> = seen
+        .iter()
+        .filter(|e| e.kind == "LockGranted")
+        .map(|e| e.token)
+        .collect();
+    assert_eq!(granted, tokens, "every grant seen once, in order");
+    // Compare with what a surviving replica stored: nothing missing.
+    let leader = cluster.wait_leader().await;
+    let stored = tether_server::store::read_events(
+        &cluster.node(leader).ctx().db,
+        tether_server::sm::Revision { index: 0, sub: 0 },
+        10_000,
+    )
+    .unwrap();
+    let stored_lock: Vec<(u64, u32)> = stored
+        .iter()
+        .map(tether_server::api::convert::event_to)
+        .filter(|e| e.key.starts_with("lock/"))
+        .map(|e| (e.revision.unwrap().index, e.revision.unwrap().sub))
+        .collect();
+    assert_eq!(
+        revisions, stored_lock,
+        "the watch skipped or invented events"
+    );
+    cluster.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn watch_from_a_compacted_revision_gets_the_compaction_error() {
+    let cluster = Cluster::start_with(3, |c| c.event_retention_entries = 5).await;
+    let client = cluster.client();
+    for i in 0..20 {
+        client
+            .acquire(
+                &lock(&format!("n{i}")),
+                &pod("u"),
+                vec![],
+                Duration::ZERO,
+                0,
+            )
+            .await
+            .unwrap();
+    }
+    client.snapshot().await.unwrap();
+    let mut watch = client
+        .watch(Some(pb::Revision { index: 1, sub: 0 }), vec![], "")
+        .await
+        .unwrap();
+    let err = watch.next().await.unwrap_err();
+    let Error::Compacted {
+        oldest_retained, ..
+    } = err
+    else {
+        panic!("{err}")
+    };
+    assert!(oldest_retained > 1, "{oldest_retained}");
+    // Resuming from the compact revision works.
+    let mut watch = client
+        .watch(
+            Some(pb::Revision {
+                index: oldest_retained,
+                sub: 0,
+            }),
+            vec![],
+            "",
+        )
+        .await
+        .unwrap();
+    assert!(!watch.next().await.unwrap().is_empty());
+    cluster.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn history_answers_who_held_a_lock_across_snapshot_and_restart() {
+    let mut cluster = Cluster::start(3).await;
+    let client = cluster.client();
+    let key = lock("node-7");
+    let a = client
+        .acquire(&key, &pod("alice"), vec![], Duration::ZERO, 0)
+        .await
+        .unwrap();
+    client
+        .release(&key, "alice", a.token, Outcome::Allocated)
+        .await
+        .unwrap();
+    client
+        .acquire(&key, &pod("bob"), vec![], Duration::ZERO, 0)
+        .await
+        .unwrap();
+    client
+        .force_release(&key, "ops", "stuck after reboot")
+        .await
+        .unwrap();
+    client
+        .acquire(&key, &pod("carol"), vec![], Duration::ZERO, 0)
+        .await
+        .unwrap();
+    client.revoke_pod("carol", "pod deleted").await.unwrap();
+    client.snapshot().await.unwrap();
+    for id in [1, 2, 3] {
+        cluster.stop(id).await;
+    }
+    for id in [1, 2, 3] {
+        cluster.restart(id).await;
+    }
+    cluster.wait_leader().await;
+    let client = cluster.client();
+    let history = client.history("lock/gpu-bind/node-7", 0, 0).await.unwrap();
+    let story: Vec<(String, String, String)> = history
+        .events
+        .iter()
+        .map(|e| {
+            (
+                e.kind.clone(),
+                e.pod.clone().unwrap_or_default().uid,
+                e.reason.clone(),
+            )
+        })
+        .collect();
+    let expected = [
+        ("LockGranted", "alice", ""),
+        ("LockReleased", "alice", "released (Allocated)"),
+        ("LockGranted", "bob", ""),
+        (
+            "LockReleased",
+            "bob",
+            "force-released by ops: stuck after reboot",
+        ),
+        ("LockGranted", "carol", ""),
+        ("LockReleased", "carol", "pod revoked: pod deleted"),
+    ];
+    let expected: Vec<(String, String, String)> = expected
+        .iter()
+        .map(|(a, b, c)| (a.to_string(), b.to_string(), c.to_string()))
+        .collect();
+    assert_eq!(story, expected);
+    cluster.shutdown().await;
+}
