@@ -25,10 +25,12 @@
 //! - `client.rs` — [`Client`]: leader following, retries, every API call.
 //! - `error.rs` — [`Error`]: what the caller should do about a failure.
 //! - `watch.rs` — [`Watcher`]: a watch that resumes from its last revision.
+//! - `selector.rs` — parsing of label selectors, affinity terms, pin keys.
 //! - `bin/lockctl.rs` — the admin CLI.
 
 mod client;
 mod error;
+pub mod selector;
 mod watch;
 
 pub use client::{AcquireProgress, Client, InFlight, Options, parse_lock_key};

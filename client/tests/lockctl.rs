@@ -172,3 +172,119 @@ async fn lockctl_walkthrough_prints_tokens_and_uses_documented_exit_codes() {
 
     node.stop().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn lockctl_pins_nodes_watch_and_history() {
+    let dir = tempfile::tempdir().unwrap();
+    let node = start_replica(dir.path()).await;
+    let ep = node.addr().to_string();
+    for (name, zone) in [("node-1", "a"), ("node-2", "b")] {
+        let out = lockctl(
+            &ep,
+            &[
+                "node",
+                "report",
+                name,
+                "--state",
+                "ready",
+                "--label",
+                &format!("zone={zone}"),
+            ],
+        )
+        .await;
+        assert!(out.status.success(), "{out:?}");
+    }
+    let out = lockctl(&ep, &["-o", "json", "node", "list"]).await;
+    let nodes: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(nodes.as_array().unwrap().len(), 2);
+
+    let assign = |member: &'static str| {
+        let ep = ep.clone();
+        async move {
+            lockctl(
+                &ep,
+                &[
+                    "pin",
+                    "assign",
+                    &format!("slurm/set-a/{member}"),
+                    "--candidates",
+                    "node-1,node-2",
+                    "--pod-uid",
+                    &format!("pod-{member}"),
+                    "--label",
+                    "app=db",
+                    "--require-anti",
+                    "app=db@zone",
+                ],
+            )
+            .await
+        }
+    };
+    assert_eq!(stdout(&assign("0").await), "slurm/set-a/0 -> node-1");
+    assert_eq!(stdout(&assign("1").await), "slurm/set-a/1 -> node-2");
+    let out = assign("2").await;
+    assert_eq!(out.status.code(), Some(5), "no candidate fits: exit 5");
+    assert!(String::from_utf8_lossy(&out.stderr).contains("required anti-affinity"));
+
+    let out = lockctl(&ep, &["-o", "json", "pin", "get", "slurm/set-a/0"]).await;
+    let pin: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(pin["node"], "node-1");
+    let out = lockctl(&ep, &["lease", "report-pod", "pod-0", "--state", "running"]).await;
+    assert!(out.status.success(), "{out:?}");
+    let out = lockctl(&ep, &["node", "report", "node-1", "--state", "gone"]).await;
+    assert!(stdout(&out).contains("1 pins"), "{}", stdout(&out));
+    let out = lockctl(&ep, &["pin", "get", "slurm/set-a/0"]).await;
+    assert_eq!(out.status.code(), Some(3), "gone with its node: exit 3");
+    let out = lockctl(&ep, &["pin", "list", "--set", "slurm/set-a"]).await;
+    assert!(
+        stdout(&out).contains("slurm/set-a/1") && !stdout(&out).contains("slurm/set-a/0 "),
+        "{}",
+        stdout(&out)
+    );
+
+    let out = lockctl(&ep, &["history", "node/node-1"]).await;
+    let lines: Vec<String> = stdout(&out).lines().map(str::to_string).collect();
+    assert!(
+        lines.iter().any(|l| l.contains("NodeJoined node/node-1")),
+        "{lines:?}"
+    );
+    assert!(
+        lines.last().unwrap().contains("NodeGone node/node-1"),
+        "{lines:?}"
+    );
+
+    // `watch` is a live tail: read its first lines, then stop it.
+    let mut child = std::process::Command::new(env!("CARGO_BIN_EXE_lockctl"))
+        .args([
+            "--endpoints",
+            &ep,
+            "watch",
+            "--from",
+            "1",
+            "--prefix",
+            "pin/",
+        ])
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let stdout_pipe = child.stdout.take().unwrap();
+    let first = tokio::task::spawn_blocking(move || {
+        use std::io::BufRead;
+        std::io::BufReader::new(stdout_pipe)
+            .lines()
+            .next()
+            .unwrap()
+            .unwrap()
+    });
+    let first = tokio::time::timeout(Duration::from_secs(60), first)
+        .await
+        .unwrap()
+        .unwrap();
+    child.kill().unwrap();
+    child.wait().unwrap();
+    assert!(
+        first.contains("PinAssigned pin/slurm/set-a/0 node=node-1"),
+        "{first}"
+    );
+    node.stop().await;
+}

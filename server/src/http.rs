@@ -166,6 +166,36 @@ fn metrics(ctx: &Ctx) -> String {
             "Clients in the dedupe table.",
             applied.state.sessions.len() as u64,
         );
+        let stuck = applied
+            .state
+            .locks
+            .values()
+            .filter(|l| l.holder.as_ref().is_some_and(|h| h.token == l.stuck_token))
+            .count() as u64;
+        gauge(
+            &mut out,
+            "tether_locks_stuck",
+            "Holds past their timeout whose pod has not started (kept, not handed over).",
+            stuck,
+        );
+        gauge(
+            &mut out,
+            "tether_pins",
+            "Pod-to-node pins.",
+            applied.state.pins.len() as u64,
+        );
+        let live = applied
+            .state
+            .nodes
+            .values()
+            .filter(|n| n.gone_at_ms.is_none())
+            .count() as u64;
+        gauge(
+            &mut out,
+            "tether_nodes",
+            "Live nodes in the registry.",
+            live,
+        );
     }
     ctx.metrics.render(&mut out);
     out

@@ -1,9 +1,10 @@
 //! `lockctl`: operate a Tether cluster from the shell.
 //!
 //! Exit codes: 0 success; 1 other error; 2 invalid arguments; 3 refused by
-//! the lock rules (held, not the holder, stale token, unknown lease, wait
-//! aborted); 4 a wait's deadline passed; 5 no replica could serve (no leader,
-//! unreachable) — for a write the outcome is then unknown.
+//! the lock rules (held, not the holder, stale token, unknown lease, no such
+//! pin, wait aborted); 4 a wait's deadline passed; 5 no replica could serve
+//! (no leader, unreachable; for a write the outcome is then unknown) or no
+//! candidate node fits a pin; 6 a watch revision was compacted.
 
 use std::io::Write;
 use std::process::ExitCode;
@@ -12,6 +13,7 @@ use std::time::Duration;
 use clap::{Parser, Subcommand, ValueEnum};
 use serde_json::{Value, json};
 use tether_client::proto::{self as pb, Outcome};
+use tether_client::selector::{parse_label, parse_pin_key, parse_term, parse_weighted_term};
 use tether_client::{AcquireProgress, Client, Error, Options, parse_lock_key};
 
 #[derive(Parser)]
@@ -41,8 +43,9 @@ struct Cli {
 }
 
 const EXIT_CODES: &str = "Exit codes: 0 ok, 1 other error, 2 invalid arguments, 3 refused by the lock \
-rules (held, not the holder, stale token, unknown lease), 4 wait deadline passed, 5 no replica \
-could serve (for a write the outcome is unknown)";
+rules (held, not the holder, stale token, unknown lease, no such pin), 4 wait deadline passed, 5 no \
+replica could serve or no candidate fits (for a write the outcome is unknown), 6 watch revision \
+compacted";
 
 #[derive(Clone, Copy, ValueEnum, PartialEq)]
 enum Format {
@@ -61,6 +64,135 @@ enum Command {
     /// Pod leases and TTL leases.
     #[command(subcommand)]
     Lease(LeaseCmd),
+    /// Pod-to-node pins.
+    #[command(subcommand)]
+    Pin(PinCmd),
+    /// The node registry.
+    #[command(subcommand)]
+    Node(NodeCmd),
+    /// Follow the event stream live.
+    Watch {
+        /// First revision (log index) to show; default: from now on.
+        #[arg(long)]
+        from: Option<u64>,
+        /// Only these kinds (e.g. NodeJoined, LockGranted); repeatable.
+        #[arg(long = "kind")]
+        kinds: Vec<String>,
+        /// Only keys with this prefix (e.g. node/, lock/gpu-bind/).
+        #[arg(long, default_value = "")]
+        prefix: String,
+    },
+    /// Retained events of one key: lock/<scope>/<name>, pin/<set>/<member>,
+    /// node/<name>.
+    History {
+        /// The key, e.g. lock/gpu-bind/node-7.
+        key: String,
+        /// Only events newer than this (e.g. 24h).
+        #[arg(long, value_parser = humantime::parse_duration)]
+        since: Option<Duration>,
+        /// At most this many events.
+        #[arg(long, default_value_t = 1000)]
+        limit: u32,
+    },
+}
+
+#[derive(Subcommand)]
+enum PinCmd {
+    /// Pin SET/MEMBER to a node (or show its existing pin).
+    Assign {
+        /// SET/MEMBER, e.g. slurm/nodeset-a/3 (the member is the last segment).
+        pin: String,
+        /// Candidate nodes in order of preference, comma-separated.
+        #[arg(long, value_delimiter = ',', required = true)]
+        candidates: Vec<String>,
+        /// The owning pod's UID.
+        #[arg(long, default_value = "")]
+        pod_uid: String,
+        /// How long the pin outlives its stopped pod (0 = permanent).
+        #[arg(long, default_value = "0s", value_parser = humantime::parse_duration)]
+        lifetime: Duration,
+        /// Pin label KEY=VALUE; repeatable.
+        #[arg(long = "label")]
+        labels: Vec<String>,
+        /// Required affinity SELECTOR@TOPOLOGY; repeatable.
+        #[arg(long = "require")]
+        require: Vec<String>,
+        /// Required anti-affinity SELECTOR@TOPOLOGY; repeatable.
+        #[arg(long = "require-anti")]
+        require_anti: Vec<String>,
+        /// Preferred affinity SELECTOR@TOPOLOGY:WEIGHT; repeatable.
+        #[arg(long = "prefer")]
+        prefer: Vec<String>,
+        /// Preferred anti-affinity SELECTOR@TOPOLOGY:WEIGHT; repeatable.
+        #[arg(long = "prefer-anti")]
+        prefer_anti: Vec<String>,
+    },
+    /// Release a pin.
+    Release {
+        /// SET/MEMBER.
+        pin: String,
+        /// Why.
+        #[arg(long, default_value = "released with lockctl")]
+        reason: String,
+    },
+    /// Show one pin (linearizable).
+    Get {
+        /// SET/MEMBER.
+        pin: String,
+    },
+    /// List pins of a set and/or on a node.
+    List {
+        /// Only this set.
+        #[arg(long, default_value = "")]
+        set: String,
+        /// Only pins on this node.
+        #[arg(long, default_value = "")]
+        node: String,
+    },
+}
+
+#[derive(Clone, Copy, ValueEnum)]
+enum NodeStateArg {
+    Joined,
+    Ready,
+    NotReady,
+    Gone,
+}
+
+#[derive(Clone, Copy, ValueEnum)]
+enum PodStateArg {
+    /// Alive, containers not started.
+    Alive,
+    Running,
+    Terminal,
+    Gone,
+}
+
+#[derive(Subcommand)]
+enum NodeCmd {
+    /// Report a node the way the bridge does.
+    Report {
+        /// Node name.
+        name: String,
+        /// What happened.
+        #[arg(long, value_enum)]
+        state: NodeStateArg,
+        /// Node label KEY=VALUE (replaces all labels when given); repeatable.
+        #[arg(long = "label")]
+        labels: Vec<String>,
+        /// Node UID.
+        #[arg(long, default_value = "")]
+        uid: String,
+        /// Mark cordoned (true) or schedulable (false).
+        #[arg(long)]
+        unschedulable: Option<bool>,
+    },
+    /// The node registry.
+    List {
+        /// Include tombstones of gone nodes.
+        #[arg(long)]
+        all: bool,
+    },
 }
 
 #[derive(Subcommand)]
@@ -173,6 +305,14 @@ enum OutcomeArg {
 
 #[derive(Subcommand)]
 enum LeaseCmd {
+    /// Report a pod's phase the way the bridge does.
+    ReportPod {
+        /// The pod UID.
+        pod_uid: String,
+        /// Its phase.
+        #[arg(long, value_enum)]
+        state: PodStateArg,
+    },
     /// Release every hold and queued wait of a pod UID.
     RevokePod {
         /// The pod UID.
@@ -527,6 +667,67 @@ async fn run(cli: Cli) -> Result<(), Error> {
                 _ = tokio::signal::ctrl_c() => return Ok(()),
             }
         },
+        Command::Lease(LeaseCmd::ReportPod { pod_uid, state }) => {
+            let phase = match state {
+                PodStateArg::Alive => pb::PodPhase::PodStarting,
+                PodStateArg::Running => pb::PodPhase::PodRunning,
+                PodStateArg::Terminal => pb::PodPhase::PodTerminal,
+                PodStateArg::Gone => pb::PodPhase::PodGone,
+            };
+            let reply = client.report_pod(&pod_uid, phase).await?;
+            out.print(
+                json!({"released": reply.released.len(), "dequeued": reply.dequeued.len()}),
+                || {
+                    format!(
+                        "pod {pod_uid} reported; {} holds released, {} waits dropped",
+                        reply.released.len(),
+                        reply.dequeued.len()
+                    )
+                },
+            );
+        }
+        Command::Pin(cmd) => pin_command(&client, &out, cmd).await?,
+        Command::Node(cmd) => node_command(&client, &out, cmd).await?,
+        Command::Watch {
+            from,
+            kinds,
+            prefix,
+        } => {
+            let start = from.map(|index| pb::Revision { index, sub: 0 });
+            let mut watch = client.watch(start, kinds, &prefix).await?;
+            loop {
+                let batch = tokio::select! {
+                    batch = watch.next() => batch?,
+                    _ = tokio::signal::ctrl_c() => return Ok(()),
+                };
+                for event in batch {
+                    out.print(event_json(&event), || event_line(&event));
+                }
+            }
+        }
+        Command::History { key, since, limit } => {
+            let since_ms = since.map_or(0, |d| {
+                let now = std::time::SystemTime::now()
+                    .duration_since(std::time::UNIX_EPOCH)
+                    .unwrap_or_default();
+                now.saturating_sub(d).as_millis() as u64
+            });
+            let reply = client.history(&key, since_ms, limit).await?;
+            let oldest = reply.oldest_retained.map_or(0, |r| r.index);
+            out.print(
+                json!({"events": reply.events.iter().map(event_json).collect::<Vec<_>>(), "oldest_retained": oldest}),
+                || {
+                    let mut text: String = reply.events.iter().map(|e| event_line(e) + "\n").collect();
+                    if reply.events.is_empty() {
+                        text.push_str(&format!("no events for {key}"));
+                    }
+                    if oldest > 0 {
+                        text.push_str(&format!("(history before log index {oldest} is no longer retained)\n"));
+                    }
+                    text
+                },
+            );
+        }
         Command::Lease(LeaseCmd::Revoke { lease_id }) => {
             let reply = client.revoke_lease(lease_id).await?;
             out.print(
@@ -539,6 +740,241 @@ async fn run(cli: Cli) -> Result<(), Error> {
                     )
                 },
             );
+        }
+    }
+    Ok(())
+}
+
+fn labels_map(labels: &[String]) -> Result<std::collections::HashMap<String, String>, Error> {
+    labels.iter().map(|l| parse_label(l)).collect()
+}
+
+fn pin_json(pin: &pb::Pin) -> Value {
+    let key = pin.key.clone().unwrap_or_default();
+    let owner = pb::OwnerState::try_from(pin.owner)
+        .map(|o| o.as_str_name())
+        .unwrap_or("OWNER_UNKNOWN");
+    json!({
+        "pin": format!("{}/{}", key.set, key.member), "node": pin.node, "pod_uid": pin.pod_uid,
+        "pinned_at_ms": pin.pinned_at_ms, "lifetime_ms": pin.lifetime_ms,
+        "last_running_at_ms": pin.last_running_at_ms, "owner": owner, "labels": pin.labels,
+    })
+}
+
+fn pin_table(pins: &[pb::Pin]) -> String {
+    let mut text = format!(
+        "{:<36} {:<28} {:<38} {:>10} {}\n",
+        "PIN", "NODE", "POD", "LIFETIME", "OWNER"
+    );
+    for pin in pins {
+        let key = pin.key.clone().unwrap_or_default();
+        let lifetime = if pin.lifetime_ms == 0 {
+            "permanent".to_string()
+        } else {
+            humantime::format_duration(Duration::from_millis(pin.lifetime_ms)).to_string()
+        };
+        let owner = pb::OwnerState::try_from(pin.owner)
+            .map(|o| o.as_str_name())
+            .unwrap_or("OWNER_UNKNOWN");
+        text.push_str(&format!(
+            "{:<36} {:<28} {:<38} {:>10} {}\n",
+            format!("{}/{}", key.set, key.member),
+            pin.node,
+            if pin.pod_uid.is_empty() {
+                "-"
+            } else {
+                &pin.pod_uid
+            },
+            lifetime,
+            owner.trim_start_matches("OWNER_").to_lowercase()
+        ));
+    }
+    text
+}
+
+fn event_json(event: &pb::Event) -> Value {
+    let rev = event.revision.unwrap_or_default();
+    json!({
+        "revision": format!("{}.{}", rev.index, rev.sub), "time_ms": event.time_ms, "kind": event.kind,
+        "key": event.key, "pod": event.pod.as_ref().map(|p| pod_json(&Some(p.clone()))), "token": event.token,
+        "reason": event.reason, "node": event.node, "attributes": event.attributes,
+    })
+}
+
+fn event_line(event: &pb::Event) -> String {
+    let rev = event.revision.unwrap_or_default();
+    let mut line = format!("{}.{} {} {}", rev.index, rev.sub, event.kind, event.key);
+    if event.pod.is_some() {
+        line.push_str(&format!(" pod={}", pod_label(&event.pod)));
+    }
+    if event.token > 0 {
+        line.push_str(&format!(" token={}", event.token));
+    }
+    if !event.node.is_empty() && !event.key.starts_with("node/") {
+        line.push_str(&format!(" node={}", event.node));
+    }
+    if !event.reason.is_empty() {
+        line.push_str(&format!(" reason=\"{}\"", event.reason));
+    }
+    let mut attributes: Vec<_> = event.attributes.iter().collect();
+    attributes.sort();
+    for (k, v) in attributes {
+        line.push_str(&format!(" {k}={v}"));
+    }
+    line
+}
+
+async fn pin_command(client: &Client, out: &Out, cmd: PinCmd) -> Result<(), Error> {
+    match cmd {
+        PinCmd::Assign {
+            pin,
+            candidates,
+            pod_uid,
+            lifetime,
+            labels,
+            require,
+            require_anti,
+            prefer,
+            prefer_anti,
+        } => {
+            let key = parse_pin_key(&pin)?;
+            let affinity = pb::Affinity {
+                required: require
+                    .iter()
+                    .map(|t| parse_term(t))
+                    .collect::<Result<_, _>>()?,
+                required_anti: require_anti
+                    .iter()
+                    .map(|t| parse_term(t))
+                    .collect::<Result<_, _>>()?,
+                preferred: prefer
+                    .iter()
+                    .map(|t| parse_weighted_term(t))
+                    .collect::<Result<_, _>>()?,
+                preferred_anti: prefer_anti
+                    .iter()
+                    .map(|t| parse_weighted_term(t))
+                    .collect::<Result<_, _>>()?,
+            };
+            let reply = client
+                .assign(
+                    &key,
+                    candidates,
+                    &pod_uid,
+                    lifetime,
+                    labels_map(&labels)?,
+                    affinity,
+                )
+                .await?;
+            let pinned = reply.pin.unwrap_or_default();
+            let mut value = pin_json(&pinned);
+            value["created"] = json!(reply.created);
+            out.print(value, || {
+                format!(
+                    "{pin} -> {}{}",
+                    pinned.node,
+                    if reply.created { "" } else { " (existing pin)" }
+                )
+            });
+        }
+        PinCmd::Release { pin, reason } => {
+            let key = parse_pin_key(&pin)?;
+            let released = client.release_pin(&key, &reason).await?;
+            out.print(
+                json!({"released": released.as_ref().map(pin_json)}),
+                || match &released {
+                    Some(p) => format!("released {pin} (was on {})", p.node),
+                    None => format!("{pin} was not pinned"),
+                },
+            );
+        }
+        PinCmd::Get { pin } => {
+            let key = parse_pin_key(&pin)?;
+            match client.get_pin(&key).await? {
+                Some(p) => out.print(pin_json(&p), || pin_table(std::slice::from_ref(&p))),
+                None => return Err(Error::NotFound(format!("{pin} is not pinned"))),
+            }
+        }
+        PinCmd::List { set, node } => {
+            let pins = client.list_pins(&set, &node).await?;
+            out.print(Value::Array(pins.iter().map(pin_json).collect()), || {
+                pin_table(&pins)
+            });
+        }
+    }
+    Ok(())
+}
+
+async fn node_command(client: &Client, out: &Out, cmd: NodeCmd) -> Result<(), Error> {
+    match cmd {
+        NodeCmd::Report {
+            name,
+            state,
+            labels,
+            uid,
+            unschedulable,
+        } => {
+            let state = match state {
+                NodeStateArg::Joined => pb::NodeState::NodeJoined,
+                NodeStateArg::Ready => pb::NodeState::NodeReady,
+                NodeStateArg::NotReady => pb::NodeState::NodeNotReady,
+                NodeStateArg::Gone => pb::NodeState::NodeGone,
+            };
+            let request = pb::ReportNodeRequest {
+                name: name.clone(),
+                uid,
+                state: state as i32,
+                set_labels: !labels.is_empty(),
+                labels: labels_map(&labels)?,
+                unschedulable,
+                ..Default::default()
+            };
+            let reply = client.report_node(request).await?;
+            out.print(
+                json!({"changed": reply.changed, "pins_released": reply.pins_released, "locks_released": reply.locks_released}),
+                || match (reply.changed, reply.pins_released + reply.locks_released) {
+                    (false, _) => format!("node {name}: no change"),
+                    (true, 0) => format!("node {name} reported"),
+                    (true, _) => format!(
+                        "node {name} gone: {} pins and {} locks released",
+                        reply.pins_released, reply.locks_released
+                    ),
+                },
+            );
+        }
+        NodeCmd::List { all } => {
+            let nodes = client.list_nodes(all).await?;
+            let rows: Vec<Value> = nodes
+                .iter()
+                .map(|n| json!({"name": n.name, "uid": n.uid, "ready": n.ready, "unschedulable": n.unschedulable, "labels": n.labels, "gone_at_ms": n.gone_at_ms}))
+                .collect();
+            out.print(Value::Array(rows), || {
+                let mut text = format!(
+                    "{:<28} {:<10} {:<14} {}\n",
+                    "NODE", "READY", "SCHEDULABLE", "LABELS"
+                );
+                for n in &nodes {
+                    let mut labels: Vec<String> =
+                        n.labels.iter().map(|(k, v)| format!("{k}={v}")).collect();
+                    labels.sort();
+                    let ready = if n.gone_at_ms > 0 {
+                        "gone"
+                    } else if n.ready {
+                        "yes"
+                    } else {
+                        "no"
+                    };
+                    let schedulable = if n.unschedulable { "cordoned" } else { "yes" };
+                    text.push_str(&format!(
+                        "{:<28} {:<10} {:<14} {}\n",
+                        n.name,
+                        ready,
+                        schedulable,
+                        labels.join(",")
+                    ));
+                }
+                text
+            });
         }
     }
     Ok(())
