@@ -95,6 +95,11 @@ pub struct Config {
     )]
     pub event_retention_entries: u64,
 
+    /// Events older than this (committed time) are deleted when a snapshot
+    /// is built; `0s` keeps them regardless of age.
+    #[arg(long, env = "TETHER_EVENT_RETENTION_AGE", default_value = "7d", value_parser = humantime::parse_duration)]
+    pub event_retention_age: Duration,
+
     /// How long a gone node is remembered (so a late assignment cannot pin to
     /// it) before its tombstone is dropped.
     #[arg(long, env = "TETHER_NODE_TOMBSTONE", default_value = "24h", value_parser = humantime::parse_duration)]

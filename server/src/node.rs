@@ -85,7 +85,10 @@ impl Node {
         let (db, log_store, mut sm_store) = store::open(&config.data_dir)
             .await
             .with_context(|| format!("cannot open the store in {}", config.data_dir.display()))?;
-        sm_store.set_event_retention(config.event_retention_entries);
+        sm_store.set_event_retention(store::EventRetention {
+            entries: config.event_retention_entries,
+            age_ms: config.event_retention_age.as_millis() as u64,
+        });
         let state = sm_store.handle();
 
         let election_ms = config.election_timeout.as_millis() as u64;

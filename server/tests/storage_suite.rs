@@ -27,7 +27,7 @@ mod store_behaviour {
     use tether_server::raft::Entry;
     use tether_server::sm::command::Acquire;
     use tether_server::sm::{Command, EventKind, LockKey, Pod, Request, Revision};
-    use tether_server::store::{self, read_events};
+    use tether_server::store::{self, EventRetention, read_events};
 
     fn acquire_entry(index: u64) -> Entry {
         let command = Command::Acquire(Acquire {
@@ -67,11 +67,66 @@ mod store_behaviour {
         assert_eq!(events.len(), 20);
         assert!(matches!(&events[0].kind, EventKind::LockGranted { hold, .. } if hold.token == 1));
 
-        sm.set_event_retention(5);
+        sm.set_event_retention(EventRetention {
+            entries: 5,
+            age_ms: 0,
+        });
         let mut builder = sm.get_snapshot_builder().await;
         builder.build_snapshot().await.unwrap();
         let events = read_events(&db, Revision { index: 0, sub: 0 }, 100).unwrap();
         let indexes: Vec<u64> = events.iter().map(|e| e.revision.index).collect();
         assert_eq!(indexes, (15..=20).collect::<Vec<_>>());
+    }
+}
+
+mod age_retention {
+    use openraft::storage::RaftStateMachine;
+    use openraft::{CommittedLeaderId, EntryPayload, LogId, RaftSnapshotBuilder};
+    use tether_server::raft::Entry;
+    use tether_server::sm::command::Acquire;
+    use tether_server::sm::{Command, LockKey, Pod, Request, Revision};
+    use tether_server::store::{self, EventRetention, events_first_index, read_events};
+
+    #[tokio::test]
+    async fn events_older_than_the_retention_age_are_deleted_at_snapshot() {
+        let dir = tempfile::tempdir().unwrap();
+        let (db, _log, mut sm) = store::open(dir.path()).await.unwrap();
+        // Entry i is stamped at i seconds.
+        let entries = (1..=10u64).map(|index| {
+            let command = Command::Acquire(Acquire {
+                key: LockKey::new("gpu-bind", format!("n{index}")),
+                pod: Pod {
+                    uid: format!("u{index}"),
+                    ..Default::default()
+                },
+                payload: vec![],
+                wait_ms: 0,
+                lease_id: 0,
+                client_id: "c".into(),
+                queue_limit: 10,
+            });
+            Entry {
+                log_id: LogId::new(CommittedLeaderId::new(1, 1), index),
+                payload: EntryPayload::Normal(Request::new(None, index * 1000, command)),
+            }
+        });
+        sm.apply(entries).await.unwrap();
+        // Keep 3.5 s of history at committed time 10 s: entries 7..=10.
+        sm.set_event_retention(EventRetention {
+            entries: 1_000,
+            age_ms: 3_500,
+        });
+        sm.get_snapshot_builder()
+            .await
+            .build_snapshot()
+            .await
+            .unwrap();
+        let kept: Vec<u64> = read_events(&db, Revision { index: 0, sub: 0 }, 100)
+            .unwrap()
+            .iter()
+            .map(|e| e.revision.index)
+            .collect();
+        assert_eq!(kept, vec![7, 8, 9, 10]);
+        assert_eq!(events_first_index(&db).unwrap(), 7);
     }
 }

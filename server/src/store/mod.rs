@@ -33,7 +33,7 @@ use serde::de::DeserializeOwned;
 pub use log_store::LogStore;
 pub use log_store::decode_entry;
 pub use state_machine::{
-    SnapshotFile, StateHandle, StateMachineStore, events_first_index, read_events,
+    EventRetention, SnapshotFile, StateHandle, StateMachineStore, events_first_index, read_events,
 };
 
 use crate::raft::StorageError;

@@ -103,11 +103,55 @@ struct StoredSnapshot {
 pub struct StateMachineStore {
     db: Arc<DB>,
     handle: StateHandle,
-    event_retention_entries: u64,
+    retention: EventRetention,
 }
 
-/// Events of this many most recent log entries are kept by default.
-pub const DEFAULT_EVENT_RETENTION_ENTRIES: u64 = 1_000_000;
+/// How long events (the audit trail behind watch and history) are kept.
+/// Enforced when a snapshot is built.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct EventRetention {
+    /// Keep the events of this many most recent log entries.
+    pub entries: u64,
+    /// Keep events younger than this on committed time (0 = no age limit).
+    pub age_ms: u64,
+}
+
+impl Default for EventRetention {
+    fn default() -> Self {
+        Self {
+            entries: 1_000_000,
+            age_ms: 7 * 24 * 3600 * 1000,
+        }
+    }
+}
+
+impl EventRetention {
+    /// The first log index whose events are kept, at applied index `applied`
+    /// and committed time `now_ms`. Committed time only grows along the log,
+    /// so the age cut is the first event young enough.
+    fn first_kept(&self, db: &DB, applied: u64, now_ms: u64) -> Result<u64, StorageError> {
+        let mut first = applied.saturating_sub(self.entries);
+        if self.age_ms > 0 && now_ms > self.age_ms {
+            let cutoff = now_ms - self.age_ms;
+            let start = keys::event_key(sm::Revision {
+                index: first,
+                sub: 0,
+            });
+            let mode = IteratorMode::From(&start, rocksdb::Direction::Forward);
+            let mut young = None;
+            for item in db.iterator_cf(cf(db, CF_EVENTS), mode) {
+                let (_, value) = item.map_err(sm_read_err)?;
+                let event: Event = decode(&value).map_err(sm_read_err)?;
+                if event.time_ms >= cutoff {
+                    young = Some(event.revision.index);
+                    break;
+                }
+            }
+            first = first.max(young.unwrap_or(applied + 1));
+        }
+        Ok(first)
+    }
+}
 
 fn cf<'a>(db: &'a DB, name: &str) -> &'a rocksdb::ColumnFamily {
     db.cf_handle(name)
@@ -190,7 +234,7 @@ impl StateMachineStore {
                 inner: Arc::new(RwLock::new(applied)),
                 events,
             },
-            event_retention_entries: DEFAULT_EVENT_RETENTION_ENTRIES,
+            retention: EventRetention::default(),
         };
 
         // A snapshot newer than the persisted state cannot normally exist (the
@@ -205,10 +249,9 @@ impl StateMachineStore {
         Ok(store)
     }
 
-    /// Keeps the events of only the last `entries` log entries; older ones
-    /// are deleted each time a snapshot is built.
-    pub fn set_event_retention(&mut self, entries: u64) {
-        self.event_retention_entries = entries;
+    /// Sets how long events are kept; applied each time a snapshot is built.
+    pub fn set_event_retention(&mut self, retention: EventRetention) {
+        self.retention = retention;
     }
 
     /// The shared read handle.
@@ -307,12 +350,12 @@ fn write_state(batch: &mut WriteBatch, db: &DB, state: &State, dirty: Option<&Di
 pub struct SnapshotBuilder {
     db: Arc<DB>,
     handle: StateHandle,
-    event_retention_entries: u64,
+    retention: EventRetention,
 }
 
 impl RaftSnapshotBuilder<TypeConfig> for SnapshotBuilder {
     async fn build_snapshot(&mut self) -> Result<Snapshot<TypeConfig>, StorageError> {
-        let (data, last_applied, membership) = {
+        let (data, last_applied, membership, now_ms) = {
             let applied = self.handle.read();
             let file = SnapshotFile {
                 format_version: FORMAT_VERSION,
@@ -324,6 +367,7 @@ impl RaftSnapshotBuilder<TypeConfig> for SnapshotBuilder {
                 encode(&file),
                 applied.last_applied,
                 applied.membership.clone(),
+                applied.state.now_ms,
             )
         };
         let snapshot_id = match last_applied {
@@ -345,8 +389,9 @@ impl RaftSnapshotBuilder<TypeConfig> for SnapshotBuilder {
         // Snapshots are the moment of housekeeping: events older than the
         // retention window are deleted (history beyond it is not kept).
         let applied = last_applied.map_or(0, |l| l.index);
-        if applied > self.event_retention_entries {
-            compact_events(&self.db, applied - self.event_retention_entries)?;
+        let first_kept = self.retention.first_kept(&self.db, applied, now_ms)?;
+        if first_kept > events_first_index(&self.db)? {
+            compact_events(&self.db, first_kept)?;
         }
         Ok(Snapshot {
             meta,
@@ -424,7 +469,7 @@ impl RaftStateMachine<TypeConfig> for StateMachineStore {
         SnapshotBuilder {
             db: self.db.clone(),
             handle: self.handle.clone(),
-            event_retention_entries: self.event_retention_entries,
+            retention: self.retention,
         }
     }
 
