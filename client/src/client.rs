@@ -4,8 +4,8 @@
 use std::collections::{BTreeSet, HashMap};
 use std::future::Future;
 use std::hash::{BuildHasher, Hasher};
-use std::sync::Mutex;
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use tether_proto as pb;
@@ -21,6 +21,7 @@ use tonic::Status;
 use tonic::transport::{Channel, Endpoint};
 
 use crate::error::{Error, Result};
+use crate::hold::Held;
 use crate::watch::Watcher;
 
 /// Client settings.
@@ -45,9 +46,15 @@ impl Default for Options {
     }
 }
 
-/// A connection to a Tether cluster. Cheap to share (`Arc`), safe to use
-/// from many tasks at once.
+/// A connection to a Tether cluster. Clones share connections and the
+/// request-id sequence; safe to use from many tasks at once.
+#[derive(Clone)]
 pub struct Client {
+    shared: Arc<Shared>,
+}
+
+/// What clones of one [`Client`] share.
+struct Shared {
     endpoints: Vec<String>,
     options: Options,
     client_id: String,
@@ -68,6 +75,7 @@ pub struct InFlight<'a> {
 impl Drop for InFlight<'_> {
     fn drop(&mut self) {
         self.client
+            .shared
             .in_flight
             .lock()
             .unwrap_or_else(|p| p.into_inner())
@@ -142,7 +150,7 @@ impl Client {
             return Err(Error::InvalidArgument("no endpoints given".into()));
         }
         let client_id = options.client_id.clone().unwrap_or_else(random_client_id);
-        Ok(Self {
+        let shared = Shared {
             preferred: Mutex::new(endpoints[0].clone()),
             endpoints,
             options,
@@ -150,12 +158,15 @@ impl Client {
             sequence: AtomicU64::new(0),
             channels: Mutex::new(HashMap::new()),
             in_flight: Mutex::new(BTreeSet::new()),
+        };
+        Ok(Self {
+            shared: Arc::new(shared),
         })
     }
 
     /// This client's id in request ids.
     pub fn client_id(&self) -> &str {
-        &self.client_id
+        &self.shared.client_id
     }
 
     /// A fresh request id for one logical request (its retries reuse it),
@@ -163,12 +174,16 @@ impl Client {
     /// carries the lowest sequence still in flight, so the server forgets the
     /// answers this client has already seen.
     pub fn begin_request(&self) -> (pb::RequestId, InFlight<'_>) {
-        let mut in_flight = self.in_flight.lock().unwrap_or_else(|p| p.into_inner());
-        let sequence = self.sequence.fetch_add(1, Ordering::Relaxed) + 1;
+        let mut in_flight = self
+            .shared
+            .in_flight
+            .lock()
+            .unwrap_or_else(|p| p.into_inner());
+        let sequence = self.shared.sequence.fetch_add(1, Ordering::Relaxed) + 1;
         in_flight.insert(sequence);
         let first_incomplete = in_flight.first().copied().unwrap_or(sequence);
         let id = pb::RequestId {
-            client_id: self.client_id.clone(),
+            client_id: self.shared.client_id.clone(),
             sequence,
             first_incomplete,
         };
@@ -182,7 +197,11 @@ impl Client {
     }
 
     fn channel(&self, addr: &str) -> Result<Channel> {
-        let mut channels = self.channels.lock().unwrap_or_else(|p| p.into_inner());
+        let mut channels = self
+            .shared
+            .channels
+            .lock()
+            .unwrap_or_else(|p| p.into_inner());
         if let Some(channel) = channels.get(addr) {
             return Ok(channel.clone());
         }
@@ -201,21 +220,26 @@ impl Client {
     }
 
     fn preferred(&self) -> String {
-        self.preferred
+        self.shared
+            .preferred
             .lock()
             .unwrap_or_else(|p| p.into_inner())
             .clone()
     }
 
     fn prefer(&self, addr: String) {
-        *self.preferred.lock().unwrap_or_else(|p| p.into_inner()) = addr;
+        *self
+            .shared
+            .preferred
+            .lock()
+            .unwrap_or_else(|p| p.into_inner()) = addr;
     }
 
     /// Moves to the next endpoint after `failed`.
     fn rotate(&self, failed: &str) {
-        let next = match self.endpoints.iter().position(|e| e == failed) {
-            Some(i) => self.endpoints[(i + 1) % self.endpoints.len()].clone(),
-            None => self.endpoints[0].clone(),
+        let next = match self.shared.endpoints.iter().position(|e| e == failed) {
+            Some(i) => self.shared.endpoints[(i + 1) % self.shared.endpoints.len()].clone(),
+            None => self.shared.endpoints[0].clone(),
         };
         self.prefer(next);
     }
@@ -229,14 +253,17 @@ impl Client {
         F: Fn(Channel) -> Fut,
         Fut: Future<Output = std::result::Result<T, Status>>,
     {
-        let give_up = Instant::now() + self.options.retry_timeout + extra_timeout;
+        let give_up = Instant::now() + self.shared.options.retry_timeout + extra_timeout;
         let mut backoff = Duration::from_millis(20);
         let mut last_error;
         loop {
             let addr = self.preferred();
             let channel = self.channel(&addr)?;
-            match tokio::time::timeout(self.options.call_timeout + extra_timeout, call(channel))
-                .await
+            match tokio::time::timeout(
+                self.shared.options.call_timeout + extra_timeout,
+                call(channel),
+            )
+            .await
             {
                 Ok(Ok(value)) => return Ok(value),
                 Ok(Err(status)) if replica_unusable(&status) => {
@@ -264,7 +291,7 @@ impl Client {
                 Err(_) => {
                     last_error = format!(
                         "{addr} did not answer within {:?}",
-                        self.options.call_timeout + extra_timeout
+                        self.shared.options.call_timeout + extra_timeout
                     );
                     self.rotate(&addr);
                 }
@@ -272,8 +299,8 @@ impl Client {
             if Instant::now() + backoff >= give_up {
                 return Err(Error::Unavailable(format!(
                     "no replica could serve the call within {:?} (tried {}); last error: {last_error}",
-                    self.options.retry_timeout + extra_timeout,
-                    self.endpoints.join(",")
+                    self.shared.options.retry_timeout + extra_timeout,
+                    self.shared.endpoints.join(",")
                 )));
             }
             tokio::time::sleep(backoff).await;
@@ -291,7 +318,7 @@ impl Client {
         payload: Vec<u8>,
         wait: Duration,
         lease_id: u64,
-    ) -> Result<pb::Hold> {
+    ) -> Result<Held> {
         self.acquire_with_progress(key, pod, payload, wait, lease_id, |_| {})
             .await
     }
@@ -305,7 +332,7 @@ impl Client {
         wait: Duration,
         lease_id: u64,
         on_progress: impl Fn(AcquireProgress),
-    ) -> Result<pb::Hold> {
+    ) -> Result<Held> {
         let (request_id, _in_flight) = self.begin_request();
         let request = pb::AcquireRequest {
             request_id: Some(request_id),
@@ -341,6 +368,7 @@ impl Client {
             }
         })
         .await
+        .map(|hold| Held::new(self.clone(), key.clone(), hold))
     }
 
     /// Releases a hold with its token and outcome. Returns the next holder
@@ -537,19 +565,19 @@ impl Client {
         let channel = self.channel(addr)?;
         let mut client = ClusterServiceClient::new(channel);
         let call = client.status(pb::StatusRequest {});
-        match tokio::time::timeout(self.options.call_timeout, call).await {
+        match tokio::time::timeout(self.shared.options.call_timeout, call).await {
             Ok(Ok(reply)) => Ok(reply.into_inner()),
             Ok(Err(status)) => Err(status.into()),
             Err(_) => Err(Error::Unavailable(format!(
                 "{addr} did not answer within {:?}",
-                self.options.call_timeout
+                self.shared.options.call_timeout
             ))),
         }
     }
 
     /// The configured endpoints.
     pub fn endpoints(&self) -> &[String] {
-        &self.endpoints
+        &self.shared.endpoints
     }
 
     /// Adds a learner (leader only; followed automatically).
@@ -777,7 +805,7 @@ impl Client {
         start: Option<pb::Revision>,
         kinds: Vec<String>,
         prefix: &str,
-    ) -> Result<Watcher<'_>> {
+    ) -> Result<Watcher> {
         let start = match start {
             Some(start) if start.index > 0 => start,
             _ => {
@@ -795,7 +823,7 @@ impl Client {
                 }
             }
         };
-        Ok(Watcher::new(self, start, kinds, prefix.to_string()))
+        Ok(Watcher::new(self.clone(), start, kinds, prefix.to_string()))
     }
 
     /// Retained events of one key (`lock/<scope>/<name>`, `pin/<set>/<member>`,

@@ -15,25 +15,32 @@
 //! let client = Client::new(["127.0.0.1:7420"], Options::default())?;
 //! let key = parse_lock_key("gpu-bind/node-1")?;
 //! let pod = Pod { uid: "6f1c2d9e-3b7a-4c1e-9f0a-2b5d8e7c1a4f".into(), namespace: "ml".into(), name: "train-0".into() };
-//! let hold = client.acquire(&key, &pod, b"gpu0".to_vec(), Duration::from_secs(30), 0).await?;
-//! // ... bind the pod; the device plugin reads the holder and releases:
-//! client.release(&key, &pod.uid, hold.token, Outcome::Allocated).await?;
+//! let held = client.acquire(&key, &pod, b"gpu0".to_vec(), Duration::from_secs(30), 0).await?;
+//! println!("fencing token {}", held.token());
+//! // ... bind the pod; normally the device plugin reads the holder and
+//! // releases with the token. Here we release ourselves:
+//! held.release(Outcome::Allocated).await?;
 //! # Ok(()) }
 //! ```
 //!
 //! # Layout
 //! - `client.rs` — [`Client`]: leader following, retries, every API call.
+//! - `hold.rs` — [`Held`]: a granted hold and its release.
+//! - `blocking.rs` — [`blocking::Client`] for callers without an async runtime.
 //! - `error.rs` — [`Error`]: what the caller should do about a failure.
 //! - `watch.rs` — [`Watcher`]: a watch that resumes from its last revision.
 //! - `selector.rs` — parsing of label selectors, affinity terms, pin keys.
 //! - `bin/lockctl.rs` — the admin CLI.
 
+pub mod blocking;
 mod client;
 mod error;
+mod hold;
 pub mod selector;
 mod watch;
 
 pub use client::{AcquireProgress, Client, InFlight, Options, parse_lock_key};
 pub use error::{Error, Result};
+pub use hold::Held;
 pub use tether_proto as proto;
 pub use watch::Watcher;

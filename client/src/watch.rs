@@ -24,17 +24,17 @@ use crate::error::{Error, Result};
 /// }
 /// # }
 /// ```
-pub struct Watcher<'a> {
-    client: &'a Client,
+pub struct Watcher {
+    client: Client,
     next: pb::Revision,
     kinds: Vec<String>,
     prefix: String,
     stream: Option<Streaming<pb::WatchResponse>>,
 }
 
-impl<'a> Watcher<'a> {
+impl Watcher {
     pub(crate) fn new(
-        client: &'a Client,
+        client: Client,
         next: pb::Revision,
         kinds: Vec<String>,
         prefix: String,

@@ -114,7 +114,7 @@ impl Node {
             addr: advertise.clone(),
             raft: raft.clone(),
             state,
-            db: db.clone(),
+            db: Arc::downgrade(&db),
             config: config.clone(),
             metrics: Arc::new(Metrics::default()),
             shutdown: shutdown_rx.clone(),
@@ -231,10 +231,9 @@ impl Node {
             task.abort();
             let _ = task.await;
         }
-        // Raft's storage tasks, and API tasks holding the context (queued
-        // acquires, watches: they end on shutdown), let go of the database
-        // shortly after; wait for that so the directory can be opened again
-        // at once (RocksDB takes a lock file per directory).
+        // Raft's storage tasks let go of the database shortly after shutdown;
+        // wait for that so the directory can be opened again at once (RocksDB
+        // takes a lock file per directory).
         drop(ctx);
         let deadline = Instant::now() + Duration::from_secs(10);
         while Arc::strong_count(&db) > 1 && Instant::now() < deadline {

@@ -274,7 +274,7 @@ async fn revoke_pod_releases_the_hold_and_hands_over_to_the_next_waiter() {
         .await
         .unwrap()
         .expect("next waiter granted by the revoke");
-    assert_eq!(hold.pod.unwrap().uid, "next");
+    assert_eq!(hold.pod_uid(), "next");
     assert_eq!(hold.payload, b"plan");
     let err = gone_wait.await.unwrap().unwrap_err();
     assert!(matches!(err, Error::Aborted(_)), "{err}");

@@ -178,7 +178,7 @@ async fn hold_timeout_releases_on_committed_time_and_hands_over() {
         .acquire(&key, &pod("next"), vec![], DEADLINE, 0)
         .await
         .unwrap();
-    assert_eq!(next.pod.unwrap().uid, "next");
+    assert_eq!(next.pod_uid(), "next");
     assert!(next.token > first.token);
     // The timed-out holder's token is now stale.
     let err = client

@@ -34,8 +34,10 @@ pub struct Ctx {
     pub raft: Raft,
     /// Applied state and event stream.
     pub state: StateHandle,
-    /// The replica's database (events are read from it for watch/history).
-    pub db: Arc<rocksdb::DB>,
+    /// The replica's database, for reading events (watch, history). Weak, so
+    /// that a connection outliving the replica's shutdown does not keep the
+    /// database open.
+    pub db: std::sync::Weak<rocksdb::DB>,
     /// Configuration.
     pub config: Arc<Config>,
     /// Counters.
@@ -105,6 +107,13 @@ impl Ctx {
 }
 
 impl Ctx {
+    /// The database, unless the replica has shut down.
+    pub fn db(&self) -> Result<Arc<rocksdb::DB>> {
+        self.db.upgrade().ok_or_else(|| {
+            ApiError::Unavailable("this replica has shut down; use another replica".into())
+        })
+    }
+
     /// Resolves once the replica is shutting down.
     pub async fn shutting_down(&self) {
         let mut rx = self.shutdown.clone();

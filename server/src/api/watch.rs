@@ -76,7 +76,14 @@ async fn follow(
     tx: mpsc::Sender<WatchItem>,
 ) {
     loop {
-        let first = match events_first_index(&ctx.db) {
+        let db = match ctx.db() {
+            Ok(db) => db,
+            Err(err) => {
+                let _ = tx.send(Err(err.into())).await;
+                return;
+            }
+        };
+        let first = match events_first_index(&db) {
             Ok(first) => first,
             Err(err) => {
                 let _ = tx.send(Err(storage_error(err))).await;
@@ -87,7 +94,7 @@ async fn follow(
             let _ = tx.send(Err(compacted(next, first))).await;
             return;
         }
-        let batch = match read_events(&ctx.db, next, BATCH) {
+        let batch = match read_events(&db, next, BATCH) {
             Ok(batch) => batch,
             Err(err) => {
                 let _ = tx.send(Err(storage_error(err))).await;
@@ -168,7 +175,8 @@ impl WatchApi {
                 }
             }
         };
-        let first = events_first_index(&ctx.db).map_err(storage_error)?;
+        let db = ctx.db()?;
+        let first = events_first_index(&db).map_err(storage_error)?;
         if start.index < first {
             return Err(compacted(start, first));
         }
@@ -194,8 +202,8 @@ impl WatchApi {
             0 => HISTORY_LIMIT,
             n => n.min(HISTORY_LIMIT),
         };
-        let first =
-            events_first_index(&self.ctx.db).map_err(|e| ApiError::Internal(e.to_string()))?;
+        let db = self.ctx.db()?;
+        let first = events_first_index(&db).map_err(|e| ApiError::Internal(e.to_string()))?;
         let from = req
             .from
             .map_or(Revision { index: 0, sub: 0 }, |r| Revision {
@@ -214,8 +222,8 @@ impl WatchApi {
         let mut events = Vec::new();
         let mut cursor = from;
         'scan: loop {
-            let batch = read_events(&self.ctx.db, cursor, BATCH)
-                .map_err(|e| ApiError::Internal(e.to_string()))?;
+            let batch =
+                read_events(&db, cursor, BATCH).map_err(|e| ApiError::Internal(e.to_string()))?;
             let Some(last) = batch.last() else { break };
             cursor = Revision {
                 index: last.revision.index,

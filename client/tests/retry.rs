@@ -1,0 +1,133 @@
+//! The client's retry path: the answer to an applied request is lost (a
+//! proxy swallows it), the client times out and retries on another endpoint
+//! with the same request id, and gets the original answer; the state shows
+//! one application.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::Duration;
+
+use tether_client::{Client, Options};
+use tether_server::{Config, Node};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::{TcpListener, TcpStream};
+
+/// Forwards TCP to `target`; while `swallow` is set, bytes coming back from
+/// the server are read and dropped (the request arrives, the answer never
+/// does).
+async fn lossy_proxy(
+    target: std::net::SocketAddr,
+    swallow: Arc<AtomicBool>,
+) -> std::net::SocketAddr {
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    tokio::spawn(async move {
+        while let Ok((client, _)) = listener.accept().await {
+            let swallow = swallow.clone();
+            tokio::spawn(async move {
+                let Ok(server) = TcpStream::connect(target).await else {
+                    return;
+                };
+                let (mut client_read, mut client_write) = client.into_split();
+                let (mut server_read, mut server_write) = server.into_split();
+                tokio::spawn(
+                    async move { tokio::io::copy(&mut client_read, &mut server_write).await },
+                );
+                let mut buf = vec![0u8; 16 * 1024];
+                loop {
+                    let n = match server_read.read(&mut buf).await {
+                        Ok(0) | Err(_) => return,
+                        Ok(n) => n,
+                    };
+                    if !swallow.load(Ordering::SeqCst)
+                        && client_write.write_all(&buf[..n]).await.is_err()
+                    {
+                        return;
+                    }
+                }
+            });
+        }
+    });
+    addr
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_retry_after_a_lost_answer_returns_the_original_answer_and_applies_once() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut config = Config::defaults();
+    config.data_dir = dir.path().to_path_buf();
+    config.election_timeout = Duration::from_millis(750);
+    let grpc = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let http = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let node = Node::start_with(config, grpc, http).await.unwrap();
+    node.raft()
+        .wait(Some(Duration::from_secs(60)))
+        .state(openraft::ServerState::Leader, "leads")
+        .await
+        .unwrap();
+
+    let swallow = Arc::new(AtomicBool::new(false));
+    let proxy = lossy_proxy(node.addr(), swallow.clone()).await;
+    let options = Options {
+        call_timeout: Duration::from_millis(1500),
+        retry_timeout: Duration::from_secs(30),
+        client_id: Some("retry-client".into()),
+    };
+    // The proxy first: the first attempt goes through it.
+    let client = Client::new([proxy.to_string(), node.addr().to_string()], options).unwrap();
+    // Warm the connection through the proxy, then start swallowing answers.
+    client
+        .holder(&tether_client::proto::LockKey {
+            scope: "gpu-bind".into(),
+            name: "n1".into(),
+        })
+        .await
+        .unwrap();
+    swallow.store(true, Ordering::SeqCst);
+
+    let before = node
+        .raft()
+        .metrics()
+        .borrow()
+        .last_applied
+        .map_or(0, |l| l.index);
+    let started = std::time::Instant::now();
+    let lease_id = client
+        .grant_lease(Duration::from_secs(60))
+        .await
+        .expect("the retry succeeds");
+    eprintln!("grant with a lost answer took {:?}", started.elapsed());
+    let leases: Vec<u64> = node
+        .ctx()
+        .state
+        .read()
+        .state
+        .leases
+        .keys()
+        .copied()
+        .collect();
+    assert_eq!(
+        leases,
+        vec![lease_id],
+        "applied exactly once, and the retry got the original lease id"
+    );
+    // Both attempts reached the log (the retry is answered from the dedupe
+    // table, as its own entry), but only one of them granted.
+    let applied = node
+        .raft()
+        .metrics()
+        .borrow()
+        .last_applied
+        .map_or(0, |l| l.index);
+    assert_eq!(
+        applied - before,
+        2,
+        "one application plus one deduplicated retry"
+    );
+    assert_eq!(
+        lease_id,
+        before + 1,
+        "the lease id is the index of the first, applied attempt"
+    );
+    node.stop().await;
+}
