@@ -15,6 +15,7 @@
 //! - `api/` — gRPC handlers, validation and wire conversions.
 //! - `error.rs` — API errors and their mapping to gRPC status codes.
 //! - `http.rs`, `metrics.rs` — the health and Prometheus endpoints.
+//! - `testing.rs` — in-process test clusters (for tests, not `tetherd`).
 
 pub mod api;
 pub mod config;
@@ -25,6 +26,7 @@ pub mod node;
 pub mod raft;
 pub mod sm;
 pub mod store;
+pub mod testing;
 
 pub use config::Config;
 pub use node::Node;

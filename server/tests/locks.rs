@@ -14,7 +14,7 @@ use tether_client::{AcquireProgress, Error};
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn acquire_release_round_trip_and_holder_read() {
     let cluster = Cluster::start(3).await;
-    let client = cluster.client();
+    let client = common::client(&cluster);
     let key = lock("node-1");
     let hold = client
         .acquire(&key, &pod("u1"), b"gpu0,gpu1".to_vec(), Duration::ZERO, 0)
@@ -65,7 +65,7 @@ async fn acquire_release_round_trip_and_holder_read() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn fifty_waiters_are_granted_in_fifo_order_exactly_once_with_increasing_tokens() {
     let cluster = Cluster::start(3).await;
-    let client = Arc::new(cluster.client());
+    let client = Arc::new(common::client(&cluster));
     let key = lock("node-fifo");
     let first = client
         .acquire(&key, &pod("holder"), vec![], Duration::ZERO, 0)
@@ -133,7 +133,7 @@ async fn fifty_waiters_are_granted_in_fifo_order_exactly_once_with_increasing_to
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn waiter_whose_deadline_passes_leaves_the_queue_with_deadline_exceeded() {
     let cluster = Cluster::start(3).await;
-    let client = cluster.client();
+    let client = common::client(&cluster);
     let key = lock("node-deadline");
     let hold = client
         .acquire(&key, &pod("u1"), vec![], Duration::ZERO, 0)
@@ -163,7 +163,7 @@ async fn waiter_whose_deadline_passes_leaves_the_queue_with_deadline_exceeded() 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn leader_killed_while_waiters_are_queued_keeps_queue_holder_and_token_order() {
     let mut cluster = Cluster::start(3).await;
-    let client = Arc::new(cluster.client());
+    let client = Arc::new(common::client(&cluster));
     let key = lock("node-failover");
     let first = client
         .acquire(&key, &pod("a"), vec![], Duration::ZERO, 0)
@@ -233,7 +233,7 @@ async fn leader_killed_while_waiters_are_queued_keeps_queue_holder_and_token_ord
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn revoke_pod_releases_the_hold_and_hands_over_to_the_next_waiter() {
     let cluster = Cluster::start(3).await;
-    let client = Arc::new(cluster.client());
+    let client = Arc::new(common::client(&cluster));
     let key = lock("node-revoke");
     let other = lock("node-other");
     client
@@ -285,7 +285,7 @@ async fn revoke_pod_releases_the_hold_and_hands_over_to_the_next_waiter() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn retried_request_after_a_leader_change_is_not_applied_twice() {
     let mut cluster = Cluster::start(3).await;
-    let client = cluster.client();
+    let client = common::client(&cluster);
     let key = lock("node-dedupe");
     let request = pb::AcquireRequest {
         request_id: Some(pb::RequestId {
@@ -348,7 +348,7 @@ async fn retried_request_after_a_leader_change_is_not_applied_twice() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn invalid_names_and_oversized_payloads_are_refused_and_change_nothing() {
     let cluster = Cluster::start_with(3, |c| c.max_payload_bytes = 1024).await;
-    let client = cluster.client();
+    let client = common::client(&cluster);
     let leader = cluster.wait_leader().await;
     let before = cluster.applied(leader);
     let cases: Vec<(pb::LockKey, pb::Pod, usize, &str)> = vec![

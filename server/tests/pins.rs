@@ -73,7 +73,7 @@ async fn eventually(what: &str, mut check: impl AsyncFnMut() -> bool) {
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn assign_is_idempotent_and_pins_survive_pod_restarts() {
     let cluster = Cluster::start(3).await;
-    let client = cluster.client();
+    let client = common::client(&cluster);
     let first = assign(&client, "0", "pod-a", &["node-1", "node-2"], Duration::ZERO)
         .await
         .unwrap();
@@ -107,7 +107,7 @@ async fn assign_is_idempotent_and_pins_survive_pod_restarts() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn pin_lifetime_runs_only_after_the_pod_stops_and_silence_never_unpins() {
     let cluster = Cluster::start(3).await;
-    let client = cluster.client();
+    let client = common::client(&cluster);
     let lifetime = Duration::from_millis(1500);
     assign(&client, "0", "pod-a", &["node-1"], lifetime)
         .await
@@ -150,7 +150,7 @@ async fn pin_lifetime_runs_only_after_the_pod_stops_and_silence_never_unpins() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn node_gone_releases_pins_and_the_next_assign_picks_a_live_candidate() {
     let cluster = Cluster::start(3).await;
-    let client = cluster.client();
+    let client = common::client(&cluster);
     report_node(&client, "node-1", None, pb::NodeState::NodeReady).await;
     report_node(&client, "node-2", None, pb::NodeState::NodeReady).await;
     let pin = assign(&client, "3", "pod-a", &["node-1", "node-2"], Duration::ZERO)
@@ -194,7 +194,7 @@ async fn node_gone_releases_pins_and_the_next_assign_picks_a_live_candidate() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn scale_in_with_gaps_then_out_again_reuses_the_old_pins() {
     let cluster = Cluster::start(3).await;
-    let client = cluster.client();
+    let client = common::client(&cluster);
     let nodes = names("node-", 4);
     let mut placed = BTreeMap::new();
     for member in 0..4 {
@@ -244,7 +244,7 @@ async fn scale_in_with_gaps_then_out_again_reuses_the_old_pins() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn concurrent_assigners_never_break_required_anti_affinity_by_zone() {
     let cluster = Cluster::start(3).await;
-    let client = Arc::new(cluster.client());
+    let client = Arc::new(common::client(&cluster));
     const ZONES: usize = 200;
     let nodes = names("node-", ZONES + 10);
     for (i, node) in nodes.iter().enumerate() {
@@ -334,7 +334,7 @@ async fn concurrent_assigners_never_break_required_anti_affinity_by_zone() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn watch_resumes_without_gaps_across_a_leader_change() {
     let mut cluster = Cluster::start(3).await;
-    let client = cluster.client();
+    let client = common::client(&cluster);
     // The watcher talks to the leader first, so stopping the leader breaks
     // its stream and it must resume elsewhere.
     let leader = cluster.wait_leader().await;
@@ -447,7 +447,7 @@ async fn watch_resumes_without_gaps_across_a_leader_change() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn watch_from_a_compacted_revision_gets_the_compaction_error() {
     let cluster = Cluster::start_with(3, |c| c.event_retention_entries = 5).await;
-    let client = cluster.client();
+    let client = common::client(&cluster);
     for i in 0..20 {
         client
             .acquire(
@@ -492,7 +492,7 @@ async fn watch_from_a_compacted_revision_gets_the_compaction_error() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn history_answers_who_held_a_lock_across_snapshot_and_restart() {
     let mut cluster = Cluster::start(3).await;
-    let client = cluster.client();
+    let client = common::client(&cluster);
     let key = lock("node-7");
     let a = client
         .acquire(&key, &pod("alice"), vec![], Duration::ZERO, 0)
@@ -523,7 +523,7 @@ async fn history_answers_who_held_a_lock_across_snapshot_and_restart() {
         cluster.restart(id).await;
     }
     cluster.wait_leader().await;
-    let client = cluster.client();
+    let client = common::client(&cluster);
     let history = client.history("lock/gpu-bind/node-7", 0, 0).await.unwrap();
     let story: Vec<(String, String, String)> = history
         .events

@@ -17,7 +17,7 @@ fn state_bytes(cluster: &Cluster, id: u64) -> Vec<u8> {
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn stopped_replica_recovers_from_rocksdb_and_catches_up() {
     let mut cluster = Cluster::start(3).await;
-    let client = cluster.client();
+    let client = common::client(&cluster);
     let leader = cluster.wait_leader().await;
     let follower = *cluster.addrs.keys().find(|id| **id != leader).unwrap();
     for i in 0..10 {
@@ -61,7 +61,7 @@ async fn stopped_replica_recovers_from_rocksdb_and_catches_up() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn whole_cluster_restart_keeps_holds_queues_and_dedupe() {
     let mut cluster = Cluster::start(3).await;
-    let client = cluster.client();
+    let client = common::client(&cluster);
     let hold = client
         .acquire(&lock("n1"), &pod("u1"), b"plan".to_vec(), Duration::ZERO, 0)
         .await
@@ -102,7 +102,7 @@ async fn lagging_replica_is_brought_back_by_snapshot_install() {
         c.keep_logs_after_snapshot = 0;
     })
     .await;
-    let client = cluster.client();
+    let client = common::client(&cluster);
     let leader = cluster.wait_leader().await;
     let lagging = *cluster.addrs.keys().find(|id| **id != leader).unwrap();
     cluster.stop(lagging).await;
@@ -168,7 +168,7 @@ async fn lagging_replica_is_brought_back_by_snapshot_install() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn hold_timeout_releases_on_committed_time_and_hands_over() {
     let cluster = Cluster::start_with(3, |c| c.hold_timeout = Duration::from_millis(1500)).await;
-    let client = cluster.client();
+    let client = common::client(&cluster);
     let key = lock("n-timeout");
     let first = client
         .acquire(&key, &pod("slow"), vec![], Duration::ZERO, 0)
@@ -192,7 +192,7 @@ async fn hold_timeout_releases_on_committed_time_and_hands_over() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn ttl_lease_keeps_holds_while_kept_alive_and_releases_them_when_it_expires() {
     let cluster = Cluster::start(3).await;
-    let client = cluster.client();
+    let client = common::client(&cluster);
     // Below 3 x the election timeout upper bound (3 x 1.5 s): refused.
     let err = client
         .grant_lease(Duration::from_secs(1))
@@ -236,7 +236,7 @@ async fn ttl_lease_keeps_holds_while_kept_alive_and_releases_them_when_it_expire
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn leader_transfer_hands_over_to_the_target() {
     let cluster = Cluster::start(3).await;
-    let client = cluster.client();
+    let client = common::client(&cluster);
     let leader = cluster.wait_leader().await;
     client
         .acquire(&lock("n1"), &pod("u1"), vec![], Duration::ZERO, 0)
@@ -252,7 +252,7 @@ async fn leader_transfer_hands_over_to_the_target() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn learner_is_added_promoted_and_a_voter_removed() {
     let mut cluster = Cluster::start(3).await;
-    let client = cluster.client();
+    let client = common::client(&cluster);
     client
         .acquire(&lock("n1"), &pod("u1"), b"p".to_vec(), Duration::ZERO, 0)
         .await
@@ -295,7 +295,7 @@ async fn learner_is_added_promoted_and_a_voter_removed() {
     cluster.stop(removed).await;
     cluster.addrs.remove(&removed);
     cluster.nodes.remove(&removed);
-    let client = cluster.client();
+    let client = common::client(&cluster);
     let hold = client
         .acquire(&lock("n2"), &pod("u2"), vec![], Duration::ZERO, 0)
         .await
