@@ -23,7 +23,7 @@
 
 pub mod device_plugin;
 pub mod extender;
-mod http;
+pub mod http;
 pub mod plan;
 
 /// The generated kubelet device-plugin API (v1beta1).
