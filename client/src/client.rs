@@ -609,6 +609,7 @@ impl Client {
         let request = pb::ChangeMembershipRequest {
             voters,
             retain_as_learners,
+            remove_learners: vec![],
         };
         self.with_leader(Duration::from_secs(30), |channel| {
             let request = request.clone();
@@ -621,6 +622,42 @@ impl Client {
             }
         })
         .await
+    }
+
+    /// Removes learners (non-voting members).
+    pub async fn remove_learners(&self, node_ids: Vec<u64>) -> Result<u64> {
+        let request = pb::ChangeMembershipRequest {
+            voters: vec![],
+            retain_as_learners: false,
+            remove_learners: node_ids,
+        };
+        self.with_leader(Duration::from_secs(30), |channel| {
+            let request = request.clone();
+            async move {
+                Ok(ClusterServiceClient::new(channel)
+                    .change_membership(request)
+                    .await?
+                    .into_inner()
+                    .log_index)
+            }
+        })
+        .await
+    }
+
+    /// The leader's status (its view of members and replication).
+    pub async fn leader_status(&self) -> Result<pb::StatusResponse> {
+        let any = self
+            .with_leader(Duration::ZERO, |channel| async move {
+                Ok(ClusterServiceClient::new(channel)
+                    .status(pb::StatusRequest {})
+                    .await?
+                    .into_inner())
+            })
+            .await?;
+        if any.role == "leader" || any.leader_addr.is_empty() {
+            return Ok(any);
+        }
+        self.status_of(&any.leader_addr).await
     }
 
     /// Hands leadership to `target`; returns the new leader id.

@@ -211,6 +211,35 @@ impl ClusterApi {
         &self,
         req: pb::ChangeMembershipRequest,
     ) -> Result<pb::ChangeMembershipResponse> {
+        if !req.remove_learners.is_empty() {
+            if !req.voters.is_empty() {
+                return Err(ApiError::InvalidArgument(
+                    "give either voters or learners to remove, not both".into(),
+                ));
+            }
+            let metrics = self.ctx.raft.metrics().borrow().clone();
+            let membership = metrics.membership_config.membership();
+            if let Some(voter) = req
+                .remove_learners
+                .iter()
+                .find(|id| membership.voter_ids().any(|v| v == **id))
+            {
+                return Err(ApiError::FailedPrecondition(format!(
+                    "node {voter} is a voter; remove it by leaving it out of the voters"
+                )));
+            }
+            let remove: BTreeSet<u64> = req.remove_learners.iter().copied().collect();
+            let response = self
+                .ctx
+                .raft
+                .change_membership(openraft::ChangeMembers::RemoveNodes(remove.clone()), false)
+                .await
+                .map_err(from_raft_error)?;
+            tracing::info!(?remove, "learners removed");
+            return Ok(pb::ChangeMembershipResponse {
+                log_index: response.log_id.index,
+            });
+        }
         if req.voters.is_empty() {
             return Err(ApiError::InvalidArgument(
                 "the voter set cannot be empty".into(),

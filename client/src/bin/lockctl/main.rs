@@ -6,11 +6,13 @@
 //! (no leader, unreachable; for a write the outcome is then unknown) or no
 //! candidate node fits a pin; 6 a watch revision was compacted.
 
+mod yaml;
+
 use std::io::Write;
 use std::process::ExitCode;
 use std::time::Duration;
 
-use clap::{Parser, Subcommand, ValueEnum};
+use clap::{CommandFactory, Parser, Subcommand, ValueEnum};
 use serde_json::{Value, json};
 use tether_client::proto::{self as pb, Outcome};
 use tether_client::selector::{parse_label, parse_pin_key, parse_term, parse_weighted_term};
@@ -38,6 +40,10 @@ struct Cli {
     #[arg(long, default_value = "5s", value_parser = humantime::parse_duration, global = true)]
     timeout: Duration,
 
+    /// How long to keep retrying (other replicas, a new leader) before giving up.
+    #[arg(long, default_value = "10s", value_parser = humantime::parse_duration, global = true)]
+    retry_for: Duration,
+
     #[command(subcommand)]
     command: Command,
 }
@@ -51,6 +57,7 @@ compacted";
 enum Format {
     Table,
     Json,
+    Yaml,
 }
 
 #[derive(Subcommand)]
@@ -81,6 +88,11 @@ enum Command {
         /// Only keys with this prefix (e.g. node/, lock/gpu-bind/).
         #[arg(long, default_value = "")]
         prefix: String,
+    },
+    /// Print a shell completion script: `source <(lockctl completion bash)`.
+    Completion {
+        /// bash, zsh, fish, elvish or powershell.
+        shell: clap_complete::Shell,
     },
     /// Retained events of one key: lock/<scope>/<name>, pin/<set>/<member>,
     /// node/<name>.
@@ -199,6 +211,16 @@ enum NodeCmd {
 enum ClusterCmd {
     /// Every endpoint's view: role, term, indexes, members.
     Status,
+    /// Make a learner a voter (the other voters stay).
+    Promote {
+        /// The learner's node id.
+        node_id: u64,
+    },
+    /// Remove a member (voter or learner) from the cluster.
+    Remove {
+        /// The node id.
+        node_id: u64,
+    },
     /// Add a non-voting member that replicates the log.
     AddLearner {
         /// Its node id.
@@ -416,11 +438,59 @@ impl Out {
     fn print(&self, value: Value, table: impl FnOnce() -> String) {
         let text = match self.format {
             Format::Json => serde_json::to_string_pretty(&value).unwrap_or_default(),
+            Format::Yaml => yaml::to_yaml(&value),
             Format::Table => table(),
         };
         let mut stdout = std::io::stdout().lock();
         let _ = writeln!(stdout, "{}", text.trim_end());
     }
+}
+
+/// (voters, learners) as the leader sees them.
+async fn membership(client: &Client) -> Result<(Vec<u64>, Vec<u64>), Error> {
+    let status = client.leader_status().await?;
+    let voters = status
+        .members
+        .iter()
+        .filter(|m| m.voter)
+        .map(|m| m.node_id)
+        .collect();
+    let learners = status
+        .members
+        .iter()
+        .filter(|m| !m.voter)
+        .map(|m| m.node_id)
+        .collect();
+    Ok((voters, learners))
+}
+
+/// For "no replica could serve": what each endpoint says, so the operator
+/// sees at once whether the cluster lacks a quorum or the endpoints are wrong.
+async fn explain_unavailable(client: &Client) -> String {
+    let mut reachable = 0;
+    let mut lines = Vec::new();
+    for addr in client.endpoints() {
+        match client.status_of(addr).await {
+            Ok(s) => {
+                reachable += 1;
+                let leader = if s.leader_id == 0 {
+                    "no leader".to_string()
+                } else {
+                    format!("leader {}", s.leader_id)
+                };
+                lines.push(format!(
+                    "{addr}: node {} {} term {} ({leader})",
+                    s.node_id, s.role, s.term
+                ));
+            }
+            Err(_) => lines.push(format!("{addr}: unreachable")),
+        }
+    }
+    format!(
+        "no leader yet — {reachable}/{} endpoints reachable: {}",
+        client.endpoints().len(),
+        lines.join("; ")
+    )
 }
 
 async fn cluster_status(client: &Client, out: &Out) -> Result<(), Error> {
@@ -494,7 +564,8 @@ async fn cluster_status(client: &Client, out: &Out) -> Result<(), Error> {
 async fn run(cli: Cli) -> Result<(), Error> {
     let options = Options {
         call_timeout: cli.timeout,
-        ..Options::default()
+        retry_timeout: cli.retry_for,
+        client_id: None,
     };
     let client = Client::new(cli.endpoints.clone(), options)?;
     let out = Out { format: cli.output };
@@ -520,6 +591,48 @@ async fn run(cli: Cli) -> Result<(), Error> {
             let leader = client.transfer_leader(node_id).await?;
             out.print(json!({"leader_id": leader}), || {
                 format!("leader is now node {leader}")
+            });
+        }
+        Command::Cluster(ClusterCmd::Promote { node_id }) => {
+            let (voters, learners) = membership(&client).await?;
+            if voters.contains(&node_id) {
+                return Err(Error::FailedPrecondition(format!(
+                    "node {node_id} is already a voter"
+                )));
+            }
+            if !learners.contains(&node_id) {
+                return Err(Error::FailedPrecondition(format!(
+                    "node {node_id} is not a learner; add it first with `lockctl cluster add-learner {node_id} ADDR`"
+                )));
+            }
+            let mut new_voters = voters.clone();
+            new_voters.push(node_id);
+            new_voters.sort();
+            let index = client.change_membership(new_voters.clone(), false).await?;
+            out.print(json!({"voters": new_voters, "log_index": index}), || {
+                format!(
+                    "node {node_id} promoted; voters are now {new_voters:?} (log index {index})"
+                )
+            });
+        }
+        Command::Cluster(ClusterCmd::Remove { node_id }) => {
+            let (voters, learners) = membership(&client).await?;
+            let index = if voters.contains(&node_id) {
+                let remaining: Vec<u64> =
+                    voters.iter().copied().filter(|id| *id != node_id).collect();
+                if remaining.is_empty() {
+                    return Err(Error::FailedPrecondition(
+                        "cannot remove the last voter".into(),
+                    ));
+                }
+                client.change_membership(remaining, false).await?
+            } else if learners.contains(&node_id) {
+                client.remove_learners(vec![node_id]).await?
+            } else {
+                return Err(Error::NotFound(format!("node {node_id} is not a member")));
+            };
+            out.print(json!({"removed": node_id, "log_index": index}), || {
+                format!("node {node_id} removed (log index {index}); stop its tetherd and delete its data directory")
             });
         }
         Command::Cluster(ClusterCmd::Snapshot) => {
@@ -687,6 +800,8 @@ async fn run(cli: Cli) -> Result<(), Error> {
             );
         }
         Command::Pin(cmd) => pin_command(&client, &out, cmd).await?,
+        // Answered in `main` before any connection is made.
+        Command::Completion { .. } => {}
         Command::Node(cmd) => node_command(&client, &out, cmd).await?,
         Command::Watch {
             from,
@@ -1008,10 +1123,28 @@ fn lock_table(locks: &[pb::LockState]) -> String {
 #[tokio::main]
 async fn main() -> ExitCode {
     let cli = Cli::parse();
+    if let Command::Completion { shell } = cli.command {
+        let mut command = Cli::command();
+        let mut script = Vec::new();
+        clap_complete::generate(shell, &mut command, "lockctl", &mut script);
+        // A closed pipe (`| head`) is not an error worth a panic.
+        let _ = std::io::stdout().write_all(&script);
+        return ExitCode::SUCCESS;
+    }
+    let explain = Client::new(
+        cli.endpoints.clone(),
+        Options {
+            call_timeout: cli.timeout,
+            ..Options::default()
+        },
+    );
     match run(cli).await {
         Ok(()) => ExitCode::SUCCESS,
         Err(err) => {
             eprintln!("lockctl: {err}");
+            if let (Error::Unavailable(_), Ok(client)) = (&err, explain) {
+                eprintln!("lockctl: {}", explain_unavailable(&client).await);
+            }
             ExitCode::from(err.exit_code() as u8)
         }
     }
