@@ -43,4 +43,4 @@ pub use client::{AcquireProgress, Client, InFlight, Options, parse_lock_key};
 pub use error::{Error, Result};
 pub use hold::Held;
 pub use tether_proto as proto;
-pub use watch::Watcher;
+pub use watch::{WatchUpdate, Watcher};

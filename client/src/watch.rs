@@ -1,6 +1,7 @@
 //! A resuming watch: follows the event stream across disconnects and leader
 //! changes from the last revision seen, so the caller sees every event once,
-//! in order.
+//! in order — and when its position was compacted away, tells the caller to
+//! re-list and carries on from the present.
 
 use std::time::Duration;
 
@@ -11,15 +12,42 @@ use tonic::Streaming;
 use crate::client::{Client, replica_unusable};
 use crate::error::{Error, Result};
 
+/// What a watch delivers next.
+#[derive(Debug, Clone)]
+pub enum WatchUpdate {
+    /// Matching events, in revision order (never empty).
+    Events(Vec<pb::Event>),
+    /// The watch position was compacted away (the watcher was down too long):
+    /// events were missed. Re-list the state you mirror (list responses carry
+    /// `header.applied_index`), then keep reading: the watch continues from
+    /// `resume_at`, and events at or below your list's applied index are ones
+    /// the list already includes.
+    Relist {
+        /// Where the watch continues.
+        resume_at: pb::Revision,
+        /// Oldest revision still retained when the gap was found.
+        oldest_retained: u64,
+    },
+}
+
 /// A watch on a Tether cluster. Call [`Watcher::next`] in a loop.
 ///
 /// ```no_run
 /// # async fn demo(client: tether_client::Client) -> Result<(), tether_client::Error> {
+/// use tether_client::WatchUpdate;
 /// // React to nodes joining (e.g. pre-pull images there).
 /// let mut watch = client.watch(None, vec!["NodeJoined".into()], "node/").await?;
 /// loop {
-///     for event in watch.next().await? {
-///         println!("{} joined at revision {:?}", event.node, event.revision);
+///     match watch.next().await? {
+///         WatchUpdate::Events(events) => {
+///             for event in events {
+///                 println!("{} joined at revision {:?}", event.node, event.revision);
+///             }
+///         }
+///         WatchUpdate::Relist { .. } => {
+///             let nodes = client.list_nodes(false).await?; // start over from the registry
+///             println!("re-listed {} nodes", nodes.len());
+///         }
 ///     }
 /// }
 /// # }
@@ -53,11 +81,31 @@ impl Watcher {
         self.next
     }
 
-    /// The next batch of matching events (never empty). Reconnects, to any
-    /// replica, from the last revision seen when a stream breaks. Fails with
-    /// [`Error::Compacted`] if the position was compacted away meanwhile:
-    /// re-list, then start a new watch.
-    pub async fn next(&mut self) -> Result<Vec<pb::Event>> {
+    /// The next batch of matching events, or a request to re-list after a
+    /// gap. Reconnects, to any replica, from the last revision seen when a
+    /// stream breaks.
+    pub async fn next(&mut self) -> Result<WatchUpdate> {
+        match self.next_events().await {
+            Ok(events) => Ok(WatchUpdate::Events(events)),
+            Err(Error::Compacted {
+                oldest_retained, ..
+            }) => {
+                let status = self.client.leader_status().await?;
+                self.next = pb::Revision {
+                    index: status.applied_index + 1,
+                    sub: 0,
+                };
+                self.stream = None;
+                Ok(WatchUpdate::Relist {
+                    resume_at: self.next,
+                    oldest_retained,
+                })
+            }
+            Err(err) => Err(err),
+        }
+    }
+
+    async fn next_events(&mut self) -> Result<Vec<pb::Event>> {
         let mut backoff = Duration::from_millis(20);
         loop {
             if self.stream.is_none() {

@@ -8,8 +8,9 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use common::{Cluster, DEADLINE, lock, pod};
+use tether_client::proto::watch_service_client::WatchServiceClient;
 use tether_client::proto::{self as pb, Outcome, PodPhase};
-use tether_client::{Client, Error};
+use tether_client::{Client, Error, WatchUpdate};
 
 fn pin_key(member: &str) -> pb::PinKey {
     pb::PinKey {
@@ -359,13 +360,14 @@ async fn watch_resumes_without_gaps_across_a_leader_change() {
         let mut watch = watch_client.watch(None, vec![], "lock/").await.unwrap();
         loop {
             match watch.next().await {
-                Ok(batch) => {
+                Ok(WatchUpdate::Events(batch)) => {
                     for event in batch {
                         if seen_tx.send(event).is_err() {
                             return;
                         }
                     }
                 }
+                Ok(WatchUpdate::Relist { .. }) => panic!("the watch reported a gap"),
                 Err(err) => panic!("watch failed: {err}"),
             }
         }
@@ -461,31 +463,50 @@ async fn watch_from_a_compacted_revision_gets_the_compaction_error() {
             .unwrap();
     }
     client.snapshot().await.unwrap();
+    // On the wire: OUT_OF_RANGE carrying the compact revision.
+    let leader = cluster.wait_leader().await;
+    let mut raw = WatchServiceClient::connect(format!("http://{}", cluster.addrs[&leader]))
+        .await
+        .unwrap();
+    let request = pb::WatchRequest {
+        start: Some(pb::Revision { index: 1, sub: 0 }),
+        ..Default::default()
+    };
+    let status = raw.watch(request).await.unwrap_err();
+    assert_eq!(status.code(), tonic::Code::OutOfRange);
+    let compact: u64 = status
+        .metadata()
+        .get(pb::COMPACT_REVISION_METADATA)
+        .unwrap()
+        .to_str()
+        .unwrap()
+        .parse()
+        .unwrap();
+    assert!(compact > 1, "{compact}");
+    assert!(status.message().contains("re-list"), "{}", status.message());
+
+    // The client's watcher asks for a re-list, then carries on from now.
     let mut watch = client
         .watch(Some(pb::Revision { index: 1, sub: 0 }), vec![], "")
         .await
         .unwrap();
-    let err = watch.next().await.unwrap_err();
-    let Error::Compacted {
-        oldest_retained, ..
-    } = err
+    let WatchUpdate::Relist {
+        oldest_retained,
+        resume_at,
+    } = watch.next().await.unwrap()
     else {
-        panic!("{err}")
+        panic!("expected a re-list request")
     };
-    assert!(oldest_retained > 1, "{oldest_retained}");
-    // Resuming from the compact revision works.
-    let mut watch = client
-        .watch(
-            Some(pb::Revision {
-                index: oldest_retained,
-                sub: 0,
-            }),
-            vec![],
-            "",
-        )
+    assert_eq!(oldest_retained, compact);
+    client
+        .acquire(&lock("after"), &pod("u"), vec![], Duration::ZERO, 0)
         .await
         .unwrap();
-    assert!(!watch.next().await.unwrap().is_empty());
+    let WatchUpdate::Events(events) = watch.next().await.unwrap() else {
+        panic!("expected events")
+    };
+    assert!(events[0].revision.unwrap().index >= resume_at.index);
+    assert_eq!(events[0].key, "lock/gpu-bind/after");
     cluster.shutdown().await;
 }
 

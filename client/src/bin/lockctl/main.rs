@@ -16,7 +16,7 @@ use clap::{CommandFactory, Parser, Subcommand, ValueEnum};
 use serde_json::{Value, json};
 use tether_client::proto::{self as pb, Outcome};
 use tether_client::selector::{parse_label, parse_pin_key, parse_term, parse_weighted_term};
-use tether_client::{AcquireProgress, Client, Error, Options, parse_lock_key};
+use tether_client::{AcquireProgress, Client, Error, Options, WatchUpdate, parse_lock_key};
 
 #[derive(Parser)]
 #[command(name = "lockctl", version, about = "Operate a Tether lock cluster", after_help = EXIT_CODES)]
@@ -815,8 +815,20 @@ async fn run(cli: Cli) -> Result<(), Error> {
                     batch = watch.next() => batch?,
                     _ = tokio::signal::ctrl_c() => return Ok(()),
                 };
-                for event in batch {
-                    out.print(event_json(&event), || event_line(&event));
+                match batch {
+                    WatchUpdate::Events(events) => {
+                        for event in events {
+                            out.print(event_json(&event), || event_line(&event));
+                        }
+                    }
+                    WatchUpdate::Relist {
+                        resume_at,
+                        oldest_retained,
+                    } => eprintln!(
+                        "lockctl: events before log index {oldest_retained} are no longer retained; \
+                         some were missed. Continuing from {}.{} (re-list what you need)",
+                        resume_at.index, resume_at.sub
+                    ),
                 }
             }
         }
