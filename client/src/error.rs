@@ -1,4 +1,19 @@
 //! Typed client errors that tell the caller what to do.
+//!
+//! ```no_run
+//! # async fn demo(client: tether_client::Client, key: tether_client::proto::LockKey) -> Result<(), tether_client::Error> {
+//! use tether_client::Error;
+//! use tether_client::proto::Outcome;
+//! match client.release(&key, "pod-uid", 41, Outcome::Allocated).await {
+//!     Ok(_) => {}
+//!     // Stale token or not the holder: someone else owns the lock now.
+//!     Err(Error::FailedPrecondition(why)) => eprintln!("not ours any more: {why}"),
+//!     // No leader reachable: the release may or may not have happened.
+//!     Err(err) if err.is_retryable() => eprintln!("unknown outcome, read the holder: {err}"),
+//!     Err(err) => return Err(err),
+//! }
+//! # Ok(()) }
+//! ```
 
 use tonic::{Code, Status};
 

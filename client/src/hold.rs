@@ -1,5 +1,19 @@
 //! [`Held`]: what a granted acquire returns — the hold (fencing token,
 //! payload) and the way to release it.
+//!
+//! ```no_run
+//! # async fn demo(client: tether_client::Client, key: tether_client::proto::LockKey, pod: tether_client::proto::Pod) -> Result<(), tether_client::Error> {
+//! use std::time::Duration;
+//! use tether_client::proto::Outcome;
+//! let held = client.acquire(&key, &pod, b"plan".to_vec(), Duration::from_secs(30), 0).await?;
+//! // Writes to the protected resource carry the token; a stale one is refused there.
+//! let token = held.token();
+//! # let _ = token;
+//! if let Some(next) = held.release(Outcome::Failed).await? {
+//!     println!("handed to the next waiter with token {}", next.token);
+//! }
+//! # Ok(()) }
+//! ```
 
 use std::ops::Deref;
 

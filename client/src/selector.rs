@@ -1,5 +1,13 @@
 //! Parsing of label selectors and affinity terms as people write them:
 //! `app=db,tier in (a,b),!canary` and `SELECTOR@TOPOLOGY[:WEIGHT]`.
+//!
+//! ```
+//! use tether_client::selector::{parse_pin_key, parse_term};
+//! let term = parse_term("app=slurmd@topology.kubernetes.io/zone").unwrap();
+//! assert_eq!(term.topology_key, "topology.kubernetes.io/zone");
+//! let key = parse_pin_key("slurm/nodeset-a/3").unwrap();
+//! assert_eq!(key.member, "3");
+//! ```
 
 use std::collections::HashMap;
 
