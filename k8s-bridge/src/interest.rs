@@ -1,0 +1,114 @@
+//! The pod UIDs Tether cares about: holders and waiters of locks, owners of
+//! pins. Built from Tether's state, kept current from its event stream, so
+//! the bridge sends nothing for the other pods of a large cluster.
+
+use std::collections::BTreeSet;
+
+use tether_client::proto as pb;
+
+/// The set of interesting pod UIDs.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Interest {
+    uids: BTreeSet<String>,
+}
+
+impl Interest {
+    /// From a full read of Tether's locks and pins.
+    pub fn from_state(locks: &[pb::LockState], pins: &[pb::Pin]) -> Interest {
+        let mut uids = BTreeSet::new();
+        for lock in locks {
+            if let Some(pod) = lock.holder.as_ref().and_then(|h| h.pod.as_ref()) {
+                uids.insert(pod.uid.clone());
+            }
+            for waiter in &lock.waiters {
+                if let Some(pod) = &waiter.pod {
+                    uids.insert(pod.uid.clone());
+                }
+            }
+        }
+        for pin in pins.iter().filter(|p| !p.pod_uid.is_empty()) {
+            uids.insert(pin.pod_uid.clone());
+        }
+        Interest { uids }
+    }
+
+    /// Whether Tether cares about this pod.
+    pub fn contains(&self, uid: &str) -> bool {
+        self.uids.contains(uid)
+    }
+
+    /// The UIDs.
+    pub fn uids(&self) -> &BTreeSet<String> {
+        &self.uids
+    }
+
+    /// Follows one Tether event. Grants, queued waits and pin owners add a
+    /// UID. Removal happens only by rebuilding from state: a pod stays
+    /// interesting while anything might still refer to it, and a stale extra
+    /// UID costs at most one idempotent report.
+    pub fn apply(&mut self, event: &pb::Event) {
+        match event.kind.as_str() {
+            "LockGranted" | "LockQueued" => {
+                if let Some(pod) = &event.pod {
+                    self.uids.insert(pod.uid.clone());
+                }
+            }
+            "PinAssigned" | "PinOwnerChanged" => {
+                if let Some(uid) = event.attributes.get("pod_uid").filter(|u| !u.is_empty()) {
+                    self.uids.insert(uid.clone());
+                }
+            }
+            _ => {}
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn pod(uid: &str) -> Option<pb::Pod> {
+        Some(pb::Pod {
+            uid: uid.into(),
+            ..Default::default()
+        })
+    }
+
+    #[test]
+    fn holders_waiters_and_pin_owners_are_interesting() {
+        let lock = pb::LockState {
+            holder: Some(pb::Hold {
+                pod: pod("h"),
+                ..Default::default()
+            }),
+            waiters: vec![pb::Waiter {
+                pod: pod("w"),
+                ..Default::default()
+            }],
+            ..Default::default()
+        };
+        let pin = pb::Pin {
+            pod_uid: "p".into(),
+            ..Default::default()
+        };
+        let mut interest = Interest::from_state(&[lock], &[pin]);
+        assert!(interest.contains("h") && interest.contains("w") && interest.contains("p"));
+        assert!(!interest.contains("bystander"));
+        let event = pb::Event {
+            kind: "LockQueued".into(),
+            pod: pod("late"),
+            ..Default::default()
+        };
+        interest.apply(&event);
+        assert!(interest.contains("late"));
+        let mut pinned = pb::Event {
+            kind: "PinAssigned".into(),
+            ..Default::default()
+        };
+        pinned
+            .attributes
+            .insert("pod_uid".into(), "slurmd-3".into());
+        interest.apply(&pinned);
+        assert!(interest.contains("slurmd-3"));
+    }
+}

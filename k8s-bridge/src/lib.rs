@@ -1,0 +1,25 @@
+//! `tether-k8s-bridge`: Kubernetes reality into Tether commands.
+//!
+//! The bridge watches Pods and Nodes and tells Tether what it must know: a
+//! pod that holds, waits for or is pinned by something was deleted, went
+//! terminal or started its containers; a node joined, changed readiness,
+//! labels or schedulability, or is gone. Its decisions are pure functions,
+//! tested directly; the Kubernetes and Tether I/O around them is thin.
+//!
+//! Every command it sends is idempotent (a repeated report changes nothing),
+//! so two bridge replicas running at once reach the same outcome as one: no
+//! leader election is needed.
+//!
+//! # Layout
+//! - `model.rs` — the parts of Pods and Nodes the bridge looks at, and the
+//!   commands it sends.
+//! - `mapping.rs` — one watch event (old and new object) → commands.
+//! - `orphans.rs` — after a (re)list: what Tether knows that Kubernetes no
+//!   longer has (deletes missed while the bridge was down or the watch broke).
+//! - `interest.rs` — the pod UIDs Tether cares about, from its state and
+//!   event stream; pods outside it produce nothing.
+
+pub mod interest;
+pub mod mapping;
+pub mod model;
+pub mod orphans;

@@ -1,0 +1,223 @@
+//! What the bridge reads from Pods and Nodes, and the commands it sends.
+
+use std::collections::BTreeMap;
+
+use k8s_openapi::api::core::v1::{Node, Pod};
+
+/// A pod's phase, as Kubernetes reports it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Phase {
+    /// Accepted, not all containers running yet.
+    Pending,
+    /// Bound and at least one container running.
+    Running,
+    /// All containers terminated successfully.
+    Succeeded,
+    /// All containers terminated, at least one in failure.
+    Failed,
+    /// Unknown (e.g. the node is unreachable).
+    Unknown,
+}
+
+impl Phase {
+    /// Whether the pod is done for good.
+    pub fn is_terminal(self) -> bool {
+        matches!(self, Phase::Succeeded | Phase::Failed)
+    }
+}
+
+/// The parts of a Pod the bridge looks at.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PodView {
+    /// The UID: the identity Tether keys on.
+    pub uid: String,
+    /// Namespace (for logs).
+    pub namespace: String,
+    /// Name (for logs).
+    pub name: String,
+    /// Phase.
+    pub phase: Phase,
+    /// `metadata.deletionTimestamp` is set.
+    pub deleting: bool,
+    /// `metadata.deletionGracePeriodSeconds` is 0 (force delete).
+    pub grace_zero: bool,
+    /// Some container has started (so `Allocate` has happened).
+    pub started: bool,
+}
+
+impl PodView {
+    /// Reads a Pod; `None` without a UID (not a stored object).
+    pub fn from_pod(pod: &Pod) -> Option<PodView> {
+        let meta = &pod.metadata;
+        let uid = meta.uid.clone()?;
+        let status = pod.status.as_ref();
+        let phase = match status.and_then(|s| s.phase.as_deref()) {
+            Some("Running") => Phase::Running,
+            Some("Succeeded") => Phase::Succeeded,
+            Some("Failed") => Phase::Failed,
+            Some("Pending") | None => Phase::Pending,
+            Some(_) => Phase::Unknown,
+        };
+        let started = status
+            .and_then(|s| s.container_statuses.as_ref())
+            .is_some_and(|cs| {
+                cs.iter().any(|c| {
+                    c.started == Some(true)
+                        || c.state.as_ref().is_some_and(|st| st.running.is_some())
+                })
+            });
+        Some(PodView {
+            uid,
+            namespace: meta.namespace.clone().unwrap_or_default(),
+            name: meta.name.clone().unwrap_or_default(),
+            phase,
+            deleting: meta.deletion_timestamp.is_some(),
+            grace_zero: meta.deletion_grace_period_seconds == Some(0),
+            started,
+        })
+    }
+}
+
+/// The parts of a Node the bridge looks at.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct NodeView {
+    /// Node name.
+    pub name: String,
+    /// Node UID.
+    pub uid: String,
+    /// Labels (affinity topology).
+    pub labels: BTreeMap<String, String>,
+    /// The Ready condition is True.
+    pub ready: bool,
+    /// `spec.unschedulable`.
+    pub unschedulable: bool,
+}
+
+impl NodeView {
+    /// Reads a Node; `None` without a name.
+    pub fn from_node(node: &Node) -> Option<NodeView> {
+        let meta = &node.metadata;
+        let ready = node
+            .status
+            .as_ref()
+            .and_then(|s| s.conditions.as_ref())
+            .is_some_and(|cs| cs.iter().any(|c| c.type_ == "Ready" && c.status == "True"));
+        Some(NodeView {
+            name: meta.name.clone()?,
+            uid: meta.uid.clone().unwrap_or_default(),
+            labels: meta.labels.clone().unwrap_or_default(),
+            ready,
+            unschedulable: node
+                .spec
+                .as_ref()
+                .and_then(|s| s.unschedulable)
+                .unwrap_or(false),
+        })
+    }
+}
+
+/// What a pod report says.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum PodReport {
+    /// Alive, containers not started.
+    Starting,
+    /// Containers started.
+    Running,
+    /// Succeeded or Failed.
+    Terminal,
+    /// Deleted (or being force-deleted).
+    Gone,
+}
+
+/// What a node report says.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum NodeReport {
+    /// Exists (first seen, or labels / schedulability changed).
+    Joined,
+    /// Ready.
+    Ready,
+    /// Not ready.
+    NotReady,
+    /// Gone: NotFound after a list.
+    Gone,
+}
+
+/// A command for Tether. All are idempotent.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Command {
+    /// Report a pod's phase (`Gone` / `Terminal` revoke its pod lease).
+    Pod {
+        /// Pod UID.
+        uid: String,
+        /// What to report.
+        report: PodReport,
+    },
+    /// Report a node.
+    Node {
+        /// Node name.
+        name: String,
+        /// Node UID.
+        uid: String,
+        /// What to report.
+        report: NodeReport,
+        /// Labels to set, if this report carries them.
+        labels: Option<BTreeMap<String, String>>,
+        /// Schedulability to set, if this report carries it.
+        unschedulable: Option<bool>,
+    },
+    /// A node delete event: check with a GET (NotFound → report gone); a
+    /// delete event alone is a hint.
+    ConfirmNodeGone {
+        /// Node name.
+        name: String,
+    },
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn pods_are_read_from_their_api_objects() {
+        let pod: Pod = serde_json::from_value(serde_json::json!({
+            "metadata": {"name": "train-0", "namespace": "ml", "uid": "u1",
+                         "deletionTimestamp": "2026-01-01T00:00:00Z", "deletionGracePeriodSeconds": 0},
+            "status": {"phase": "Running", "containerStatuses": [
+                {"name": "c", "image": "i", "imageID": "", "ready": true, "restartCount": 0, "started": true,
+                 "state": {"running": {"startedAt": "2026-01-01T00:00:00Z"}}}
+            ]}
+        }))
+        .unwrap();
+        let view = PodView::from_pod(&pod).unwrap();
+        assert_eq!(
+            (
+                view.uid.as_str(),
+                view.phase,
+                view.deleting,
+                view.grace_zero,
+                view.started
+            ),
+            ("u1", Phase::Running, true, true, true)
+        );
+        let pending: Pod =
+            serde_json::from_value(serde_json::json!({"metadata": {"uid": "u2"}})).unwrap();
+        let view = PodView::from_pod(&pending).unwrap();
+        assert_eq!(
+            (view.phase, view.started, view.deleting),
+            (Phase::Pending, false, false)
+        );
+    }
+
+    #[test]
+    fn nodes_are_read_from_their_api_objects() {
+        let node: Node = serde_json::from_value(serde_json::json!({
+            "metadata": {"name": "n1", "uid": "nu", "labels": {"topology.kubernetes.io/zone": "a"}},
+            "spec": {"unschedulable": true},
+            "status": {"conditions": [{"type": "Ready", "status": "True"}]}
+        }))
+        .unwrap();
+        let view = NodeView::from_node(&node).unwrap();
+        assert!(view.ready && view.unschedulable);
+        assert_eq!(view.labels["topology.kubernetes.io/zone"], "a");
+    }
+}
