@@ -18,7 +18,10 @@
 //!   longer has (deletes missed while the bridge was down or the watch broke).
 //! - `interest.rs` — the pod UIDs Tether cares about, from its state and
 //!   event stream; pods outside it produce nothing.
+//! - `bridge.rs` — the run-time loop: kube-rs watchers, the Tether event
+//!   watch, periodic resync, sending commands.
 
+pub mod bridge;
 pub mod interest;
 pub mod mapping;
 pub mod model;

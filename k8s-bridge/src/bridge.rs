@@ -1,0 +1,479 @@
+//! The bridge at run time: kube-rs watchers on Pods and Nodes, a watch on
+//! Tether's event stream for the interest set, and a periodic resync, all
+//! feeding the pure decisions of `mapping` and `orphans` and sending their
+//! commands to Tether.
+
+use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use futures::StreamExt;
+use k8s_openapi::api::core::v1::{Node, Pod};
+use kube::runtime::WatchStreamExt;
+use kube::runtime::watcher::{self, Event};
+use tether_client::proto as pb;
+use tether_client::{Client, WatchUpdate};
+
+use crate::interest::Interest;
+use crate::mapping::{node_change, pod_change};
+use crate::model::{Command, NodeReport, NodeView, PodReport, PodView};
+use crate::orphans::{LiveView, TetherView, orphans};
+
+/// Tether events that make a pod UID interesting.
+const INTEREST_KINDS: [&str; 4] = [
+    "LockGranted",
+    "LockQueued",
+    "PinAssigned",
+    "PinOwnerChanged",
+];
+
+/// Counters for `/metrics` and tests.
+#[derive(Debug, Default)]
+pub struct Metrics {
+    /// Kubernetes watch events handled.
+    pub events_seen: AtomicU64,
+    /// Commands Tether accepted.
+    pub commands_sent: AtomicU64,
+    /// Commands that failed (retried by the next resync if still needed).
+    pub command_errors: AtomicU64,
+    /// Orphans found by lists and resyncs.
+    pub orphans_found: AtomicU64,
+    /// Sum and count of Kubernetes-event-to-Tether-commit latencies, µs.
+    pub lag_us_sum: AtomicU64,
+    /// See `lag_us_sum`.
+    pub lag_count: AtomicU64,
+}
+
+/// One running bridge.
+pub struct Bridge {
+    tether: Client,
+    kube: kube::Client,
+    interest: Mutex<Interest>,
+    pods: Mutex<HashMap<String, PodView>>,
+    nodes: Mutex<BTreeMap<String, NodeView>>,
+    pods_listed: AtomicBool,
+    nodes_listed: AtomicBool,
+    /// Counters.
+    pub metrics: Metrics,
+}
+
+fn pod_phase(report: PodReport) -> pb::PodPhase {
+    match report {
+        PodReport::Starting => pb::PodPhase::PodStarting,
+        PodReport::Running => pb::PodPhase::PodRunning,
+        PodReport::Terminal => pb::PodPhase::PodTerminal,
+        PodReport::Gone => pb::PodPhase::PodGone,
+    }
+}
+
+fn node_state(report: NodeReport) -> pb::NodeState {
+    match report {
+        NodeReport::Joined => pb::NodeState::NodeJoined,
+        NodeReport::Ready => pb::NodeState::NodeReady,
+        NodeReport::NotReady => pb::NodeState::NodeNotReady,
+        NodeReport::Gone => pb::NodeState::NodeGone,
+    }
+}
+
+impl Bridge {
+    /// A bridge between a Kubernetes API and a Tether cluster.
+    pub fn new(tether: Client, kube: kube::Client) -> Arc<Bridge> {
+        Arc::new(Bridge {
+            tether,
+            kube,
+            interest: Mutex::default(),
+            pods: Mutex::default(),
+            nodes: Mutex::default(),
+            pods_listed: AtomicBool::new(false),
+            nodes_listed: AtomicBool::new(false),
+            metrics: Metrics::default(),
+        })
+    }
+
+    /// Runs until `shutdown` resolves: the pod and node watchers, the Tether
+    /// event watch, and a resync every `resync`.
+    pub async fn run(
+        self: Arc<Self>,
+        resync: Duration,
+        shutdown: impl std::future::Future<Output = ()>,
+    ) {
+        // Fix the Tether watch position before reading the state, so no
+        // grant between the read and the watch is missed (a repeat is
+        // harmless: the interest set is a set).
+        let watch = loop {
+            match self
+                .tether
+                .watch(None, INTEREST_KINDS.map(String::from).to_vec(), "")
+                .await
+            {
+                Ok(watch) => break watch,
+                Err(err) => {
+                    tracing::warn!(%err, "cannot reach Tether yet; retrying");
+                    tokio::time::sleep(Duration::from_secs(1)).await;
+                }
+            }
+        };
+        if let Err(err) = self.refresh_interest().await {
+            tracing::warn!(%err, "cannot read Tether's state yet; the resync will retry");
+        }
+        let tasks = [
+            tokio::spawn(self.clone().watch_pods()),
+            tokio::spawn(self.clone().watch_nodes()),
+            tokio::spawn(self.clone().watch_tether(watch)),
+            tokio::spawn(self.clone().resync_every(resync)),
+        ];
+        shutdown.await;
+        for task in tasks {
+            task.abort();
+        }
+    }
+
+    /// Rebuilds the interest set from Tether's locks and pins.
+    pub async fn refresh_interest(&self) -> Result<(), tether_client::Error> {
+        let locks = self.tether.list("").await?;
+        let pins = self.tether.list_pins("", "").await?;
+        *self.interest.lock().unwrap_or_else(|p| p.into_inner()) =
+            Interest::from_state(&locks, &pins);
+        Ok(())
+    }
+
+    /// Whether Tether cares about this pod UID, as far as the bridge knows.
+    pub fn is_interesting(&self, uid: &str) -> bool {
+        self.interesting(uid)
+    }
+
+    fn interesting(&self, uid: &str) -> bool {
+        self.interest
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .contains(uid)
+    }
+
+    /// Sends one command; `seen_at` is when the Kubernetes event arrived.
+    async fn send(&self, command: Command, seen_at: Instant) {
+        let result = match &command {
+            Command::Pod { uid, report } => self
+                .tether
+                .report_pod(uid, pod_phase(*report))
+                .await
+                .map(|_| ()),
+            Command::Node {
+                name,
+                uid,
+                report,
+                labels,
+                unschedulable,
+            } => {
+                let request = pb::ReportNodeRequest {
+                    name: name.clone(),
+                    uid: uid.clone(),
+                    state: node_state(*report) as i32,
+                    set_labels: labels.is_some(),
+                    labels: labels.clone().unwrap_or_default().into_iter().collect(),
+                    unschedulable: *unschedulable,
+                    ..Default::default()
+                };
+                self.tether.report_node(request).await.map(|_| ())
+            }
+            Command::ConfirmNodeGone { name } => {
+                let nodes: kube::Api<Node> = kube::Api::all(self.kube.clone());
+                match nodes.get_opt(name).await {
+                    Ok(None) => {
+                        let gone = Command::Node {
+                            name: name.clone(),
+                            uid: String::new(),
+                            report: NodeReport::Gone,
+                            labels: None,
+                            unschedulable: None,
+                        };
+                        return Box::pin(self.send(gone, seen_at)).await;
+                    }
+                    Ok(Some(_)) => return, // recreated under the same name: not gone
+                    Err(err) => {
+                        // A transient error never unpins: the next list decides.
+                        tracing::warn!(node = name, %err, "cannot confirm the node is gone; leaving it to the next list");
+                        return;
+                    }
+                }
+            }
+        };
+        match result {
+            Ok(()) => {
+                let lag = seen_at.elapsed().as_micros() as u64;
+                self.metrics.commands_sent.fetch_add(1, Ordering::Relaxed);
+                self.metrics.lag_us_sum.fetch_add(lag, Ordering::Relaxed);
+                self.metrics.lag_count.fetch_add(1, Ordering::Relaxed);
+                tracing::info!(?command, lag_us = lag, "sent to Tether");
+            }
+            Err(err) => {
+                self.metrics.command_errors.fetch_add(1, Ordering::Relaxed);
+                tracing::warn!(?command, %err, "command not applied; the next resync repeats what is still needed");
+            }
+        }
+    }
+
+    /// Handles an added or changed pod; returns its view.
+    async fn pod_applied(&self, pod: &Pod, seen_at: Instant) -> Option<PodView> {
+        let new = PodView::from_pod(pod)?;
+        let old = self
+            .pods
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .get(&new.uid)
+            .cloned();
+        for command in pod_change(old.as_ref(), Some(&new), self.interesting(&new.uid)) {
+            self.send(command, seen_at).await;
+        }
+        self.pods
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .insert(new.uid.clone(), new.clone());
+        Some(new)
+    }
+
+    async fn watch_pods(self: Arc<Self>) {
+        let api: kube::Api<Pod> = kube::Api::all(self.kube.clone());
+        let stream = watcher::watcher(api, watcher::Config::default()).default_backoff();
+        futures::pin_mut!(stream);
+        let mut relisted: HashMap<String, PodView> = HashMap::new();
+        while let Some(event) = stream.next().await {
+            let seen_at = Instant::now();
+            let event = match event {
+                Ok(event) => event,
+                Err(err) => {
+                    tracing::warn!(%err, "pod watch failed; backing off");
+                    continue;
+                }
+            };
+            self.metrics.events_seen.fetch_add(1, Ordering::Relaxed);
+            match event {
+                Event::Init => relisted.clear(),
+                Event::InitApply(pod) => {
+                    if let Some(view) = self.pod_applied(&pod, seen_at).await {
+                        relisted.insert(view.uid.clone(), view);
+                    }
+                }
+                Event::Apply(pod) => {
+                    self.pod_applied(&pod, seen_at).await;
+                }
+                Event::Delete(pod) => {
+                    let Some(gone) = PodView::from_pod(&pod) else {
+                        continue;
+                    };
+                    let old = self
+                        .pods
+                        .lock()
+                        .unwrap_or_else(|p| p.into_inner())
+                        .remove(&gone.uid);
+                    for command in pod_change(
+                        Some(old.as_ref().unwrap_or(&gone)),
+                        None,
+                        self.interesting(&gone.uid),
+                    ) {
+                        self.send(command, seen_at).await;
+                    }
+                    relisted.remove(&gone.uid);
+                }
+                Event::InitDone => {
+                    // The list is the truth: replace the cache, then release
+                    // whatever Tether holds for pods that are not in it.
+                    *self.pods.lock().unwrap_or_else(|p| p.into_inner()) =
+                        std::mem::take(&mut relisted);
+                    self.pods_listed.store(true, Ordering::Relaxed);
+                    if let Err(err) = self.refresh_interest().await {
+                        tracing::warn!(%err, "cannot read Tether's state after a pod list; the resync will retry");
+                        continue;
+                    }
+                    self.resync_pods(seen_at).await;
+                }
+            }
+        }
+    }
+
+    async fn watch_nodes(self: Arc<Self>) {
+        let api: kube::Api<Node> = kube::Api::all(self.kube.clone());
+        let stream = watcher::watcher(api, watcher::Config::default()).default_backoff();
+        futures::pin_mut!(stream);
+        let mut relisted: BTreeMap<String, NodeView> = BTreeMap::new();
+        while let Some(event) = stream.next().await {
+            let seen_at = Instant::now();
+            let event = match event {
+                Ok(event) => event,
+                Err(err) => {
+                    tracing::warn!(%err, "node watch failed; backing off");
+                    continue;
+                }
+            };
+            self.metrics.events_seen.fetch_add(1, Ordering::Relaxed);
+            match event {
+                Event::Init => relisted.clear(),
+                Event::InitApply(node) => {
+                    // Reported from the complete list at InitDone.
+                    if let Some(view) = NodeView::from_node(&node) {
+                        relisted.insert(view.name.clone(), view);
+                    }
+                }
+                Event::Apply(node) => {
+                    let Some(new) = NodeView::from_node(&node) else {
+                        continue;
+                    };
+                    let old = self
+                        .nodes
+                        .lock()
+                        .unwrap_or_else(|p| p.into_inner())
+                        .get(&new.name)
+                        .cloned();
+                    for command in node_change(old.as_ref(), Some(&new)) {
+                        self.send(command, seen_at).await;
+                    }
+                    self.nodes
+                        .lock()
+                        .unwrap_or_else(|p| p.into_inner())
+                        .insert(new.name.clone(), new);
+                }
+                Event::Delete(node) => {
+                    let Some(gone) = NodeView::from_node(&node) else {
+                        continue;
+                    };
+                    self.nodes
+                        .lock()
+                        .unwrap_or_else(|p| p.into_inner())
+                        .remove(&gone.name);
+                    for command in node_change(Some(&gone), None) {
+                        self.send(command, seen_at).await;
+                    }
+                }
+                Event::InitDone => {
+                    let previous = std::mem::replace(
+                        &mut *self.nodes.lock().unwrap_or_else(|p| p.into_inner()),
+                        std::mem::take(&mut relisted),
+                    );
+                    self.nodes_listed.store(true, Ordering::Relaxed);
+                    // Changes of nodes we knew (readiness, labels) while the
+                    // watch was down.
+                    let current = self.nodes.lock().unwrap_or_else(|p| p.into_inner()).clone();
+                    for (name, new) in &current {
+                        if let Some(old) = previous.get(name) {
+                            for command in node_change(Some(old), Some(new)) {
+                                self.send(command, seen_at).await;
+                            }
+                        }
+                    }
+                    self.resync_nodes(seen_at).await;
+                }
+            }
+        }
+    }
+
+    /// Follows Tether's events to keep the interest set current. The watcher
+    /// resumes across disconnects by itself; after a gap it re-reads state.
+    async fn watch_tether(self: Arc<Self>, mut watch: tether_client::Watcher) {
+        loop {
+            match watch.next().await {
+                Ok(WatchUpdate::Events(events)) => {
+                    let mut interest = self.interest.lock().unwrap_or_else(|p| p.into_inner());
+                    for event in &events {
+                        interest.apply(event);
+                    }
+                }
+                Ok(WatchUpdate::Relist { .. }) => {
+                    if let Err(err) = self.refresh_interest().await {
+                        tracing::warn!(%err, "cannot re-read Tether's state");
+                    }
+                }
+                Err(err) => {
+                    tracing::warn!(%err, "Tether watch failed; retrying from where it was");
+                    tokio::time::sleep(Duration::from_secs(1)).await;
+                }
+            }
+        }
+    }
+
+    /// Pod orphans: interesting UIDs that no live (non-terminal) pod has.
+    async fn resync_pods(&self, seen_at: Instant) {
+        if !self.pods_listed.load(Ordering::Relaxed) {
+            return;
+        }
+        let live = LiveView {
+            pod_uids: self
+                .pods
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .values()
+                .filter(|p| !p.phase.is_terminal())
+                .map(|p| p.uid.clone())
+                .collect(),
+            nodes: BTreeMap::new(),
+        };
+        let tether = TetherView {
+            pod_uids: self
+                .interest
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .uids()
+                .clone(),
+            nodes: BTreeSet::new(),
+        };
+        self.send_orphans(orphans(&tether, &live), seen_at).await;
+    }
+
+    /// Node orphans: registry nodes not listed (gone), listed nodes Tether lacks.
+    async fn resync_nodes(&self, seen_at: Instant) {
+        if !self.nodes_listed.load(Ordering::Relaxed) {
+            return;
+        }
+        let registry = match self.tether.list_nodes(false).await {
+            Ok(nodes) => nodes.into_iter().map(|n| n.name).collect(),
+            Err(err) => {
+                tracing::warn!(%err, "cannot read Tether's node registry; the next resync will retry");
+                return;
+            }
+        };
+        let live = LiveView {
+            pod_uids: BTreeSet::new(),
+            nodes: self.nodes.lock().unwrap_or_else(|p| p.into_inner()).clone(),
+        };
+        self.send_orphans(
+            orphans(
+                &TetherView {
+                    pod_uids: BTreeSet::new(),
+                    nodes: registry,
+                },
+                &live,
+            ),
+            seen_at,
+        )
+        .await;
+    }
+
+    async fn send_orphans(&self, commands: Vec<Command>, seen_at: Instant) {
+        if !commands.is_empty() {
+            tracing::info!(
+                count = commands.len(),
+                "resync found what Tether still holds for missing objects"
+            );
+        }
+        self.metrics
+            .orphans_found
+            .fetch_add(commands.len() as u64, Ordering::Relaxed);
+        for command in commands {
+            self.send(command, seen_at).await;
+        }
+    }
+
+    async fn resync_every(self: Arc<Self>, every: Duration) {
+        let mut tick = tokio::time::interval(every);
+        tick.tick().await;
+        loop {
+            tick.tick().await;
+            if let Err(err) = self.refresh_interest().await {
+                tracing::warn!(%err, "resync: cannot read Tether's state");
+                continue;
+            }
+            let now = Instant::now();
+            self.resync_pods(now).await;
+            self.resync_nodes(now).await;
+        }
+    }
+}

@@ -1,0 +1,402 @@
+//! A small, protocol-faithful fake of the Kubernetes API for Pods and Nodes,
+//! which the real `kube::Client` (and kube-runtime's watcher) talks to over
+//! HTTP.
+//!
+//! What it implements: `GET /api/v1/{pods,nodes}` lists with a collection
+//! `resourceVersion`; `?watch=true&resourceVersion=N` streams (chunked JSON
+//! lines) replaying every change after N, then live changes, with BOOKMARK
+//! events; a resourceVersion older than the compaction point gets the API
+//! server's answer, an `ERROR` event with a `410 Gone` Status; `GET
+//! /api/v1/nodes/{name}` (404 Status when absent).
+//!
+//! What it does not: label/field selectors, pagination (`limit` is ignored:
+//! one page), namespaced list paths, writes through the API (tests change
+//! objects with methods), authentication, protobuf, server-side apply.
+
+#![allow(dead_code)]
+
+use std::collections::BTreeMap;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use serde_json::{Value, json};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::{TcpListener, TcpStream};
+use tokio::sync::broadcast;
+
+/// One stored change.
+#[derive(Clone)]
+struct Change {
+    rv: u64,
+    resource: &'static str,
+    kind: &'static str,
+    object: Value,
+}
+
+#[derive(Default)]
+struct Store {
+    rv: u64,
+    objects: BTreeMap<(&'static str, String), Value>,
+    log: Vec<Change>,
+    compacted_below: u64,
+}
+
+/// The fake API server.
+pub struct FakeApi {
+    store: Mutex<Store>,
+    changes: broadcast::Sender<()>,
+    /// Bumped to end every open watch stream.
+    generation: Mutex<u64>,
+    /// The URL to give `kube::Config::new`.
+    pub url: String,
+}
+
+impl FakeApi {
+    /// Starts the server on a loopback port.
+    pub async fn start() -> Arc<FakeApi> {
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let url = format!("http://{}", listener.local_addr().unwrap());
+        let (changes, _) = broadcast::channel(1024);
+        let api = Arc::new(FakeApi {
+            store: Mutex::default(),
+            changes,
+            generation: Mutex::new(0),
+            url,
+        });
+        let server = api.clone();
+        tokio::spawn(async move {
+            while let Ok((stream, _)) = listener.accept().await {
+                let api = server.clone();
+                tokio::spawn(async move {
+                    let _ = api.connection(stream).await;
+                });
+            }
+        });
+        api
+    }
+
+    /// A kube client for this server.
+    pub fn client(&self) -> kube::Client {
+        kube::Client::try_from(kube::Config::new(self.url.parse().unwrap())).unwrap()
+    }
+
+    fn record(&self, resource: &'static str, kind: &'static str, key: String, mut object: Value) {
+        let mut store = self.store.lock().unwrap();
+        store.rv += 1;
+        let rv = store.rv;
+        object["metadata"]["resourceVersion"] = json!(rv.to_string());
+        if kind == "DELETED" {
+            store.objects.remove(&(resource, key));
+        } else {
+            store.objects.insert((resource, key), object.clone());
+        }
+        store.log.push(Change {
+            rv,
+            resource,
+            kind,
+            object,
+        });
+        drop(store);
+        let _ = self.changes.send(());
+    }
+
+    /// Creates or updates a pod (ADDED / MODIFIED).
+    pub fn put_pod(&self, pod: Value) {
+        let key = format!(
+            "{}/{}",
+            pod["metadata"]["namespace"].as_str().unwrap(),
+            pod["metadata"]["name"].as_str().unwrap()
+        );
+        let exists = self
+            .store
+            .lock()
+            .unwrap()
+            .objects
+            .contains_key(&("pods", key.clone()));
+        self.record("pods", if exists { "MODIFIED" } else { "ADDED" }, key, pod);
+    }
+
+    /// Deletes a pod (DELETED with its last state).
+    pub fn delete_pod(&self, namespace: &str, name: &str) {
+        let key = format!("{namespace}/{name}");
+        let last = self
+            .store
+            .lock()
+            .unwrap()
+            .objects
+            .get(&("pods", key.clone()))
+            .cloned()
+            .expect("pod exists");
+        self.record("pods", "DELETED", key, last);
+    }
+
+    /// Deletes a pod without any watch event reaching anyone: as if it was
+    /// deleted while every watcher was disconnected and the history since
+    /// was compacted.
+    pub fn delete_pod_silently(&self, namespace: &str, name: &str) {
+        {
+            let mut store = self.store.lock().unwrap();
+            store
+                .objects
+                .remove(&("pods", format!("{namespace}/{name}")));
+            store.rv += 1;
+        }
+        self.compact();
+        self.break_watches();
+    }
+
+    /// Creates or updates a node.
+    pub fn put_node(&self, node: Value) {
+        let key = node["metadata"]["name"].as_str().unwrap().to_string();
+        let exists = self
+            .store
+            .lock()
+            .unwrap()
+            .objects
+            .contains_key(&("nodes", key.clone()));
+        self.record(
+            "nodes",
+            if exists { "MODIFIED" } else { "ADDED" },
+            key,
+            node,
+        );
+    }
+
+    /// Deletes a node.
+    pub fn delete_node(&self, name: &str) {
+        let last = self
+            .store
+            .lock()
+            .unwrap()
+            .objects
+            .get(&("nodes", name.to_string()))
+            .cloned()
+            .expect("node exists");
+        self.record("nodes", "DELETED", name.to_string(), last);
+    }
+
+    /// Forgets the change history: watches from older versions get 410.
+    pub fn compact(&self) {
+        let mut store = self.store.lock().unwrap();
+        store.compacted_below = store.rv + 1;
+        store.log.clear();
+    }
+
+    /// Ends every open watch stream (the clients re-watch from their last
+    /// resourceVersion).
+    pub fn break_watches(&self) {
+        *self.generation.lock().unwrap() += 1;
+        let _ = self.changes.send(());
+    }
+
+    async fn connection(&self, mut stream: TcpStream) -> std::io::Result<()> {
+        loop {
+            let Some((method, target)) = read_head(&mut stream).await? else {
+                return Ok(());
+            };
+            let (path, query) = target.split_once('?').unwrap_or((&target, ""));
+            let params: BTreeMap<&str, &str> = query
+                .split('&')
+                .filter_map(|kv| kv.split_once('='))
+                .collect();
+            let resource = match path {
+                "/api/v1/pods" => Some("pods"),
+                "/api/v1/nodes" => Some("nodes"),
+                _ => None,
+            };
+            match (method.as_str(), resource) {
+                ("GET", Some(resource))
+                    if params
+                        .get("watch")
+                        .is_some_and(|w| *w == "true" || *w == "1") =>
+                {
+                    let from: u64 = params
+                        .get("resourceVersion")
+                        .and_then(|v| v.parse().ok())
+                        .unwrap_or(0);
+                    let timeout: u64 = params
+                        .get("timeoutSeconds")
+                        .and_then(|v| v.parse().ok())
+                        .unwrap_or(290);
+                    return self
+                        .watch(stream, resource, from, Duration::from_secs(timeout))
+                        .await;
+                }
+                ("GET", Some(resource)) => {
+                    let body = self.list(resource);
+                    respond(&mut stream, "200 OK", &body).await?;
+                }
+                ("GET", None) if path.starts_with("/api/v1/nodes/") => {
+                    let name = &path["/api/v1/nodes/".len()..];
+                    let found = self
+                        .store
+                        .lock()
+                        .unwrap()
+                        .objects
+                        .get(&("nodes", name.to_string()))
+                        .cloned();
+                    match found {
+                        Some(node) => respond(&mut stream, "200 OK", &node).await?,
+                        None => {
+                            respond(
+                                &mut stream,
+                                "404 Not Found",
+                                &status(404, "NotFound", &format!("nodes \"{name}\" not found")),
+                            )
+                            .await?
+                        }
+                    }
+                }
+                _ => {
+                    respond(
+                        &mut stream,
+                        "404 Not Found",
+                        &status(404, "NotFound", "the fake serves pods and nodes only"),
+                    )
+                    .await?
+                }
+            }
+        }
+    }
+
+    fn list(&self, resource: &'static str) -> Value {
+        let store = self.store.lock().unwrap();
+        let items: Vec<Value> = store
+            .objects
+            .iter()
+            .filter(|((r, _), _)| *r == resource)
+            .map(|(_, v)| v.clone())
+            .collect();
+        let kind = if resource == "pods" {
+            "PodList"
+        } else {
+            "NodeList"
+        };
+        json!({"apiVersion": "v1", "kind": kind, "metadata": {"resourceVersion": store.rv.to_string()}, "items": items})
+    }
+
+    async fn watch(
+        &self,
+        mut stream: TcpStream,
+        resource: &'static str,
+        from: u64,
+        timeout: Duration,
+    ) -> std::io::Result<()> {
+        let head = "HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nTransfer-Encoding: chunked\r\n\r\n";
+        stream.write_all(head.as_bytes()).await?;
+        let mut wake = self.changes.subscribe();
+        let generation = *self.generation.lock().unwrap();
+        let deadline = tokio::time::Instant::now() + timeout;
+        let mut sent = from;
+        let too_old = {
+            let store = self.store.lock().unwrap();
+            from != 0 && from < store.compacted_below.saturating_sub(1)
+        };
+        if too_old {
+            let gone = json!({"type": "ERROR", "object": status(410, "Expired", &format!("too old resource version: {from}"))});
+            write_chunk(&mut stream, &gone).await?;
+            return finish(&mut stream).await;
+        }
+        let kind = if resource == "pods" { "Pod" } else { "Node" };
+        loop {
+            let pending: Vec<Change> = {
+                let store = self.store.lock().unwrap();
+                store
+                    .log
+                    .iter()
+                    .filter(|c| c.resource == resource && c.rv > sent)
+                    .cloned()
+                    .collect()
+            };
+            for change in pending {
+                write_chunk(
+                    &mut stream,
+                    &json!({"type": change.kind, "object": change.object}),
+                )
+                .await?;
+                sent = change.rv;
+            }
+            let broken = *self.generation.lock().unwrap() != generation;
+            if broken {
+                return finish(&mut stream).await;
+            }
+            tokio::select! {
+                _ = wake.recv() => {}
+                _ = tokio::time::sleep(Duration::from_millis(500)) => {
+                    let current = self.store.lock().unwrap().rv;
+                    let rv = current.max(sent);
+                    let bookmark = json!({"type": "BOOKMARK", "object": {"apiVersion": "v1", "kind": kind, "metadata": {"resourceVersion": rv.to_string()}}});
+                    write_chunk(&mut stream, &bookmark).await?;
+                    sent = rv;
+                }
+                _ = tokio::time::sleep_until(deadline) => return finish(&mut stream).await,
+            }
+        }
+    }
+}
+
+fn status(code: u16, reason: &str, message: &str) -> Value {
+    json!({"apiVersion": "v1", "kind": "Status", "metadata": {}, "status": "Failure", "message": message, "reason": reason, "code": code})
+}
+
+async fn read_head(stream: &mut TcpStream) -> std::io::Result<Option<(String, String)>> {
+    let mut buf = Vec::new();
+    let mut byte = [0u8; 1];
+    while !buf.ends_with(b"\r\n\r\n") {
+        if stream.read(&mut byte).await? == 0 {
+            return Ok(None);
+        }
+        buf.push(byte[0]);
+    }
+    let head = String::from_utf8_lossy(&buf);
+    let mut first = head.lines().next().unwrap_or_default().split_whitespace();
+    Ok(Some((
+        first.next().unwrap_or_default().to_string(),
+        first.next().unwrap_or_default().to_string(),
+    )))
+}
+
+async fn respond(stream: &mut TcpStream, status_line: &str, body: &Value) -> std::io::Result<()> {
+    let body = body.to_string();
+    let head = format!(
+        "HTTP/1.1 {status_line}\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n",
+        body.len()
+    );
+    stream.write_all(head.as_bytes()).await?;
+    stream.write_all(body.as_bytes()).await
+}
+
+async fn write_chunk(stream: &mut TcpStream, value: &Value) -> std::io::Result<()> {
+    let line = format!("{value}\n");
+    stream
+        .write_all(format!("{:x}\r\n{line}\r\n", line.len()).as_bytes())
+        .await?;
+    stream.flush().await
+}
+
+async fn finish(stream: &mut TcpStream) -> std::io::Result<()> {
+    stream.write_all(b"0\r\n\r\n").await?;
+    stream.shutdown().await
+}
+
+/// A pod object.
+pub fn pod(name: &str, uid: &str, phase: &str, started: bool) -> Value {
+    let statuses = if started {
+        json!([{"name": "main", "image": "i", "imageID": "", "ready": true, "restartCount": 0, "started": true,
+                "state": {"running": {"startedAt": "2026-01-01T00:00:00Z"}}}])
+    } else {
+        json!([])
+    };
+    json!({"apiVersion": "v1", "kind": "Pod",
+           "metadata": {"name": name, "namespace": "ml", "uid": uid},
+           "spec": {"containers": [{"name": "main", "image": "i"}]},
+           "status": {"phase": phase, "containerStatuses": statuses}})
+}
+
+/// A node object.
+pub fn node(name: &str, ready: bool, zone: &str) -> Value {
+    json!({"apiVersion": "v1", "kind": "Node",
+           "metadata": {"name": name, "uid": format!("uid-{name}"), "labels": {"topology.kubernetes.io/zone": zone}},
+           "spec": {},
+           "status": {"conditions": [{"type": "Ready", "status": if ready { "True" } else { "False" }}]}})
+}
