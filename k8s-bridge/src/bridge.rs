@@ -129,6 +129,45 @@ impl Bridge {
         }
     }
 
+    /// Healthy once both the pod and the node list have completed (the
+    /// bridge's view is whole).
+    pub fn healthy(&self) -> bool {
+        self.pods_listed.load(Ordering::Relaxed) && self.nodes_listed.load(Ordering::Relaxed)
+    }
+
+    /// Prometheus text for `/metrics`.
+    pub fn render_metrics(&self) -> String {
+        let m = &self.metrics;
+        let get = |c: &AtomicU64| c.load(Ordering::Relaxed);
+        let interesting = self
+            .interest
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .uids()
+            .len();
+        format!(
+            "# HELP tether_bridge_events_total Kubernetes watch events handled.\n\
+             # TYPE tether_bridge_events_total counter\ntether_bridge_events_total {}\n\
+             # HELP tether_bridge_commands_total Commands Tether applied.\n\
+             # TYPE tether_bridge_commands_total counter\ntether_bridge_commands_total {}\n\
+             # HELP tether_bridge_command_errors_total Commands that failed.\n\
+             # TYPE tether_bridge_command_errors_total counter\ntether_bridge_command_errors_total {}\n\
+             # HELP tether_bridge_orphans_total Objects Tether still held for, found missing by a list or resync.\n\
+             # TYPE tether_bridge_orphans_total counter\ntether_bridge_orphans_total {}\n\
+             # HELP tether_bridge_lag_seconds Kubernetes event to Tether commit.\n\
+             # TYPE tether_bridge_lag_seconds summary\ntether_bridge_lag_seconds_sum {}\ntether_bridge_lag_seconds_count {}\n\
+             # HELP tether_bridge_interesting_pods Pod UIDs Tether holds, queues or pins for.\n\
+             # TYPE tether_bridge_interesting_pods gauge\ntether_bridge_interesting_pods {}\n",
+            get(&m.events_seen),
+            get(&m.commands_sent),
+            get(&m.command_errors),
+            get(&m.orphans_found),
+            get(&m.lag_us_sum) as f64 / 1e6,
+            get(&m.lag_count),
+            interesting,
+        )
+    }
+
     /// Rebuilds the interest set from Tether's locks and pins.
     pub async fn refresh_interest(&self) -> Result<(), tether_client::Error> {
         let locks = self.tether.list("").await?;

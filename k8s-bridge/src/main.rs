@@ -2,9 +2,11 @@
 //! know (see `tether_k8s_bridge`).
 
 use std::path::PathBuf;
+use std::sync::Arc;
 use std::time::Duration;
 
 use clap::Parser;
+use tether_client::http::{HttpRequest, HttpResponse, serve};
 use tether_client::{Client, Options};
 use tether_k8s_bridge::bridge::Bridge;
 
@@ -26,6 +28,13 @@ struct Args {
     /// A kubeconfig file (default: in-cluster config, then $KUBECONFIG, then ~/.kube/config).
     #[arg(long, env = "KUBECONFIG")]
     kubeconfig: Option<PathBuf>,
+    /// Address of `/health` and `/metrics`.
+    #[arg(
+        long,
+        env = "TETHER_BRIDGE_HTTP_LISTEN",
+        default_value = "127.0.0.1:8891"
+    )]
+    http_listen: std::net::SocketAddr,
     /// How often to diff Tether against the cached cluster state.
     #[arg(long, env = "TETHER_BRIDGE_RESYNC", default_value = "60s", value_parser = humantime::parse_duration)]
     resync: Duration,
@@ -50,7 +59,38 @@ async fn main() -> anyhow::Result<()> {
     let kube = kube::Client::try_from(config)?;
     let tether = Client::new(args.endpoints.clone(), Options::default())?;
     tracing::info!(endpoints = ?args.endpoints, resync = ?args.resync, "tether-bridge starting");
-    Bridge::new(tether, kube)
+    let bridge = Bridge::new(tether, kube);
+    let http = tokio::net::TcpListener::bind(args.http_listen).await?;
+    let endpoints = bridge.clone();
+    let handler = Arc::new(move |request: HttpRequest| {
+        let bridge = endpoints.clone();
+        async move {
+            match request.path.as_str() {
+                "/health" if bridge.healthy() => HttpResponse {
+                    status: "200 OK",
+                    content_type: "text/plain",
+                    body: b"ok\n".to_vec(),
+                },
+                "/health" => HttpResponse {
+                    status: "503 Service Unavailable",
+                    content_type: "text/plain",
+                    body: b"waiting for the first pod and node lists\n".to_vec(),
+                },
+                "/metrics" => HttpResponse {
+                    status: "200 OK",
+                    content_type: "text/plain; version=0.0.4",
+                    body: bridge.render_metrics().into_bytes(),
+                },
+                _ => HttpResponse {
+                    status: "404 Not Found",
+                    content_type: "text/plain",
+                    body: b"try /health or /metrics\n".to_vec(),
+                },
+            }
+        }
+    });
+    tokio::spawn(serve(http, handler, std::future::pending()));
+    bridge
         .run(args.resync, async {
             let _ = tokio::signal::ctrl_c().await;
         })

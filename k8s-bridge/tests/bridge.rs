@@ -142,6 +142,16 @@ async fn owner_deleted_right_after_acquire_hands_the_lock_to_the_next_waiter() {
         deleted_at.elapsed()
     );
     assert_eq!(held.pod_uid(), "uid-next");
+    let metrics = rig.bridge().render_metrics();
+    assert!(
+        metrics.contains("tether_bridge_commands_total"),
+        "{metrics}"
+    );
+    assert!(
+        !metrics.contains("tether_bridge_commands_total 0\n"),
+        "the revoke was counted: {metrics}"
+    );
+    eventually("both lists done", async || rig.bridge().healthy()).await;
     rig.shutdown().await;
 }
 

@@ -18,8 +18,8 @@ use tether_client::proto::{LockKey, Outcome, Pod};
 use tether_client::{Client, Error};
 use tokio::net::TcpListener;
 
-use crate::http::{HttpRequest, HttpResponse, serve};
 use crate::plan::Planner;
+use tether_client::http::{HttpRequest, HttpResponse, serve};
 
 /// What kube-scheduler sends to the bind verb.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]

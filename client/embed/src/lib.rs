@@ -18,12 +18,10 @@
 //!
 //! # Layout
 //! - `extender.rs`, `device_plugin.rs`, `plan.rs` — the logic above.
-//! - `http.rs` — the small HTTP/1.1 server the extender speaks.
 //! - `bin/tether-extender.rs`, `bin/tether-device-plugin.rs` — the binaries.
 
 pub mod device_plugin;
 pub mod extender;
-pub mod http;
 pub mod plan;
 
 /// The generated kubelet device-plugin API (v1beta1).

@@ -7,6 +7,7 @@ use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
+use tether_client::http::{HttpRequest, HttpResponse, serve};
 use tether_client::proto::LockKey;
 use tether_client::{Client, Options};
 use tether_embed::device_plugin::{
@@ -16,7 +17,6 @@ use tether_embed::extender::{
     Extender, ExtenderBindingArgs, ExtenderBindingResult, ExtenderConfig, KubeBinder,
     serve_extender,
 };
-use tether_embed::http::{HttpRequest, HttpResponse, serve};
 use tether_embed::plan::Planner;
 use tether_embed::v1beta1 as api;
 use tether_embed::v1beta1::device_plugin_client::DevicePluginClient;

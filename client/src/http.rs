@@ -1,6 +1,7 @@
-//! A minimal HTTP/1.1 server: one request per connection, JSON bodies with a
-//! Content-Length. Enough for the scheduler extender protocol (kube-scheduler
-//! POSTs JSON and reads JSON back) without a web framework.
+//! A minimal HTTP/1.1 server: one request per connection, bodies with a
+//! Content-Length. Enough for `/health`, `/metrics` and the scheduler
+//! extender protocol (kube-scheduler POSTs JSON and reads JSON back) without
+//! a web framework in every binary that embeds the client.
 
 use std::future::Future;
 use std::sync::Arc;
