@@ -66,6 +66,9 @@ impl FakeApi {
         let server = api.clone();
         tokio::spawn(async move {
             while let Ok((stream, _)) = listener.accept().await {
+                // Watch events are small writes: without NODELAY, Nagle and
+                // delayed ACKs add ~40 ms to each.
+                let _ = stream.set_nodelay(true);
                 let api = server.clone();
                 tokio::spawn(async move {
                     let _ = api.connection(stream).await;
