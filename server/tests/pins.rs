@@ -131,11 +131,13 @@ async fn pin_lifetime_runs_only_after_the_pod_stops_and_silence_never_unpins() {
         client.get_pin(&pin_key("1")).await.unwrap().is_some(),
         "silence unpinned"
     );
+    // The countdown starts at the report's committed (leader-stamped) time,
+    // which is after this instant and before the call returns.
+    let stopped_at = tokio::time::Instant::now();
     client
         .report_pod("pod-a", PodPhase::PodTerminal)
         .await
         .unwrap();
-    let stopped_at = tokio::time::Instant::now();
     eventually("the pin expires after its lifetime", async || {
         client.get_pin(&pin_key("0")).await.unwrap().is_none()
     })
