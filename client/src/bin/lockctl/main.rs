@@ -88,6 +88,9 @@ enum Command {
         /// Only keys with this prefix (e.g. node/, lock/gpu-bind/).
         #[arg(long, default_value = "")]
         prefix: String,
+        /// Stop after this many events (default: follow until interrupted).
+        #[arg(long)]
+        count: Option<usize>,
     },
     /// Print a shell completion script: `source <(lockctl completion bash)`.
     Completion {
@@ -353,6 +356,9 @@ enum LeaseCmd {
     KeepAlive {
         /// The lease id.
         lease_id: u64,
+        /// Stop after this many keepalives (default: until interrupted).
+        #[arg(long)]
+        count: Option<usize>,
     },
     /// Revoke a TTL lease.
     Revoke {
@@ -764,22 +770,29 @@ async fn run(cli: Cli) -> Result<(), Error> {
             let id = client.grant_lease(ttl).await?;
             out.print(json!({"lease_id": id}), || id.to_string());
         }
-        Command::Lease(LeaseCmd::KeepAlive { lease_id }) => loop {
-            let ttl = client.keep_alive_once(lease_id).await?;
-            if ttl == 0 {
-                return Err(Error::NotFound(format!(
-                    "lease {lease_id} expired or was revoked"
-                )));
+        Command::Lease(LeaseCmd::KeepAlive { lease_id, count }) => {
+            for round in 1.. {
+                let ttl = client.keep_alive_once(lease_id).await?;
+                if ttl == 0 {
+                    return Err(Error::NotFound(format!(
+                        "lease {lease_id} expired or was revoked"
+                    )));
+                }
+                out.print(json!({"lease_id": lease_id, "ttl_ms": ttl}), || {
+                    format!(
+                        "lease {lease_id} kept alive (ttl {})",
+                        humantime::format_duration(Duration::from_millis(ttl))
+                    )
+                });
+                if count.is_some_and(|n| round >= n) {
+                    break;
+                }
+                tokio::select! {
+                    _ = tokio::time::sleep(Duration::from_millis(ttl / 3)) => {}
+                    _ = tokio::signal::ctrl_c() => return Ok(()),
+                }
             }
-            eprintln!(
-                "lease {lease_id} kept alive (ttl {})",
-                humantime::format_duration(Duration::from_millis(ttl))
-            );
-            tokio::select! {
-                _ = tokio::time::sleep(Duration::from_millis(ttl / 3)) => {}
-                _ = tokio::signal::ctrl_c() => return Ok(()),
-            }
-        },
+        }
         Command::Lease(LeaseCmd::ReportPod { pod_uid, state }) => {
             let phase = match state {
                 PodStateArg::Alive => pb::PodPhase::PodStarting,
@@ -807,18 +820,21 @@ async fn run(cli: Cli) -> Result<(), Error> {
             from,
             kinds,
             prefix,
+            count,
         } => {
             let start = from.map(|index| pb::Revision { index, sub: 0 });
             let mut watch = client.watch(start, kinds, &prefix).await?;
-            loop {
+            let mut shown = 0;
+            while count.is_none_or(|n| shown < n) {
                 let batch = tokio::select! {
                     batch = watch.next() => batch?,
                     _ = tokio::signal::ctrl_c() => return Ok(()),
                 };
                 match batch {
                     WatchUpdate::Events(events) => {
-                        for event in events {
-                            out.print(event_json(&event), || event_line(&event));
+                        for event in events.iter().take(count.map_or(usize::MAX, |n| n - shown)) {
+                            out.print(event_json(event), || event_line(event));
+                            shown += 1;
                         }
                     }
                     WatchUpdate::Relist {
