@@ -6,10 +6,6 @@
 //! review the diff.
 
 use std::process::Command;
-use std::time::Duration;
-
-use tether_server::{Config, Node};
-use tokio::net::TcpListener;
 
 /// The script; `{lease}` is replaced by the lease id the script granted.
 const SCRIPT: &[&str] = &[
@@ -121,18 +117,7 @@ fn normalize(text: &str) -> String {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn lockctl_output_matches_the_golden_file() {
     let dir = tempfile::tempdir().unwrap();
-    let mut config = Config::defaults();
-    config.data_dir = dir.path().to_path_buf();
-    config.election_timeout = Duration::from_millis(750);
-    let grpc = TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let http = TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let node = Node::start_with(config, grpc, http).await.unwrap();
-    node.raft()
-        .wait(Some(Duration::from_secs(60)))
-        .state(openraft::ServerState::Leader, "leads")
-        .await
-        .unwrap();
-    node.raft().ensure_linearizable().await.unwrap();
+    let node = tether_server::testing::single_node(dir.path()).await;
     let endpoint = node.addr().to_string();
 
     let mut transcript = String::new();

@@ -4,23 +4,10 @@
 use std::process::{Command, Output};
 use std::time::Duration;
 
-use tether_server::{Config, Node};
-use tokio::net::TcpListener;
+use tether_server::Node;
 
 async fn start_replica(dir: &std::path::Path) -> Node {
-    let mut config = Config::defaults();
-    config.data_dir = dir.to_path_buf();
-    config.heartbeat_interval = Duration::from_millis(100);
-    config.election_timeout = Duration::from_millis(750);
-    let grpc = TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let http = TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let node = Node::start_with(config, grpc, http).await.unwrap();
-    node.raft()
-        .wait(Some(Duration::from_secs(60)))
-        .state(openraft::ServerState::Leader, "single node leads")
-        .await
-        .unwrap();
-    node
+    tether_server::testing::single_node(dir).await
 }
 
 /// Runs lockctl off the async runtime's worker threads.

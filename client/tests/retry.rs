@@ -8,7 +8,6 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
 use tether_client::{Client, Options};
-use tether_server::{Config, Node};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
 
@@ -54,17 +53,7 @@ async fn lossy_proxy(
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_retry_after_a_lost_answer_returns_the_original_answer_and_applies_once() {
     let dir = tempfile::tempdir().unwrap();
-    let mut config = Config::defaults();
-    config.data_dir = dir.path().to_path_buf();
-    config.election_timeout = Duration::from_millis(750);
-    let grpc = TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let http = TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let node = Node::start_with(config, grpc, http).await.unwrap();
-    node.raft()
-        .wait(Some(Duration::from_secs(60)))
-        .state(openraft::ServerState::Leader, "leads")
-        .await
-        .unwrap();
+    let node = tether_server::testing::single_node(dir.path()).await;
 
     let swallow = Arc::new(AtomicBool::new(false));
     let proxy = lossy_proxy(node.addr(), swallow.clone()).await;

@@ -233,3 +233,24 @@ impl Cluster {
         }
     }
 }
+
+/// Starts a single-node cluster in `dir` on loopback port 0 and waits until
+/// it leads and has applied its first entries (linearizable reads succeed).
+pub async fn single_node(dir: &std::path::Path) -> Node {
+    let config = test_config(1, dir);
+    let grpc = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let http = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let node = Node::start_with(config, grpc, http)
+        .await
+        .expect("replica starts");
+    node.raft()
+        .wait(Some(DEADLINE))
+        .state(ServerState::Leader, "a single node leads")
+        .await
+        .expect("single node leads");
+    node.raft()
+        .ensure_linearizable()
+        .await
+        .expect("single node serves reads");
+    node
+}
