@@ -889,3 +889,43 @@ impl Client {
         .await
     }
 }
+
+impl Client {
+    /// [`Client::list`] with the answering replica's applied index: the
+    /// state is as of that index (for list-then-watch without gaps).
+    pub async fn list_with_index(&self, scope: &str) -> Result<(Vec<pb::LockState>, u64)> {
+        let request = pb::ListLocksRequest {
+            scope: scope.to_string(),
+        };
+        self.with_leader(Duration::ZERO, |channel| {
+            let request = request.clone();
+            async move {
+                let reply = LockServiceClient::new(channel)
+                    .list(request)
+                    .await?
+                    .into_inner();
+                Ok((reply.locks, reply.header.map_or(0, |h| h.applied_index)))
+            }
+        })
+        .await
+    }
+
+    /// [`Client::list_pins`] with the answering replica's applied index.
+    pub async fn list_pins_with_index(&self, set: &str, node: &str) -> Result<(Vec<pb::Pin>, u64)> {
+        let request = pb::ListPinsRequest {
+            set: set.to_string(),
+            node: node.to_string(),
+        };
+        self.with_leader(Duration::ZERO, |channel| {
+            let request = request.clone();
+            async move {
+                let reply = PinServiceClient::new(channel)
+                    .list(request)
+                    .await?
+                    .into_inner();
+                Ok((reply.pins, reply.header.map_or(0, |h| h.applied_index)))
+            }
+        })
+        .await
+    }
+}

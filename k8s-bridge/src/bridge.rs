@@ -170,10 +170,13 @@ impl Bridge {
 
     /// Rebuilds the interest set from Tether's locks and pins.
     pub async fn refresh_interest(&self) -> Result<(), tether_client::Error> {
-        let locks = self.tether.list("").await?;
-        let pins = self.tether.list_pins("", "").await?;
-        *self.interest.lock().unwrap_or_else(|p| p.into_inner()) =
-            Interest::from_state(&locks, &pins);
+        let (locks, at_locks) = self.tether.list_with_index("").await?;
+        let (pins, at_pins) = self.tether.list_pins_with_index("", "").await?;
+        let applied = at_locks.min(at_pins);
+        self.interest
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .rebuild(&locks, &pins, applied);
         Ok(())
     }
 
@@ -243,11 +246,27 @@ impl Bridge {
                 self.metrics.commands_sent.fetch_add(1, Ordering::Relaxed);
                 self.metrics.lag_us_sum.fetch_add(lag, Ordering::Relaxed);
                 self.metrics.lag_count.fetch_add(1, Ordering::Relaxed);
-                tracing::info!(?command, lag_us = lag, "sent to Tether");
+                match &command {
+                    Command::Pod { uid, report } => {
+                        tracing::info!(pod_uid = %uid, ?report, lag_us = lag, "pod reported to Tether")
+                    }
+                    Command::Node { name, report, .. } => {
+                        tracing::info!(node = %name, ?report, lag_us = lag, "node reported to Tether")
+                    }
+                    Command::ConfirmNodeGone { name } => {
+                        tracing::info!(node = %name, "node gone confirmed")
+                    }
+                }
             }
             Err(err) => {
                 self.metrics.command_errors.fetch_add(1, Ordering::Relaxed);
-                tracing::warn!(?command, %err, "command not applied; the next resync repeats what is still needed");
+                let (pod_uid, node) = match &command {
+                    Command::Pod { uid, .. } => (uid.as_str(), ""),
+                    Command::Node { name, .. } | Command::ConfirmNodeGone { name } => {
+                        ("", name.as_str())
+                    }
+                };
+                tracing::warn!(pod_uid, node, ?command, %err, "command not applied; the next resync repeats what is still needed");
             }
         }
     }

@@ -2,7 +2,7 @@
 //! pins. Built from Tether's state, kept current from its event stream, so
 //! the bridge sends nothing for the other pods of a large cluster.
 
-use std::collections::BTreeSet;
+use std::collections::{BTreeMap, BTreeSet};
 
 use tether_client::proto as pb;
 
@@ -10,6 +10,10 @@ use tether_client::proto as pb;
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct Interest {
     uids: BTreeSet<String>,
+    /// UIDs learned from events, by the log index of their event, kept until
+    /// a state read at or past that index includes them: a rebuild from a
+    /// replica that had not applied them yet must not drop them.
+    recent: BTreeMap<u64, Vec<String>>,
 }
 
 impl Interest {
@@ -29,7 +33,21 @@ impl Interest {
         for pin in pins.iter().filter(|p| !p.pod_uid.is_empty()) {
             uids.insert(pin.pod_uid.clone());
         }
-        Interest { uids }
+        Interest {
+            uids,
+            recent: BTreeMap::new(),
+        }
+    }
+
+    /// Replaces the set with a state read made at log index `applied`,
+    /// keeping what events after that index added.
+    pub fn rebuild(&mut self, locks: &[pb::LockState], pins: &[pb::Pin], applied: u64) {
+        let mut fresh = Interest::from_state(locks, pins);
+        self.recent = self.recent.split_off(&(applied + 1));
+        for uids in self.recent.values() {
+            fresh.uids.extend(uids.iter().cloned());
+        }
+        self.uids = fresh.uids;
     }
 
     /// Whether Tether cares about this pod.
@@ -47,18 +65,19 @@ impl Interest {
     /// interesting while anything might still refer to it, and a stale extra
     /// UID costs at most one idempotent report.
     pub fn apply(&mut self, event: &pb::Event) {
-        match event.kind.as_str() {
-            "LockGranted" | "LockQueued" => {
-                if let Some(pod) = &event.pod {
-                    self.uids.insert(pod.uid.clone());
-                }
-            }
-            "PinAssigned" | "PinOwnerChanged" => {
-                if let Some(uid) = event.attributes.get("pod_uid").filter(|u| !u.is_empty()) {
-                    self.uids.insert(uid.clone());
-                }
-            }
-            _ => {}
+        let uid = match event.kind.as_str() {
+            "LockGranted" | "LockQueued" => event.pod.as_ref().map(|p| p.uid.clone()),
+            "PinAssigned" | "PinOwnerChanged" => event
+                .attributes
+                .get("pod_uid")
+                .filter(|u| !u.is_empty())
+                .cloned(),
+            _ => None,
+        };
+        if let Some(uid) = uid {
+            let index = event.revision.map_or(0, |r| r.index);
+            self.recent.entry(index).or_default().push(uid.clone());
+            self.uids.insert(uid);
         }
     }
 }
@@ -110,5 +129,23 @@ mod tests {
             .insert("pod_uid".into(), "slurmd-3".into());
         interest.apply(&pinned);
         assert!(interest.contains("slurmd-3"));
+    }
+
+    #[test]
+    fn a_rebuild_from_an_older_read_keeps_what_newer_events_added() {
+        let mut interest = Interest::default();
+        let event = pb::Event {
+            kind: "LockGranted".into(),
+            pod: pod("new"),
+            revision: Some(pb::Revision { index: 10, sub: 0 }),
+            ..Default::default()
+        };
+        interest.apply(&event);
+        // A replica that had applied only up to 9 knows nothing of it.
+        interest.rebuild(&[], &[], 9);
+        assert!(interest.contains("new"));
+        // A read at 10 or later includes it if it still matters.
+        interest.rebuild(&[], &[], 10);
+        assert!(!interest.contains("new"), "no longer held: dropped");
     }
 }

@@ -326,11 +326,18 @@ impl FakeApi {
             tokio::select! {
                 _ = wake.recv() => {}
                 _ = tokio::time::sleep(Duration::from_millis(500)) => {
-                    let current = self.store.lock().unwrap().rv;
-                    let rv = current.max(sent);
-                    let bookmark = json!({"type": "BOOKMARK", "object": {"apiVersion": "v1", "kind": kind, "metadata": {"resourceVersion": rv.to_string()}}});
-                    write_chunk(&mut stream, &bookmark).await?;
-                    sent = rv;
+                    // A bookmark may only claim a version once every change
+                    // of this resource up to it has been sent.
+                    let bookmark_rv = {
+                        let store = self.store.lock().unwrap();
+                        let pending = store.log.iter().any(|c| c.resource == resource && c.rv > sent);
+                        (!pending).then_some(store.rv.max(sent))
+                    };
+                    if let Some(rv) = bookmark_rv {
+                        let bookmark = json!({"type": "BOOKMARK", "object": {"apiVersion": "v1", "kind": kind, "metadata": {"resourceVersion": rv.to_string()}}});
+                        write_chunk(&mut stream, &bookmark).await?;
+                        sent = rv;
+                    }
                 }
                 _ = tokio::time::sleep_until(deadline) => return finish(&mut stream).await,
             }
