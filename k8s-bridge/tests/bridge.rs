@@ -324,3 +324,67 @@ async fn a_node_joining_and_becoming_ready_is_seen_on_tethers_watch() {
     );
     rig.shutdown().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn two_bridges_at_once_release_a_deleted_owner_exactly_once() {
+    let mut rig = Rig::start().await;
+    // A second, independent bridge on the same cluster (active-active).
+    let tether = Client::new(
+        rig.cluster.endpoints(),
+        Options {
+            retry_timeout: DEADLINE,
+            ..Options::default()
+        },
+    )
+    .unwrap();
+    let second = Bridge::new(tether, rig.api.client());
+    let second_task = tokio::spawn(
+        second
+            .clone()
+            .run(Duration::from_secs(3600), std::future::pending()),
+    );
+    rig.api.put_pod(pod("owner", "uid-owner", "Pending", false));
+    rig.api.put_pod(pod("next", "uid-next", "Pending", false));
+    let first = rig
+        .client
+        .acquire(&key("n1"), &tether_pod("owner"), vec![], Duration::ZERO, 0)
+        .await
+        .unwrap();
+    let client = rig.client.clone();
+    let next = tokio::spawn(async move {
+        client
+            .acquire(&key("n1"), &tether_pod("next"), vec![], DEADLINE, 0)
+            .await
+    });
+    rig.until_interesting("uid-owner").await;
+    eventually("the second bridge to learn the pod", async || {
+        second.is_interesting("uid-owner")
+    })
+    .await;
+    rig.api.delete_pod("ml", "owner");
+    let held = next.await.unwrap().expect("the next waiter is granted");
+    assert_eq!(held.pod_uid(), "uid-next");
+    // Both bridges act on the same events (each sends its reports); the
+    // lock still changes hands once.
+    eventually("both bridges to have sent commands", async || {
+        let sent = |b: &Bridge| {
+            b.metrics
+                .commands_sent
+                .load(std::sync::atomic::Ordering::Relaxed)
+        };
+        sent(rig.bridge()) > 0 && sent(&second) > 0
+    })
+    .await;
+    let history = rig.client.history("lock/gpu-bind/n1", 0, 0).await.unwrap();
+    let releases: Vec<u64> = history
+        .events
+        .iter()
+        .filter(|e| e.kind == "LockReleased")
+        .map(|e| e.token)
+        .collect();
+    assert_eq!(releases, [first.token()], "released exactly once");
+    assert_eq!(rig.holder("n1").await.as_deref(), Some("next"));
+    second_task.abort();
+    rig.stop_bridge();
+    rig.shutdown().await;
+}

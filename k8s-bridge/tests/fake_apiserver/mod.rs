@@ -304,10 +304,11 @@ impl FakeApi {
         loop {
             let pending: Vec<Change> = {
                 let store = self.store.lock().unwrap();
-                store
-                    .log
+                // The log is in resourceVersion order.
+                let start = store.log.partition_point(|c| c.rv <= sent);
+                store.log[start..]
                     .iter()
-                    .filter(|c| c.resource == resource && c.rv > sent)
+                    .filter(|c| c.resource == resource)
                     .cloned()
                     .collect()
             };
