@@ -45,6 +45,7 @@ where
             _ = &mut shutdown => return,
             accepted = listener.accept() => match accepted {
                 Ok((stream, _)) => {
+                    let _ = stream.set_nodelay(true);
                     let handler = handler.clone();
                     tokio::spawn(async move {
                         if let Err(err) = handle(stream, handler).await {

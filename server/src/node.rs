@@ -18,6 +18,7 @@ use tether_proto::watch_service_server::WatchServiceServer;
 use tokio::net::TcpListener;
 use tokio::sync::watch;
 use tokio::task::JoinHandle;
+use tokio_stream::StreamExt;
 use tokio_stream::wrappers::TcpListenerStream;
 
 use crate::api::cluster::{ClusterApi, transfer_leader};
@@ -140,7 +141,14 @@ impl Node {
             );
         let stop = wait_for(shutdown_rx.clone());
         tasks.push(tokio::spawn(async move {
-            let incoming = TcpListenerStream::new(grpc);
+            // Small request/response messages: without TCP_NODELAY, Nagle's
+            // algorithm and delayed ACKs add ~40 ms to answers.
+            let incoming = TcpListenerStream::new(grpc).map(|stream| {
+                if let Ok(stream) = &stream {
+                    let _ = stream.set_nodelay(true);
+                }
+                stream
+            });
             if let Err(err) = grpc_server
                 .serve_with_incoming_shutdown(incoming, stop)
                 .await

@@ -1,0 +1,141 @@
+//! Lock workloads: clients looping acquire + release, on their own locks
+//! (uncontended) or all on one lock (contended, where the interesting figure
+//! is the hand-over: release sent → next waiter's grant observed).
+
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use tether_client::Client;
+use tether_client::proto::{LockKey, Outcome, Pod};
+
+use crate::stats::Samples;
+
+/// What a run measured.
+#[derive(Debug, Default, Clone)]
+pub struct Run {
+    /// Completed acquire + release pairs.
+    pub pairs: u64,
+    /// Wall time of the run.
+    pub elapsed: Duration,
+    /// Latency of each pair (acquire sent → release answered).
+    pub pair_latency: Samples,
+    /// Hand-over latencies (contended runs only).
+    pub handover: Samples,
+    /// Calls that failed (counted, not retried).
+    pub errors: u64,
+}
+
+impl Run {
+    /// Pairs per second.
+    pub fn rate(&self) -> f64 {
+        self.pairs as f64 / self.elapsed.as_secs_f64().max(1e-9)
+    }
+}
+
+fn pod(uid: String) -> Pod {
+    Pod {
+        uid,
+        namespace: "bench".into(),
+        name: "bench".into(),
+    }
+}
+
+/// `clients` workers, each on its own lock, for `duration`.
+pub async fn uncontended(client: &Client, clients: usize, duration: Duration, tag: &str) -> Run {
+    let started = Instant::now();
+    let deadline = started + duration;
+    let mut tasks = Vec::new();
+    for i in 0..clients {
+        let client = client.clone();
+        let key = LockKey {
+            scope: "bench".into(),
+            name: format!("{tag}-u{i}"),
+        };
+        let owner = pod(format!("{tag}-u{i}"));
+        tasks.push(tokio::spawn(async move {
+            let mut run = Run::default();
+            while Instant::now() < deadline {
+                let t0 = Instant::now();
+                let done = async {
+                    let held = client
+                        .acquire(&key, &owner, Vec::new(), Duration::ZERO, 0)
+                        .await?;
+                    held.release(Outcome::Allocated).await
+                };
+                match done.await {
+                    Ok(_) => {
+                        run.pairs += 1;
+                        run.pair_latency.push(t0.elapsed());
+                    }
+                    Err(_) => run.errors += 1,
+                }
+            }
+            run
+        }));
+    }
+    let mut total = Run::default();
+    for task in tasks {
+        let run = task.await.expect("worker");
+        total.pairs += run.pairs;
+        total.errors += run.errors;
+        total.pair_latency.extend(run.pair_latency);
+    }
+    total.elapsed = started.elapsed();
+    total
+}
+
+/// `clients` workers all on one lock, for `duration`: each waits its turn,
+/// releases at once, and queues again.
+pub async fn contended(client: &Client, clients: usize, duration: Duration, tag: &str) -> Run {
+    let started = Instant::now();
+    let deadline = started + duration;
+    let key = LockKey {
+        scope: "bench".into(),
+        name: format!("{tag}-c"),
+    };
+    // When the last release was sent; the next grant completes a hand-over.
+    let released_at: Arc<Mutex<Option<Instant>>> = Arc::default();
+    let mut tasks = Vec::new();
+    for i in 0..clients {
+        let (client, key, released_at) = (client.clone(), key.clone(), released_at.clone());
+        let owner = pod(format!("{tag}-c{i}"));
+        tasks.push(tokio::spawn(async move {
+            let mut run = Run::default();
+            while Instant::now() < deadline {
+                let t0 = Instant::now();
+                let held = match client
+                    .acquire(&key, &owner, Vec::new(), Duration::from_secs(60), 0)
+                    .await
+                {
+                    Ok(held) => held,
+                    Err(_) => {
+                        run.errors += 1;
+                        continue;
+                    }
+                };
+                if let Some(at) = released_at.lock().unwrap().take() {
+                    run.handover.push(at.elapsed());
+                }
+                *released_at.lock().unwrap() = Some(Instant::now());
+                match held.release(Outcome::Allocated).await {
+                    Ok(_) => {
+                        run.pairs += 1;
+                        run.pair_latency.push(t0.elapsed());
+                    }
+                    Err(_) => run.errors += 1,
+                }
+            }
+            run
+        }));
+    }
+    let mut total = Run::default();
+    for task in tasks {
+        let run = task.await.expect("worker");
+        total.pairs += run.pairs;
+        total.errors += run.errors;
+        total.pair_latency.extend(run.pair_latency);
+        total.handover.extend(run.handover);
+    }
+    total.elapsed = started.elapsed();
+    total
+}
