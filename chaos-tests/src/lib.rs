@@ -10,5 +10,6 @@
 //! - `bin/tether-bench.rs` — runs the workloads and prints the table.
 
 pub mod cluster;
+pub mod etcd;
 pub mod stats;
 pub mod workload;

@@ -1,26 +1,28 @@
 //! `tether-bench`: drives a 3-replica Tether (real `tetherd` processes on
 //! loopback, fsync on) with lock workloads and prints ops/s and latency
 //! percentiles beside the disk's fsync floor measured in the same run.
+//! Beside it, the same workloads against a 3-member etcd (Debian's
+//! `etcd-server`, fsync on, its v3lock API with a lease) started on loopback
+//! in the same run, with the Tether/etcd ratio. Without etcd installed it
+//! prints Tether's figures only.
 //!
 //! `cargo build --release -p tether-server -p tether-chaos && target/release/tether-bench`
-//!
-//! The etcd side of the comparison (issue 7) is not wired in yet: this prints
-//! Tether's figures only.
 
 use std::time::{Duration, Instant};
 
 use clap::Parser;
 use tether_chaos::cluster::{ProcessCluster, sibling_binary};
+use tether_chaos::etcd::{self, EtcdCluster};
 use tether_chaos::stats::{Samples, ms};
-use tether_chaos::workload::{contended, uncontended};
+use tether_chaos::workload::{Run, contended, uncontended};
 
 #[derive(Parser)]
 #[command(
     name = "tether-bench",
-    about = "Lock workloads against a 3-replica Tether on loopback"
+    about = "Lock workloads against a 3-replica Tether (and etcd) on loopback"
 )]
 struct Args {
-    /// Seconds per scenario.
+    /// Seconds per scenario per system.
     #[arg(long, default_value = "5s", value_parser = humantime::parse_duration)]
     duration: Duration,
     /// Client counts of the uncontended scenario.
@@ -29,12 +31,15 @@ struct Args {
     /// Client counts of the contended scenario.
     #[arg(long, value_delimiter = ',', default_value = "2,4,8,16,64")]
     contended: Vec<usize>,
-    /// Replicas.
+    /// Replicas (and etcd members).
     #[arg(long, default_value_t = 3)]
     replicas: usize,
     /// The tetherd binary (default: next to this one).
     #[arg(long)]
     tetherd: Option<std::path::PathBuf>,
+    /// The etcd binary (`apt-get install etcd-server`); skipped if absent.
+    #[arg(long, default_value = "/usr/bin/etcd")]
+    etcd: std::path::PathBuf,
 }
 
 /// A synced RocksDB put loop: the floor under any replicated commit here.
@@ -52,13 +57,45 @@ fn fsync_floor(n: usize) -> anyhow::Result<Samples> {
     Ok(samples)
 }
 
+fn row(
+    system: &str,
+    scenario: &str,
+    clients: usize,
+    run: &mut Run,
+    contended: bool,
+    ratio: Option<f64>,
+) {
+    let (h50, h99) = if contended {
+        (
+            ms(run.handover.quantile(0.5)),
+            ms(run.handover.quantile(0.99)),
+        )
+    } else {
+        ("-".to_string(), "-".to_string())
+    };
+    println!(
+        "{:<7} {:<12} {:>7} {:>10.0} {:>9} {:>9} {:>9} {:>11} {:>11} {:>7} {:>7}",
+        system,
+        scenario,
+        clients,
+        run.rate(),
+        ms(run.pair_latency.quantile(0.5)),
+        ms(run.pair_latency.quantile(0.99)),
+        ms(run.pair_latency.quantile(0.999)),
+        h50,
+        h99,
+        run.errors,
+        ratio.map_or("-".to_string(), |r| format!("{r:.1}x")),
+    );
+}
+
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
     let args = Args::parse();
     let cores = std::thread::available_parallelism().map_or(0, |n| n.get());
     let mut floor = fsync_floor(1000)?;
     println!(
-        "tether-bench: {} replicas (tetherd processes, loopback, fsync on), {cores} cores, {:?} per scenario",
+        "tether-bench: {} replicas each (tetherd processes; etcd members), loopback, fsync on for both, {cores} cores, {:?} per scenario per system",
         args.replicas, args.duration
     );
     println!(
@@ -74,10 +111,22 @@ async fn main() -> anyhow::Result<()> {
     let client = cluster.client();
     // Warm up connections and the leader.
     uncontended(&client, 4, Duration::from_millis(500), "warm").await;
+    let etcd = if args.etcd.exists() {
+        let etcd = EtcdCluster::start(&args.etcd, args.replicas).await?;
+        let channel = etcd.channel().await?;
+        Some((etcd, channel))
+    } else {
+        println!(
+            "etcd: {} not found (apt-get install etcd-server); Tether only",
+            args.etcd.display()
+        );
+        None
+    };
 
     println!();
     println!(
-        "{:<13} {:>7} {:>10} {:>10} {:>10} {:>10} {:>12} {:>12} {:>7}",
+        "{:<7} {:<12} {:>7} {:>10} {:>9} {:>9} {:>9} {:>11} {:>11} {:>7} {:>7}",
+        "system",
         "scenario",
         "clients",
         "pairs/s",
@@ -86,37 +135,46 @@ async fn main() -> anyhow::Result<()> {
         "p999 ms",
         "handover50",
         "handover99",
-        "errors"
+        "errors",
+        "ratio"
     );
-    for &clients in &args.uncontended {
-        let mut run = uncontended(&client, clients, args.duration, &format!("u{clients}")).await;
-        println!(
-            "{:<13} {:>7} {:>10.0} {:>10} {:>10} {:>10} {:>12} {:>12} {:>7}",
-            "uncontended",
-            clients,
-            run.rate(),
-            ms(run.pair_latency.quantile(0.5)),
-            ms(run.pair_latency.quantile(0.99)),
-            ms(run.pair_latency.quantile(0.999)),
-            "-",
-            "-",
-            run.errors
-        );
-    }
-    for &clients in &args.contended {
-        let mut run = contended(&client, clients, args.duration, &format!("c{clients}")).await;
-        println!(
-            "{:<13} {:>7} {:>10.0} {:>10} {:>10} {:>10} {:>12} {:>12} {:>7}",
-            "contended",
-            clients,
-            run.rate(),
-            ms(run.pair_latency.quantile(0.5)),
-            ms(run.pair_latency.quantile(0.99)),
-            ms(run.pair_latency.quantile(0.999)),
-            ms(run.handover.quantile(0.5)),
-            ms(run.handover.quantile(0.99)),
-            run.errors
-        );
+    let scenarios = args
+        .uncontended
+        .iter()
+        .map(|c| (false, *c))
+        .chain(args.contended.iter().map(|c| (true, *c)));
+    for (is_contended, clients) in scenarios {
+        let name = if is_contended {
+            "contended"
+        } else {
+            "uncontended"
+        };
+        let tag = format!("{name}-{clients}");
+        let mut tether_run = if is_contended {
+            contended(&client, clients, args.duration, &tag).await
+        } else {
+            uncontended(&client, clients, args.duration, &tag).await
+        };
+        match &etcd {
+            Some((_, channel)) => {
+                let mut etcd_run = if is_contended {
+                    etcd::contended(channel, clients, args.duration, &tag).await
+                } else {
+                    etcd::uncontended(channel, clients, args.duration, &tag).await
+                };
+                let ratio = tether_run.rate() / etcd_run.rate().max(1e-9);
+                row(
+                    "tether",
+                    name,
+                    clients,
+                    &mut tether_run,
+                    is_contended,
+                    Some(ratio),
+                );
+                row("etcd", name, clients, &mut etcd_run, is_contended, None);
+            }
+            None => row("tether", name, clients, &mut tether_run, is_contended, None),
+        }
     }
     Ok(())
 }
