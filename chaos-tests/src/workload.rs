@@ -23,6 +23,8 @@ pub struct Run {
     pub handover: Samples,
     /// Calls that failed (counted, not retried).
     pub errors: u64,
+    /// The first error seen, for the report.
+    pub first_error: Option<String>,
 }
 
 impl Run {
@@ -67,7 +69,10 @@ pub async fn uncontended(client: &Client, clients: usize, duration: Duration, ta
                         run.pairs += 1;
                         run.pair_latency.push(t0.elapsed());
                     }
-                    Err(_) => run.errors += 1,
+                    Err(err) => {
+                        run.errors += 1;
+                        run.first_error.get_or_insert(err.to_string());
+                    }
                 }
             }
             run
@@ -78,6 +83,7 @@ pub async fn uncontended(client: &Client, clients: usize, duration: Duration, ta
         let run = task.await.expect("worker");
         total.pairs += run.pairs;
         total.errors += run.errors;
+        total.first_error = total.first_error.or(run.first_error);
         total.pair_latency.extend(run.pair_latency);
     }
     total.elapsed = started.elapsed();
@@ -133,6 +139,7 @@ pub async fn contended(client: &Client, clients: usize, duration: Duration, tag:
         let run = task.await.expect("worker");
         total.pairs += run.pairs;
         total.errors += run.errors;
+        total.first_error = total.first_error.or(run.first_error);
         total.pair_latency.extend(run.pair_latency);
         total.handover.extend(run.handover);
     }

@@ -87,6 +87,9 @@ fn row(
         run.errors,
         ratio.map_or("-".to_string(), |r| format!("{r:.1}x")),
     );
+    if let Some(err) = &run.first_error {
+        println!("        first error: {err}");
+    }
 }
 
 #[tokio::main]
