@@ -64,7 +64,13 @@ struct Shared {
     channels: Mutex<HashMap<String, Channel>>,
     /// Sequences of requests not yet answered.
     in_flight: Mutex<BTreeSet<u64>>,
+    /// Signalled when a request completes (see `begin_request`).
+    freed: tokio::sync::Notify,
 }
+
+/// Most sequences one client spans between its oldest unanswered request and
+/// its newest: half the server's per-client bound on kept answers (4,096).
+pub const MAX_OUTSTANDING: u64 = 2048;
 
 /// Marks a request complete (answered, or given up on) when dropped.
 pub struct InFlight<'a> {
@@ -80,6 +86,7 @@ impl Drop for InFlight<'_> {
             .lock()
             .unwrap_or_else(|p| p.into_inner())
             .remove(&self.sequence);
+        self.client.shared.freed.notify_waiters();
     }
 }
 
@@ -158,6 +165,7 @@ impl Client {
             sequence: AtomicU64::new(0),
             channels: Mutex::new(HashMap::new()),
             in_flight: Mutex::new(BTreeSet::new()),
+            freed: tokio::sync::Notify::new(),
         };
         Ok(Self {
             shared: Arc::new(shared),
@@ -173,27 +181,45 @@ impl Client {
     /// and a guard that marks the request complete when dropped. The id
     /// carries the lowest sequence still in flight, so the server forgets the
     /// answers this client has already seen.
-    pub fn begin_request(&self) -> (pb::RequestId, InFlight<'_>) {
-        let mut in_flight = self
-            .shared
-            .in_flight
-            .lock()
-            .unwrap_or_else(|p| p.into_inner());
-        let sequence = self.shared.sequence.fetch_add(1, Ordering::Relaxed) + 1;
-        in_flight.insert(sequence);
-        let first_incomplete = in_flight.first().copied().unwrap_or(sequence);
-        let id = pb::RequestId {
-            client_id: self.shared.client_id.clone(),
-            sequence,
-            first_incomplete,
-        };
-        (
-            id,
-            InFlight {
-                client: self,
-                sequence,
-            },
-        )
+    ///
+    /// Waits while the span from the oldest unanswered sequence to the next
+    /// one would reach [`MAX_OUTSTANDING`]: the server keeps a bounded number
+    /// of answers per client, and a request older than that window would be
+    /// refused instead of applied.
+    pub async fn begin_request(&self) -> (pb::RequestId, InFlight<'_>) {
+        loop {
+            let freed = self.shared.freed.notified();
+            tokio::pin!(freed);
+            // Registered before the check, so a release in between wakes us.
+            freed.as_mut().enable();
+            {
+                let mut in_flight = self
+                    .shared
+                    .in_flight
+                    .lock()
+                    .unwrap_or_else(|p| p.into_inner());
+                let next = self.shared.sequence.load(Ordering::Relaxed) + 1;
+                let oldest = in_flight.first().copied().unwrap_or(next);
+                if next - oldest < MAX_OUTSTANDING {
+                    let sequence = self.shared.sequence.fetch_add(1, Ordering::Relaxed) + 1;
+                    in_flight.insert(sequence);
+                    let first_incomplete = in_flight.first().copied().unwrap_or(sequence);
+                    let id = pb::RequestId {
+                        client_id: self.shared.client_id.clone(),
+                        sequence,
+                        first_incomplete,
+                    };
+                    return (
+                        id,
+                        InFlight {
+                            client: self,
+                            sequence,
+                        },
+                    );
+                }
+            }
+            freed.await;
+        }
     }
 
     fn channel(&self, addr: &str) -> Result<Channel> {
@@ -333,7 +359,7 @@ impl Client {
         lease_id: u64,
         on_progress: impl Fn(AcquireProgress),
     ) -> Result<Held> {
-        let (request_id, _in_flight) = self.begin_request();
+        let (request_id, _in_flight) = self.begin_request().await;
         let request = pb::AcquireRequest {
             request_id: Some(request_id),
             key: Some(key.clone()),
@@ -380,7 +406,7 @@ impl Client {
         token: u64,
         outcome: pb::Outcome,
     ) -> Result<Option<pb::Hold>> {
-        let (request_id, _in_flight) = self.begin_request();
+        let (request_id, _in_flight) = self.begin_request().await;
         let request = pb::ReleaseRequest {
             request_id: Some(request_id),
             key: Some(key.clone()),
@@ -464,7 +490,7 @@ impl Client {
         operator: &str,
         reason: &str,
     ) -> Result<pb::ForceReleaseResponse> {
-        let (request_id, _in_flight) = self.begin_request();
+        let (request_id, _in_flight) = self.begin_request().await;
         let request = pb::ForceReleaseRequest {
             request_id: Some(request_id),
             key: Some(key.clone()),
@@ -485,7 +511,7 @@ impl Client {
 
     /// Releases every hold and queued wait of a pod UID in one entry.
     pub async fn revoke_pod(&self, pod_uid: &str, reason: &str) -> Result<pb::RevokePodResponse> {
-        let (request_id, _in_flight) = self.begin_request();
+        let (request_id, _in_flight) = self.begin_request().await;
         let request = pb::RevokePodRequest {
             request_id: Some(request_id),
             pod_uid: pod_uid.to_string(),
@@ -505,7 +531,7 @@ impl Client {
 
     /// Grants a TTL lease; returns its id.
     pub async fn grant_lease(&self, ttl: Duration) -> Result<u64> {
-        let (request_id, _in_flight) = self.begin_request();
+        let (request_id, _in_flight) = self.begin_request().await;
         let request = pb::LeaseGrantRequest {
             request_id: Some(request_id),
             ttl_ms: ttl.as_millis() as u64,
@@ -543,7 +569,7 @@ impl Client {
 
     /// Revokes a TTL lease and what is attached to it.
     pub async fn revoke_lease(&self, lease_id: u64) -> Result<pb::LeaseRevokeResponse> {
-        let (request_id, _in_flight) = self.begin_request();
+        let (request_id, _in_flight) = self.begin_request().await;
         let request = pb::LeaseRevokeRequest {
             request_id: Some(request_id),
             lease_id,
@@ -699,7 +725,7 @@ impl Client {
         labels: HashMap<String, String>,
         affinity: pb::Affinity,
     ) -> Result<pb::AssignResponse> {
-        let (request_id, _in_flight) = self.begin_request();
+        let (request_id, _in_flight) = self.begin_request().await;
         let request = pb::AssignRequest {
             request_id: Some(request_id),
             key: Some(key.clone()),
@@ -723,7 +749,7 @@ impl Client {
 
     /// Releases a pin; returns it (None if there was none).
     pub async fn release_pin(&self, key: &pb::PinKey, reason: &str) -> Result<Option<pb::Pin>> {
-        let (request_id, _in_flight) = self.begin_request();
+        let (request_id, _in_flight) = self.begin_request().await;
         let request = pb::ReleasePinRequest {
             request_id: Some(request_id),
             key: Some(key.clone()),
@@ -784,7 +810,7 @@ impl Client {
         &self,
         mut request: pb::ReportNodeRequest,
     ) -> Result<pb::ReportNodeResponse> {
-        let (request_id, _in_flight) = self.begin_request();
+        let (request_id, _in_flight) = self.begin_request().await;
         request.request_id = Some(request_id);
         self.with_leader(Duration::ZERO, |channel| {
             let request = request.clone();
@@ -817,7 +843,7 @@ impl Client {
         pod_uid: &str,
         phase: pb::PodPhase,
     ) -> Result<pb::ReportPodResponse> {
-        let (request_id, _in_flight) = self.begin_request();
+        let (request_id, _in_flight) = self.begin_request().await;
         let request = pb::ReportPodRequest {
             request_id: Some(request_id),
             pod_uid: pod_uid.to_string(),
@@ -927,5 +953,29 @@ impl Client {
             }
         })
         .await
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[tokio::test]
+    async fn requests_wait_while_the_outstanding_window_is_full() {
+        let client = Client::new(["127.0.0.1:1"], Options::default()).unwrap();
+        let mut guards = Vec::new();
+        for _ in 0..MAX_OUTSTANDING {
+            guards.push(client.begin_request().await);
+        }
+        let blocked =
+            tokio::time::timeout(Duration::from_millis(100), client.begin_request()).await;
+        assert!(blocked.is_err(), "a request beyond the window must wait");
+        // The oldest completes: room again.
+        guards.remove(0);
+        let (id, _guard) = tokio::time::timeout(Duration::from_secs(5), client.begin_request())
+            .await
+            .expect("admitted");
+        assert_eq!(id.sequence, MAX_OUTSTANDING + 1);
+        assert_eq!(id.first_incomplete, 2);
     }
 }
