@@ -2,7 +2,6 @@
 //! and the same lock workloads through etcd's v3lock API with a lease, the way
 //! its concurrency package uses it.
 
-use std::net::TcpListener;
 use std::path::Path;
 use std::process::{Child, Command, Stdio};
 use std::sync::{Arc, Mutex};
@@ -10,6 +9,7 @@ use std::time::{Duration, Instant};
 
 use tonic::transport::{Channel, Endpoint};
 
+use crate::cluster::free_port;
 use crate::stats::Samples;
 use crate::workload::Run;
 
@@ -38,13 +38,6 @@ pub struct EtcdCluster {
     /// Client URLs.
     pub endpoints: Vec<String>,
     _dir: tempfile::TempDir,
-}
-
-fn free_port() -> u16 {
-    TcpListener::bind("127.0.0.1:0")
-        .and_then(|l| l.local_addr())
-        .map(|a| a.port())
-        .expect("a free loopback port")
 }
 
 impl EtcdCluster {

@@ -68,22 +68,24 @@ impl Rig {
         rig
     }
 
-    fn start_bridge(&mut self) {
-        let tether = Client::new(
-            self.cluster.endpoints(),
-            Options {
-                retry_timeout: DEADLINE,
-                ..Options::default()
-            },
-        )
-        .unwrap();
+    /// A new bridge between the fake API and the cluster, running.
+    fn spawn_bridge(&self) -> (Arc<Bridge>, JoinHandle<()>) {
+        let options = Options {
+            retry_timeout: DEADLINE,
+            ..Options::default()
+        };
+        let tether = Client::new(self.cluster.endpoints(), options).unwrap();
         let bridge = Bridge::new(tether, self.api.client());
         let task = tokio::spawn(
             bridge
                 .clone()
                 .run(Duration::from_secs(3600), std::future::pending()),
         );
-        self.bridge = Some((bridge, task));
+        (bridge, task)
+    }
+
+    fn start_bridge(&mut self) {
+        self.bridge = Some(self.spawn_bridge());
     }
 
     fn stop_bridge(&mut self) {
@@ -329,20 +331,7 @@ async fn a_node_joining_and_becoming_ready_is_seen_on_tethers_watch() {
 async fn two_bridges_at_once_release_a_deleted_owner_exactly_once() {
     let mut rig = Rig::start().await;
     // A second, independent bridge on the same cluster (active-active).
-    let tether = Client::new(
-        rig.cluster.endpoints(),
-        Options {
-            retry_timeout: DEADLINE,
-            ..Options::default()
-        },
-    )
-    .unwrap();
-    let second = Bridge::new(tether, rig.api.client());
-    let second_task = tokio::spawn(
-        second
-            .clone()
-            .run(Duration::from_secs(3600), std::future::pending()),
-    );
+    let (second, second_task) = rig.spawn_bridge();
     rig.api.put_pod(pod("owner", "uid-owner", "Pending", false));
     rig.api.put_pod(pod("next", "uid-next", "Pending", false));
     let first = rig
