@@ -21,39 +21,44 @@ fn rocksdb_store_passes_openraft_storage_suite() {
     Suite::test_all(RocksBuilder).expect("openraft storage suite");
 }
 
-mod store_behaviour {
-    use openraft::storage::RaftStateMachine;
-    use openraft::{CommittedLeaderId, EntryPayload, LogId, RaftSnapshotBuilder};
-    use tether_server::raft::Entry;
+/// An Acquire of lock `gpu-bind/node-<index>` at log index `index`, stamped
+/// with leader time `time_ms`.
+fn acquire_entry(index: u64, time_ms: u64) -> tether_server::raft::Entry {
+    use openraft::{CommittedLeaderId, EntryPayload, LogId};
     use tether_server::sm::command::Acquire;
-    use tether_server::sm::{Command, EventKind, LockKey, Pod, Request, Revision};
-    use tether_server::store::{self, EventRetention, read_events};
-
-    fn acquire_entry(index: u64) -> Entry {
-        let command = Command::Acquire(Acquire {
-            key: LockKey::new("gpu-bind", format!("node-{index}")),
-            pod: Pod {
-                uid: format!("u{index}"),
-                ..Default::default()
-            },
-            payload: vec![],
-            wait_ms: 0,
-            lease_id: 0,
-            client_id: "c".into(),
-            queue_limit: 10,
-        });
-        Entry {
-            log_id: LogId::new(CommittedLeaderId::new(1, 1), index),
-            payload: EntryPayload::Normal(Request::new(None, 1000 + index, command)),
-        }
+    use tether_server::sm::{Command, LockKey, Pod, Request};
+    let command = Command::Acquire(Acquire {
+        key: LockKey::new("gpu-bind", format!("node-{index}")),
+        pod: Pod {
+            uid: format!("u{index}"),
+            ..Default::default()
+        },
+        payload: vec![],
+        wait_ms: 0,
+        lease_id: 0,
+        client_id: "c".into(),
+        queue_limit: 10,
+    });
+    tether_server::raft::Entry {
+        log_id: LogId::new(CommittedLeaderId::new(1, 1), index),
+        payload: EntryPayload::Normal(Request::new(None, time_ms, command)),
     }
+}
+
+mod store_behaviour {
+    use openraft::RaftSnapshotBuilder;
+    use openraft::storage::RaftStateMachine;
+    use tether_server::sm::{EventKind, Revision};
+    use tether_server::store::{self, EventRetention, read_events};
 
     #[tokio::test]
     async fn applied_state_and_events_survive_reopen_and_old_events_are_pruned_at_snapshot() {
         let dir = tempfile::tempdir().unwrap();
         {
             let (_db, _log, mut sm) = store::open(dir.path()).await.unwrap();
-            sm.apply((1..=20).map(acquire_entry)).await.unwrap();
+            sm.apply((1..=20).map(|i| super::acquire_entry(i, 1000 + i)))
+                .await
+                .unwrap();
         }
         let (db, _log, mut sm) = store::open(dir.path()).await.unwrap();
         let (applied, _) = sm.applied_state().await.unwrap();
@@ -80,11 +85,9 @@ mod store_behaviour {
 }
 
 mod age_retention {
+    use openraft::RaftSnapshotBuilder;
     use openraft::storage::RaftStateMachine;
-    use openraft::{CommittedLeaderId, EntryPayload, LogId, RaftSnapshotBuilder};
-    use tether_server::raft::Entry;
-    use tether_server::sm::command::Acquire;
-    use tether_server::sm::{Command, LockKey, Pod, Request, Revision};
+    use tether_server::sm::Revision;
     use tether_server::store::{self, EventRetention, events_first_index, read_events};
 
     #[tokio::test]
@@ -92,24 +95,7 @@ mod age_retention {
         let dir = tempfile::tempdir().unwrap();
         let (db, _log, mut sm) = store::open(dir.path()).await.unwrap();
         // Entry i is stamped at i seconds.
-        let entries = (1..=10u64).map(|index| {
-            let command = Command::Acquire(Acquire {
-                key: LockKey::new("gpu-bind", format!("n{index}")),
-                pod: Pod {
-                    uid: format!("u{index}"),
-                    ..Default::default()
-                },
-                payload: vec![],
-                wait_ms: 0,
-                lease_id: 0,
-                client_id: "c".into(),
-                queue_limit: 10,
-            });
-            Entry {
-                log_id: LogId::new(CommittedLeaderId::new(1, 1), index),
-                payload: EntryPayload::Normal(Request::new(None, index * 1000, command)),
-            }
-        });
+        let entries = (1..=10u64).map(|index| super::acquire_entry(index, index * 1000));
         sm.apply(entries).await.unwrap();
         // Keep 3.5 s of history at committed time 10 s: entries 7..=10.
         sm.set_event_retention(EventRetention {
