@@ -1,19 +1,62 @@
-//! Real `tetherd` processes on loopback, each with its own temp data dir;
-//! all are killed when the cluster is dropped.
+//! Real `tetherd` processes on loopback, each with its own temp data dir, and
+//! the controls the chaos runs need: `kill -9` and restart (optionally with
+//! failpoints armed), SIGSTOP / SIGCONT, leader transfer, replacing a member
+//! (remove, wipe, add a new id as learner, promote), and per-link network
+//! faults through [`Proxy`]s. Everything is killed when the cluster drops.
+//!
+//! Ids are slots fixed at start (`slots` >= initial voters): each slot has
+//! its ports and, when proxied, a proxy for every directed link to every
+//! other slot, so a replica added later is reached through proxies too.
+//! Ids are never reused: a replaced member's slot stays empty.
 
-use std::net::TcpListener;
+use std::collections::BTreeMap;
+use std::net::{SocketAddr, TcpListener};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::Duration;
 
-use tether_client::{Client, Options};
+use anyhow::Context;
+use tether_client::{Client, Options, proto as pb};
+
+use crate::proxy::{LinkMode, Proxy};
+
+/// How to start a cluster.
+#[derive(Debug, Clone)]
+pub struct ClusterSpec {
+    /// The `tetherd` binary.
+    pub tetherd: PathBuf,
+    /// Replicas that bootstrap the cluster (ids 1..=voters).
+    pub voters: usize,
+    /// Ids that may ever run (>= voters); the rest are for replacements.
+    pub slots: usize,
+    /// Route every replica-to-replica link through a fault proxy.
+    pub proxied: bool,
+    /// More `tetherd` flags for every replica.
+    pub extra_args: Vec<String>,
+    /// FAILPOINTS for every start that does not set its own (a
+    /// `failpoints` build only).
+    pub failpoints: Option<String>,
+}
+
+/// One id's ports and process.
+struct Replica {
+    port: u16,
+    http: u16,
+    child: Option<Child>,
+    paused: bool,
+    /// Ever started (its data dir may hold a member's state).
+    started: bool,
+}
 
 /// A cluster of `tetherd` child processes.
 pub struct ProcessCluster {
-    children: Vec<Child>,
-    /// gRPC endpoints, `127.0.0.1:PORT`.
+    spec: ClusterSpec,
+    replicas: BTreeMap<u64, Replica>,
+    proxies: BTreeMap<(u64, u64), Proxy>,
+    /// gRPC endpoints of every slot, `127.0.0.1:PORT` (ids 1, 2, ...).
     pub endpoints: Vec<String>,
-    _dir: tempfile::TempDir,
+    initial_members: String,
+    dir: tempfile::TempDir,
 }
 
 /// A loopback port that was free a moment ago.
@@ -22,6 +65,25 @@ pub(crate) fn free_port() -> u16 {
         .and_then(|l| l.local_addr())
         .map(|a| a.port())
         .expect("a free loopback port")
+}
+
+/// A free loopback port for a replica, below Linux's ephemeral range
+/// (32768+), where `bind(0)` and outgoing connections never land: a proxy
+/// or a client connection cannot take it while its replica restarts. Each
+/// process walks its own stretch (from its pid) and skips ports in use.
+fn replica_port() -> u16 {
+    use std::sync::atomic::{AtomicU32, Ordering};
+    const LOW: u32 = 20_000;
+    const SPAN: u32 = 12_000;
+    static NEXT: AtomicU32 = AtomicU32::new(0);
+    let offset = std::process::id() * 397;
+    loop {
+        let n = NEXT.fetch_add(1, Ordering::SeqCst);
+        let port = (LOW + (offset + n) % SPAN) as u16;
+        if TcpListener::bind(("127.0.0.1", port)).is_ok() {
+            return port;
+        }
+    }
 }
 
 /// `tetherd` next to the running executable (same target directory).
@@ -39,83 +101,431 @@ pub fn sibling_binary(name: &str) -> PathBuf {
 }
 
 impl ProcessCluster {
-    /// Starts `n` replicas that bootstrap one cluster; waits for a leader.
+    /// Starts `n` replicas that bootstrap one cluster, with direct links;
+    /// waits for a leader.
     pub async fn start(tetherd: &Path, n: usize) -> anyhow::Result<ProcessCluster> {
+        Self::start_spec(ClusterSpec {
+            tetherd: tetherd.to_path_buf(),
+            voters: n,
+            slots: n,
+            proxied: false,
+            extra_args: Vec::new(),
+            failpoints: None,
+        })
+        .await
+    }
+
+    /// Starts a cluster as `spec` says; waits for a leader.
+    pub async fn start_spec(spec: ClusterSpec) -> anyhow::Result<ProcessCluster> {
         anyhow::ensure!(
-            tetherd.exists(),
+            spec.tetherd.exists(),
             "no tetherd at {} (cargo build -p tether-server)",
-            tetherd.display()
+            spec.tetherd.display()
         );
+        anyhow::ensure!(spec.voters >= 1 && spec.slots >= spec.voters);
         let dir = tempfile::tempdir()?;
-        let ports: Vec<(u16, u16)> = (0..n).map(|_| (free_port(), free_port())).collect();
-        let members = ports
-            .iter()
-            .enumerate()
-            .map(|(i, (p, _))| format!("{}=127.0.0.1:{p}", i + 1))
-            .collect::<Vec<_>>()
-            .join(",");
-        let mut children = Vec::new();
-        for (i, (port, http)) in ports.iter().enumerate() {
-            let child = Command::new(tetherd)
-                .arg(format!("--node-id={}", i + 1))
-                .arg(format!("--listen=127.0.0.1:{port}"))
-                .arg(format!("--http-listen=127.0.0.1:{http}"))
-                .arg(format!(
-                    "--data-dir={}",
-                    dir.path().join(format!("d{}", i + 1)).display()
-                ))
-                .arg(format!("--initial-members={members}"))
-                .env("RUST_LOG", "warn")
-                .stdout(Stdio::null())
-                .stderr(Stdio::null())
-                .spawn()?;
-            children.push(child);
+        let mut replicas = BTreeMap::new();
+        for id in 1..=spec.slots as u64 {
+            replicas.insert(
+                id,
+                Replica {
+                    port: replica_port(),
+                    http: replica_port(),
+                    child: None,
+                    paused: false,
+                    started: false,
+                },
+            );
         }
-        let endpoints: Vec<String> = ports
-            .iter()
-            .map(|(p, _)| format!("127.0.0.1:{p}"))
-            .collect();
-        let cluster = ProcessCluster {
-            children,
-            endpoints,
-            _dir: dir,
-        };
-        let client = cluster.client();
-        let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
-        loop {
-            let mut leader = false;
-            for endpoint in &cluster.endpoints {
-                if let Ok(status) = client.status_of(endpoint).await {
-                    leader |= status.role == "leader";
+        let mut proxies = BTreeMap::new();
+        if spec.proxied {
+            for &from in replicas.keys() {
+                for (&to, target) in &replicas {
+                    if from != to {
+                        let addr = SocketAddr::from(([127, 0, 0, 1], target.port));
+                        proxies.insert((from, to), Proxy::start(addr, from * 1000 + to).await?);
+                    }
                 }
             }
-            if leader {
-                break;
-            }
-            anyhow::ensure!(
-                tokio::time::Instant::now() < deadline,
-                "no leader within 60 s"
-            );
-            tokio::time::sleep(Duration::from_millis(50)).await;
         }
+        let initial_members = replicas
+            .iter()
+            .take(spec.voters)
+            .map(|(id, r)| format!("{id}=127.0.0.1:{}", r.port))
+            .collect::<Vec<_>>()
+            .join(",");
+        let endpoints = replicas
+            .values()
+            .map(|r| format!("127.0.0.1:{}", r.port))
+            .collect();
+        let mut cluster = ProcessCluster {
+            spec,
+            replicas,
+            proxies,
+            endpoints,
+            initial_members,
+            dir,
+        };
+        for id in 1..=cluster.spec.voters as u64 {
+            cluster.spawn(id, None)?;
+        }
+        cluster.wait_for_leader(Duration::from_secs(60)).await?;
         Ok(cluster)
     }
 
-    /// A client of every replica.
+    /// The gRPC address of `id`.
+    pub fn addr(&self, id: u64) -> String {
+        format!("127.0.0.1:{}", self.replicas[&id].port)
+    }
+
+    fn data_dir(&self, id: u64) -> PathBuf {
+        self.dir.path().join(format!("d{id}"))
+    }
+
+    /// `id`'s log (stderr of all its runs, appended).
+    pub fn log_path(&self, id: u64) -> PathBuf {
+        self.dir.path().join(format!("tetherd-{id}.log"))
+    }
+
+    fn log_file(&self, id: u64) -> anyhow::Result<Stdio> {
+        let file = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(self.log_path(id))?;
+        Ok(Stdio::from(file))
+    }
+
+    /// The last `lines` lines of `id`'s log.
+    pub fn log_tail(&self, id: u64, lines: usize) -> String {
+        let text = std::fs::read_to_string(self.log_path(id)).unwrap_or_default();
+        let all: Vec<&str> = text.lines().collect();
+        all[all.len().saturating_sub(lines)..].join("\n")
+    }
+
+    /// Keeps the data and logs after the cluster is dropped; returns where.
+    pub fn keep(&mut self) -> PathBuf {
+        let dir = std::mem::replace(&mut self.dir, tempfile::tempdir().expect("a temp dir"));
+        dir.keep()
+    }
+
+    /// Starts `id`'s process; `failpoints` is the FAILPOINTS setting (only
+    /// a `failpoints` build acts on it).
+    fn spawn(&mut self, id: u64, failpoints: Option<&str>) -> anyhow::Result<()> {
+        let replica = &self.replicas[&id];
+        let mut command = Command::new(&self.spec.tetherd);
+        command
+            .arg(format!("--node-id={id}"))
+            .arg(format!("--listen=127.0.0.1:{}", replica.port))
+            .arg(format!("--http-listen=127.0.0.1:{}", replica.http))
+            .arg(format!("--data-dir={}", self.data_dir(id).display()))
+            .arg(format!("--initial-members={}", self.initial_members))
+            .args(&self.spec.extra_args)
+            .env("RUST_LOG", "warn")
+            .env_remove("FAILPOINTS")
+            .stdout(Stdio::null())
+            .stderr(self.log_file(id)?);
+        if self.spec.proxied {
+            let dial = self
+                .proxies
+                .iter()
+                .filter(|((from, _), _)| *from == id)
+                .map(|((_, to), proxy)| format!("{to}={}", proxy.addr))
+                .collect::<Vec<_>>()
+                .join(",");
+            command.arg(format!("--peer-dial={dial}"));
+        }
+        if let Some(failpoints) = failpoints.or(self.spec.failpoints.as_deref()) {
+            command.env("FAILPOINTS", failpoints);
+        }
+        let child = command
+            .spawn()
+            .with_context(|| format!("starting {}", self.spec.tetherd.display()))?;
+        let replica = self.replicas.get_mut(&id).expect("a slot");
+        replica.child = Some(child);
+        replica.paused = false;
+        replica.started = true;
+        Ok(())
+    }
+
+    /// A client of every slot, with short retry budgets so calls during
+    /// faults end (as unknown) instead of waiting for the fault to heal.
     pub fn client(&self) -> Client {
+        self.client_with(Duration::from_secs(60))
+    }
+
+    /// A client whose calls retry for at most `retry_timeout`.
+    pub fn client_with(&self, retry_timeout: Duration) -> Client {
         let options = Options {
-            retry_timeout: Duration::from_secs(60),
+            call_timeout: Duration::from_secs(2).min(retry_timeout),
+            retry_timeout,
             ..Options::default()
         };
         Client::new(self.endpoints.clone(), options).expect("endpoints are valid")
+    }
+
+    /// Ids with a process (running or paused).
+    pub fn running(&self) -> Vec<u64> {
+        self.replicas
+            .iter()
+            .filter(|(_, r)| r.child.is_some())
+            .map(|(id, _)| *id)
+            .collect()
+    }
+
+    /// Ids with a process that is not paused.
+    pub fn live(&self) -> Vec<u64> {
+        self.replicas
+            .iter()
+            .filter(|(_, r)| r.child.is_some() && !r.paused)
+            .map(|(id, _)| *id)
+            .collect()
+    }
+
+    /// `kill -9`.
+    pub fn kill(&mut self, id: u64) {
+        if let Some(mut child) = self.replicas.get_mut(&id).and_then(|r| r.child.take()) {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
+
+    /// Starts a stopped replica again with its data.
+    pub fn restart(&mut self, id: u64, failpoints: Option<&str>) -> anyhow::Result<()> {
+        self.kill(id);
+        self.spawn(id, failpoints)
+    }
+
+    /// Ids whose process exited on its own (a failpoint crash); they are
+    /// marked stopped.
+    pub fn reap_exited(&mut self) -> Vec<u64> {
+        let mut exited = Vec::new();
+        for (id, replica) in &mut self.replicas {
+            if let Some(child) = replica.child.as_mut()
+                && let Ok(Some(_)) = child.try_wait()
+            {
+                replica.child = None;
+                exited.push(*id);
+            }
+        }
+        exited
+    }
+
+    fn signal(&mut self, id: u64, signal: &str, paused: bool) {
+        let Some(replica) = self.replicas.get_mut(&id) else {
+            return;
+        };
+        if let Some(child) = &replica.child {
+            let _ = Command::new("kill")
+                .arg(signal)
+                .arg(child.id().to_string())
+                .status();
+            replica.paused = paused;
+        }
+    }
+
+    /// SIGSTOP: the process freezes with its sockets open.
+    pub fn pause(&mut self, id: u64) {
+        self.signal(id, "-STOP", true);
+    }
+
+    /// SIGCONT.
+    pub fn resume(&mut self, id: u64) {
+        self.signal(id, "-CONT", false);
+    }
+
+    /// Sets one directed link's mode (no-op when not proxied).
+    pub fn set_link(&self, from: u64, to: u64, mode: LinkMode) {
+        if let Some(proxy) = self.proxies.get(&(from, to))
+            && proxy.mode() != mode
+        {
+            proxy.set(mode);
+        }
+    }
+
+    /// Cuts every link between the two groups, both ways.
+    pub fn partition(&self, side_a: &[u64], side_b: &[u64]) {
+        for &a in side_a {
+            for &b in side_b {
+                self.set_link(a, b, LinkMode::Blackhole);
+                self.set_link(b, a, LinkMode::Blackhole);
+            }
+        }
+    }
+
+    /// Every link back to pass, every paused replica resumed.
+    pub fn heal_network(&mut self) {
+        for proxy in self.proxies.values() {
+            if proxy.mode() != LinkMode::Pass {
+                proxy.set(LinkMode::Pass);
+            }
+        }
+        let paused: Vec<u64> = self
+            .replicas
+            .iter()
+            .filter(|(_, r)| r.paused)
+            .map(|(id, _)| *id)
+            .collect();
+        for id in paused {
+            self.resume(id);
+        }
+    }
+
+    /// Status of every live replica that answers within a second.
+    pub async fn statuses(&self, client: &Client) -> BTreeMap<u64, pb::StatusResponse> {
+        let mut out = BTreeMap::new();
+        for id in self.live() {
+            let addr = self.addr(id);
+            let call = client.status_of(&addr);
+            if let Ok(Ok(status)) = tokio::time::timeout(Duration::from_secs(1), call).await {
+                out.insert(id, status);
+            }
+        }
+        out
+    }
+
+    /// The current leader as the live replicas see it.
+    pub async fn leader(&self, client: &Client) -> Option<pb::StatusResponse> {
+        self.statuses(client)
+            .await
+            .into_values()
+            .find(|s| s.role == "leader")
+    }
+
+    /// Waits until some replica is leader.
+    pub async fn wait_for_leader(&self, within: Duration) -> anyhow::Result<pb::StatusResponse> {
+        let client = self.client_with(Duration::from_secs(1));
+        let deadline = tokio::time::Instant::now() + within;
+        loop {
+            if let Some(leader) = self.leader(&client).await {
+                return Ok(leader);
+            }
+            anyhow::ensure!(
+                tokio::time::Instant::now() < deadline,
+                "no leader within {within:?}"
+            );
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
+
+    /// Waits until one leader is agreed on and every running member has
+    /// applied everything in its log: the state to check histories against.
+    pub async fn wait_converged(&self, within: Duration) -> anyhow::Result<pb::StatusResponse> {
+        let client = self.client_with(Duration::from_secs(1));
+        let deadline = tokio::time::Instant::now() + within;
+        loop {
+            let statuses = self.statuses(&client).await;
+            let last;
+            if let Some(leader) = statuses.values().find(|s| s.role == "leader") {
+                let target = leader.last_log_index;
+                let behind: Vec<String> = leader
+                    .members
+                    .iter()
+                    .filter(|m| self.running().contains(&m.node_id))
+                    .filter_map(|m| match statuses.get(&m.node_id) {
+                        Some(s) if s.applied_index >= target && s.leader_id == leader.node_id => {
+                            None
+                        }
+                        Some(s) => Some(format!(
+                            "{} applied {} (leader {})",
+                            m.node_id, s.applied_index, s.leader_id
+                        )),
+                        None => Some(format!("{} did not answer", m.node_id)),
+                    })
+                    .collect();
+                if behind.is_empty() && leader.applied_index >= target {
+                    return Ok(leader.clone());
+                }
+                last = format!(
+                    "leader {} at {target}; {}",
+                    leader.node_id,
+                    behind.join(", ")
+                );
+            } else {
+                last = format!("no leader among {:?}", statuses.keys().collect::<Vec<_>>());
+            }
+            anyhow::ensure!(
+                tokio::time::Instant::now() < deadline,
+                "not converged within {within:?}: {last}"
+            );
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
+
+    /// Voters of the current membership, from the leader.
+    pub async fn voters(&self, client: &Client) -> Vec<u64> {
+        match self.leader(client).await {
+            Some(leader) => leader
+                .members
+                .iter()
+                .filter(|m| m.voter)
+                .map(|m| m.node_id)
+                .collect(),
+            None => Vec::new(),
+        }
+    }
+
+    /// Replaces voter `old` the way an operator replaces a member whose
+    /// disk was lost: remove it, wipe it, start a fresh id, add it as a
+    /// learner, promote it. Returns the new id; `None` when no slot is left.
+    pub async fn replace(&mut self, old: u64) -> anyhow::Result<Option<u64>> {
+        if self.spare_slot().is_none() {
+            return Ok(None);
+        }
+        let client = self.client_with(Duration::from_secs(30));
+        let voters = self.voters(&client).await;
+        anyhow::ensure!(voters.contains(&old), "{old} is not a voter of {voters:?}");
+        let remaining: Vec<u64> = voters.iter().copied().filter(|v| *v != old).collect();
+        client
+            .change_membership(remaining.clone(), false)
+            .await
+            .context("removing the old member")?;
+        self.wipe(old);
+        self.add_member(remaining).await
+    }
+
+    /// An id never started yet.
+    pub fn spare_slot(&self) -> Option<u64> {
+        self.replicas
+            .iter()
+            .find(|(_, r)| !r.started)
+            .map(|(id, _)| *id)
+    }
+
+    /// Kills `id` and deletes its data (a lost disk); its id is not reused.
+    pub fn wipe(&mut self, id: u64) {
+        self.kill(id);
+        let _ = std::fs::remove_dir_all(self.data_dir(id));
+    }
+
+    /// Starts a spare id empty, adds it as a learner and promotes it next to
+    /// `voters`. Returns its id; `None` when no slot is left.
+    pub async fn add_member(&mut self, voters: Vec<u64>) -> anyhow::Result<Option<u64>> {
+        let Some(new) = self.spare_slot() else {
+            return Ok(None);
+        };
+        let client = self.client_with(Duration::from_secs(30));
+        self.spawn(new, None)?;
+        client
+            .add_learner(new, &self.addr(new), true)
+            .await
+            .context("adding the new member as a learner")?;
+        let mut promoted = voters;
+        promoted.push(new);
+        client
+            .change_membership(promoted, false)
+            .await
+            .context("promoting the new member")?;
+        Ok(Some(new))
     }
 }
 
 impl Drop for ProcessCluster {
     fn drop(&mut self) {
-        for child in &mut self.children {
-            let _ = child.kill();
-            let _ = child.wait();
+        let ids: Vec<u64> = self.replicas.keys().copied().collect();
+        for id in ids {
+            // A stopped process cannot be killed until it is continued.
+            self.resume(id);
+            self.kill(id);
         }
     }
 }

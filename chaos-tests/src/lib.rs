@@ -1,15 +1,30 @@
-//! `tether-chaos`: workloads that drive a Tether cluster, a harness that runs
-//! real `tetherd` processes on loopback, and latency statistics. Today it
-//! serves the `tether-bench` binary; fault injection and history checkers
-//! build on the same pieces.
+//! `tether-chaos`: drives real `tetherd` processes through faults and checks
+//! what clients saw; also the workloads and harness of `tether-bench`.
 //!
 //! # Layout
-//! - `cluster.rs` — N `tetherd` processes in temp dirs, killed on drop.
-//! - `workload.rs` — lock workloads: uncontended pairs, contended hand-over.
-//! - `stats.rs` — latency samples and percentiles.
-//! - `bin/tether-bench.rs` — runs the workloads and prints the table.
+//! - `cluster.rs` — N `tetherd` processes in temp dirs: kill, restart,
+//!   pause, membership changes, per-link network faults.
+//! - `proxy.rs` — the fault-injecting TCP proxy of one directed link.
+//! - `schedule.rs` — seeded fault schedules.
+//! - `workers.rs` — the chaos workload's clients and the fenced shadow resource.
+//! - `history.rs` — operations as invoke / ok / fail / unknown.
+//! - `checkers/` — one checker per file (see its module doc for the table).
+//! - `runner.rs` — one schedule: workload, faults, heal, collect, check.
+//! - `driver.rs` — many schedules across clusters, summed up.
+//! - `trace.rs` — pod-lifecycle trace replay through the bridge's logic.
+//! - `workload.rs`, `stats.rs`, `etcd.rs` — the benchmark's workloads,
+//!   latency statistics and the etcd side of the comparison.
+//! - `bin/tether-chaos.rs`, `bin/tether-bench.rs` — the two programs.
 
+pub mod checkers;
 pub mod cluster;
+pub mod driver;
 pub mod etcd;
+pub mod history;
+pub mod proxy;
+pub mod rng;
+pub mod runner;
+pub mod schedule;
 pub mod stats;
+pub mod workers;
 pub mod workload;

@@ -601,6 +601,27 @@ impl Client {
         }
     }
 
+    /// [`Client::history_query`] answered by one replica (`addr`), from its
+    /// own event store, without leader following. A replica that joined by
+    /// snapshot only has the events after it: see `oldest_retained`.
+    pub async fn history_at(
+        &self,
+        addr: &str,
+        request: pb::HistoryRequest,
+    ) -> Result<pb::HistoryResponse> {
+        let channel = self.channel(addr)?;
+        let mut client = WatchServiceClient::new(channel);
+        match tokio::time::timeout(self.shared.options.call_timeout, client.history(request)).await
+        {
+            Ok(Ok(reply)) => Ok(reply.into_inner()),
+            Ok(Err(status)) => Err(status.into()),
+            Err(_) => Err(Error::Unavailable(format!(
+                "{addr} did not answer within {:?}",
+                self.shared.options.call_timeout
+            ))),
+        }
+    }
+
     /// The configured endpoints.
     pub fn endpoints(&self) -> &[String] {
         &self.shared.endpoints
@@ -897,12 +918,21 @@ impl Client {
         since_ms: u64,
         limit: u32,
     ) -> Result<pb::HistoryResponse> {
-        let request = pb::HistoryRequest {
+        self.history_query(pb::HistoryRequest {
             key: key.to_string(),
             since_ms,
             limit,
             ..Default::default()
-        };
+        })
+        .await
+    }
+}
+
+impl Client {
+    /// Retained events of one key in a revision range, oldest first; the full
+    /// [`pb::HistoryRequest`] (the server answers at most 1,000 per call:
+    /// page by asking again from the last revision + 1).
+    pub async fn history_query(&self, request: pb::HistoryRequest) -> Result<pb::HistoryResponse> {
         self.with_leader(Duration::ZERO, |channel| {
             let request = request.clone();
             async move {
@@ -914,9 +944,7 @@ impl Client {
         })
         .await
     }
-}
 
-impl Client {
     /// [`Client::list`] with the answering replica's applied index: the
     /// state is as of that index (for list-then-watch without gaps).
     pub async fn list_with_index(&self, scope: &str) -> Result<(Vec<pb::LockState>, u64)> {

@@ -40,6 +40,13 @@ pub struct Config {
     #[arg(long, env = "TETHER_INITIAL_MEMBERS")]
     pub initial_members: Option<String>,
 
+    /// Dial some replicas at other addresses than the ones in the cluster's
+    /// membership, `ID=ADDR,...`: for a replica that reaches its peers through
+    /// a proxy or NAT. The chaos tests route every peer link through a
+    /// fault-injecting proxy this way. Clients are not affected.
+    #[arg(long, env = "TETHER_PEER_DIAL", value_parser = parse_peer_dial, default_value = "")]
+    pub peer_dial: PeerDial,
+
     /// Address of the HTTP server for `/health` and `/metrics`.
     #[arg(long, env = "TETHER_HTTP_LISTEN", default_value = "127.0.0.1:7421")]
     pub http_listen: SocketAddr,
@@ -124,6 +131,16 @@ fn parse_scope_timeouts(text: &str) -> Result<ScopeTimeouts, String> {
         out.insert(scope.trim().to_string(), duration);
     }
     Ok(out)
+}
+
+/// Replica id -> the address to dial it at (see `--peer-dial`).
+pub type PeerDial = BTreeMap<u64, String>;
+
+fn parse_peer_dial(text: &str) -> Result<PeerDial, String> {
+    if text.trim().is_empty() {
+        return Ok(PeerDial::new());
+    }
+    parse_members(text)
 }
 
 /// Parses `ID=ADDR,ID=ADDR,...`.

@@ -17,6 +17,8 @@ async fn main() -> anyhow::Result<()> {
                 .unwrap_or_else(|_| EnvFilter::new("info,openraft=warn")),
         )
         .init();
+    #[cfg(feature = "failpoints")]
+    let _failpoints = arm_failpoints();
     let config = Config::parse();
     tracing::info!(
         node_id = config.node_id,
@@ -54,4 +56,21 @@ async fn wait_for_signal() {
     }
     #[cfg(not(unix))]
     let _ = ctrl_c.await;
+}
+
+/// Reads FAILPOINTS (e.g. `sm-apply-before-write=3*off->panic`) and makes any
+/// panic abort the process: a failpoint's "panic" is then a crash at exactly
+/// that line, like `kill -9` there, whichever task it fires in.
+#[cfg(feature = "failpoints")]
+fn arm_failpoints() -> fail::FailScenario<'static> {
+    let default_hook = std::panic::take_hook();
+    std::panic::set_hook(Box::new(move |info| {
+        default_hook(info);
+        std::process::abort();
+    }));
+    tracing::warn!(
+        "built with failpoints: FAILPOINTS={:?}",
+        std::env::var("FAILPOINTS").ok()
+    );
+    fail::FailScenario::setup()
 }

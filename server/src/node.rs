@@ -104,9 +104,15 @@ impl Node {
         }
         .validate()
         .context("invalid Raft timing (the heartbeat must be shorter than the election timeout)")?;
-        let raft = Raft::new(id, Arc::new(raft_config), Network, log_store, sm_store)
-            .await
-            .context("cannot start Raft")?;
+        let raft = Raft::new(
+            id,
+            Arc::new(raft_config),
+            Network::new(config.peer_dial.clone()),
+            log_store,
+            sm_store,
+        )
+        .await
+        .context("cannot start Raft")?;
 
         let config = Arc::new(config);
         let (shutdown, shutdown_rx) = watch::channel(false);
@@ -119,6 +125,7 @@ impl Node {
             config: config.clone(),
             metrics: Arc::new(Metrics::default()),
             shutdown: shutdown_rx.clone(),
+            transferring: Default::default(),
         });
 
         bootstrap(&ctx, &advertise).await?;

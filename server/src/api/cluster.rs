@@ -2,6 +2,7 @@
 
 use std::collections::BTreeSet;
 use std::sync::Arc;
+use std::sync::atomic::Ordering;
 use std::time::Duration;
 
 use openraft::{BasicNode, ServerState};
@@ -113,7 +114,23 @@ pub async fn transfer_leader(ctx: &Ctx, target: u64) -> Result<u64> {
         .map(|n| n.addr.clone())
         .unwrap_or_default();
     let timeout = ctx.config.election_timeout_max() * 4;
+    if ctx
+        .transferring
+        .compare_exchange(false, true, Ordering::SeqCst, Ordering::SeqCst)
+        .is_err()
+    {
+        return Err(ApiError::FailedPrecondition(
+            "a leadership transfer is already in progress".into(),
+        ));
+    }
+    // New writes are refused from here on, so the log stops growing.
+    let result = hand_over(ctx, target, &addr, timeout).await;
+    ctx.transferring.store(false, Ordering::SeqCst);
+    result
+}
 
+/// Steps 1-3 of a transfer, with writes already held off.
+async fn hand_over(ctx: &Ctx, target: u64, addr: &str, timeout: Duration) -> Result<u64> {
     // 1. The target must have the whole log, or it cannot win the election.
     let caught_up = tokio::time::timeout(timeout, async {
         let mut rx = ctx.raft.metrics();

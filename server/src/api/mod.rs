@@ -45,6 +45,10 @@ pub struct Ctx {
     /// Turns true when the replica shuts down: long-running calls (queued
     /// acquires) then end with `UNAVAILABLE` so their clients move on.
     pub shutdown: tokio::sync::watch::Receiver<bool>,
+    /// Set while this leader hands leadership over: new writes are refused
+    /// with `UNAVAILABLE` (clients retry and find the new leader), so the
+    /// target can catch up with a log that stops growing (Raft thesis 3.10).
+    pub transferring: std::sync::atomic::AtomicBool,
 }
 
 /// Wall-clock time in ms since the epoch: only ever used to stamp entries
@@ -60,6 +64,11 @@ impl Ctx {
     /// Proposes a command through Raft (leader only) and returns its reply.
     /// Refusals of the state machine come back as [`ApiError::Command`].
     pub async fn write(&self, request_id: Option<RequestId>, command: Command) -> Result<Reply> {
+        if self.transferring.load(std::sync::atomic::Ordering::SeqCst) {
+            return Err(ApiError::Unavailable(
+                "leadership is being transferred; retry in a moment".into(),
+            ));
+        }
         let request = Request::new(request_id, wall_clock_ms(), command);
         let response = self
             .raft

@@ -1,6 +1,7 @@
 //! openraft's network over the internal `RaftService` (tonic). Messages are
 //! openraft's own types in the log's postcard encoding.
 
+use std::sync::Arc;
 use std::time::Duration;
 
 use openraft::BasicNode;
@@ -17,17 +18,33 @@ use tether_proto::{RaftReply, RaftRequest};
 use tonic::transport::{Channel, Endpoint};
 
 use super::TypeConfig;
+use crate::config::PeerDial;
 use crate::store::{decode, encode};
 
 /// Creates one [`PeerClient`] per target replica.
 #[derive(Clone, Default)]
-pub struct Network;
+pub struct Network {
+    /// Addresses that replace the membership's for some targets
+    /// (`--peer-dial`).
+    dial: Arc<PeerDial>,
+}
+
+impl Network {
+    /// A network dialing `dial`'s address for the replicas it names and the
+    /// membership address for the rest.
+    pub fn new(dial: PeerDial) -> Self {
+        Self {
+            dial: Arc::new(dial),
+        }
+    }
+}
 
 impl RaftNetworkFactory<TypeConfig> for Network {
     type Network = PeerClient;
 
     async fn new_client(&mut self, target: u64, node: &BasicNode) -> PeerClient {
-        PeerClient::new(target, &node.addr)
+        let addr = self.dial.get(&target).unwrap_or(&node.addr);
+        PeerClient::new(target, addr)
     }
 }
 

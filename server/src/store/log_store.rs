@@ -13,7 +13,7 @@ use rocksdb::{DB, Direction, IteratorMode, WriteBatch, WriteOptions};
 
 use super::err;
 use super::keys::{log_index, log_key};
-use super::{CF_LOG, CF_META, decode, encode};
+use super::{CF_LOG, CF_META, SnapshotGate, decode, encode};
 use crate::raft::{Entry, LogId, StorageError, TypeConfig};
 use crate::sm::FORMAT_VERSION;
 
@@ -25,6 +25,7 @@ const LAST_PURGED: &[u8] = b"last_purged";
 #[derive(Clone)]
 pub struct LogStore {
     db: Arc<DB>,
+    gate: Arc<SnapshotGate>,
 }
 
 fn synced() -> WriteOptions {
@@ -35,8 +36,8 @@ fn synced() -> WriteOptions {
 
 impl LogStore {
     /// A log store over an open database.
-    pub fn new(db: Arc<DB>) -> Self {
-        Self { db }
+    pub fn new(db: Arc<DB>, gate: Arc<SnapshotGate>) -> Self {
+        Self { db, gate }
     }
 
     fn cf_log(&self) -> &rocksdb::ColumnFamily {
@@ -176,9 +177,12 @@ impl RaftLogStorage<TypeConfig> for LogStore {
         for entry in entries {
             batch.put_cf(self.cf_log(), log_key(entry.log_id.index), encode(&entry));
         }
+        fail::fail_point!("log-append-before-write");
         let result = self.db.write_opt(batch, &synced());
         match result {
             Ok(()) => {
+                // Synced but not yet acknowledged to Raft.
+                fail::fail_point!("log-append-before-ack");
                 callback.log_io_completed(Ok(()));
                 Ok(())
             }
@@ -200,6 +204,7 @@ impl RaftLogStorage<TypeConfig> for LogStore {
     }
 
     async fn purge(&mut self, log_id: LogId) -> Result<(), StorageError> {
+        self.gate.wait_before_purge(log_id.index).await;
         // Record the purge point first: if the deletion is interrupted, the
         // remaining entries below it are ignored, never a hole.
         self.put_meta(LAST_PURGED, &log_id)?;

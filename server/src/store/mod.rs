@@ -58,13 +58,82 @@ pub fn open_db(dir: &Path) -> Result<Arc<DB>, rocksdb::Error> {
     Ok(Arc::new(DB::open_cf_descriptors(&opts, dir, cfs)?))
 }
 
+/// Keeps the log's purge point from passing the snapshot on disk while a
+/// snapshot is being installed.
+///
+/// openraft 0.9, installing a snapshot on a follower, hands the state machine
+/// the snapshot and tells the log store to purge up to its last index, and
+/// the two can run in either order. Were the purge persisted first and the
+/// replica to crash before the snapshot was, the replica would restart with
+/// its log purged past its snapshot, which openraft refuses to start from
+/// (found by the chaos tests' `sm-install-snapshot-before` crash point).
+/// So while an install is in flight, a purge waits until the snapshot
+/// covering it is stored.
+pub struct SnapshotGate {
+    installing: std::sync::atomic::AtomicBool,
+    /// Last log index covered by the stored snapshot.
+    covered: tokio::sync::watch::Sender<u64>,
+}
+
+/// Longest a purge waits for an install (then it goes ahead and warns: an
+/// install that never finishes must not stall the log forever).
+const PURGE_WAIT: std::time::Duration = std::time::Duration::from_secs(30);
+
+impl SnapshotGate {
+    /// A gate with `covered` as the stored snapshot's last index.
+    pub fn new(covered: u64) -> Arc<Self> {
+        Arc::new(Self {
+            installing: false.into(),
+            covered: tokio::sync::watch::Sender::new(covered),
+        })
+    }
+
+    /// A snapshot started arriving.
+    pub fn begin_install(&self) {
+        self.installing
+            .store(true, std::sync::atomic::Ordering::SeqCst);
+    }
+
+    /// An install ended: stored (with the index it covers) or failed.
+    pub fn end_install(&self, stored: Option<u64>) {
+        if let Some(index) = stored {
+            self.stored(index);
+        }
+        self.installing
+            .store(false, std::sync::atomic::Ordering::SeqCst);
+        // Wake purges waiting on a failed install too.
+        self.covered.send_modify(|_| {});
+    }
+
+    /// A snapshot covering `index` is on disk.
+    pub fn stored(&self, index: u64) {
+        self.covered.send_modify(|c| *c = (*c).max(index));
+    }
+
+    /// Returns once purging up to `index` cannot pass the stored snapshot.
+    pub async fn wait_before_purge(&self, index: u64) {
+        let mut covered = self.covered.subscribe();
+        let safe =
+            |c: &u64| *c >= index || !self.installing.load(std::sync::atomic::Ordering::SeqCst);
+        if tokio::time::timeout(PURGE_WAIT, covered.wait_for(safe))
+            .await
+            .is_err()
+        {
+            tracing::warn!(
+                index,
+                "purging the log although the snapshot install covering it has not been                  stored after {PURGE_WAIT:?}"
+            );
+        }
+    }
+}
+
 /// Opens the database and builds both halves of the store over it. The
 /// returned `Arc<DB>` lets the owner wait until Raft has let go of the
 /// database (RocksDB allows one opener per directory).
 pub async fn open(dir: &Path) -> Result<(Arc<DB>, LogStore, StateMachineStore), StorageError> {
     let db = open_db(dir).map_err(|e| err::read_state_machine(&e))?;
-    let log = LogStore::new(db.clone());
     let sm = StateMachineStore::load(db.clone())?;
+    let log = LogStore::new(db.clone(), sm.snapshot_gate());
     Ok((db, log, sm))
 }
 

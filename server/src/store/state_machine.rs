@@ -16,7 +16,7 @@ use serde::{Deserialize, Serialize};
 use tokio::sync::broadcast;
 
 use super::keys::{self, LAST_APPLIED, MEMBERSHIP, NOW};
-use super::{CF_EVENTS, CF_META, CF_SM, decode, encode, err};
+use super::{CF_EVENTS, CF_META, CF_SM, SnapshotGate, decode, encode, err};
 use crate::raft::{Entry, LogId, StorageError, StoredMembership, TypeConfig};
 use crate::sm::{self, Dirty, Event, FORMAT_VERSION, Response, State};
 
@@ -104,6 +104,7 @@ pub struct StateMachineStore {
     db: Arc<DB>,
     handle: StateHandle,
     retention: EventRetention,
+    gate: Arc<SnapshotGate>,
 }
 
 /// How long events (the audit trail behind watch and history) are kept.
@@ -235,6 +236,7 @@ impl StateMachineStore {
                 events,
             },
             retention: EventRetention::default(),
+            gate: SnapshotGate::new(0),
         };
 
         // A snapshot newer than the persisted state cannot normally exist (the
@@ -245,8 +247,16 @@ impl StateMachineStore {
             if stored.meta.last_log_id > sm_applied {
                 store.restore(&stored.data)?;
             }
+            store
+                .gate
+                .stored(stored.meta.last_log_id.map_or(0, |l| l.index));
         }
         Ok(store)
+    }
+
+    /// The gate the log store's purges wait at (see [`SnapshotGate`]).
+    pub fn snapshot_gate(&self) -> Arc<SnapshotGate> {
+        self.gate.clone()
     }
 
     /// Sets how long events are kept; applied each time a snapshot is built.
@@ -351,6 +361,7 @@ pub struct SnapshotBuilder {
     db: Arc<DB>,
     handle: StateHandle,
     retention: EventRetention,
+    gate: Arc<SnapshotGate>,
 }
 
 impl RaftSnapshotBuilder<TypeConfig> for SnapshotBuilder {
@@ -386,6 +397,7 @@ impl RaftSnapshotBuilder<TypeConfig> for SnapshotBuilder {
         self.db
             .put_cf_opt(cf(&self.db, CF_META), SNAPSHOT, encode(&stored), &synced())
             .map_err(|e| err::write_snapshot(Some(meta.signature()), &e))?;
+        self.gate.stored(last_applied.map_or(0, |l| l.index));
         // Snapshots are the moment of housekeeping: events older than the
         // retention window are deleted (history beyond it is not kept).
         let applied = last_applied.map_or(0, |l| l.index);
@@ -455,8 +467,13 @@ impl RaftStateMachine<TypeConfig> for StateMachineStore {
             batch.put_cf(sm_cf, LAST_APPLIED, encode(&applied.last_applied));
             if membership_changed {
                 batch.put_cf(sm_cf, MEMBERSHIP, encode(&applied.membership));
+                // A crash here falls between the two phases of a membership
+                // change (joint, then uniform) or mid-way through one.
+                fail::fail_point!("sm-apply-membership-before-write");
             }
+            fail::fail_point!("sm-apply-before-write");
             self.db.write(batch).map_err(sm_write_err)?;
+            fail::fail_point!("sm-apply-after-write");
         }
         for event in all_events {
             // No subscriber is not an error: nobody is waiting.
@@ -470,10 +487,12 @@ impl RaftStateMachine<TypeConfig> for StateMachineStore {
             db: self.db.clone(),
             handle: self.handle.clone(),
             retention: self.retention,
+            gate: self.gate.clone(),
         }
     }
 
     async fn begin_receiving_snapshot(&mut self) -> Result<Box<Cursor<Vec<u8>>>, StorageError> {
+        self.gate.begin_install();
         Ok(Box::new(Cursor::new(Vec::new())))
     }
 
@@ -482,7 +501,28 @@ impl RaftStateMachine<TypeConfig> for StateMachineStore {
         meta: &SnapshotMeta<u64, openraft::BasicNode>,
         snapshot: Box<Cursor<Vec<u8>>>,
     ) -> Result<(), StorageError> {
-        let data = snapshot.into_inner();
+        let result = self.install(meta, snapshot.into_inner());
+        let covered = meta.last_log_id.map_or(0, |l| l.index);
+        self.gate.end_install(result.is_ok().then_some(covered));
+        result
+    }
+
+    async fn get_current_snapshot(&mut self) -> Result<Option<Snapshot<TypeConfig>>, StorageError> {
+        Ok(self.read_stored_snapshot()?.map(|s| Snapshot {
+            meta: s.meta,
+            snapshot: Box::new(Cursor::new(s.data)),
+        }))
+    }
+}
+
+impl StateMachineStore {
+    /// Restores `data` and stores it as the current snapshot.
+    fn install(
+        &mut self,
+        meta: &SnapshotMeta<u64, openraft::BasicNode>,
+        data: Vec<u8>,
+    ) -> Result<(), StorageError> {
+        fail::fail_point!("sm-install-snapshot-before");
         self.restore(&data)?;
         // This replica never applied the entries the snapshot covers, so it has
         // none of their events: its event history starts after the snapshot.
@@ -495,14 +535,8 @@ impl RaftStateMachine<TypeConfig> for StateMachineStore {
         self.db
             .put_cf_opt(cf(&self.db, CF_META), SNAPSHOT, encode(&stored), &synced())
             .map_err(|e| err::write_snapshot(Some(meta.signature()), &e))?;
+        fail::fail_point!("sm-install-snapshot-after");
         Ok(())
-    }
-
-    async fn get_current_snapshot(&mut self) -> Result<Option<Snapshot<TypeConfig>>, StorageError> {
-        Ok(self.read_stored_snapshot()?.map(|s| Snapshot {
-            meta: s.meta,
-            snapshot: Box::new(Cursor::new(s.data)),
-        }))
     }
 }
 

@@ -54,6 +54,11 @@ impl Acquire {
             .locks
             .get(&self.key)
             .and_then(|l| l.holder.clone());
+        // A deliberate bug for the chaos tests' "the checkers can fail" test:
+        // grant over the current holder. Only with the `failpoints` feature
+        // and FAILPOINTS=sm-acquire-ignore-holder=return.
+        #[cfg(feature = "failpoints")]
+        let current = current.filter(|_| fail::eval("sm-acquire-ignore-holder", |_| ()).is_none());
         match current {
             None => {
                 let hold = Hold {

@@ -1,0 +1,52 @@
+//! Fencing tokens strictly increase per lock:
+//! - in log order: each `LockGranted` of a lock carries a larger token than
+//!   the one before;
+//! - in real time: when pod A's grant was answered before pod B's acquire
+//!   was sent, B's token is larger.
+//!
+//! Proves: a later holder can always fence an earlier one. Does not cover
+//! grants whose answer was lost (unknown), beyond what the log shows.
+
+use super::{Evidence, rev, uid_of};
+use crate::history::{Call, Value};
+
+/// Violations found.
+pub fn check(evidence: &Evidence) -> Vec<String> {
+    let mut out = Vec::new();
+    for (key, events) in &evidence.events {
+        let mut last: Option<(u64, String)> = None;
+        for event in events.iter().filter(|e| e.kind == "LockGranted") {
+            if let Some((token, _)) = &last
+                && event.token <= *token
+            {
+                out.push(format!(
+                    "{key}: token {} granted at {} is not above the previous {token}",
+                    event.token,
+                    rev(event)
+                ));
+            }
+            last = Some((event.token, uid_of(event).to_string()));
+        }
+    }
+    let grants: Vec<(&str, &str, u64, u64, u64)> = evidence
+        .ops
+        .iter()
+        .filter_map(|op| match (&op.call, op.value(), op.complete_us) {
+            (Call::Acquire { uid, .. }, Some(Value::Granted(token)), Some(done)) => {
+                Some((op.key.as_str(), uid.as_str(), *token, op.invoke_us, done))
+            }
+            _ => None,
+        })
+        .collect();
+    for a in &grants {
+        for b in &grants {
+            if a.0 == b.0 && a.1 != b.1 && a.4 < b.3 && b.2 <= a.2 {
+                out.push(format!(
+                    "{}: {} got token {} after {} had been answered token {}",
+                    a.0, b.1, b.2, a.1, a.2
+                ));
+            }
+        }
+    }
+    out
+}

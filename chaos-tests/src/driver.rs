@@ -1,0 +1,255 @@
+//! Runs many schedules: `lanes` clusters side by side, each taking the next
+//! seed, with a fresh cluster every `per_cluster` schedules (and after any
+//! schedule that could not finish). Sums the reports into one [`Summary`].
+
+use std::collections::BTreeMap;
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use crate::cluster::{ClusterSpec, ProcessCluster};
+use crate::runner::{self, Report, RunConfig};
+use crate::schedule::{FaultOptions, Schedule};
+
+/// How to run.
+#[derive(Debug, Clone)]
+pub struct DriverOptions {
+    /// The `tetherd` binary.
+    pub tetherd: PathBuf,
+    /// Voters per cluster (3 or 5).
+    pub replicas: usize,
+    /// Stop after this many schedules...
+    pub schedules: u64,
+    /// ...or when this much time has passed (soak), whichever comes first.
+    pub duration: Option<Duration>,
+    /// Schedule n uses seed `seed + n`.
+    pub seed: u64,
+    /// Clusters run side by side.
+    pub lanes: usize,
+    /// Schedules per cluster before a fresh one.
+    pub per_cluster: u64,
+    /// How long clients run per schedule.
+    pub workload: Duration,
+    /// Which faults may be drawn.
+    pub faults: FaultOptions,
+    /// FAILPOINTS for every replica (a deliberately broken build).
+    pub failpoints_env: Option<String>,
+    /// Workload shape.
+    pub run: RunConfig,
+    /// Print every schedule, not only failing ones.
+    pub verbose: bool,
+}
+
+/// Totals of a driver run.
+#[derive(Debug, Clone, Default)]
+pub struct Summary {
+    /// Schedules completed (with or without violations).
+    pub schedules: u64,
+    /// Operations recorded.
+    pub ops: u64,
+    /// Of which unknown.
+    pub unknown: u64,
+    /// Faults injected by kind.
+    pub faults: BTreeMap<&'static str, u64>,
+    /// Failpoint crashes that fired.
+    pub crashes_fired: u64,
+    /// Elections (Raft terms passed).
+    pub elections: u64,
+    /// Schedules whose whole event log no replica kept (log checkers
+    /// skipped).
+    pub partial_logs: u64,
+    /// Watch re-lists.
+    pub relists: u64,
+    /// Violations by checker (every checker listed, zeros included).
+    pub violations: BTreeMap<&'static str, u64>,
+    /// Linearizability searches that ran out of budget.
+    pub undecided: u64,
+    /// Seeds with violations or that could not finish, with the first
+    /// problem of each.
+    pub failing: Vec<(u64, String)>,
+    /// Wall time.
+    pub elapsed: Duration,
+}
+
+impl Summary {
+    /// Whether every checker found nothing and every schedule finished.
+    pub fn clean(&self) -> bool {
+        self.failing.is_empty()
+    }
+
+    fn add(&mut self, seed: u64, report: &Report) {
+        self.schedules += 1;
+        self.ops += report.ops as u64;
+        self.unknown += report.unknown as u64;
+        self.crashes_fired += report.crashes_fired;
+        self.elections += report.elections;
+        self.partial_logs += u64::from(!report.events_complete);
+        self.relists += report.relists;
+        self.undecided += report.undecided.len() as u64;
+        for (kind, n) in &report.faults {
+            *self.faults.entry(kind).or_default() += n;
+        }
+        for (checker, found) in &report.violations {
+            *self.violations.entry(checker).or_default() += found.len() as u64;
+        }
+        if let Some((checker, first)) = report
+            .violations
+            .iter()
+            .find_map(|(c, v)| v.first().map(|f| (c, f)))
+        {
+            self.failing.push((seed, format!("{checker}: {first}")));
+        }
+    }
+
+    /// The one-line summary.
+    pub fn line(&self, options: &DriverOptions) -> String {
+        let faults: Vec<String> = self
+            .faults
+            .iter()
+            .map(|(k, n)| format!("{k}={n}"))
+            .collect();
+        let violations: Vec<String> = self
+            .violations
+            .iter()
+            .map(|(k, n)| format!("{k}={n}"))
+            .collect();
+        format!(
+            "chaos summary: schedules={} operations={} unknown={} faults[{}] failpoint_crashes={} \
+             elections={} watch_relists={} partial_logs={} violations[{}] undecided_searches={} failed_seeds={} | {} replicas, {} lanes, \
+             first seed {}, {:.0} s",
+            self.schedules,
+            self.ops,
+            self.unknown,
+            faults.join(" "),
+            self.crashes_fired,
+            self.elections,
+            self.relists,
+            self.partial_logs,
+            violations.join(" "),
+            self.undecided,
+            self.failing.len(),
+            options.replicas,
+            options.lanes,
+            options.seed,
+            self.elapsed.as_secs_f64()
+        )
+    }
+}
+
+async fn fresh_cluster(options: &DriverOptions) -> anyhow::Result<ProcessCluster> {
+    ProcessCluster::start_spec(ClusterSpec {
+        tetherd: options.tetherd.clone(),
+        voters: options.replicas,
+        // Spare ids for member replacements.
+        slots: options.replicas + 4,
+        proxied: true,
+        extra_args: vec![
+            "--heartbeat-interval=50ms".into(),
+            "--election-timeout=300ms".into(),
+            // Frequent snapshots and short logs: lagging replicas get
+            // snapshots, which the snapshot failpoints need.
+            "--snapshot-every=200".into(),
+            "--keep-logs-after-snapshot=50".into(),
+        ],
+        failpoints: options.failpoints_env.clone(),
+    })
+    .await
+}
+
+/// Runs schedules until the count or the time is reached.
+pub async fn run_many(options: DriverOptions) -> anyhow::Result<Summary> {
+    let started = Instant::now();
+    let next = Arc::new(AtomicU64::new(0));
+    let summary = Arc::new(Mutex::new(Summary::default()));
+    let mut lanes = Vec::new();
+    for _ in 0..options.lanes.max(1) {
+        let (options, next, summary) = (options.clone(), next.clone(), summary.clone());
+        lanes.push(tokio::spawn(async move {
+            let mut cluster: Option<ProcessCluster> = None;
+            let mut used = 0;
+            loop {
+                if options.duration.is_some_and(|d| started.elapsed() >= d) {
+                    return Ok::<(), anyhow::Error>(());
+                }
+                let n = next.fetch_add(1, Ordering::SeqCst);
+                if n >= options.schedules {
+                    return Ok(());
+                }
+                let seed = options.seed + n;
+                if cluster.is_none() || used >= options.per_cluster {
+                    // Stop the old replicas before starting new ones.
+                    drop(cluster.take());
+                    cluster = Some(fresh_cluster(&options).await?);
+                    used = 0;
+                }
+                used += 1;
+                let schedule = Schedule::generate(seed, options.faults, options.workload);
+                let current = cluster.as_mut().expect("started above");
+                // Pin nodes are registered per cluster (idempotent).
+                crate::workers::register_pin_nodes(&current.client()).await?;
+                let result =
+                    runner::run(current, &schedule, &format!("s{seed}"), &options.run).await;
+                let mut summary = summary.lock().unwrap_or_else(|p| p.into_inner());
+                match result {
+                    Ok(report) => {
+                        if options.verbose || report.violation_count() > 0 {
+                            println!(
+                                "{} | ops {} unknown {} elections {} | violations {}",
+                                report.schedule,
+                                report.ops,
+                                report.unknown,
+                                report.elections,
+                                report.violation_count()
+                            );
+                            if options.verbose {
+                                println!("  outcomes {:?}", report.outcomes);
+                                println!("  phases {:?}", report.phases);
+                            }
+                            for (checker, found) in &report.violations {
+                                for v in found.iter().take(5) {
+                                    println!("  seed {seed} {checker}: {v}");
+                                }
+                            }
+                        }
+                        summary.add(seed, &report);
+                    }
+                    Err(err) => {
+                        println!("{schedule} | could not finish: {err:#}");
+                        if let Some(mut failed) = cluster.take() {
+                            for id in failed.running() {
+                                println!("  tetherd {id} log tail:\n{}", failed.log_tail(id, 15));
+                            }
+                            println!("  data and logs kept in {}", failed.keep().display());
+                        }
+                        summary.schedules += 1;
+                        *summary.violations.entry("process").or_default() += 1;
+                        summary
+                            .failing
+                            .push((seed, format!("could not finish: {err:#}")));
+                        // Start over on a fresh cluster.
+                        cluster = None;
+                    }
+                }
+                if summary.schedules % 25 == 0 {
+                    println!(
+                        "... {} schedules, {} operations, {} failing, {:.0} s",
+                        summary.schedules,
+                        summary.ops,
+                        summary.failing.len(),
+                        started.elapsed().as_secs_f64()
+                    );
+                }
+            }
+        }));
+    }
+    for lane in lanes {
+        lane.await??;
+    }
+    let mut summary = summary.lock().unwrap_or_else(|p| p.into_inner()).clone();
+    for checker in crate::checkers::CHECKERS.into_iter().chain(["process"]) {
+        summary.violations.entry(checker).or_default();
+    }
+    summary.elapsed = started.elapsed();
+    Ok(summary)
+}

@@ -1,0 +1,195 @@
+//! The record of a chaos run: every client operation as invoke and then ok,
+//! fail or unknown, with times on one monotonic clock (all clients live in
+//! this process), plus what the shadow resource and the watchers saw.
+//!
+//! Outcomes follow Jepsen: **ok** is a definite answer (including "busy" and
+//! "not the holder", which are answers, not failures), **fail** means the
+//! operation certainly did not take effect (the server refused the input),
+//! and **unknown** means it may or may not have taken effect — a timeout, an
+//! unreachable leader, a broken connection. Checkers never treat unknown as
+//! failed.
+
+use std::sync::Mutex;
+use std::time::Instant;
+
+use tether_client::Error;
+
+/// What a client asked.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Call {
+    /// Acquire `key` for pod `uid`, waiting up to `wait_ms` (0 = try once).
+    Acquire {
+        /// The pod UID.
+        uid: String,
+        /// Queue wait.
+        wait_ms: u64,
+    },
+    /// Release the hold of `uid` with `token`.
+    Release {
+        /// The pod UID.
+        uid: String,
+        /// Its token.
+        token: u64,
+    },
+    /// Revoke the pod `uid` (everything it holds or waits for).
+    RevokePod {
+        /// The pod UID.
+        uid: String,
+    },
+    /// Assign pin `key` (`pin/<set>/<member>`) for pod `uid`.
+    Assign {
+        /// The pod UID.
+        uid: String,
+    },
+}
+
+/// A definite answer.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Value {
+    /// Granted with this fencing token.
+    Granted(u64),
+    /// Held by another pod (try-acquire), or the wait ended unserved.
+    Busy,
+    /// The hold ended.
+    Released,
+    /// Not the holder or a stale token: nothing changed.
+    Rejected,
+    /// The revoke ended these holds (lock keys, `lock/<scope>/<name>`).
+    Revoked(Vec<String>),
+    /// The pin is on this node.
+    Assigned(String),
+    /// No node satisfied the pin's rules: nothing changed.
+    Unsatisfiable,
+}
+
+/// How an operation ended.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Outcome {
+    /// Still running when the history was taken: unknown.
+    Pending,
+    /// A definite answer.
+    Ok(Value),
+    /// Certainly not applied.
+    Fail(String),
+    /// May or may not have been applied.
+    Unknown(String),
+}
+
+/// One operation.
+#[derive(Debug, Clone)]
+pub struct Op {
+    /// Index in the history.
+    pub id: usize,
+    /// The worker that ran it (a worker runs one operation at a time).
+    pub process: u64,
+    /// `lock/<scope>/<name>` or `pin/<set>/<member>`; empty for revokes.
+    pub key: String,
+    /// What was asked.
+    pub call: Call,
+    /// Microseconds since the history began.
+    pub invoke_us: u64,
+    /// When the answer arrived (None while pending or unknown).
+    pub complete_us: Option<u64>,
+    /// The answer.
+    pub outcome: Outcome,
+}
+
+impl Op {
+    /// Whether the answer is definite.
+    pub fn is_ok(&self) -> bool {
+        matches!(self.outcome, Outcome::Ok(_))
+    }
+
+    /// The definite answer, if any.
+    pub fn value(&self) -> Option<&Value> {
+        match &self.outcome {
+            Outcome::Ok(value) => Some(value),
+            _ => None,
+        }
+    }
+}
+
+/// A write to the shadow resource.
+#[derive(Debug, Clone)]
+pub struct ShadowWrite {
+    /// Lock key the resource belongs to.
+    pub key: String,
+    /// The writer's fencing token.
+    pub token: u64,
+    /// What the writer read before writing.
+    pub read: u64,
+    /// What the resource held when the write arrived.
+    pub found: u64,
+}
+
+/// All operations of one run.
+pub struct History {
+    start: Instant,
+    ops: Mutex<Vec<Op>>,
+}
+
+/// Handle of an invoked operation.
+#[derive(Debug, Clone, Copy)]
+pub struct Invoked(usize);
+
+impl Default for History {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl History {
+    /// An empty history whose clock starts now.
+    pub fn new() -> Self {
+        Self {
+            start: Instant::now(),
+            ops: Mutex::new(Vec::new()),
+        }
+    }
+
+    fn now_us(&self) -> u64 {
+        self.start.elapsed().as_micros() as u64
+    }
+
+    /// Records an invocation.
+    pub fn invoke(&self, process: u64, key: &str, call: Call) -> Invoked {
+        let mut ops = self.ops.lock().unwrap_or_else(|p| p.into_inner());
+        let id = ops.len();
+        ops.push(Op {
+            id,
+            process,
+            key: key.to_string(),
+            call,
+            invoke_us: self.now_us(),
+            complete_us: None,
+            outcome: Outcome::Pending,
+        });
+        Invoked(id)
+    }
+
+    /// Records the answer of an invocation.
+    pub fn complete(&self, invoked: Invoked, outcome: Outcome) {
+        let now = self.now_us();
+        let mut ops = self.ops.lock().unwrap_or_else(|p| p.into_inner());
+        let op = &mut ops[invoked.0];
+        if matches!(outcome, Outcome::Ok(_) | Outcome::Fail(_)) {
+            op.complete_us = Some(now);
+        }
+        op.outcome = outcome;
+    }
+
+    /// A copy of every operation so far.
+    pub fn ops(&self) -> Vec<Op> {
+        self.ops.lock().unwrap_or_else(|p| p.into_inner()).clone()
+    }
+}
+
+/// Sorts a client error into fail (certainly not applied) or unknown.
+pub fn error_outcome(err: &Error) -> Outcome {
+    match err {
+        Error::InvalidArgument(_) | Error::NotFound(_) | Error::ResourceExhausted(_) => {
+            Outcome::Fail(err.to_string())
+        }
+        _ => Outcome::Unknown(err.to_string()),
+    }
+}

@@ -1,0 +1,576 @@
+//! Runs one fault schedule against a cluster: starts the workload, drives the
+//! faults, heals everything, waits for the replicas to converge, collects
+//! the event log of every key the run touched, and runs the checkers.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use anyhow::Context;
+use tether_client::{Client, proto as pb};
+
+use crate::checkers::{self, Evidence};
+use crate::cluster::ProcessCluster;
+use crate::history::{History, Outcome};
+use crate::proxy::LinkMode;
+use crate::rng::Rng;
+use crate::schedule::{Fault, Schedule, Target};
+use crate::workers::{self, Shadow, Shared};
+
+/// Workload shape of a run.
+#[derive(Debug, Clone)]
+pub struct RunConfig {
+    /// Locks driven by try-acquire (checked for linearizability).
+    pub try_locks: usize,
+    /// Workers on them.
+    pub try_workers: usize,
+    /// Workers queueing on one lock.
+    pub queue_workers: usize,
+    /// Pins placed with one-per-node anti-affinity.
+    pub pins: usize,
+    /// Time budget of each linearizability search.
+    pub search_budget: Duration,
+    /// How long faults may take to heal and the cluster to converge.
+    pub converge_within: Duration,
+}
+
+impl Default for RunConfig {
+    fn default() -> Self {
+        Self {
+            try_locks: 2,
+            try_workers: 3,
+            queue_workers: 3,
+            pins: 6,
+            search_budget: Duration::from_secs(10),
+            converge_within: Duration::from_secs(60),
+        }
+    }
+}
+
+/// What one schedule did and found.
+#[derive(Debug, Clone, Default)]
+pub struct Report {
+    /// The schedule, printed.
+    pub schedule: String,
+    /// Operations recorded.
+    pub ops: usize,
+    /// Of which unknown (timeouts, lost answers).
+    pub unknown: usize,
+    /// Faults injected, by kind.
+    pub faults: BTreeMap<&'static str, u64>,
+    /// Failpoint crashes that fired.
+    pub crashes_fired: u64,
+    /// Violations by checker.
+    pub violations: BTreeMap<&'static str, Vec<String>>,
+    /// Locks whose linearizability search ran out of budget.
+    pub undecided: Vec<String>,
+    /// Watch re-lists (compaction) seen.
+    pub relists: u64,
+    /// Operations by call and outcome, e.g. "acquire ok-granted".
+    pub outcomes: BTreeMap<String, u64>,
+    /// Whether some replica had the run's whole event log (one that
+    /// caught up by snapshot lacks the events before it); when none did,
+    /// the checkers that read the log were skipped.
+    pub events_complete: bool,
+    /// Raft terms that passed during the run (elections).
+    pub elections: u64,
+    /// Where the time went: (phase, duration).
+    pub phases: Vec<(&'static str, Duration)>,
+}
+
+impl Report {
+    /// Total violations.
+    pub fn violation_count(&self) -> usize {
+        self.violations.values().map(Vec::len).sum()
+    }
+}
+
+/// Faults in force, to heal.
+#[derive(Default)]
+struct Damage {
+    stopped: BTreeSet<u64>,
+    armed: BTreeSet<u64>,
+    /// Failpoint crashes seen outside `heal`.
+    fired: u64,
+}
+
+fn leader_or_any(leader: Option<u64>, live: &[u64]) -> Option<u64> {
+    leader.or_else(|| live.first().copied())
+}
+
+fn pick_target(target: Target, leader: Option<u64>, live: &[u64]) -> Option<u64> {
+    match target {
+        Target::Leader => leader_or_any(leader, live),
+        Target::Follower(n) => {
+            let followers: Vec<u64> = live
+                .iter()
+                .copied()
+                .filter(|id| Some(*id) != leader)
+                .collect();
+            (!followers.is_empty()).then(|| followers[(n as usize) % followers.len()])
+        }
+    }
+}
+
+/// Starts one fault; returns whether it was injected.
+async fn inject(
+    cluster: &mut ProcessCluster,
+    control: &Client,
+    fault: &Fault,
+    lasts: Duration,
+    damage: &mut Damage,
+) -> anyhow::Result<bool> {
+    let leader = cluster.leader(control).await.map(|s| s.node_id);
+    let live = cluster.live();
+    let voters: Vec<u64> = {
+        let v = cluster.voters(control).await;
+        if v.is_empty() { live.clone() } else { v }
+    };
+    match fault {
+        Fault::Partition { pick } => {
+            let mut rng = Rng::new(*pick);
+            let mut ids = voters.clone();
+            for i in (1..ids.len()).rev() {
+                ids.swap(i, rng.below(i as u64 + 1) as usize);
+            }
+            let minority = rng.between(1, ((ids.len() as u64).saturating_sub(1) / 2).max(1));
+            let (a, b) = ids.split_at(minority as usize);
+            cluster.partition(a, b);
+        }
+        Fault::IsolateLeader => {
+            let Some(leader) = leader else {
+                return Ok(false);
+            };
+            let rest: Vec<u64> = cluster
+                .running()
+                .into_iter()
+                .filter(|id| *id != leader)
+                .collect();
+            cluster.partition(&[leader], &rest);
+        }
+        Fault::OneWay { pick } => {
+            let mut rng = Rng::new(*pick);
+            let from = *rng.pick(&voters);
+            for to in cluster.running() {
+                if to != from {
+                    cluster.set_link(from, to, LinkMode::Blackhole);
+                }
+            }
+        }
+        Fault::Delay { target, millis } => {
+            let Some(id) = pick_target(*target, leader, &live) else {
+                return Ok(false);
+            };
+            let mode = LinkMode::Delay(Duration::from_millis(*millis));
+            for other in cluster.running() {
+                cluster.set_link(id, other, mode);
+                cluster.set_link(other, id, mode);
+            }
+        }
+        Fault::Flaky { per_mille } => {
+            let ids = cluster.running();
+            for &a in &ids {
+                for &b in &ids {
+                    cluster.set_link(a, b, LinkMode::Flaky(*per_mille));
+                }
+            }
+        }
+        Fault::Kill(target) => {
+            let Some(id) = pick_target(*target, leader, &live) else {
+                return Ok(false);
+            };
+            cluster.kill(id);
+            damage.stopped.insert(id);
+        }
+        Fault::Pause(target) => {
+            let Some(id) = pick_target(*target, leader, &live) else {
+                return Ok(false);
+            };
+            cluster.pause(id);
+        }
+        Fault::TransferLeader => {
+            let Some(to) = pick_target(Target::Follower(lasts.as_millis() as u64), leader, &voters)
+            else {
+                return Ok(false);
+            };
+            // Refused transfers (target behind, leader changing) are normal.
+            let _ = control.transfer_leader(to).await;
+        }
+        Fault::Replace => {
+            let Some(old) =
+                pick_target(Target::Follower(lasts.as_millis() as u64), leader, &voters)
+            else {
+                return Ok(false);
+            };
+            return Ok(cluster
+                .replace(old)
+                .await
+                .context("replacing a member")?
+                .is_some());
+        }
+        Fault::Crash { point, lag_first } => {
+            let Some(id) = pick_target(Target::Follower(lasts.as_millis() as u64), leader, &voters)
+            else {
+                return Ok(false);
+            };
+            if *lag_first {
+                // Fall behind the leader's log compaction, so the way back
+                // is a snapshot install, then crash there.
+                cluster.kill(id);
+                tokio::time::sleep(lasts / 2).await;
+                // A fresh snapshot purges the log past the stopped replica
+                // (it only keeps the last 50 entries).
+                let _ = control.snapshot().await;
+                cluster.restart(id, Some(&format!("{point}=panic")))?;
+            } else {
+                cluster.restart(id, Some(&format!("{point}=3*off->panic")))?;
+            }
+            damage.armed.insert(id);
+        }
+        Fault::CrashInMembershipChange => {
+            let followers: Vec<u64> = voters
+                .iter()
+                .copied()
+                .filter(|id| Some(*id) != leader)
+                .collect();
+            let (Some(&armed), Some(&old)) = (followers.first(), followers.get(1)) else {
+                return Ok(false);
+            };
+            if cluster.spare_slot().is_none() {
+                return Ok(false);
+            }
+            cluster.restart(armed, Some("sm-apply-membership-before-write=panic"))?;
+            cluster
+                .wait_converged(Duration::from_secs(60))
+                .await
+                .context("the armed replica did not catch up")?;
+            let remaining: Vec<u64> = voters.iter().copied().filter(|v| *v != old).collect();
+            let client = cluster.client_with(Duration::from_secs(60));
+            let removal = {
+                let remaining = remaining.clone();
+                tokio::spawn(async move { client.change_membership(remaining, false).await })
+            };
+            // The removal cannot finish without the armed replica once it
+            // has crashed: bring it back (disarmed) as soon as it is down.
+            // It may also apply (and crash) just after the removal commits.
+            let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+            let mut finished_at = None;
+            while tokio::time::Instant::now() < deadline {
+                if cluster.reap_exited().contains(&armed) {
+                    damage.fired += 1;
+                    break;
+                }
+                if removal.is_finished() {
+                    let at = *finished_at.get_or_insert_with(tokio::time::Instant::now);
+                    if at.elapsed() > Duration::from_secs(2) {
+                        break;
+                    }
+                }
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+            cluster.restart(armed, None)?;
+            removal
+                .await
+                .context("the membership change task")?
+                .context("removing a member while another crashed")?;
+            cluster.wipe(old);
+            cluster
+                .add_member(remaining)
+                .await
+                .context("adding a member after the crash")?;
+        }
+    }
+    Ok(true)
+}
+
+/// Ends every fault: links pass, paused replicas continue, stopped and
+/// armed replicas start again (disarmed). Returns how many armed replicas
+/// had crashed at their failpoint.
+fn heal(
+    cluster: &mut ProcessCluster,
+    damage: &mut Damage,
+    unexpected: &mut Vec<String>,
+) -> anyhow::Result<u64> {
+    cluster.heal_network();
+    let mut fired = std::mem::take(&mut damage.fired);
+    for id in cluster.reap_exited() {
+        if damage.armed.contains(&id) {
+            fired += 1;
+        } else {
+            unexpected.push(format!("replica {id} exited without being killed"));
+        }
+        damage.stopped.insert(id);
+    }
+    for id in std::mem::take(&mut damage.armed) {
+        damage.stopped.insert(id);
+    }
+    for id in std::mem::take(&mut damage.stopped) {
+        cluster.restart(id, None)?;
+    }
+    Ok(fired)
+}
+
+/// Reads every event of `key` from `from` on from replica `addr`, paging;
+/// None when that replica's events do not reach back to `from` (it joined
+/// or caught up by snapshot since).
+async fn events_of(
+    client: &Client,
+    addr: &str,
+    key: &str,
+    from: pb::Revision,
+) -> anyhow::Result<Option<Vec<pb::Event>>> {
+    let mut out: Vec<pb::Event> = Vec::new();
+    let mut cursor = from;
+    loop {
+        let page = client
+            .history_at(
+                addr,
+                pb::HistoryRequest {
+                    key: key.to_string(),
+                    from: Some(cursor),
+                    limit: 1000,
+                    ..Default::default()
+                },
+            )
+            .await
+            .with_context(|| format!("history of {key} from {addr}"))?;
+        if page.oldest_retained.is_some_and(|o| o.index > from.index) {
+            return Ok(None);
+        }
+        let Some(last) = page.events.last().and_then(|e| e.revision) else {
+            return Ok(Some(out));
+        };
+        cursor = pb::Revision {
+            index: last.index,
+            sub: last.sub + 1,
+        };
+        let full = page.events.len() == 1000;
+        out.extend(page.events);
+        if !full {
+            return Ok(Some(out));
+        }
+    }
+}
+
+/// The events of `keys` from a replica whose event store covers the whole
+/// run (all replicas have applied the same entries once converged, so any
+/// such replica has the same events); None when no replica does.
+async fn run_events(
+    cluster: &ProcessCluster,
+    client: &Client,
+    keys: &[String],
+    from: pb::Revision,
+) -> anyhow::Result<Option<BTreeMap<String, Vec<pb::Event>>>> {
+    'replicas: for id in cluster.live() {
+        let addr = cluster.addr(id);
+        let mut events = BTreeMap::new();
+        for key in keys {
+            match events_of(client, &addr, key, from).await? {
+                Some(list) => {
+                    events.insert(key.clone(), list);
+                }
+                None => continue 'replicas,
+            }
+        }
+        return Ok(Some(events));
+    }
+    Ok(None)
+}
+
+/// Runs `schedule` on `cluster`; keys and pods are prefixed with `prefix`
+/// (unique per run on one cluster).
+pub async fn run(
+    cluster: &mut ProcessCluster,
+    schedule: &Schedule,
+    prefix: &str,
+    config: &RunConfig,
+) -> anyhow::Result<Report> {
+    let control = cluster.client_with(Duration::from_secs(10));
+    let leader = cluster
+        .wait_converged(config.converge_within)
+        .await
+        .context("cluster not converged before the run")?;
+    let start = pb::Revision {
+        index: leader.applied_index + 1,
+        sub: 0,
+    };
+    let shared = Arc::new(Shared {
+        client: cluster.client_with(Duration::from_secs(3)),
+        history: History::new(),
+        shadow: Shadow::default(),
+        holding: Mutex::new(Vec::new()),
+        stop: AtomicBool::new(false),
+        prefix: prefix.to_string(),
+    });
+    let mut rng = Rng::new(schedule.seed ^ 0x5EED);
+    let try_locks: Vec<pb::LockKey> = (0..config.try_locks)
+        .map(|n| shared.lock(&format!("t{n}")))
+        .collect();
+    let queue_lock = shared.lock("q");
+
+    let watch_stop = Arc::new(AtomicBool::new(false));
+    let watch_until = Arc::new(Mutex::new(None));
+    let watch_prefix = format!("lock/{}/{prefix}-", workers::SCOPE);
+    let watch_task = tokio::spawn(workers::watcher(
+        cluster.client(),
+        start,
+        watch_prefix.clone(),
+        watch_stop.clone(),
+        watch_until.clone(),
+    ));
+    let mut tasks = Vec::new();
+    let mut process = 0;
+    for _ in 0..config.try_workers {
+        process += 1;
+        tasks.push(tokio::spawn(workers::try_lock_worker(
+            shared.clone(),
+            process,
+            try_locks.clone(),
+            rng.fork(process),
+        )));
+    }
+    for _ in 0..config.queue_workers {
+        process += 1;
+        tasks.push(tokio::spawn(workers::queue_worker(
+            shared.clone(),
+            process,
+            queue_lock.clone(),
+            rng.fork(process),
+        )));
+    }
+    process += 1;
+    tasks.push(tokio::spawn(workers::revoker(
+        shared.clone(),
+        process,
+        rng.fork(process),
+    )));
+    process += 1;
+    tasks.push(tokio::spawn(workers::pin_assigner(
+        shared.clone(),
+        process,
+        config.pins,
+        rng.fork(process),
+    )));
+
+    // Faults, in order, on the workload's clock.
+    let mut report = Report {
+        schedule: schedule.to_string(),
+        ..Report::default()
+    };
+    let mut damage = Damage::default();
+    let mut unexpected = Vec::new();
+    let began = tokio::time::Instant::now();
+    for step in &schedule.steps {
+        tokio::time::sleep_until(began + step.at).await;
+        if inject(cluster, &control, &step.fault, step.lasts, &mut damage).await? {
+            *report.faults.entry(step.fault.kind()).or_default() += 1;
+        }
+        tokio::time::sleep(step.lasts).await;
+        report.crashes_fired += heal(cluster, &mut damage, &mut unexpected)?;
+    }
+    tokio::time::sleep_until(began + schedule.workload).await;
+    report.phases.push(("workload", began.elapsed()));
+    let mut phase = tokio::time::Instant::now();
+    shared.stop.store(true, Ordering::SeqCst);
+    for task in tasks {
+        task.await.context("a worker panicked")?;
+    }
+    report.phases.push(("wind-down", phase.elapsed()));
+    phase = tokio::time::Instant::now();
+    report.crashes_fired += heal(cluster, &mut damage, &mut unexpected)?;
+    let converged = cluster.wait_converged(config.converge_within).await;
+    if let Err(err) = &converged {
+        unexpected.push(format!("after healing: {err:#}"));
+    }
+    let converged = converged?;
+    report.elections = converged.term.saturating_sub(leader.term);
+    report.phases.push(("heal+converge", phase.elapsed()));
+    phase = tokio::time::Instant::now();
+
+    // The log of every key the run touched.
+    let mut keys: Vec<String> = try_locks.iter().map(workers::lock_event_key).collect();
+    keys.push(workers::lock_event_key(&queue_lock));
+    for member in 0..config.pins {
+        keys.push(format!("pin/{prefix}/{member}"));
+    }
+    let events = run_events(cluster, &control, &keys, start).await?;
+    let events_complete = events.is_some();
+    report.events_complete = events_complete;
+    let events = events.unwrap_or_default();
+    let last_lock_event = events
+        .iter()
+        .filter(|(k, _)| k.starts_with("lock/"))
+        .flat_map(|(_, e)| e.iter().filter_map(|e| e.revision))
+        .map(|r| (r.index, r.sub))
+        .max();
+    report.phases.push(("read log", phase.elapsed()));
+    phase = tokio::time::Instant::now();
+    *watch_until.lock().unwrap_or_else(|p| p.into_inner()) = last_lock_event;
+    let watch_deadline = tokio::time::Instant::now() + Duration::from_secs(30);
+    while !watch_task.is_finished() && tokio::time::Instant::now() < watch_deadline {
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    watch_stop.store(true, Ordering::SeqCst);
+    let (watched, relists) = watch_task.await.context("the watcher panicked")?;
+    report.phases.push(("watch catch-up", phase.elapsed()));
+    report.relists = relists;
+    if let Some(target) = last_lock_event {
+        let reached = watched
+            .iter()
+            .rfind(|e| e.kind != crate::checkers::watch::RELIST)
+            .and_then(|e| e.revision)
+            .is_some_and(|r| (r.index, r.sub) >= target);
+        if !reached {
+            unexpected.push(format!(
+                "the watcher did not reach revision {}.{} within 30 s of convergence",
+                target.0, target.1
+            ));
+        }
+    }
+    let pins = control
+        .list_pins(prefix, "")
+        .await
+        .context("listing the run's pins")?;
+
+    let ops = shared.history.ops();
+    report.ops = ops.len();
+    for op in &ops {
+        let call = match op.call {
+            crate::history::Call::Acquire { wait_ms: 0, .. } => "try-acquire",
+            crate::history::Call::Acquire { .. } => "acquire",
+            crate::history::Call::Release { .. } => "release",
+            crate::history::Call::RevokePod { .. } => "revoke",
+            crate::history::Call::Assign { .. } => "assign",
+        };
+        let outcome = match &op.outcome {
+            Outcome::Ok(value) => format!("{value:?}")
+                .split(['(', ' '])
+                .next()
+                .unwrap_or("")
+                .to_string(),
+            Outcome::Fail(why) => format!("fail({})", why.chars().take(40).collect::<String>()),
+            Outcome::Unknown(_) | Outcome::Pending => "unknown".to_string(),
+        };
+        *report
+            .outcomes
+            .entry(format!("{call} {outcome}"))
+            .or_default() += 1;
+    }
+    report.unknown = ops
+        .iter()
+        .filter(|op| matches!(op.outcome, Outcome::Unknown(_) | Outcome::Pending))
+        .count();
+    let evidence = Evidence {
+        ops,
+        events,
+        shadow: shared.shadow.writes(),
+        watches: vec![(watch_prefix, watched)],
+        try_locks: try_locks.iter().map(workers::lock_event_key).collect(),
+        pins,
+        events_complete,
+    };
+    (report.violations, report.undecided) = checkers::check_all(&evidence, config.search_budget);
+    report.violations.insert("process", unexpected);
+    Ok(report)
+}

@@ -1,0 +1,406 @@
+//! The chaos workload: client workers that keep operating while faults hit,
+//! recording every operation in the [`History`].
+//!
+//! - **try-lock workers** take one of the run's try-locks (no queue), use
+//!   the shadow resource with their fencing token (read, pause, write), and
+//!   release; when an outcome is unknown they revoke their pod so the lock
+//!   is not left held;
+//! - **queue workers** wait in one lock's FIFO queue, hold briefly, release;
+//! - a **revoker** revokes pods that currently hold, as the bridge does when
+//!   a pod is deleted mid-bind;
+//! - a **pin assigner** places the run's pins with one-per-node
+//!   anti-affinity, racing itself;
+//! - a **watcher** follows the run's lock events through every fault.
+
+use std::collections::{BTreeMap, HashMap};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use tether_client::proto as pb;
+use tether_client::{Client, Error, WatchUpdate};
+
+use crate::history::{Call, History, Outcome, ShadowWrite, Value, error_outcome};
+use crate::rng::Rng;
+
+/// The scope every chaos lock lives in.
+pub const SCOPE: &str = "chaos";
+
+/// Nodes the pin assigner places pins on (registered once per cluster).
+pub const PIN_NODES: [&str; 4] = [
+    "chaos-node-0",
+    "chaos-node-1",
+    "chaos-node-2",
+    "chaos-node-3",
+];
+
+/// `lock/<scope>/<name>`, the event key of a lock.
+pub fn lock_event_key(key: &pb::LockKey) -> String {
+    format!("lock/{}/{}", key.scope, key.name)
+}
+
+/// The resource the locks protect: it refuses any token below the highest
+/// it has seen, on reads and writes (Kleppmann's fencing).
+#[derive(Default)]
+pub struct Shadow {
+    /// Per lock key: (highest token seen, value).
+    cells: Mutex<HashMap<String, (u64, u64)>>,
+    writes: Mutex<Vec<ShadowWrite>>,
+}
+
+impl Shadow {
+    /// Reads with `token`; None when the token is stale.
+    pub fn read(&self, key: &str, token: u64) -> Option<u64> {
+        let mut cells = self.cells.lock().unwrap_or_else(|p| p.into_inner());
+        let cell = cells.entry(key.to_string()).or_default();
+        if token < cell.0 {
+            return None;
+        }
+        cell.0 = token;
+        Some(cell.1)
+    }
+
+    /// Writes `read + 1` with `token`; false when the token is stale.
+    pub fn write(&self, key: &str, token: u64, read: u64) -> bool {
+        let mut cells = self.cells.lock().unwrap_or_else(|p| p.into_inner());
+        let cell = cells.entry(key.to_string()).or_default();
+        if token < cell.0 {
+            return false;
+        }
+        self.writes
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .push(ShadowWrite {
+                key: key.to_string(),
+                token,
+                read,
+                found: cell.1,
+            });
+        *cell = (token, read + 1);
+        true
+    }
+
+    /// Accepted writes so far.
+    pub fn writes(&self) -> Vec<ShadowWrite> {
+        self.writes
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone()
+    }
+}
+
+/// What the workers share.
+pub struct Shared {
+    /// The cluster.
+    pub client: Client,
+    /// Where operations are recorded.
+    pub history: History,
+    /// The fenced resource.
+    pub shadow: Shadow,
+    /// Pods holding a lock right now (revoke candidates).
+    pub holding: Mutex<Vec<String>>,
+    /// Set when the workload should wind down.
+    pub stop: AtomicBool,
+    /// Run prefix: every key and pod UID of the run starts with it.
+    pub prefix: String,
+}
+
+impl Shared {
+    fn stopped(&self) -> bool {
+        self.stop.load(Ordering::SeqCst)
+    }
+
+    fn pod(&self, uid: &str) -> pb::Pod {
+        pb::Pod {
+            uid: uid.to_string(),
+            namespace: "chaos".into(),
+            name: uid.to_string(),
+        }
+    }
+
+    /// A lock of this run.
+    pub fn lock(&self, name: &str) -> pb::LockKey {
+        pb::LockKey {
+            scope: SCOPE.into(),
+            name: format!("{}-{name}", self.prefix),
+        }
+    }
+
+    async fn acquire(&self, process: u64, key: &pb::LockKey, uid: &str, wait: Duration) -> Outcome {
+        let event_key = lock_event_key(key);
+        let call = Call::Acquire {
+            uid: uid.to_string(),
+            wait_ms: wait.as_millis() as u64,
+        };
+        let invoked = self.history.invoke(process, &event_key, call);
+        let result = self
+            .client
+            .acquire(key, &self.pod(uid), Vec::new(), wait, 0)
+            .await;
+        let outcome = match result {
+            Ok(held) => Outcome::Ok(Value::Granted(held.token())),
+            Err(Error::FailedPrecondition(_)) if wait.is_zero() => Outcome::Ok(Value::Busy),
+            Err(Error::Aborted(_)) => Outcome::Ok(Value::Busy),
+            Err(err) => error_outcome(&err),
+        };
+        self.history.complete(invoked, outcome.clone());
+        outcome
+    }
+
+    async fn release(&self, process: u64, key: &pb::LockKey, uid: &str, token: u64) -> Outcome {
+        let call = Call::Release {
+            uid: uid.to_string(),
+            token,
+        };
+        let invoked = self.history.invoke(process, &lock_event_key(key), call);
+        let outcome = match self
+            .client
+            .release(key, uid, token, pb::Outcome::Allocated)
+            .await
+        {
+            Ok(_) => Outcome::Ok(Value::Released),
+            Err(Error::FailedPrecondition(_)) => Outcome::Ok(Value::Rejected),
+            Err(err) => error_outcome(&err),
+        };
+        self.history.complete(invoked, outcome.clone());
+        outcome
+    }
+
+    async fn revoke(&self, process: u64, uid: &str) -> Outcome {
+        let call = Call::RevokePod {
+            uid: uid.to_string(),
+        };
+        let invoked = self.history.invoke(process, "", call);
+        let outcome = match self.client.revoke_pod(uid, "chaos: pod deleted").await {
+            Ok(response) => Outcome::Ok(Value::Revoked(
+                response.released.iter().map(lock_event_key).collect(),
+            )),
+            Err(err) => error_outcome(&err),
+        };
+        self.history.complete(invoked, outcome.clone());
+        outcome
+    }
+
+    fn set_holding(&self, uid: &str, holding: bool) {
+        let mut list = self.holding.lock().unwrap_or_else(|p| p.into_inner());
+        list.retain(|u| u != uid);
+        if holding {
+            list.push(uid.to_string());
+        }
+    }
+}
+
+/// Try-acquire, fenced read-modify-write, release; until stopped.
+pub async fn try_lock_worker(
+    shared: Arc<Shared>,
+    process: u64,
+    locks: Vec<pb::LockKey>,
+    mut rng: Rng,
+) {
+    let mut attempt = 0;
+    while !shared.stopped() {
+        attempt += 1;
+        let key = rng.pick(&locks).clone();
+        let event_key = lock_event_key(&key);
+        let uid = format!("{}-p{process}-{attempt}", shared.prefix);
+        match shared.acquire(process, &key, &uid, Duration::ZERO).await {
+            Outcome::Ok(Value::Granted(token)) => {
+                shared.set_holding(&uid, true);
+                if let Some(read) = shared.shadow.read(&event_key, token) {
+                    tokio::time::sleep(Duration::from_millis(rng.between(0, 4))).await;
+                    shared.shadow.write(&event_key, token, read);
+                }
+                shared.set_holding(&uid, false);
+                if !matches!(
+                    shared.release(process, &key, &uid, token).await,
+                    Outcome::Ok(_)
+                ) {
+                    shared.revoke(process, &uid).await;
+                }
+            }
+            Outcome::Ok(_) | Outcome::Fail(_) => {
+                tokio::time::sleep(Duration::from_millis(rng.between(1, 5))).await;
+            }
+            Outcome::Unknown(_) | Outcome::Pending => {
+                // Maybe granted: do not leave the lock held by a pod that
+                // will never release it.
+                shared.revoke(process, &uid).await;
+            }
+        }
+    }
+}
+
+/// Queue for one lock, hold briefly, release; until stopped.
+pub async fn queue_worker(shared: Arc<Shared>, process: u64, key: pb::LockKey, mut rng: Rng) {
+    let mut attempt = 0;
+    while !shared.stopped() {
+        attempt += 1;
+        let uid = format!("{}-q{process}-{attempt}", shared.prefix);
+        match shared
+            .acquire(process, &key, &uid, Duration::from_secs(3))
+            .await
+        {
+            Outcome::Ok(Value::Granted(token)) => {
+                shared.set_holding(&uid, true);
+                tokio::time::sleep(Duration::from_millis(rng.between(1, 8))).await;
+                shared.set_holding(&uid, false);
+                if !matches!(
+                    shared.release(process, &key, &uid, token).await,
+                    Outcome::Ok(_)
+                ) {
+                    shared.revoke(process, &uid).await;
+                }
+            }
+            Outcome::Ok(_) | Outcome::Fail(_) => {}
+            Outcome::Unknown(_) | Outcome::Pending => {
+                shared.revoke(process, &uid).await;
+            }
+        }
+    }
+}
+
+/// Revokes a random current holder now and then, like a pod deleted
+/// mid-bind.
+pub async fn revoker(shared: Arc<Shared>, process: u64, mut rng: Rng) {
+    while !shared.stopped() {
+        tokio::time::sleep(Duration::from_millis(rng.between(50, 250))).await;
+        let victim = {
+            let list = shared.holding.lock().unwrap_or_else(|p| p.into_inner());
+            (!list.is_empty()).then(|| rng.pick(&list).clone())
+        };
+        if let Some(uid) = victim {
+            shared.revoke(process, &uid).await;
+        }
+    }
+}
+
+/// Pins of the run: `members` pins of set `prefix`, one per node at most.
+pub async fn pin_assigner(shared: Arc<Shared>, process: u64, members: usize, mut rng: Rng) {
+    let selector = pb::LabelSelector {
+        match_labels: HashMap::from([("run".to_string(), shared.prefix.clone())]),
+        match_expressions: vec![],
+    };
+    let affinity = pb::Affinity {
+        required_anti: vec![pb::AffinityTerm {
+            label_selector: Some(selector),
+            topology_key: "kubernetes.io/hostname".into(),
+        }],
+        ..Default::default()
+    };
+    for member in 0..members {
+        if shared.stopped() {
+            return;
+        }
+        let key = pb::PinKey {
+            set: shared.prefix.clone(),
+            member: member.to_string(),
+        };
+        let event_key = format!("pin/{}/{}", key.set, key.member);
+        let uid = format!("{}-pin{member}", shared.prefix);
+        let mut candidates: Vec<String> = PIN_NODES.iter().map(|n| n.to_string()).collect();
+        // A seeded shuffle so races differ per schedule.
+        for i in (1..candidates.len()).rev() {
+            candidates.swap(i, rng.below(i as u64 + 1) as usize);
+        }
+        for _ in 0..3 {
+            let invoked =
+                shared
+                    .history
+                    .invoke(process, &event_key, Call::Assign { uid: uid.clone() });
+            let result = shared
+                .client
+                .assign(
+                    &key,
+                    candidates.clone(),
+                    &uid,
+                    Duration::ZERO,
+                    HashMap::from([("run".to_string(), shared.prefix.clone())]),
+                    affinity.clone(),
+                )
+                .await;
+            let outcome = match result {
+                Ok(response) => Outcome::Ok(Value::Assigned(
+                    response.pin.map(|p| p.node).unwrap_or_default(),
+                )),
+                Err(Error::FailedPrecondition(_)) => Outcome::Ok(Value::Unsatisfiable),
+                Err(err) => error_outcome(&err),
+            };
+            let definite = matches!(outcome, Outcome::Ok(_) | Outcome::Fail(_));
+            shared.history.complete(invoked, outcome);
+            if definite {
+                break;
+            }
+        }
+    }
+}
+
+/// Follows `prefix` from `start` until it has received the event at
+/// `until` (set once the run's last event is known) or is stopped; returns
+/// what it received and how many times it was told to re-list. Transient
+/// errors are retried from the last position, as a user would.
+pub async fn watcher(
+    client: Client,
+    start: pb::Revision,
+    prefix: String,
+    stop: Arc<AtomicBool>,
+    until: Arc<Mutex<Option<(u64, u32)>>>,
+) -> (Vec<pb::Event>, u64) {
+    let mut received: Vec<pb::Event> = Vec::new();
+    let mut relists = 0;
+    let mut position = start;
+    let reached = |received: &[pb::Event]| {
+        let target = *until.lock().unwrap_or_else(|p| p.into_inner());
+        let last = received
+            .iter()
+            .rfind(|e| e.kind != crate::checkers::watch::RELIST)
+            .and_then(|e| e.revision)
+            .map(|r| (r.index, r.sub));
+        matches!((target, last), (Some(t), Some(l)) if l >= t)
+    };
+    while !stop.load(Ordering::SeqCst) {
+        let Ok(mut watch) = client.watch(Some(position), vec![], &prefix).await else {
+            tokio::time::sleep(Duration::from_millis(50)).await;
+            continue;
+        };
+        loop {
+            if reached(&received) || stop.load(Ordering::SeqCst) {
+                return (received, relists);
+            }
+            match tokio::time::timeout(Duration::from_millis(200), watch.next()).await {
+                Err(_) => {}
+                Ok(Ok(WatchUpdate::Events(events))) => received.extend(events),
+                Ok(Ok(WatchUpdate::Relist { resume_at, .. })) => {
+                    relists += 1;
+                    received.push(pb::Event {
+                        kind: crate::checkers::watch::RELIST.into(),
+                        revision: Some(resume_at),
+                        ..Default::default()
+                    });
+                }
+                Ok(Err(_)) => break,
+            }
+            position = watch.position();
+        }
+    }
+    (received, relists)
+}
+
+/// Registers the pin nodes (idempotent).
+pub async fn register_pin_nodes(client: &Client) -> tether_client::Result<()> {
+    for name in PIN_NODES {
+        client
+            .report_node(pb::ReportNodeRequest {
+                name: name.to_string(),
+                uid: format!("{name}-uid"),
+                state: pb::NodeState::NodeReady as i32,
+                set_labels: true,
+                labels: BTreeMap::from([("kubernetes.io/hostname".to_string(), name.to_string())])
+                    .into_iter()
+                    .collect(),
+                unschedulable: Some(false),
+                ..Default::default()
+            })
+            .await?;
+    }
+    Ok(())
+}
