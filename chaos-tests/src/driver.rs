@@ -138,11 +138,26 @@ impl Summary {
 }
 
 async fn fresh_cluster(options: &DriverOptions) -> anyhow::Result<ProcessCluster> {
+    chaos_cluster(
+        options.tetherd.clone(),
+        options.replicas,
+        options.failpoints_env.clone(),
+    )
+    .await
+}
+
+/// A cluster as the chaos runs use it: proxied links, short election
+/// timeouts, frequent snapshots, four spare ids for replacements.
+pub async fn chaos_cluster(
+    tetherd: PathBuf,
+    replicas: usize,
+    failpoints: Option<String>,
+) -> anyhow::Result<ProcessCluster> {
     ProcessCluster::start_spec(ClusterSpec {
-        tetherd: options.tetherd.clone(),
-        voters: options.replicas,
+        tetherd,
+        voters: replicas,
         // Spare ids for member replacements.
-        slots: options.replicas + 4,
+        slots: replicas + 4,
         proxied: true,
         extra_args: vec![
             "--heartbeat-interval=50ms".into(),
@@ -152,7 +167,7 @@ async fn fresh_cluster(options: &DriverOptions) -> anyhow::Result<ProcessCluster
             "--snapshot-every=200".into(),
             "--keep-logs-after-snapshot=50".into(),
         ],
-        failpoints: options.failpoints_env.clone(),
+        failpoints,
     })
     .await
 }

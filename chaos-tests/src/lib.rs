@@ -26,5 +26,6 @@ pub mod rng;
 pub mod runner;
 pub mod schedule;
 pub mod stats;
+pub mod trace;
 pub mod workers;
 pub mod workload;

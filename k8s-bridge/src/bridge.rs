@@ -19,6 +19,7 @@ use crate::interest::Interest;
 use crate::mapping::{node_change, pod_change};
 use crate::model::{Command, NodeReport, NodeView, PodReport, PodView};
 use crate::orphans::{LiveView, TetherView, orphans};
+use crate::tombstones::{Tombstones, late_interest};
 
 /// Tether events that make a pod UID interesting.
 const INTEREST_KINDS: [&str; 4] = [
@@ -54,9 +55,13 @@ pub struct Bridge {
     nodes: Mutex<BTreeMap<String, NodeView>>,
     pods_listed: AtomicBool,
     nodes_listed: AtomicBool,
+    tombstones: Mutex<Tombstones>,
     /// Counters.
     pub metrics: Metrics,
 }
+
+/// Deleted pod UIDs remembered for late binds (about 10 MB at most).
+const TOMBSTONES: usize = 100_000;
 
 fn pod_phase(report: PodReport) -> pb::PodPhase {
     match report {
@@ -76,6 +81,38 @@ fn node_state(report: NodeReport) -> pb::NodeState {
     }
 }
 
+/// Sends a `Pod` or `Node` command to Tether. `ConfirmNodeGone` needs the
+/// API server: the caller resolves it into a `Node` report (or nothing) first;
+/// passed here it is refused without a call.
+pub async fn send_report(tether: &Client, command: &Command) -> Result<(), tether_client::Error> {
+    match command {
+        Command::Pod { uid, report } => {
+            tether.report_pod(uid, pod_phase(*report)).await.map(|_| ())
+        }
+        Command::Node {
+            name,
+            uid,
+            report,
+            labels,
+            unschedulable,
+        } => {
+            let request = pb::ReportNodeRequest {
+                name: name.clone(),
+                uid: uid.clone(),
+                state: node_state(*report) as i32,
+                set_labels: labels.is_some(),
+                labels: labels.clone().unwrap_or_default().into_iter().collect(),
+                unschedulable: *unschedulable,
+                ..Default::default()
+            };
+            tether.report_node(request).await.map(|_| ())
+        }
+        Command::ConfirmNodeGone { name } => Err(tether_client::Error::InvalidArgument(format!(
+            "node {name}: a delete event must be confirmed against the API server first"
+        ))),
+    }
+}
+
 impl Bridge {
     /// A bridge between a Kubernetes API and a Tether cluster.
     pub fn new(tether: Client, kube: kube::Client) -> Arc<Bridge> {
@@ -87,6 +124,7 @@ impl Bridge {
             nodes: Mutex::default(),
             pods_listed: AtomicBool::new(false),
             nodes_listed: AtomicBool::new(false),
+            tombstones: Mutex::new(Tombstones::new(TOMBSTONES)),
             metrics: Metrics::default(),
         })
     }
@@ -180,6 +218,14 @@ impl Bridge {
         Ok(())
     }
 
+    /// Whether the bridge saw this pod UID deleted (and still remembers).
+    pub fn knows_deleted(&self, uid: &str) -> bool {
+        self.tombstones
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .contains(uid)
+    }
+
     /// Whether Tether cares about this pod UID, as far as the bridge knows.
     pub fn is_interesting(&self, uid: &str) -> bool {
         self.interesting(uid)
@@ -195,29 +241,7 @@ impl Bridge {
     /// Sends one command; `seen_at` is when the Kubernetes event arrived.
     async fn send(&self, command: Command, seen_at: Instant) {
         let result = match &command {
-            Command::Pod { uid, report } => self
-                .tether
-                .report_pod(uid, pod_phase(*report))
-                .await
-                .map(|_| ()),
-            Command::Node {
-                name,
-                uid,
-                report,
-                labels,
-                unschedulable,
-            } => {
-                let request = pb::ReportNodeRequest {
-                    name: name.clone(),
-                    uid: uid.clone(),
-                    state: node_state(*report) as i32,
-                    set_labels: labels.is_some(),
-                    labels: labels.clone().unwrap_or_default().into_iter().collect(),
-                    unschedulable: *unschedulable,
-                    ..Default::default()
-                };
-                self.tether.report_node(request).await.map(|_| ())
-            }
+            Command::Pod { .. } | Command::Node { .. } => send_report(&self.tether, &command).await,
             Command::ConfirmNodeGone { name } => {
                 let nodes: kube::Api<Node> = kube::Api::all(self.kube.clone());
                 match nodes.get_opt(name).await {
@@ -324,6 +348,10 @@ impl Bridge {
                         .lock()
                         .unwrap_or_else(|p| p.into_inner())
                         .remove(&gone.uid);
+                    self.tombstones
+                        .lock()
+                        .unwrap_or_else(|p| p.into_inner())
+                        .record(&gone.uid);
                     for command in pod_change(
                         Some(old.as_ref().unwrap_or(&gone)),
                         None,
@@ -430,9 +458,23 @@ impl Bridge {
         loop {
             match watch.next().await {
                 Ok(WatchUpdate::Events(events)) => {
-                    let mut interest = self.interest.lock().unwrap_or_else(|p| p.into_inner());
-                    for event in &events {
-                        interest.apply(event);
+                    let seen_at = Instant::now();
+                    let fresh: Vec<String> = {
+                        let mut interest = self.interest.lock().unwrap_or_else(|p| p.into_inner());
+                        events.iter().filter_map(|e| interest.apply(e)).collect()
+                    };
+                    // A pod that became interesting after it was deleted or
+                    // went terminal (a late bind): report it now.
+                    let late: Vec<Command> = {
+                        let pods = self.pods.lock().unwrap_or_else(|p| p.into_inner());
+                        let tombstones = self.tombstones.lock().unwrap_or_else(|p| p.into_inner());
+                        fresh
+                            .iter()
+                            .filter_map(|uid| late_interest(uid, pods.get(uid), &tombstones))
+                            .collect()
+                    };
+                    for command in late {
+                        self.send(command, seen_at).await;
                     }
                 }
                 Ok(WatchUpdate::Relist { .. }) => {

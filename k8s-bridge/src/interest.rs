@@ -63,8 +63,9 @@ impl Interest {
     /// Follows one Tether event. Grants, queued waits and pin owners add a
     /// UID. Removal happens only by rebuilding from state: a pod stays
     /// interesting while anything might still refer to it, and a stale extra
-    /// UID costs at most one idempotent report.
-    pub fn apply(&mut self, event: &pb::Event) {
+    /// UID costs at most one idempotent report. Returns the UID when it was
+    /// not interesting before.
+    pub fn apply(&mut self, event: &pb::Event) -> Option<String> {
         let uid = match event.kind.as_str() {
             "LockGranted" | "LockQueued" => event.pod.as_ref().map(|p| p.uid.clone()),
             "PinAssigned" | "PinOwnerChanged" => event
@@ -74,11 +75,10 @@ impl Interest {
                 .cloned(),
             _ => None,
         };
-        if let Some(uid) = uid {
-            let index = event.revision.map_or(0, |r| r.index);
-            self.recent.entry(index).or_default().push(uid.clone());
-            self.uids.insert(uid);
-        }
+        let uid = uid?;
+        let index = event.revision.map_or(0, |r| r.index);
+        self.recent.entry(index).or_default().push(uid.clone());
+        self.uids.insert(uid.clone()).then_some(uid)
     }
 }
 

@@ -18,6 +18,8 @@
 //!   longer has (deletes missed while the bridge was down or the watch broke).
 //! - `interest.rs` — the pod UIDs Tether cares about, from its state and
 //!   event stream; pods outside it produce nothing.
+//! - `tombstones.rs` — recently deleted pods, so a bind that lands after its
+//!   pod's deletion is released at once rather than at the next resync.
 //! - `bridge.rs` — the run-time loop: kube-rs watchers, the Tether event
 //!   watch, periodic resync, sending commands.
 
@@ -26,3 +28,4 @@ pub mod interest;
 pub mod mapping;
 pub mod model;
 pub mod orphans;
+pub mod tombstones;

@@ -1,0 +1,587 @@
+//! Pod-lifecycle trace replay (after SimKube's trace replay): a seeded trace
+//! of nodes and pods — create, bind, delete mid-bind, go Failed, run and be
+//! deleted, node removed, a worker set scaled in with gaps — is played
+//! against a Tether cluster through the bridge's own logic (`mapping` for
+//! every pod and node change, `orphans` + `Interest` for the final resync,
+//! `send_report` for the commands), with schedulers binding through the
+//! per-node `gpu-bind` lock and device plugins releasing it, as HAMi does.
+//!
+//! Checked:
+//! - a bind that lands after its pod's deletion (the scheduler lost the
+//!   race) is released as soon as the bridge learns of it (its tombstones);
+//! - right after the bridge's report of a deleted (or terminal) pod is
+//!   acknowledged, the pod neither holds nor waits for its node's lock;
+//! - once the bridge has synced (trace done, resync sent), no lock is held or
+//!   waited for by a pod that is gone, no lock of a removed node is held,
+//!   and no pin sits on a removed node;
+//! - the node locks' event logs pass the mutual exclusion, token and FIFO
+//!   checkers.
+//!
+//! What it is not: the Kubernetes API server. Events are applied in trace
+//! order by one driver (a real bridge sees them through watches, possibly
+//! late); the bridge's watch plumbing is covered by k8s-bridge's own tests.
+
+use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use tether_client::{Client, proto as pb};
+use tether_k8s_bridge::bridge::send_report;
+use tether_k8s_bridge::interest::Interest;
+use tether_k8s_bridge::mapping::{node_change, pod_change};
+use tether_k8s_bridge::model::{Command, NodeReport, NodeView, Phase, PodView};
+use tether_k8s_bridge::orphans::{LiveView, TetherView, orphans};
+use tether_k8s_bridge::tombstones::{Tombstones, late_interest};
+
+use crate::checkers::{self, Evidence};
+use crate::rng::Rng;
+
+/// The lock scope schedulers bind through, one lock per node.
+pub const BIND_SCOPE: &str = "gpu-bind";
+
+/// One step of a trace.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Step {
+    /// A node appears, Ready.
+    AddNode(String),
+    /// A node is deleted (its pods are deleted right after, as the
+    /// Kubernetes garbage collector does).
+    RemoveNode(String),
+    /// A pod is created, scheduled to `node`; its scheduler binds it
+    /// (acquire the node's lock, the device plugin releases it ~20 ms
+    /// later) and, for workers, pins it.
+    CreatePod {
+        /// Pod index in the trace.
+        pod: usize,
+        /// The node it is scheduled to.
+        node: String,
+        /// A worker of the pinned set.
+        worker: bool,
+    },
+    /// Containers started.
+    Start(usize),
+    /// Phase Failed.
+    Fail(usize),
+    /// Deletion requested (graceful); `Remove` follows for started pods.
+    Delete(usize),
+    /// The object is gone.
+    Remove(usize),
+    /// The scheduler's bind of a pod already removed lands now (it raced
+    /// the deletion and lost).
+    LateBind(usize),
+    /// Pause before the next step.
+    Wait(u64),
+}
+
+/// A generated trace.
+#[derive(Debug, Clone)]
+pub struct Trace {
+    /// Its seed.
+    pub seed: u64,
+    /// Names of pods and nodes start with this.
+    pub prefix: String,
+    /// The steps, in order.
+    pub steps: Vec<Step>,
+}
+
+impl Trace {
+    /// The trace of `seed`: `nodes` nodes, `pods` pods.
+    pub fn generate(seed: u64, nodes: usize, pods: usize) -> Trace {
+        let mut rng = Rng::new(seed);
+        let prefix = format!("tr{seed}");
+        let node_names: Vec<String> = (0..nodes).map(|n| format!("{prefix}-n{n}")).collect();
+        let mut steps: Vec<Step> = node_names.iter().cloned().map(Step::AddNode).collect();
+        let removed_after = rng.between(pods as u64 / 3, pods as u64 * 2 / 3) as usize;
+        let doomed = rng.pick(&node_names).clone();
+        let mut live_nodes = node_names.clone();
+        let mut on_node: BTreeMap<String, Vec<usize>> = BTreeMap::new();
+        let mut gone: BTreeSet<usize> = BTreeSet::new();
+        let mut workers = Vec::new();
+        // Pods arrive in bursts, several scheduled to one node at once
+        // (HAMi's contended case); each burst's fates follow its creations.
+        let mut pod = 0;
+        while pod < pods {
+            if pod >= removed_after && live_nodes.len() == node_names.len() {
+                steps.push(Step::RemoveNode(doomed.clone()));
+                live_nodes.retain(|n| *n != doomed);
+                for &p in on_node.get(&doomed).into_iter().flatten() {
+                    if gone.insert(p) {
+                        steps.push(Step::Remove(p));
+                    }
+                }
+            }
+            let burst: Vec<usize> = (pod..(pod + rng.between(1, 5) as usize).min(pods)).collect();
+            pod += burst.len();
+            let node = rng.pick(&live_nodes).clone();
+            for &p in &burst {
+                let worker = rng.percent(30);
+                on_node.entry(node.clone()).or_default().push(p);
+                if worker {
+                    workers.push(p);
+                }
+                steps.push(Step::CreatePod {
+                    pod: p,
+                    node: node.clone(),
+                    worker,
+                });
+            }
+            for &p in &burst {
+                steps.push(Step::Wait(rng.between(0, 15)));
+                match rng.below(10) {
+                    // Deleted mid-bind (perhaps while queued): HAMi #1271.
+                    0 | 1 => {
+                        steps.push(Step::Delete(p));
+                        steps.push(Step::Remove(p));
+                        gone.insert(p);
+                        if rng.percent(50) {
+                            steps.push(Step::LateBind(p));
+                        }
+                    }
+                    2 => {
+                        steps.push(Step::Wait(rng.between(10, 30)));
+                        steps.push(Step::Fail(p));
+                    }
+                    _ => {
+                        steps.push(Step::Wait(rng.between(10, 30)));
+                        steps.push(Step::Start(p));
+                        let worker = workers.contains(&p);
+                        if rng.percent(25) && !worker {
+                            steps.push(Step::Delete(p));
+                            steps.push(Step::Wait(rng.between(0, 10)));
+                            steps.push(Step::Remove(p));
+                            gone.insert(p);
+                        }
+                    }
+                }
+            }
+        }
+        // Scale the worker set in, leaving gaps.
+        for &pod in &workers {
+            if rng.percent(50) && gone.insert(pod) {
+                steps.push(Step::Delete(pod));
+                steps.push(Step::Remove(pod));
+            }
+        }
+        Trace {
+            seed,
+            prefix,
+            steps,
+        }
+    }
+}
+
+/// What a replay found.
+#[derive(Debug, Default)]
+pub struct Outcome {
+    /// Commands the bridge logic sent.
+    pub commands: u64,
+    /// Binds that were granted.
+    pub binds: u64,
+    /// Binds that ended without a grant (the pod was deleted while queued,
+    /// or its node went).
+    pub binds_abandoned: u64,
+    /// Problems found.
+    pub violations: Vec<String>,
+}
+
+/// The simulated API server's objects.
+#[derive(Default)]
+struct Objects {
+    pods: BTreeMap<usize, (PodView, String)>,
+    nodes: BTreeMap<String, NodeView>,
+    /// Nodes of removed pods, for late binds.
+    removed: BTreeMap<usize, (PodView, String)>,
+}
+
+fn pod_view(trace: &Trace, pod: usize) -> PodView {
+    PodView {
+        uid: format!("{}-uid{pod}", trace.prefix),
+        namespace: "trace".into(),
+        name: format!("{}-p{pod}", trace.prefix),
+        phase: Phase::Pending,
+        deleting: false,
+        grace_zero: false,
+        started: false,
+    }
+}
+
+fn bind_key(node: &str) -> pb::LockKey {
+    pb::LockKey {
+        scope: BIND_SCOPE.into(),
+        name: node.to_string(),
+    }
+}
+
+/// Sends the bridge's commands; a node delete is confirmed against the
+/// simulated objects, as the bridge confirms it with a GET.
+async fn send_all(
+    client: &Client,
+    commands: Vec<Command>,
+    objects: &Objects,
+    outcome: &mut Outcome,
+) -> Result<(), tether_client::Error> {
+    for command in commands {
+        let command = match command {
+            Command::ConfirmNodeGone { name } if !objects.nodes.contains_key(&name) => {
+                Command::Node {
+                    name,
+                    uid: String::new(),
+                    report: NodeReport::Gone,
+                    labels: None,
+                    unschedulable: None,
+                }
+            }
+            Command::ConfirmNodeGone { .. } => continue,
+            other => other,
+        };
+        send_report(client, &command).await?;
+        outcome.commands += 1;
+    }
+    Ok(())
+}
+
+/// Scheduler + device plugin of one pod: take the node's bind lock (FIFO),
+/// hold it for 40 ms (Allocate), release it. Revocation (the pod deleted
+/// mid-bind) makes the release or the wait fail, which is expected.
+async fn bind(client: Client, key: pb::LockKey, pod: pb::Pod, binds: Arc<Mutex<(u64, u64)>>) {
+    let held = match client
+        .acquire(&key, &pod, Vec::new(), Duration::from_secs(10), 0)
+        .await
+    {
+        Ok(held) => held,
+        Err(_) => {
+            // Revoked while queued (deleted mid-bind) or the node went.
+            binds.lock().unwrap_or_else(|p| p.into_inner()).1 += 1;
+            return;
+        }
+    };
+    binds.lock().unwrap_or_else(|p| p.into_inner()).0 += 1;
+    // Allocate on a busy node: long enough that pods queue behind it.
+    tokio::time::sleep(Duration::from_millis(40)).await;
+    let _ = held.release(pb::Outcome::Allocated).await;
+}
+
+/// Whether `uid` holds or waits for `key` (a linearizable read).
+async fn involved(
+    client: &Client,
+    key: &pb::LockKey,
+    uid: &str,
+) -> Result<bool, tether_client::Error> {
+    let state = client.get(key).await?;
+    let holds = state
+        .holder
+        .as_ref()
+        .and_then(|h| h.pod.as_ref())
+        .is_some_and(|p| p.uid == uid);
+    let waits = state
+        .waiters
+        .iter()
+        .any(|w| w.pod.as_ref().is_some_and(|p| p.uid == uid));
+    Ok(holds || waits)
+}
+
+/// Plays `trace` against the cluster `client` talks to.
+pub async fn replay(client: &Client, trace: &Trace) -> Result<Outcome, tether_client::Error> {
+    let mut outcome = Outcome::default();
+    let mut objects = Objects::default();
+    let binds = Arc::new(Mutex::new((0, 0)));
+    let mut tasks = Vec::new();
+    let workers_set = format!("{}-workers", trace.prefix);
+    let mut removed_nodes = BTreeSet::new();
+    let mut tombstones = Tombstones::new(10_000);
+    for step in &trace.steps {
+        // The pod's view before and after this step, for `pod_change`.
+        let mut pod_step = |pod: usize, change: &dyn Fn(&mut PodView)| {
+            let (view, node) = objects.pods.get(&pod).cloned()?;
+            let mut new = view.clone();
+            change(&mut new);
+            objects.pods.insert(pod, (new.clone(), node.clone()));
+            Some((view, new, node))
+        };
+        match step {
+            Step::Wait(ms) => tokio::time::sleep(Duration::from_millis(*ms)).await,
+            Step::AddNode(name) => {
+                let view = NodeView {
+                    name: name.clone(),
+                    uid: format!("{name}-uid"),
+                    labels: BTreeMap::from([("kubernetes.io/hostname".into(), name.clone())]),
+                    ready: true,
+                    unschedulable: false,
+                };
+                objects.nodes.insert(name.clone(), view.clone());
+                send_all(
+                    client,
+                    node_change(None, Some(&view)),
+                    &objects,
+                    &mut outcome,
+                )
+                .await?;
+            }
+            Step::RemoveNode(name) => {
+                let old = objects.nodes.remove(name);
+                removed_nodes.insert(name.clone());
+                send_all(
+                    client,
+                    node_change(old.as_ref(), None),
+                    &objects,
+                    &mut outcome,
+                )
+                .await?;
+            }
+            Step::CreatePod { pod, node, worker } => {
+                let view = pod_view(trace, *pod);
+                objects.pods.insert(*pod, (view.clone(), node.clone()));
+                let pb_pod = pb::Pod {
+                    uid: view.uid.clone(),
+                    namespace: view.namespace.clone(),
+                    name: view.name.clone(),
+                };
+                if *worker {
+                    // Slinky-style: the worker is pinned to its node.
+                    let key = pb::PinKey {
+                        set: workers_set.clone(),
+                        member: pod.to_string(),
+                    };
+                    client
+                        .assign(
+                            &key,
+                            vec![node.clone()],
+                            &view.uid,
+                            Duration::from_secs(60),
+                            HashMap::new(),
+                            pb::Affinity::default(),
+                        )
+                        .await?;
+                }
+                tasks.push(tokio::spawn(bind(
+                    client.clone(),
+                    bind_key(node),
+                    pb_pod,
+                    binds.clone(),
+                )));
+                send_all(
+                    client,
+                    pod_change(None, Some(&view), true),
+                    &objects,
+                    &mut outcome,
+                )
+                .await?;
+            }
+            Step::Start(pod) | Step::Fail(pod) | Step::Delete(pod) => {
+                let change: &dyn Fn(&mut PodView) = match step {
+                    Step::Start(_) => &|v| {
+                        v.started = true;
+                        v.phase = Phase::Running;
+                    },
+                    Step::Fail(_) => &|v| v.phase = Phase::Failed,
+                    _ => &|v| v.deleting = true,
+                };
+                let Some((old, new, node)) = pod_step(*pod, change) else {
+                    continue;
+                };
+                let commands = pod_change(Some(&old), Some(&new), true);
+                let ends = commands.iter().any(|c| {
+                    matches!(
+                        c,
+                        Command::Pod {
+                            report: tether_k8s_bridge::model::PodReport::Gone
+                                | tether_k8s_bridge::model::PodReport::Terminal,
+                            ..
+                        }
+                    )
+                });
+                send_all(client, commands, &objects, &mut outcome).await?;
+                if ends && involved(client, &bind_key(&node), &new.uid).await? {
+                    outcome.violations.push(format!(
+                        "{}: still holds or waits for {node}'s bind lock after its end was reported",
+                        new.uid
+                    ));
+                }
+            }
+            Step::LateBind(pod) => {
+                let Some((old, node)) = objects.removed.get(pod).cloned() else {
+                    continue;
+                };
+                let key = bind_key(&node);
+                let pb_pod = pb::Pod {
+                    uid: old.uid.clone(),
+                    namespace: old.namespace.clone(),
+                    name: old.name.clone(),
+                };
+                tasks.push(tokio::spawn(bind(
+                    client.clone(),
+                    key.clone(),
+                    pb_pod,
+                    binds.clone(),
+                )));
+                // The bridge learns of the grant or the wait from Tether's
+                // events; here: once Tether shows it.
+                let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+                while !involved(client, &key, &old.uid).await?
+                    && tokio::time::Instant::now() < deadline
+                {
+                    tokio::time::sleep(Duration::from_millis(2)).await;
+                }
+                let late = late_interest(&old.uid, None, &tombstones);
+                send_all(client, late.into_iter().collect(), &objects, &mut outcome).await?;
+                if involved(client, &key, &old.uid).await? {
+                    outcome.violations.push(format!(
+                        "{}: a bind that landed after the pod's deletion still holds or waits for {node}'s lock",
+                        old.uid
+                    ));
+                }
+            }
+            Step::Remove(pod) => {
+                let Some((old, node)) = objects.pods.remove(pod) else {
+                    continue;
+                };
+                tombstones.record(&old.uid);
+                objects.removed.insert(*pod, (old.clone(), node.clone()));
+                send_all(
+                    client,
+                    pod_change(Some(&old), None, true),
+                    &objects,
+                    &mut outcome,
+                )
+                .await?;
+                if involved(client, &bind_key(&node), &old.uid).await? {
+                    outcome.violations.push(format!(
+                        "{}: still holds or waits for {node}'s bind lock after its deletion was reported",
+                        old.uid
+                    ));
+                }
+            }
+        }
+    }
+    for task in tasks {
+        let _ = task.await;
+    }
+    (outcome.binds, outcome.binds_abandoned) = *binds.lock().unwrap_or_else(|p| p.into_inner());
+
+    // The bridge's resync: what Tether refers to against what exists.
+    let locks: Vec<pb::LockState> = client
+        .list(BIND_SCOPE)
+        .await?
+        .into_iter()
+        .filter(|l| {
+            l.key
+                .as_ref()
+                .is_some_and(|k| k.name.starts_with(&trace.prefix))
+        })
+        .collect();
+    let pins = client.list_pins(&workers_set, "").await?;
+    let interest = Interest::from_state(&locks, &pins);
+    let live = LiveView {
+        pod_uids: objects
+            .pods
+            .values()
+            .filter(|(v, _)| !v.phase.is_terminal())
+            .map(|(v, _)| v.uid.clone())
+            .collect(),
+        nodes: objects.nodes.clone(),
+    };
+    let registry: BTreeSet<String> = client
+        .list_nodes(false)
+        .await?
+        .into_iter()
+        .map(|n| n.name)
+        .filter(|n| n.starts_with(&trace.prefix))
+        .collect();
+    let tether = TetherView {
+        pod_uids: interest.uids().clone(),
+        nodes: registry,
+    };
+    send_all(client, orphans(&tether, &live), &objects, &mut outcome).await?;
+
+    // Synced: nothing refers to what is gone.
+    let live_uids = live.pod_uids;
+    for lock in client.list(BIND_SCOPE).await? {
+        let Some(key) = lock
+            .key
+            .as_ref()
+            .filter(|k| k.name.starts_with(&trace.prefix))
+        else {
+            continue;
+        };
+        let holder = lock.holder.as_ref().and_then(|h| h.pod.as_ref());
+        if let Some(pod) = holder {
+            if !live_uids.contains(&pod.uid) {
+                outcome
+                    .violations
+                    .push(format!("{}: held by {}, which is gone", key.name, pod.uid));
+            }
+            if removed_nodes.contains(&key.name) {
+                outcome.violations.push(format!(
+                    "{}: the node is gone but {} holds its lock",
+                    key.name, pod.uid
+                ));
+            }
+        }
+        for waiter in lock.waiters.iter().filter_map(|w| w.pod.as_ref()) {
+            if !live_uids.contains(&waiter.uid) {
+                outcome.violations.push(format!(
+                    "{}: {} waits for it but is gone",
+                    key.name, waiter.uid
+                ));
+            }
+        }
+    }
+    for pin in client.list_pins(&workers_set, "").await? {
+        if removed_nodes.contains(&pin.node) {
+            outcome.violations.push(format!(
+                "pin {:?} is on {}, which is gone",
+                pin.key.map(|k| k.member),
+                pin.node
+            ));
+        }
+    }
+
+    // The node locks' logs, through the history checkers.
+    let mut events = BTreeMap::new();
+    for node in objects.nodes.keys().chain(removed_nodes.iter()) {
+        let key = format!("lock/{BIND_SCOPE}/{node}");
+        let mut list = Vec::new();
+        let mut from = pb::Revision { index: 0, sub: 0 };
+        loop {
+            let page = client
+                .history_query(pb::HistoryRequest {
+                    key: key.clone(),
+                    from: Some(from),
+                    limit: 1000,
+                    ..Default::default()
+                })
+                .await?;
+            let Some(last) = page.events.last().and_then(|e| e.revision) else {
+                break;
+            };
+            from = pb::Revision {
+                index: last.index,
+                sub: last.sub + 1,
+            };
+            let full = page.events.len() == 1000;
+            list.extend(page.events);
+            if !full {
+                break;
+            }
+        }
+        events.insert(key, list);
+    }
+    let evidence = Evidence {
+        events,
+        events_complete: true,
+        ..Evidence::default()
+    };
+    for (name, found) in [
+        (
+            "mutual_exclusion",
+            checkers::mutual_exclusion::check(&evidence),
+        ),
+        ("tokens", checkers::tokens::check(&evidence)),
+        ("fifo", checkers::fifo::check(&evidence)),
+    ] {
+        outcome
+            .violations
+            .extend(found.into_iter().map(|v| format!("{name}: {v}")));
+    }
+    Ok(outcome)
+}
