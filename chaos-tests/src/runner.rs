@@ -396,7 +396,9 @@ pub async fn run(
         sub: 0,
     };
     let shared = Arc::new(Shared {
-        client: cluster.client_with(Duration::from_secs(3)),
+        // A short retry budget: calls that cannot finish during a fault end
+        // as unknown, which the checkers must handle.
+        client: cluster.client_with(Duration::from_millis(800)),
         history: History::new(),
         shadow: Shadow::default(),
         holding: Mutex::new(Vec::new()),

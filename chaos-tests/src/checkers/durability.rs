@@ -56,3 +56,37 @@ pub fn check(evidence: &Evidence) -> Vec<String> {
     }
     out
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::checkers::testkit::{event, granted, released};
+
+    const K: &str = "lock/t/a";
+
+    #[test]
+    fn an_acknowledged_release_missing_from_the_log_is_caught() {
+        let mut evidence = Evidence {
+            events_complete: true,
+            ops: vec![
+                granted(0, K, "a", 5, (0, 10)),
+                released(1, K, "a", 5, (20, 30)),
+            ],
+            ..Evidence::default()
+        };
+        evidence
+            .events
+            .insert(K.into(), vec![event("LockGranted", K, "a", 5, 5)]);
+        assert_eq!(check(&evidence).len(), 1);
+        evidence
+            .events
+            .get_mut(K)
+            .unwrap()
+            .push(event("LockReleased", K, "a", 5, 6));
+        assert!(check(&evidence).is_empty());
+        // A partial log proves nothing either way.
+        evidence.events.clear();
+        evidence.events_complete = false;
+        assert!(check(&evidence).is_empty());
+    }
+}

@@ -24,3 +24,26 @@ pub fn check(evidence: &Evidence) -> Vec<String> {
         })
         .collect()
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::history::ShadowWrite;
+
+    #[test]
+    fn a_write_that_found_another_value_is_a_lost_update() {
+        let write = |token, read, found| ShadowWrite {
+            key: "lock/t/a".into(),
+            token,
+            read,
+            found,
+        };
+        let mut evidence = Evidence {
+            shadow: vec![write(5, 0, 0), write(7, 1, 1)],
+            ..Evidence::default()
+        };
+        assert!(check(&evidence).is_empty());
+        evidence.shadow.push(write(9, 1, 2));
+        assert_eq!(check(&evidence).len(), 1);
+    }
+}

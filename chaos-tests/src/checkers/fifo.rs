@@ -52,3 +52,31 @@ pub fn check(evidence: &Evidence) -> Vec<String> {
     }
     out
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::checkers::testkit::{event, queued};
+
+    const K: &str = "lock/t/a";
+
+    #[test]
+    fn overtaking_a_waiter_is_caught_and_leaving_the_queue_is_fine() {
+        let log = |second: &str| {
+            vec![
+                event("LockGranted", K, "h", 1, 1),
+                queued(K, "w1", 1, 2),
+                queued(K, "w2", 2, 3),
+                queued(K, "w3", 3, 4),
+                event("WaitEnded", K, "w1", 0, 5),
+                event("LockReleased", K, "h", 1, 6),
+                event("LockGranted", K, second, 6, 6),
+            ]
+        };
+        let mut evidence = Evidence::default();
+        evidence.events.insert(K.into(), log("w2"));
+        assert!(check(&evidence).is_empty());
+        evidence.events.insert(K.into(), log("w3"));
+        assert_eq!(check(&evidence).len(), 1);
+    }
+}

@@ -19,6 +19,8 @@ pub mod fifo;
 pub mod linearizability;
 pub mod mutual_exclusion;
 pub mod pins;
+#[cfg(test)]
+mod testkit;
 pub mod tokens;
 pub mod watch;
 

@@ -93,3 +93,48 @@ pub fn check(evidence: &Evidence) -> Vec<String> {
     }
     out
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::checkers::testkit::{event, granted, released};
+
+    const K: &str = "lock/t/a";
+
+    #[test]
+    fn a_grant_over_an_open_hold_is_caught_and_a_clean_log_passes() {
+        let mut evidence = Evidence {
+            events_complete: true,
+            ..Evidence::default()
+        };
+        evidence.events.insert(
+            K.into(),
+            vec![
+                event("LockGranted", K, "a", 5, 5),
+                event("LockReleased", K, "a", 5, 6),
+                event("LockGranted", K, "b", 7, 7),
+            ],
+        );
+        assert!(check(&evidence).is_empty());
+        evidence
+            .events
+            .get_mut(K)
+            .unwrap()
+            .push(event("LockGranted", K, "c", 8, 8));
+        assert_eq!(check(&evidence).len(), 1, "{:?}", check(&evidence));
+    }
+
+    #[test]
+    fn overlapping_client_windows_are_caught() {
+        let evidence = Evidence {
+            ops: vec![
+                granted(0, K, "a", 5, (0, 10)),
+                granted(1, K, "b", 7, (5, 20)),
+                released(2, K, "a", 5, (30, 40)),
+                released(3, K, "b", 7, (50, 60)),
+            ],
+            ..Evidence::default()
+        };
+        assert_eq!(check(&evidence).len(), 1, "{:?}", check(&evidence));
+    }
+}

@@ -23,3 +23,28 @@ pub fn check(evidence: &Evidence) -> Vec<String> {
         })
         .collect()
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use tether_client::proto as pb;
+
+    #[test]
+    fn two_pins_of_the_set_on_one_node_are_caught() {
+        let pin = |member: &str, node: &str| pb::Pin {
+            key: Some(pb::PinKey {
+                set: "s".into(),
+                member: member.into(),
+            }),
+            node: node.into(),
+            ..Default::default()
+        };
+        let mut evidence = Evidence {
+            pins: vec![pin("0", "n1"), pin("1", "n2")],
+            ..Evidence::default()
+        };
+        assert!(check(&evidence).is_empty());
+        evidence.pins.push(pin("2", "n1"));
+        assert_eq!(check(&evidence).len(), 1);
+    }
+}

@@ -50,3 +50,36 @@ pub fn check(evidence: &Evidence) -> Vec<String> {
     }
     out
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::checkers::testkit::{event, granted};
+
+    const K: &str = "lock/t/a";
+
+    #[test]
+    fn tokens_going_backwards_in_the_log_or_in_real_time_are_caught() {
+        let mut evidence = Evidence::default();
+        evidence.events.insert(
+            K.into(),
+            vec![
+                event("LockGranted", K, "a", 5, 5),
+                event("LockGranted", K, "b", 7, 7),
+            ],
+        );
+        evidence.ops = vec![
+            granted(0, K, "a", 5, (0, 10)),
+            granted(1, K, "b", 7, (20, 30)),
+        ];
+        assert!(check(&evidence).is_empty());
+        evidence
+            .events
+            .get_mut(K)
+            .unwrap()
+            .push(event("LockGranted", K, "c", 6, 9));
+        evidence.ops.push(granted(2, K, "c", 6, (40, 50)));
+        // Once in the log, once against b's earlier answer (a's 5 is lower).
+        assert_eq!(check(&evidence).len(), 2, "{:?}", check(&evidence));
+    }
+}

@@ -75,3 +75,44 @@ pub fn check(evidence: &Evidence) -> Vec<String> {
     }
     out
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::checkers::testkit::event;
+
+    const K: &str = "lock/t/a";
+
+    #[test]
+    fn gaps_repeats_and_disorder_are_caught_except_across_a_relist() {
+        let log: Vec<pb::Event> = (1..=5)
+            .map(|i| event("LockGranted", K, "a", i, i))
+            .collect();
+        let mut evidence = Evidence {
+            events_complete: true,
+            ..Evidence::default()
+        };
+        evidence.events.insert(K.into(), log.clone());
+        let watched = |picks: &[usize]| {
+            vec![(
+                "lock/t/".to_string(),
+                picks.iter().map(|&i| log[i].clone()).collect::<Vec<_>>(),
+            )]
+        };
+        evidence.watches = watched(&[1, 2, 3]);
+        assert!(check(&evidence).is_empty());
+        evidence.watches = watched(&[0, 2, 3]);
+        assert_eq!(check(&evidence).len(), 1, "a gap");
+        evidence.watches = watched(&[0, 2, 1, 2]);
+        assert!(!check(&evidence).is_empty(), "disorder and a repeat");
+        // Told to re-list between 1 and 3: the gap is announced, not silent.
+        let mut with_relist = watched(&[0, 1])[0].1.clone();
+        with_relist.push(pb::Event {
+            kind: RELIST.into(),
+            ..Default::default()
+        });
+        with_relist.push(log[3].clone());
+        evidence.watches = vec![("lock/t/".to_string(), with_relist)];
+        assert!(check(&evidence).is_empty());
+    }
+}
