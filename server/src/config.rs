@@ -40,6 +40,29 @@ pub struct Config {
     #[arg(long, env = "TETHER_INITIAL_MEMBERS")]
     pub initial_members: Option<String>,
 
+    /// Run as a Kubernetes StatefulSet member: the node id is drawn once and
+    /// kept in the data directory, the ordinal comes from the hostname
+    /// (`<set>-<ordinal>`), ordinal 0 starts the cluster and the others join
+    /// it (learner, then voter); --node-id and --initial-members are ignored.
+    #[arg(long, env = "TETHER_STATEFULSET")]
+    pub statefulset: bool,
+
+    /// This pod's hostname, `<set>-<ordinal>` (default: $HOSTNAME, else the
+    /// system's).
+    #[arg(long, env = "TETHER_HOSTNAME")]
+    pub hostname: Option<String>,
+
+    /// Where StatefulSet peers are reached, with `{ordinal}` for the ordinal
+    /// (default: `<set>-{ordinal}.<set>-peers:<listen port>`, the headless
+    /// service's names). Also this replica's advertised address unless
+    /// --advertise is given.
+    #[arg(long, env = "TETHER_PEER_TEMPLATE")]
+    pub peer_template: Option<String>,
+
+    /// Ordinals a joining StatefulSet replica asks for the leader (0..N).
+    #[arg(long, env = "TETHER_PROBE_ORDINALS", default_value_t = 16)]
+    pub probe_ordinals: u32,
+
     /// Dial some replicas at other addresses than the ones in the cluster's
     /// membership, `ID=ADDR,...`: for a replica that reaches its peers through
     /// a proxy or NAT. The chaos tests route every peer link through a

@@ -15,6 +15,7 @@
 //! - `api/` — gRPC handlers, validation and wire conversions.
 //! - `error.rs` — API errors and their mapping to gRPC status codes.
 //! - `http.rs`, `metrics.rs` — the health and Prometheus endpoints.
+//! - `statefulset.rs` — identity and bootstrap by ordinal (`--statefulset`).
 //! - `testing.rs` — in-process test clusters (for tests, not `tetherd`).
 
 pub mod api;
@@ -25,6 +26,7 @@ pub mod metrics;
 pub mod node;
 pub mod raft;
 pub mod sm;
+pub mod statefulset;
 pub mod store;
 pub mod testing;
 

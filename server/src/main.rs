@@ -21,7 +21,9 @@ async fn main() -> anyhow::Result<()> {
     let _failpoints = arm_failpoints();
     let config = Config::parse();
     tracing::info!(
-        node_id = config.node_id,
+        // In StatefulSet mode the id is read from the data directory later.
+        node_id = (!config.statefulset).then_some(config.node_id),
+        statefulset = config.statefulset,
         listen = %config.listen,
         http = %config.http_listen,
         data_dir = %config.data_dir.display(),
@@ -32,7 +34,7 @@ async fn main() -> anyhow::Result<()> {
          locks. Keep it on loopback or a trusted network.",
         config.listen
     );
-    if config.initial_members.is_none() {
+    if config.initial_members.is_none() && !config.statefulset {
         tracing::info!("no --initial-members: running as a single-node cluster");
     }
     let node = Node::start(config).await?;

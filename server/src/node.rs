@@ -35,6 +35,7 @@ use crate::raft::Raft;
 use crate::raft::network::Network;
 use crate::sm::command::{Sweep, sweep_due};
 use crate::sm::{Command, Reply, Request};
+use crate::statefulset;
 use crate::store;
 
 /// gRPC messages may carry a payload of up to `max_payload_bytes` plus
@@ -73,11 +74,19 @@ impl Node {
     ) -> anyhow::Result<Node> {
         let grpc_addr = grpc.local_addr()?;
         let http_addr = http.local_addr()?;
-        let advertise = config
-            .advertise
-            .clone()
-            .unwrap_or_else(|| grpc_addr.to_string());
-        let id = config.node_id;
+        let set = if config.statefulset {
+            Some(statefulset_membership(&config, grpc_addr.port())?)
+        } else {
+            None
+        };
+        let advertise = config.advertise.clone().unwrap_or_else(|| match &set {
+            Some(set) => statefulset::peer_address(&set.template, set.ordinal),
+            None => grpc_addr.to_string(),
+        });
+        let id = match set {
+            Some(_) => statefulset::node_id(&config.data_dir)?,
+            None => config.node_id,
+        };
         anyhow::ensure!(id > 0, "node id must be at least 1");
 
         std::fs::create_dir_all(&config.data_dir).with_context(|| {
@@ -128,7 +137,9 @@ impl Node {
             transferring: Default::default(),
         });
 
-        bootstrap(&ctx, &advertise).await?;
+        if set.is_none() {
+            bootstrap(&ctx, &advertise).await?;
+        }
 
         let mut tasks = Vec::new();
         let grpc_server = tonic::transport::Server::builder()
@@ -169,6 +180,14 @@ impl Node {
             wait_for(shutdown_rx.clone()),
         )));
         tasks.push(tokio::spawn(sweeper(ctx.clone(), shutdown_rx)));
+        if let Some(set) = set {
+            let ctx = ctx.clone();
+            tasks.push(tokio::spawn(async move {
+                if let Err(err) = statefulset::join_or_bootstrap(&ctx, &set).await {
+                    tracing::error!(%err, "cannot join the StatefulSet's cluster");
+                }
+            }));
+        }
 
         tracing::info!(node_id = id, grpc = %grpc_addr, advertise, http = %http_addr, data_dir = %config.data_dir.display(), "tetherd replica started");
         Ok(Node {
@@ -267,6 +286,44 @@ async fn wait_for(mut rx: watch::Receiver<bool>) {
             return;
         }
     }
+}
+
+/// The StatefulSet identity of this pod, from its hostname.
+fn statefulset_membership(config: &Config, port: u16) -> anyhow::Result<statefulset::Membership> {
+    let hostname = match &config.hostname {
+        Some(name) => name.clone(),
+        None => std::env::var("HOSTNAME")
+            .ok()
+            .filter(|h| !h.is_empty())
+            .or_else(|| {
+                std::fs::read_to_string("/proc/sys/kernel/hostname")
+                    .ok()
+                    .map(|h| h.trim().to_string())
+            })
+            .context("--statefulset needs the pod's hostname (--hostname or $HOSTNAME)")?,
+    };
+    let ordinal = statefulset::ordinal_from_hostname(&hostname)
+        .with_context(|| format!("--statefulset: hostname {hostname:?} is not <set>-<ordinal>"))?;
+    let template = match &config.peer_template {
+        Some(template) => template.clone(),
+        None => statefulset::default_template(&hostname, port)
+            .context("--statefulset: cannot derive the peer template from the hostname")?,
+    };
+    anyhow::ensure!(
+        template.contains("{ordinal}"),
+        "--peer-template {template:?} has no {{ordinal}} placeholder"
+    );
+    tracing::info!(
+        hostname,
+        ordinal,
+        template,
+        "running as a StatefulSet member"
+    );
+    Ok(statefulset::Membership {
+        ordinal,
+        template,
+        probe: config.probe_ordinals.max(ordinal + 1),
+    })
 }
 
 /// Initializes a new cluster if this replica has no Raft state yet and has

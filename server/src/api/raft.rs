@@ -23,6 +23,29 @@ impl RaftApi {
     }
 }
 
+/// Metadata naming the replica a Raft message is meant for.
+pub const TARGET_METADATA: &str = "x-tether-target-node";
+
+impl RaftApi {
+    /// Refuses a message meant for another node id. Raft messages do not
+    /// name their target, so a replica that took over an address (a pod
+    /// back with an empty volume and a new id) would otherwise answer for
+    /// the member that used to live there, and the leader would see that
+    /// member's log go backwards.
+    fn check_target(&self, request: &Request<RaftRequest>) -> Result<(), Status> {
+        let Some(target) = request.metadata().get(TARGET_METADATA) else {
+            return Ok(());
+        };
+        match target.to_str().ok().and_then(|t| t.parse::<u64>().ok()) {
+            Some(id) if id == self.ctx.id => Ok(()),
+            _ => Err(Status::unavailable(format!(
+                "this address now serves node {}, not node {target:?}",
+                self.ctx.id
+            ))),
+        }
+    }
+}
+
 fn decode_request<T: DeserializeOwned>(request: Request<RaftRequest>) -> Result<T, Status> {
     decode(&request.into_inner().data)
         .map_err(|e| Status::invalid_argument(format!("undecodable Raft message: {e}")))
@@ -47,11 +70,13 @@ impl RaftService for RaftApi {
         &self,
         request: Request<RaftRequest>,
     ) -> Result<Response<RaftReply>, Status> {
+        self.check_target(&request)?;
         let rpc = decode_request(request)?;
         reply(self.ctx.raft.append_entries(rpc).await)
     }
 
     async fn vote(&self, request: Request<RaftRequest>) -> Result<Response<RaftReply>, Status> {
+        self.check_target(&request)?;
         let rpc = decode_request(request)?;
         reply(self.ctx.raft.vote(rpc).await)
     }
@@ -60,6 +85,7 @@ impl RaftService for RaftApi {
         &self,
         request: Request<RaftRequest>,
     ) -> Result<Response<RaftReply>, Status> {
+        self.check_target(&request)?;
         let rpc = decode_request(request)?;
         reply(self.ctx.raft.install_snapshot(rpc).await)
     }

@@ -105,6 +105,12 @@ impl PeerClient {
             data: encode(request),
         });
         req.set_timeout(option.hard_ttl());
+        // The receiver refuses messages meant for another id (see
+        // `api::raft::RaftApi::check_target`).
+        if let Ok(target) = self.target.to_string().parse() {
+            req.metadata_mut()
+                .insert(crate::api::raft::TARGET_METADATA, target);
+        }
         let result = match rpc {
             Rpc::AppendEntries => client.append_entries(req).await,
             Rpc::Vote => client.vote(req).await,

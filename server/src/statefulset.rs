@@ -1,0 +1,287 @@
+//! Running as a member of a Kubernetes StatefulSet (`--statefulset`): no
+//! hand-made member list, the pod's ordinal decides.
+//!
+//! - **Identity.** The pod's hostname is `<set>-<ordinal>`. Its Raft node id
+//!   is drawn at random the first time it starts with an empty data
+//!   directory and kept there (`node-id`), so a pod restarted with its
+//!   volume rejoins as itself, and a pod whose volume was lost comes back
+//!   as a new member: ids are never reused.
+//! - **Addresses.** Peers are reached at `--peer-template` with `{ordinal}`
+//!   replaced (default `<set>-{ordinal}.<set>-peers:<port>`, the headless
+//!   service's per-pod names); this replica advertises its own.
+//! - **Bootstrap.** An empty replica asks ordinals 0..`--probe-ordinals` for
+//!   a leader. Found: it joins — added as a learner (the call returns once
+//!   it has caught up), then promoted to voter in the same membership change
+//!   that removes any older member with its address (its former self, whose
+//!   volume was lost). Not found: ordinal 0 initializes a one-member cluster
+//!   after a few empty rounds; every other ordinal keeps asking.
+//!
+//! Not covered here: scaling in. A replica stopped by a scale-down stays a
+//! (down) voter until removed with `lockctl cluster change-membership`.
+
+use std::collections::BTreeSet;
+use std::hash::{BuildHasher, Hasher};
+use std::path::Path;
+use std::time::Duration;
+
+use anyhow::Context;
+use openraft::BasicNode;
+use tether_proto as pb;
+use tether_proto::cluster_service_client::ClusterServiceClient;
+
+use crate::api::Ctx;
+
+/// File in the data directory holding this replica's node id.
+const NODE_ID_FILE: &str = "node-id";
+
+/// Empty probe rounds before ordinal 0 starts a new cluster: a restarted
+/// ordinal 0 whose volume was lost must find the running cluster rather
+/// than start a second one.
+const ROUNDS_BEFORE_INIT: u32 = 3;
+
+/// `tether-3` -> 3.
+pub fn ordinal_from_hostname(hostname: &str) -> Option<u32> {
+    let (_, ordinal) = hostname.rsplit_once('-')?;
+    ordinal.parse().ok()
+}
+
+/// `tether-3` -> `tether`.
+pub fn set_name(hostname: &str) -> Option<&str> {
+    hostname.rsplit_once('-').map(|(set, _)| set)
+}
+
+/// The default template: the headless service `<set>-peers` in the same
+/// namespace, at this replica's gRPC port.
+pub fn default_template(hostname: &str, port: u16) -> Option<String> {
+    Some(format!(
+        "{}-{{ordinal}}.{}-peers:{port}",
+        set_name(hostname)?,
+        set_name(hostname)?
+    ))
+}
+
+/// A peer's address from the template.
+pub fn peer_address(template: &str, ordinal: u32) -> String {
+    template.replace("{ordinal}", &ordinal.to_string())
+}
+
+/// The node id kept in `data_dir`, drawn and stored on first use. Ids are
+/// random below 2^53 (JSON-safe), never 0.
+pub fn node_id(data_dir: &Path) -> anyhow::Result<u64> {
+    let path = data_dir.join(NODE_ID_FILE);
+    match std::fs::read_to_string(&path) {
+        Ok(text) => text
+            .trim()
+            .parse::<u64>()
+            .ok()
+            .filter(|id| *id > 0)
+            .with_context(|| format!("{} does not hold a node id: {text:?}", path.display())),
+        Err(err) if err.kind() == std::io::ErrorKind::NotFound => {
+            std::fs::create_dir_all(data_dir)?;
+            // RandomState is seeded from the OS: enough to never collide in
+            // a set of a few replicas, without a random-number crate.
+            let mut hasher = std::collections::hash_map::RandomState::new().build_hasher();
+            hasher.write_u128(
+                std::time::SystemTime::now()
+                    .duration_since(std::time::UNIX_EPOCH)
+                    .map(|d| d.as_nanos())
+                    .unwrap_or(0),
+            );
+            let id = (hasher.finish() & ((1 << 53) - 1)).max(1);
+            let tmp = path.with_extension("tmp");
+            std::fs::write(&tmp, format!("{id}\n"))?;
+            std::fs::rename(&tmp, &path)?;
+            Ok(id)
+        }
+        Err(err) => Err(err).with_context(|| format!("cannot read {}", path.display())),
+    }
+}
+
+/// How this replica finds the others.
+#[derive(Debug, Clone)]
+pub struct Membership {
+    /// This pod's ordinal.
+    pub ordinal: u32,
+    /// Peer address template (`{ordinal}`).
+    pub template: String,
+    /// Ordinals asked for a leader.
+    pub probe: u32,
+}
+
+/// Asks `addr` for its status; the leader's address when it knows one.
+async fn leader_of(addr: &str) -> Option<(String, pb::StatusResponse)> {
+    let endpoint = tonic::transport::Endpoint::from_shared(format!("http://{addr}"))
+        .ok()?
+        .connect_timeout(Duration::from_secs(1))
+        .timeout(Duration::from_secs(2));
+    let mut client = ClusterServiceClient::new(endpoint.connect().await.ok()?);
+    let status = client.status(pb::StatusRequest {}).await.ok()?.into_inner();
+    if status.role == "leader" {
+        return Some((addr.to_string(), status));
+    }
+    if status.leader_addr.is_empty() {
+        return None;
+    }
+    let leader = status.leader_addr.clone();
+    let endpoint = tonic::transport::Endpoint::from_shared(format!("http://{leader}"))
+        .ok()?
+        .connect_timeout(Duration::from_secs(1))
+        .timeout(Duration::from_secs(2));
+    let mut client = ClusterServiceClient::new(endpoint.connect().await.ok()?);
+    let status = client.status(pb::StatusRequest {}).await.ok()?.into_inner();
+    (status.role == "leader").then_some((leader, status))
+}
+
+/// Joins through the leader at `leader`: learner first (returns once caught
+/// up), then voter, replacing any older member at this address.
+async fn join(ctx: &Ctx, leader: &str, status: &pb::StatusResponse) -> anyhow::Result<()> {
+    let endpoint = tonic::transport::Endpoint::from_shared(format!("http://{leader}"))?
+        .connect_timeout(Duration::from_secs(1))
+        .timeout(Duration::from_secs(120));
+    let mut client = ClusterServiceClient::new(endpoint.connect().await?);
+    if !status.members.iter().any(|m| m.node_id == ctx.id) {
+        tracing::info!(leader, "joining as a learner");
+        client
+            .add_learner(pb::AddLearnerRequest {
+                node_id: ctx.id,
+                addr: ctx.addr.clone(),
+                blocking: true,
+            })
+            .await
+            .context("AddLearner")?;
+    }
+    let status = client.status(pb::StatusRequest {}).await?.into_inner();
+    let stale: BTreeSet<u64> = status
+        .members
+        .iter()
+        .filter(|m| m.addr == ctx.addr && m.node_id != ctx.id)
+        .map(|m| m.node_id)
+        .collect();
+    let mut voters: BTreeSet<u64> = status
+        .members
+        .iter()
+        .filter(|m| m.voter && !stale.contains(&m.node_id))
+        .map(|m| m.node_id)
+        .collect();
+    voters.insert(ctx.id);
+    tracing::info!(?voters, replaced = ?stale, "promoting to voter");
+    // Stale voters leave with this change (they are not kept as learners).
+    client
+        .change_membership(pb::ChangeMembershipRequest {
+            voters: voters.into_iter().collect(),
+            retain_as_learners: false,
+            remove_learners: vec![],
+        })
+        .await
+        .context("promoting to voter")?;
+    // A stale learner (its volume lost before it was promoted) is removed
+    // on its own.
+    let stale_learners: Vec<u64> = status
+        .members
+        .iter()
+        .filter(|m| !m.voter && stale.contains(&m.node_id))
+        .map(|m| m.node_id)
+        .collect();
+    if !stale_learners.is_empty() {
+        client
+            .change_membership(pb::ChangeMembershipRequest {
+                voters: vec![],
+                retain_as_learners: false,
+                remove_learners: stale_learners,
+            })
+            .await
+            .context("removing a stale learner")?;
+    }
+    Ok(())
+}
+
+/// Brings an empty replica into the set's cluster (or starts it, as
+/// ordinal 0 when nobody answers). Returns once this replica is a voter or
+/// the cluster was initialized; retries until then.
+pub async fn join_or_bootstrap(ctx: &Ctx, set: &Membership) -> anyhow::Result<()> {
+    if ctx.raft.is_initialized().await? {
+        tracing::info!("existing Raft state: rejoining as node {}", ctx.id);
+        return Ok(());
+    }
+    let mut empty_rounds = 0;
+    loop {
+        if *ctx.shutdown.borrow() {
+            return Ok(());
+        }
+        if ctx.raft.is_initialized().await? && is_voter(ctx) {
+            return Ok(());
+        }
+        let mut found = None;
+        for ordinal in (0..set.probe).filter(|o| *o != set.ordinal) {
+            if let Some(leader) = leader_of(&peer_address(&set.template, ordinal)).await {
+                found = Some(leader);
+                break;
+            }
+        }
+        match found {
+            Some((leader, status)) => match join(ctx, &leader, &status).await {
+                Ok(()) => return Ok(()),
+                Err(err) => {
+                    tracing::warn!(err = format!("{err:#}"), leader, "joining failed; retrying")
+                }
+            },
+            None if set.ordinal == 0 => {
+                empty_rounds += 1;
+                if empty_rounds >= ROUNDS_BEFORE_INIT {
+                    tracing::info!("no peer answers: ordinal 0 initializes a new cluster");
+                    let members = [(
+                        ctx.id,
+                        BasicNode {
+                            addr: ctx.addr.clone(),
+                        },
+                    )];
+                    ctx.raft
+                        .initialize(
+                            members
+                                .into_iter()
+                                .collect::<std::collections::BTreeMap<_, _>>(),
+                        )
+                        .await
+                        .context("cannot initialize the cluster")?;
+                    return Ok(());
+                }
+            }
+            None => tracing::info!("waiting for ordinal 0 or another member to answer"),
+        }
+        tokio::time::sleep(Duration::from_secs(1)).await;
+    }
+}
+
+fn is_voter(ctx: &Ctx) -> bool {
+    ctx.raft
+        .metrics()
+        .borrow()
+        .membership_config
+        .membership()
+        .voter_ids()
+        .any(|id| id == ctx.id)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn ordinals_templates_and_ids() {
+        assert_eq!(ordinal_from_hostname("tether-12"), Some(12));
+        assert_eq!(ordinal_from_hostname("my-tether-0"), Some(0));
+        assert_eq!(ordinal_from_hostname("tether"), None);
+        assert_eq!(ordinal_from_hostname("tether-x"), None);
+        assert_eq!(
+            default_template("tether-2", 7420).as_deref(),
+            Some("tether-{ordinal}.tether-peers:7420")
+        );
+        assert_eq!(peer_address("tether-{ordinal}.p:1", 4), "tether-4.p:1");
+        let dir = tempfile::tempdir().unwrap();
+        let id = node_id(dir.path()).unwrap();
+        assert!(id > 0 && id < (1 << 53));
+        assert_eq!(node_id(dir.path()).unwrap(), id, "kept across restarts");
+        std::fs::write(dir.path().join(NODE_ID_FILE), "zero\n").unwrap();
+        assert!(node_id(dir.path()).is_err());
+    }
+}

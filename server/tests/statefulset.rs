@@ -1,0 +1,272 @@
+//! `tetherd --statefulset` as a StatefulSet runs it: each "pod" is a real
+//! process with hostname `tether-<ordinal>`, its own loopback address
+//! (127.0.1.<ordinal>, the same port for all, like pods behind a headless
+//! service) and its own data directory (its volume). No cluster command is
+//! ever issued by hand: bootstrap, restart with data, restart with a lost
+//! volume and scaling out are all the replicas' own doing.
+
+use std::collections::BTreeMap;
+use std::net::TcpListener;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::Duration;
+
+use tether_client::proto::{LockKey, Pod};
+use tether_client::{Client, Options};
+
+const DEADLINE: Duration = Duration::from_secs(90);
+
+/// One StatefulSet pod.
+struct PodProcess {
+    ordinal: u32,
+    data: PathBuf,
+    log: PathBuf,
+    port: u16,
+    http: u16,
+    child: Option<Child>,
+}
+
+impl PodProcess {
+    fn ip(&self) -> String {
+        format!("127.0.1.{}", self.ordinal)
+    }
+
+    fn addr(&self) -> String {
+        format!("{}:{}", self.ip(), self.port)
+    }
+
+    /// Starts the pod with the environment the StatefulSet gives it.
+    fn start(&mut self) {
+        let log = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(&self.log)
+            .unwrap();
+        let child = Command::new(env!("CARGO_BIN_EXE_tetherd"))
+            .env("TETHER_STATEFULSET", "true")
+            .env("HOSTNAME", format!("tether-{}", self.ordinal))
+            .env("TETHER_LISTEN", self.addr())
+            .env("TETHER_HTTP_LISTEN", format!("{}:{}", self.ip(), self.http))
+            .env("TETHER_DATA_DIR", &self.data)
+            .env(
+                "TETHER_PEER_TEMPLATE",
+                format!("127.0.1.{{ordinal}}:{}", self.port),
+            )
+            .env("TETHER_PROBE_ORDINALS", "5")
+            .env("TETHER_ELECTION_TIMEOUT", "500ms")
+            .env("RUST_LOG", "info,openraft=warn")
+            .stdout(Stdio::null())
+            .stderr(log)
+            .spawn()
+            .expect("tetherd starts");
+        self.child = Some(child);
+    }
+
+    fn kill9(&mut self) {
+        if let Some(mut child) = self.child.take() {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
+
+    fn node_id(&self) -> u64 {
+        std::fs::read_to_string(self.data.join("node-id"))
+            .expect("the pod keeps its node id in its volume")
+            .trim()
+            .parse()
+            .unwrap()
+    }
+}
+
+impl Drop for PodProcess {
+    fn drop(&mut self) {
+        self.kill9();
+    }
+}
+
+fn free_port() -> u16 {
+    TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+fn pods(dir: &Path, count: u32, port: u16, http: u16) -> Vec<PodProcess> {
+    (0..count)
+        .map(|ordinal| PodProcess {
+            ordinal,
+            data: dir.join(format!("data-tether-{ordinal}")),
+            log: dir.join(format!("tether-{ordinal}.log")),
+            port,
+            http,
+            child: None,
+        })
+        .collect()
+}
+
+/// Voters (id -> address) and the applied index of every live pod, as the
+/// leader and the pods report them; None while there is no leader.
+async fn cluster_view(pods: &[PodProcess]) -> Option<(BTreeMap<u64, String>, Vec<u64>)> {
+    let client = Client::new(
+        pods.iter().map(PodProcess::addr),
+        Options {
+            call_timeout: Duration::from_secs(1),
+            retry_timeout: Duration::from_secs(1),
+            ..Options::default()
+        },
+    )
+    .unwrap();
+    let leader = client.leader_status().await.ok()?;
+    if leader.role != "leader" {
+        return None;
+    }
+    let voters = leader
+        .members
+        .iter()
+        .filter(|m| m.voter)
+        .map(|m| (m.node_id, m.addr.clone()))
+        .collect();
+    let mut applied = Vec::new();
+    for pod in pods.iter().filter(|p| p.child.is_some()) {
+        applied.push(client.status_of(&pod.addr()).await.ok()?.applied_index);
+    }
+    Some((voters, applied))
+}
+
+/// Waits until the voters are exactly the live pods' ids and all of them
+/// have applied the same index.
+async fn until_members(pods: &[PodProcess], what: &str) -> BTreeMap<u64, String> {
+    let want: BTreeMap<u64, String> = pods
+        .iter()
+        .filter(|p| p.child.is_some())
+        .map(|p| (p.node_id(), p.addr()))
+        .collect();
+    let deadline = tokio::time::Instant::now() + DEADLINE;
+    loop {
+        let view = if want.len() == pods.iter().filter(|p| p.child.is_some()).count()
+            && pods
+                .iter()
+                .filter(|p| p.child.is_some())
+                .all(|p| p.data.join("node-id").exists())
+        {
+            cluster_view(pods).await
+        } else {
+            None
+        };
+        if let Some((voters, applied)) = &view
+            && *voters == want
+            && applied.windows(2).all(|w| w[0] == w[1])
+        {
+            return voters.clone();
+        }
+        if tokio::time::Instant::now() >= deadline {
+            for pod in pods {
+                let log = std::fs::read_to_string(&pod.log).unwrap_or_default();
+                let lines: Vec<&str> = log
+                    .lines()
+                    .filter(|l| !l.starts_with("  ") && !l.contains("openraft::"))
+                    .collect();
+                eprintln!(
+                    "--- tether-{} log tail:\n{}",
+                    pod.ordinal,
+                    lines[lines.len().saturating_sub(12)..].join("\n")
+                );
+            }
+            panic!("timed out: {what}; want voters {want:?}, saw {view:?}");
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+/// Waits until every live pod wrote its node id (first start).
+async fn until_ids(pods: &[PodProcess]) {
+    let deadline = tokio::time::Instant::now() + DEADLINE;
+    while !pods
+        .iter()
+        .filter(|p| p.child.is_some())
+        .all(|p| p.data.join("node-id").exists())
+    {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "pods never wrote their ids"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_statefulset_bootstraps_survives_restarts_and_lost_volumes_and_scales_out() {
+    let dir = tempfile::tempdir().unwrap();
+    let (port, http) = (free_port(), free_port());
+    let mut pods = pods(dir.path(), 5, port, http);
+
+    // podManagementPolicy: Parallel — three pods start at once.
+    for pod in pods.iter_mut().take(3) {
+        pod.start();
+    }
+    until_ids(&pods).await;
+    let first = until_members(&pods, "three pods form one cluster").await;
+    println!("bootstrapped: {first:?}");
+
+    // State to carry through everything below.
+    let client = Client::new(
+        pods.iter().map(PodProcess::addr),
+        Options {
+            retry_timeout: DEADLINE,
+            ..Options::default()
+        },
+    )
+    .unwrap();
+    let key = LockKey {
+        scope: "gpu-bind".into(),
+        name: "node-a".into(),
+    };
+    let owner = Pod {
+        uid: "uid-1".into(),
+        namespace: "ml".into(),
+        name: "train-0".into(),
+    };
+    let token = client
+        .acquire(&key, &owner, b"gpu0".to_vec(), Duration::ZERO, 0)
+        .await
+        .unwrap()
+        .token();
+
+    // A pod restarted with its volume rejoins as itself.
+    let id1 = pods[1].node_id();
+    pods[1].kill9();
+    pods[1].start();
+    let after_restart = until_members(&pods, "tether-1 back with its data").await;
+    assert_eq!(
+        after_restart, first,
+        "same members after a restart with data"
+    );
+    assert_eq!(pods[1].node_id(), id1);
+
+    // A pod whose volume was lost comes back as a new member; the old one
+    // (same address) is removed in the same change.
+    let old2 = pods[2].node_id();
+    pods[2].kill9();
+    std::fs::remove_dir_all(&pods[2].data).unwrap();
+    pods[2].start();
+    until_ids(&pods).await;
+    let replaced = until_members(&pods, "tether-2 replaced after losing its volume").await;
+    let new2 = pods[2].node_id();
+    assert_ne!(new2, old2, "node ids are never reused");
+    assert!(!replaced.contains_key(&old2) && replaced.contains_key(&new2));
+
+    // Scale 3 -> 5.
+    pods[3].start();
+    pods[4].start();
+    until_ids(&pods).await;
+    let five = until_members(&pods, "five members after scaling out").await;
+    assert_eq!(five.len(), 5);
+
+    // The hold taken at the start is still there, same token.
+    let holder = client.holder(&key).await.unwrap().expect("still held");
+    assert_eq!(
+        (holder.token, holder.pod.unwrap().uid),
+        (token, "uid-1".to_string())
+    );
+}
