@@ -20,10 +20,12 @@
 //!   event stream; pods outside it produce nothing.
 //! - `tombstones.rs` — recently deleted pods, so a bind that lands after its
 //!   pod's deletion is released at once rather than at the next resync.
+//! - `config.rs` — the `tether-bridge` flags.
 //! - `bridge.rs` — the run-time loop: kube-rs watchers, the Tether event
 //!   watch, periodic resync, sending commands.
 
 pub mod bridge;
+pub mod config;
 pub mod interest;
 pub mod mapping;
 pub mod model;

@@ -1,44 +1,13 @@
 //! `tether-bridge`: watches Pods and Nodes and reports to Tether what it must
 //! know (see `tether_k8s_bridge`).
 
-use std::path::PathBuf;
 use std::sync::Arc;
-use std::time::Duration;
 
 use clap::Parser;
 use tether_client::http::{HttpRequest, HttpResponse, serve};
 use tether_client::{Client, Options};
 use tether_k8s_bridge::bridge::Bridge;
-
-#[derive(Parser)]
-#[command(
-    name = "tether-bridge",
-    version,
-    about = "Kubernetes → Tether bridge: releases what deleted pods and nodes held"
-)]
-struct Args {
-    /// Tether replicas, comma-separated host:port.
-    #[arg(
-        long,
-        env = "TETHER_ENDPOINTS",
-        default_value = "127.0.0.1:7420",
-        value_delimiter = ','
-    )]
-    endpoints: Vec<String>,
-    /// A kubeconfig file (default: in-cluster config, then $KUBECONFIG, then ~/.kube/config).
-    #[arg(long, env = "KUBECONFIG")]
-    kubeconfig: Option<PathBuf>,
-    /// Address of `/health` and `/metrics`.
-    #[arg(
-        long,
-        env = "TETHER_BRIDGE_HTTP_LISTEN",
-        default_value = "127.0.0.1:8891"
-    )]
-    http_listen: std::net::SocketAddr,
-    /// How often to diff Tether against the cached cluster state.
-    #[arg(long, env = "TETHER_BRIDGE_RESYNC", default_value = "60s", value_parser = humantime::parse_duration)]
-    resync: Duration,
-}
+use tether_k8s_bridge::config::BridgeConfig;
 
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
@@ -48,7 +17,7 @@ async fn main() -> anyhow::Result<()> {
             tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info".into()),
         )
         .init();
-    let args = Args::parse();
+    let args = BridgeConfig::parse();
     let config = match &args.kubeconfig {
         Some(path) => {
             let kubeconfig = kube::config::Kubeconfig::read_from(path)?;

@@ -1,5 +1,7 @@
-//! The HTTP side port: `GET /health` and `GET /metrics` (Prometheus text).
-//! A deliberately tiny HTTP/1.1 responder: two read-only endpoints do not
+//! The HTTP side port: `GET /health` (a leader is known), `/ready` (member,
+//! leader known, caught up: for readiness probes), `/live` (the process
+//! answers: for liveness probes) and `/metrics` (Prometheus text).
+//! A deliberately tiny HTTP/1.1 responder: four read-only endpoints do not
 //! justify a web framework in the dependency tree.
 
 use std::fmt::Write;
@@ -53,11 +55,13 @@ async fn handle(mut stream: TcpStream, ctx: &Ctx) -> std::io::Result<()> {
     let (method, path) = (parts.next().unwrap_or(""), parts.next().unwrap_or(""));
     let (status, content_type, body) = match (method, path) {
         ("GET", "/health") => health(ctx),
+        ("GET", "/ready") => ready(ctx),
+        ("GET", "/live") => ("200 OK", "text/plain", "alive\n".into()),
         ("GET", "/metrics") => ("200 OK", "text/plain; version=0.0.4", metrics(ctx)),
         ("GET", _) => (
             "404 Not Found",
             "text/plain",
-            "not found: try /health or /metrics\n".into(),
+            "not found: try /health, /ready, /live or /metrics\n".into(),
         ),
         _ => (
             "405 Method Not Allowed",
@@ -87,6 +91,37 @@ fn health(ctx: &Ctx) -> (&'static str, &'static str, String) {
         m.last_applied.map_or(0, |l| l.index),
     );
     let status = if healthy {
+        "200 OK"
+    } else {
+        "503 Service Unavailable"
+    };
+    (status, "application/json", body)
+}
+
+/// Entries a replica may have in its log but not yet applied and still be
+/// called caught up.
+const READY_APPLY_LAG: u64 = 1000;
+
+/// Readiness: 200 when this replica is in the membership (voter or learner),
+/// knows a leader, and has applied nearly all of its log — a StatefulSet's
+/// readiness probe, so clients are only sent to replicas that can answer.
+fn ready(ctx: &Ctx) -> (&'static str, &'static str, String) {
+    let m = ctx.raft.metrics().borrow().clone();
+    let member = m
+        .membership_config
+        .membership()
+        .nodes()
+        .any(|(id, _)| *id == ctx.id);
+    let last_log = m.last_log_index.unwrap_or(0);
+    let applied = m.last_applied.map_or(0, |l| l.index);
+    let caught_up = last_log.saturating_sub(applied) <= READY_APPLY_LAG;
+    let ready = m.running_state.is_ok() && m.current_leader.is_some() && member && caught_up;
+    let body = format!(
+        "{{\"ready\":{ready},\"member\":{member},\"leader\":{},\"last_log_index\":{last_log},\"applied_index\":{applied}}}\n",
+        m.current_leader
+            .map_or("null".to_string(), |l| l.to_string()),
+    );
+    let status = if ready {
         "200 OK"
     } else {
         "503 Service Unavailable"

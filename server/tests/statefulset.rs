@@ -84,6 +84,20 @@ impl Drop for PodProcess {
     }
 }
 
+/// A GET over plain HTTP/1.1; the whole response.
+fn http_get(addr: &str, path: &str) -> String {
+    use std::io::{Read, Write};
+    let mut stream = std::net::TcpStream::connect(addr).unwrap();
+    write!(
+        stream,
+        "GET {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n"
+    )
+    .unwrap();
+    let mut response = String::new();
+    stream.read_to_string(&mut response).unwrap();
+    response
+}
+
 fn free_port() -> u16 {
     TcpListener::bind("127.0.0.1:0")
         .unwrap()
@@ -262,6 +276,23 @@ async fn a_statefulset_bootstraps_survives_restarts_and_lost_volumes_and_scales_
     until_ids(&pods).await;
     let five = until_members(&pods, "five members after scaling out").await;
     assert_eq!(five.len(), 5);
+
+    // Every pod passes the StatefulSet's readiness probe (member, leader
+    // known, caught up) and liveness probe.
+    for pod in &pods {
+        let ready = http_get(&format!("{}:{}", pod.ip(), pod.http), "/ready");
+        assert!(
+            ready.starts_with("HTTP/1.1 200"),
+            "tether-{}: {ready}",
+            pod.ordinal
+        );
+        let live = http_get(&format!("{}:{}", pod.ip(), pod.http), "/live");
+        assert!(
+            live.starts_with("HTTP/1.1 200"),
+            "tether-{}: {live}",
+            pod.ordinal
+        );
+    }
 
     // The hold taken at the start is still there, same token.
     let holder = client.holder(&key).await.unwrap().expect("still held");
