@@ -59,6 +59,12 @@ pub struct Config {
     #[arg(long, env = "TETHER_PEER_TEMPLATE")]
     pub peer_template: Option<String>,
 
+    /// StatefulSet mode: the leader removes voters holding the highest
+    /// ordinals once they have been unreachable this long (a scale-in);
+    /// 0s never removes anyone.
+    #[arg(long, env = "TETHER_SCALE_IN_AFTER", default_value = "5m", value_parser = humantime::parse_duration)]
+    pub scale_in_after: Duration,
+
     /// Ordinals a joining StatefulSet replica asks for the leader (0..N).
     #[arg(long, env = "TETHER_PROBE_ORDINALS", default_value_t = 16)]
     pub probe_ordinals: u32,

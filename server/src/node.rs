@@ -186,6 +186,7 @@ impl Node {
                 if let Err(err) = statefulset::join_or_bootstrap(&ctx, &set).await {
                     tracing::error!(%err, "cannot join the StatefulSet's cluster");
                 }
+                statefulset::keep_membership(&ctx, &set, ctx.config.scale_in_after).await;
             }));
         }
 

@@ -16,8 +16,10 @@
 //!   volume was lost). Not found: ordinal 0 initializes a one-member cluster
 //!   after a few empty rounds; every other ordinal keeps asking.
 //!
-//! Not covered here: scaling in. A replica stopped by a scale-down stays a
-//! (down) voter until removed with `lockctl cluster change-membership`.
+//! - **Scale in.** The leader removes voters unreachable for
+//!   `--scale-in-after` that hold the highest ordinals (a StatefulSet scales
+//!   in from the top); a removed replica that comes back (scaled out again
+//!   with its old volume, or only cut off) notices and joins again.
 
 use std::collections::BTreeSet;
 use std::hash::{BuildHasher, Hasher};
@@ -197,7 +199,8 @@ async fn join(ctx: &Ctx, leader: &str, status: &pb::StatusResponse) -> anyhow::R
 
 /// Brings an empty replica into the set's cluster (or starts it, as
 /// ordinal 0 when nobody answers). Returns once this replica is a voter or
-/// the cluster was initialized; retries until then.
+/// the cluster was initialized; retries until then. A replica with Raft
+/// state returns at once ([`keep_membership`] takes it from there).
 pub async fn join_or_bootstrap(ctx: &Ctx, set: &Membership) -> anyhow::Result<()> {
     if ctx.raft.is_initialized().await? {
         tracing::info!("existing Raft state: rejoining as node {}", ctx.id);
@@ -211,14 +214,7 @@ pub async fn join_or_bootstrap(ctx: &Ctx, set: &Membership) -> anyhow::Result<()
         if ctx.raft.is_initialized().await? && is_voter(ctx) {
             return Ok(());
         }
-        let mut found = None;
-        for ordinal in (0..set.probe).filter(|o| *o != set.ordinal) {
-            if let Some(leader) = leader_of(&peer_address(&set.template, ordinal)).await {
-                found = Some(leader);
-                break;
-            }
-        }
-        match found {
+        match find_leader(set).await {
             Some((leader, status)) => match join(ctx, &leader, &status).await {
                 Ok(()) => return Ok(()),
                 Err(err) => {
@@ -249,6 +245,181 @@ pub async fn join_or_bootstrap(ctx: &Ctx, set: &Membership) -> anyhow::Result<()
             None => tracing::info!("waiting for ordinal 0 or another member to answer"),
         }
         tokio::time::sleep(Duration::from_secs(1)).await;
+    }
+}
+
+/// The leader, asked through the other ordinals.
+async fn find_leader(set: &Membership) -> Option<(String, pb::StatusResponse)> {
+    for ordinal in (0..set.probe).filter(|o| *o != set.ordinal) {
+        if let Some(leader) = leader_of(&peer_address(&set.template, ordinal)).await {
+            return Some(leader);
+        }
+    }
+    None
+}
+
+/// How often membership is looked after.
+const KEEP_INTERVAL: Duration = Duration::from_secs(2);
+
+/// Runs for the replica's life after [`join_or_bootstrap`]:
+/// - a replica that knows no leader for a while asks the others; if the
+///   leader's membership lacks it (it was removed while down, e.g. scaled
+///   in and now scaled out again with its old volume), it joins again;
+/// - the leader removes voters that have been unreachable for
+///   `scale_in_after` (zero: never) when they hold the highest ordinals of
+///   the set — a StatefulSet scales in from the top, so that is a scale-in.
+///   Removing a member that is down never costs availability; one that was
+///   only cut off rejoins by the first rule when it is back.
+pub async fn keep_membership(ctx: &Ctx, set: &Membership, scale_in_after: Duration) {
+    let mut leaderless_since: Option<tokio::time::Instant> = None;
+    let mut down_since: std::collections::BTreeMap<u64, tokio::time::Instant> = Default::default();
+    loop {
+        tokio::select! {
+            _ = tokio::time::sleep(KEEP_INTERVAL) => {}
+            _ = wait_shutdown(ctx) => return,
+        }
+        let (leader_addr, is_leader) = {
+            let m = ctx.raft.metrics().borrow().clone();
+            let addr = m.current_leader.and_then(|id| {
+                m.membership_config
+                    .membership()
+                    .get_node(&id)
+                    .map(|n| n.addr.clone())
+            });
+            (addr, m.current_leader == Some(ctx.id))
+        };
+        if is_leader {
+            leaderless_since = None;
+            if !scale_in_after.is_zero() {
+                scale_in(ctx, set, scale_in_after, &mut down_since).await;
+            }
+            continue;
+        }
+        down_since.clear();
+        // What this replica believes (a leader, itself a member) can be
+        // stale: one removed while it was down restarts with the old
+        // configuration and the old leader's vote. Ask the leader.
+        let asked = match &leader_addr {
+            Some(addr) => leader_of(addr).await,
+            None => None,
+        };
+        let asked = match asked {
+            Some(found) => {
+                leaderless_since = None;
+                Some(found)
+            }
+            None => {
+                let since = *leaderless_since.get_or_insert_with(tokio::time::Instant::now);
+                if since.elapsed() < KEEP_INTERVAL * 3 {
+                    continue;
+                }
+                find_leader(set).await
+            }
+        };
+        if let Some((addr, status)) = asked
+            && !status.members.iter().any(|m| m.node_id == ctx.id)
+        {
+            tracing::info!(leader = addr, "not a member any more: joining again");
+            if let Err(err) = join(ctx, &addr, &status).await {
+                tracing::warn!(err = format!("{err:#}"), "joining again failed; retrying");
+            }
+        }
+    }
+}
+
+async fn wait_shutdown(ctx: &Ctx) {
+    let mut rx = ctx.shutdown.clone();
+    while !*rx.borrow() {
+        if rx.changed().await.is_err() {
+            return;
+        }
+    }
+}
+
+/// Whether `addr` answers as node `id`.
+async fn answers_as(addr: &str, id: u64) -> bool {
+    let Ok(endpoint) = tonic::transport::Endpoint::from_shared(format!("http://{addr}")) else {
+        return false;
+    };
+    let endpoint = endpoint
+        .connect_timeout(Duration::from_secs(1))
+        .timeout(Duration::from_secs(1));
+    let Ok(channel) = endpoint.connect().await else {
+        return false;
+    };
+    ClusterServiceClient::new(channel)
+        .status(pb::StatusRequest {})
+        .await
+        .is_ok_and(|s| s.into_inner().node_id == id)
+}
+
+/// The leader's half of [`keep_membership`].
+async fn scale_in(
+    ctx: &Ctx,
+    set: &Membership,
+    after: Duration,
+    down_since: &mut std::collections::BTreeMap<u64, tokio::time::Instant>,
+) {
+    let voters: Vec<(u64, String)> = {
+        let m = ctx.raft.metrics().borrow().clone();
+        let membership = m.membership_config.membership().clone();
+        membership
+            .voter_ids()
+            .map(|id| {
+                let addr = membership
+                    .get_node(&id)
+                    .map(|n| n.addr.clone())
+                    .unwrap_or_default();
+                (id, addr)
+            })
+            .collect()
+    };
+    let ordinal_of = |addr: &str| (0..set.probe).find(|o| peer_address(&set.template, *o) == addr);
+    let mut highest_up = set.ordinal;
+    for (id, addr) in &voters {
+        if *id == ctx.id {
+            continue;
+        }
+        if answers_as(addr, *id).await {
+            down_since.remove(id);
+            if let Some(ordinal) = ordinal_of(addr) {
+                highest_up = highest_up.max(ordinal);
+            }
+        } else {
+            down_since
+                .entry(*id)
+                .or_insert_with(tokio::time::Instant::now);
+        }
+    }
+    down_since.retain(|id, _| voters.iter().any(|(v, _)| v == id));
+    let leaving: BTreeSet<u64> = voters
+        .iter()
+        .filter(|(id, addr)| {
+            down_since.get(id).is_some_and(|t| t.elapsed() >= after)
+                && ordinal_of(addr).is_some_and(|o| o > highest_up)
+        })
+        .map(|(id, _)| *id)
+        .collect();
+    if leaving.is_empty() {
+        return;
+    }
+    let remaining: BTreeSet<u64> = voters
+        .iter()
+        .map(|(id, _)| *id)
+        .filter(|id| !leaving.contains(id))
+        .collect();
+    tracing::info!(
+        ?leaving,
+        ?remaining,
+        "scale-in: removing the highest ordinals, down for {after:?}"
+    );
+    match ctx.raft.change_membership(remaining, false).await {
+        Ok(_) => {
+            for id in &leaving {
+                down_since.remove(id);
+            }
+        }
+        Err(err) => tracing::warn!(%err, "scale-in membership change failed; retrying"),
     }
 }
 

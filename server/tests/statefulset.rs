@@ -3,7 +3,8 @@
 //! (127.0.1.<ordinal>, the same port for all, like pods behind a headless
 //! service) and its own data directory (its volume). No cluster command is
 //! ever issued by hand: bootstrap, restart with data, restart with a lost
-//! volume and scaling out are all the replicas' own doing.
+//! volume, scaling 3 -> 5 -> 3 -> 5 (reusing the retained volumes) are all the
+//! replicas' own doing.
 
 use std::collections::BTreeMap;
 use std::net::TcpListener;
@@ -54,12 +55,24 @@ impl PodProcess {
             )
             .env("TETHER_PROBE_ORDINALS", "5")
             .env("TETHER_ELECTION_TIMEOUT", "500ms")
+            .env("TETHER_SCALE_IN_AFTER", "2s")
             .env("RUST_LOG", "info,openraft=warn")
             .stdout(Stdio::null())
             .stderr(log)
             .spawn()
             .expect("tetherd starts");
         self.child = Some(child);
+    }
+
+    /// SIGTERM, as Kubernetes stops a pod, and wait for the exit.
+    fn terminate(&mut self) {
+        if let Some(mut child) = self.child.take() {
+            let _ = Command::new("kill")
+                .arg("-TERM")
+                .arg(child.id().to_string())
+                .status();
+            let _ = child.wait();
+        }
     }
 
     fn kill9(&mut self) {
@@ -210,7 +223,7 @@ async fn until_ids(pods: &[PodProcess]) {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_statefulset_bootstraps_survives_restarts_and_lost_volumes_and_scales_out() {
+async fn a_statefulset_bootstraps_survives_restarts_and_lost_volumes_and_scales_out_and_in() {
     let dir = tempfile::tempdir().unwrap();
     let (port, http) = (free_port(), free_port());
     let mut pods = pods(dir.path(), 5, port, http);
@@ -276,6 +289,21 @@ async fn a_statefulset_bootstraps_survives_restarts_and_lost_volumes_and_scales_
     until_ids(&pods).await;
     let five = until_members(&pods, "five members after scaling out").await;
     assert_eq!(five.len(), 5);
+
+    // Scale 5 -> 3: the StatefulSet stops the two highest ordinals; the
+    // leader notices they stay down and removes them. Their volumes stay.
+    pods[4].terminate();
+    pods[3].terminate();
+    let three = until_members(&pods, "three members after scaling in").await;
+    assert_eq!(three.len(), 3);
+
+    // Scale 3 -> 5 again: the old volumes are reused, the pods notice they
+    // were removed and join again under their own ids.
+    let (id3, id4) = (pods[3].node_id(), pods[4].node_id());
+    pods[3].start();
+    pods[4].start();
+    let again = until_members(&pods, "five members after scaling out again").await;
+    assert!(again.contains_key(&id3) && again.contains_key(&id4));
 
     // Every pod passes the StatefulSet's readiness probe (member, leader
     // known, caught up) and liveness probe.
