@@ -601,6 +601,31 @@ impl Client {
         }
     }
 
+    /// Builds a snapshot on the leader and downloads it (a backup for
+    /// `tetherd --restore-from`): the log index it covers and its bytes.
+    pub async fn export_snapshot(&self) -> Result<(u64, Vec<u8>)> {
+        self.with_leader(Duration::from_secs(60), |channel| async move {
+            let mut stream = ClusterServiceClient::new(channel)
+                .export_snapshot(pb::ExportSnapshotRequest {})
+                .await?
+                .into_inner();
+            let (mut index, mut data, mut total) = (0, Vec::new(), 0);
+            while let Some(chunk) = stream.message().await? {
+                index = chunk.snapshot_index;
+                total = chunk.total_bytes;
+                data.extend_from_slice(&chunk.data);
+            }
+            if data.len() as u64 != total || data.is_empty() {
+                return Err(Status::unavailable(format!(
+                    "the snapshot stream ended after {} of {total} bytes",
+                    data.len()
+                )));
+            }
+            Ok((index, data))
+        })
+        .await
+    }
+
     /// [`Client::history_query`] answered by one replica (`addr`), from its
     /// own event store, without leader following. A replica that joined by
     /// snapshot only has the events after it: see `oldest_retained`.

@@ -76,6 +76,13 @@ pub struct Config {
     #[arg(long, env = "TETHER_PEER_DIAL", value_parser = parse_peer_dial, default_value = "")]
     pub peer_dial: PeerDial,
 
+    /// Start from a backup (a file written by `lockctl cluster export-snapshot`)
+    /// as a one-member cluster. The data directory must be empty; the state
+    /// and log position are the backup's, so fencing tokens keep growing.
+    /// Scale out afterwards by adding members.
+    #[arg(long, env = "TETHER_RESTORE_FROM")]
+    pub restore_from: Option<PathBuf>,
+
     /// Address of the HTTP server for `/health` and `/metrics`.
     #[arg(long, env = "TETHER_HTTP_LISTEN", default_value = "127.0.0.1:7421")]
     pub http_listen: SocketAddr,

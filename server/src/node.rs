@@ -99,6 +99,22 @@ impl Node {
             entries: config.event_retention_entries,
             age_ms: config.event_retention_age.as_millis() as u64,
         });
+        if let Some(path) = &config.restore_from {
+            let data = std::fs::read(path)
+                .with_context(|| format!("cannot read the backup {}", path.display()))?;
+            let empty = store::state_machine::stored_snapshot(&db)?.is_none()
+                && sm_store.handle().read().last_applied.is_none();
+            anyhow::ensure!(
+                empty,
+                "--restore-from needs an empty data directory; {} already holds a replica",
+                config.data_dir.display()
+            );
+            let last = sm_store
+                .restore_backup(&data, id, &advertise)
+                .with_context(|| format!("cannot restore {}", path.display()))?;
+            log_store.start_after(last)?;
+            tracing::info!(backup = %path.display(), index = last.index, "restored a backup as a one-member cluster");
+        }
         let state = sm_store.handle();
 
         let election_ms = config.election_timeout.as_millis() as u64;

@@ -275,6 +275,26 @@ impl ClusterApi {
         })
     }
 
+    /// A fresh snapshot (leader only, so it holds everything committed), in
+    /// 1 MiB chunks.
+    async fn do_export(&self) -> Result<Vec<pb::SnapshotChunk>> {
+        require_leader(&self.ctx)?;
+        self.do_snapshot().await?;
+        let db = self.ctx.db()?;
+        let (index, data) = crate::store::state_machine::stored_snapshot(&db)
+            .map_err(|e| ApiError::Internal(e.to_string()))?
+            .ok_or_else(|| ApiError::Unavailable("no snapshot was stored; retry".into()))?;
+        let total = data.len() as u64;
+        Ok(data
+            .chunks(1 << 20)
+            .map(|piece| pb::SnapshotChunk {
+                data: piece.to_vec(),
+                snapshot_index: index,
+                total_bytes: total,
+            })
+            .collect())
+    }
+
     async fn do_snapshot(&self) -> Result<pb::SnapshotResponse> {
         let applied = self
             .ctx
@@ -351,5 +371,19 @@ impl ClusterService for ClusterApi {
     ) -> Result<Response<pb::SnapshotResponse>, Status> {
         let result = self.do_snapshot().await;
         self.ctx.finish("Snapshot", result).map(Response::new)
+    }
+
+    type ExportSnapshotStream =
+        tokio_stream::Iter<std::vec::IntoIter<Result<pb::SnapshotChunk, Status>>>;
+
+    async fn export_snapshot(
+        &self,
+        _request: Request<pb::ExportSnapshotRequest>,
+    ) -> Result<Response<Self::ExportSnapshotStream>, Status> {
+        let result = self.do_export().await;
+        let chunks = self.ctx.finish("ExportSnapshot", result)?;
+        Ok(Response::new(tokio_stream::iter(
+            chunks.into_iter().map(Ok).collect::<Vec<_>>(),
+        )))
     }
 }

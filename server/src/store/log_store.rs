@@ -66,6 +66,12 @@ impl LogStore {
         decode(&bytes).map(Some).map_err(|e| err::read(&e))
     }
 
+    /// Records that the log starts after `log_id` (a restored backup covers
+    /// everything up to it).
+    pub fn start_after(&self, log_id: LogId) -> Result<(), StorageError> {
+        self.put_meta(LAST_PURGED, &log_id)
+    }
+
     fn put_meta<T: serde::Serialize>(&self, key: &[u8], value: &T) -> Result<(), StorageError> {
         self.db
             .put_cf_opt(self.cf_meta(), key, encode(value), &synced())

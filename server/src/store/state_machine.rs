@@ -540,6 +540,64 @@ impl StateMachineStore {
     }
 }
 
+/// The stored snapshot's data (a [`SnapshotFile`]) and the index it covers:
+/// what a backup exports.
+pub fn stored_snapshot(db: &DB) -> Result<Option<(u64, Vec<u8>)>, StorageError> {
+    let Some(bytes) = db
+        .get_cf(cf(db, CF_META), SNAPSHOT)
+        .map_err(|e| err::read(&e))?
+    else {
+        return Ok(None);
+    };
+    let stored: StoredSnapshot = decode(&bytes).map_err(|e| err::read(&e))?;
+    Ok(Some((
+        stored.meta.last_log_id.map_or(0, |l| l.index),
+        stored.data,
+    )))
+}
+
+impl StateMachineStore {
+    /// Makes an exported snapshot this (empty) replica's state, as a
+    /// one-member cluster of `id` at `addr`: the state and log position are
+    /// the backup's, so fencing tokens keep growing from where they were.
+    /// Returns the last log id the backup covers.
+    pub fn restore_backup(
+        &mut self,
+        data: &[u8],
+        id: u64,
+        addr: &str,
+    ) -> Result<LogId, StorageError> {
+        let file = SnapshotFile::decode(data)?;
+        let Some(last) = file.last_applied else {
+            return Err(err::read(&std::io::Error::other(
+                "the backup covers no log entry",
+            )));
+        };
+        let membership = openraft::Membership::new(
+            vec![std::collections::BTreeSet::from([id])],
+            std::collections::BTreeMap::from([(
+                id,
+                openraft::BasicNode {
+                    addr: addr.to_string(),
+                },
+            )]),
+        );
+        let file = SnapshotFile {
+            format_version: FORMAT_VERSION,
+            last_applied: Some(last),
+            membership: StoredMembership::new(Some(last), membership.clone()),
+            state: file.state,
+        };
+        let meta = SnapshotMeta {
+            last_log_id: Some(last),
+            last_membership: StoredMembership::new(Some(last), membership),
+            snapshot_id: format!("restored-{}-{}", last.leader_id.term, last.index),
+        };
+        self.install(&meta, encode(&file))?;
+        Ok(last)
+    }
+}
+
 /// Events stored at or after `from`, oldest first, at most `limit`.
 pub fn read_events(db: &DB, from: sm::Revision, limit: usize) -> Result<Vec<Event>, StorageError> {
     let start = keys::event_key(from);
