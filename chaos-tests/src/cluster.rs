@@ -323,9 +323,30 @@ impl ProcessCluster {
         }
     }
 
-    /// SIGSTOP: the process freezes with its sockets open.
+    /// SIGSTOP: the process freezes with its sockets open. Returns once the
+    /// kernel shows it stopped (a signal is delivered asynchronously).
     pub fn pause(&mut self, id: u64) {
         self.signal(id, "-STOP", true);
+        let Some(pid) = self
+            .replicas
+            .get(&id)
+            .and_then(|r| r.child.as_ref())
+            .map(|c| c.id())
+        else {
+            return;
+        };
+        let deadline = std::time::Instant::now() + Duration::from_secs(5);
+        while std::time::Instant::now() < deadline {
+            // Field 3 of /proc/PID/stat is the state; T = stopped.
+            let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
+            let state = stat
+                .rsplit_once(") ")
+                .and_then(|(_, rest)| rest.chars().next());
+            if state == Some('T') || state.is_none() {
+                return;
+            }
+            std::thread::sleep(Duration::from_millis(1));
+        }
     }
 
     /// SIGCONT.

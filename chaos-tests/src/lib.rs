@@ -26,6 +26,7 @@ pub mod rng;
 pub mod runner;
 pub mod schedule;
 pub mod stats;
+#[cfg(feature = "trace")]
 pub mod trace;
 pub mod workers;
 pub mod workload;
