@@ -311,30 +311,30 @@ fn heal(
     Ok(fired)
 }
 
-/// Reads every event of `key` from `from` on from replica `addr`, paging;
-/// None when that replica's events do not reach back to `from` (it joined
-/// or caught up by snapshot since).
-async fn events_of(
+/// Every event of `key` from `from` on, paging; from replica `addr`, or
+/// the leader when `None`. `None` when that replica's events do not reach
+/// back to `from` (it joined or caught up by snapshot since).
+pub async fn events_of(
     client: &Client,
-    addr: &str,
+    addr: Option<&str>,
     key: &str,
     from: pb::Revision,
 ) -> anyhow::Result<Option<Vec<pb::Event>>> {
+    const PAGE: u32 = 1000;
     let mut out: Vec<pb::Event> = Vec::new();
     let mut cursor = from;
     loop {
-        let page = client
-            .history_at(
-                addr,
-                pb::HistoryRequest {
-                    key: key.to_string(),
-                    from: Some(cursor),
-                    limit: 1000,
-                    ..Default::default()
-                },
-            )
-            .await
-            .with_context(|| format!("history of {key} from {addr}"))?;
+        let request = pb::HistoryRequest {
+            key: key.to_string(),
+            from: Some(cursor),
+            limit: PAGE,
+            ..Default::default()
+        };
+        let page = match addr {
+            Some(addr) => client.history_at(addr, request).await,
+            None => client.history_query(request).await,
+        }
+        .with_context(|| format!("history of {key}"))?;
         if page.oldest_retained.is_some_and(|o| o.index > from.index) {
             return Ok(None);
         }
@@ -345,7 +345,7 @@ async fn events_of(
             index: last.index,
             sub: last.sub + 1,
         };
-        let full = page.events.len() == 1000;
+        let full = page.events.len() == PAGE as usize;
         out.extend(page.events);
         if !full {
             return Ok(Some(out));
@@ -366,7 +366,7 @@ async fn run_events(
         let addr = cluster.addr(id);
         let mut events = BTreeMap::new();
         for key in keys {
-            match events_of(client, &addr, key, from).await? {
+            match events_of(client, Some(&addr), key, from).await? {
                 Some(list) => {
                     events.insert(key.clone(), list);
                 }

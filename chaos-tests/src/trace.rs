@@ -540,30 +540,15 @@ pub async fn replay(client: &Client, trace: &Trace) -> Result<Outcome, tether_cl
     let mut events = BTreeMap::new();
     for node in objects.nodes.keys().chain(removed_nodes.iter()) {
         let key = format!("lock/{BIND_SCOPE}/{node}");
-        let mut list = Vec::new();
-        let mut from = pb::Revision { index: 0, sub: 0 };
-        loop {
-            let page = client
-                .history_query(pb::HistoryRequest {
-                    key: key.clone(),
-                    from: Some(from),
-                    limit: 1000,
-                    ..Default::default()
-                })
-                .await?;
-            let Some(last) = page.events.last().and_then(|e| e.revision) else {
-                break;
-            };
-            from = pb::Revision {
-                index: last.index,
-                sub: last.sub + 1,
-            };
-            let full = page.events.len() == 1000;
-            list.extend(page.events);
-            if !full {
-                break;
-            }
-        }
+        let from = pb::Revision { index: 0, sub: 0 };
+        let list = crate::runner::events_of(client, None, &key, from)
+            .await
+            .map_err(|e| tether_client::Error::Other(format!("{e:#}")))?
+            .ok_or_else(|| {
+                tether_client::Error::Other(format!(
+                    "the event log of {key} no longer reaches back to the trace's start"
+                ))
+            })?;
         events.insert(key, list);
     }
     let evidence = Evidence {
