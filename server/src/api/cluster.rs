@@ -162,13 +162,26 @@ async fn hand_over(ctx: &Ctx, target: u64, addr: &str, timeout: Duration) -> Res
     ctx.raft.runtime_config().heartbeat(false);
     let result = async {
         tokio::time::sleep(ctx.config.election_timeout_max() + Duration::from_millis(50)).await;
-        let mut client = RaftServiceClient::connect(format!("http://{addr}"))
+        // Dialed like any Raft message: through --peer-dial if it names the
+        // target, and marked for the target's id.
+        let dial = ctx
+            .config
+            .peer_dial
+            .get(&target)
+            .map_or(addr, String::as_str);
+        let mut client = RaftServiceClient::connect(format!("http://{dial}"))
             .await
             .map_err(|e| {
-                ApiError::Unavailable(format!("cannot reach node {target} at {addr}: {e}"))
+                ApiError::Unavailable(format!("cannot reach node {target} at {dial}: {e}"))
             })?;
+        let mut request = tonic::Request::new(pb::RaftRequest { data: Vec::new() });
+        if let Ok(id) = target.to_string().parse() {
+            request
+                .metadata_mut()
+                .insert(crate::api::raft::TARGET_METADATA, id);
+        }
         client
-            .timeout_now(pb::RaftRequest { data: Vec::new() })
+            .timeout_now(request)
             .await
             .map_err(|e| ApiError::Unavailable(format!("node {target} refused to elect: {e}")))?;
         let mut rx = ctx.raft.metrics();

@@ -92,8 +92,9 @@ impl RaftService for RaftApi {
 
     async fn timeout_now(
         &self,
-        _request: Request<RaftRequest>,
+        request: Request<RaftRequest>,
     ) -> Result<Response<RaftReply>, Status> {
+        self.check_target(&request)?;
         tracing::info!("leader transfer: starting an election at the leader's request");
         let result = self
             .ctx
