@@ -518,11 +518,7 @@ pub async fn run(
     report.phases.push(("watch catch-up", phase.elapsed()));
     report.relists = relists;
     if let Some(target) = last_lock_event {
-        let reached = watched
-            .iter()
-            .rfind(|e| e.kind != crate::checkers::watch::RELIST)
-            .and_then(|e| e.revision)
-            .is_some_and(|r| (r.index, r.sub) >= target);
+        let reached = workers::watcher_passed(&watched, target);
         if !reached {
             unexpected.push(format!(
                 "the watcher did not reach revision {}.{} within 30 s of convergence",

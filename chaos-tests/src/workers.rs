@@ -350,12 +350,7 @@ pub async fn watcher(
     let mut position = start;
     let reached = |received: &[pb::Event]| {
         let target = *until.lock().unwrap_or_else(|p| p.into_inner());
-        let last = received
-            .iter()
-            .rfind(|e| e.kind != crate::checkers::watch::RELIST)
-            .and_then(|e| e.revision)
-            .map(|r| (r.index, r.sub));
-        matches!((target, last), (Some(t), Some(l)) if l >= t)
+        target.is_some_and(|t| watcher_passed(received, t))
     };
     while !stop.load(Ordering::SeqCst) {
         let Ok(mut watch) = client.watch(Some(position), vec![], &prefix).await else {
@@ -383,6 +378,24 @@ pub async fn watcher(
         }
     }
     (received, relists)
+}
+
+/// Whether a watcher that received `received` is past revision `target`:
+/// it received that event or a later one, or it was told to re-list and
+/// continue beyond it (its position was compacted away on the replica it
+/// resumed on).
+pub fn watcher_passed(received: &[pb::Event], target: (u64, u32)) -> bool {
+    let Some(last) = received.last() else {
+        return false;
+    };
+    let Some(revision) = last.revision.map(|r| (r.index, r.sub)) else {
+        return false;
+    };
+    if last.kind == crate::checkers::watch::RELIST {
+        revision > target
+    } else {
+        revision >= target
+    }
 }
 
 /// Registers the pin nodes (idempotent).
