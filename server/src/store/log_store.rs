@@ -21,42 +21,11 @@ const VOTE: &[u8] = b"vote";
 const COMMITTED: &[u8] = b"committed";
 const LAST_PURGED: &[u8] = b"last_purged";
 
-/// The Raft log of one replica. Cheap to clone: clones share the database
-/// and the flusher.
+/// The Raft log of one replica. Cheap to clone: clones share the database.
 #[derive(Clone)]
 pub struct LogStore {
     db: Arc<DB>,
     gate: Arc<SnapshotGate>,
-    /// Appends waiting for their fsync (see [`flusher`]).
-    flushes: std::sync::mpsc::Sender<LogFlushed<TypeConfig>>,
-}
-
-/// Group commit: appends are written without waiting for the disk and
-/// queued here; this thread syncs the write-ahead log once for everything
-/// queued since its last sync, then tells Raft each of those appends is
-/// durable, in order. Under load many appends share one fsync instead of
-/// paying one each; alone, an append costs one fsync as before. It holds
-/// the database weakly and ends when the last `LogStore` clone is dropped.
-fn flusher(db: std::sync::Weak<DB>, queue: std::sync::mpsc::Receiver<LogFlushed<TypeConfig>>) {
-    while let Ok(first) = queue.recv() {
-        let mut batch = vec![first];
-        batch.extend(queue.try_iter());
-        let result = match db.upgrade() {
-            Some(db) => db
-                .flush_wal(true)
-                .map_err(|e| std::io::Error::other(e.to_string())),
-            None => Err(std::io::Error::other("the database is closed")),
-        };
-        // Synced but not yet acknowledged to Raft.
-        fail::fail_point!("log-append-before-ack");
-        for callback in batch {
-            let done = match &result {
-                Ok(()) => Ok(()),
-                Err(e) => Err(std::io::Error::other(e.to_string())),
-            };
-            callback.log_io_completed(done);
-        }
-    }
 }
 
 fn synced() -> WriteOptions {
@@ -68,13 +37,7 @@ fn synced() -> WriteOptions {
 impl LogStore {
     /// A log store over an open database.
     pub fn new(db: Arc<DB>, gate: Arc<SnapshotGate>) -> Self {
-        let (flushes, queue) = std::sync::mpsc::channel();
-        let weak = Arc::downgrade(&db);
-        std::thread::Builder::new()
-            .name("tether-log-flush".into())
-            .spawn(move || flusher(weak, queue))
-            .expect("spawning the log flusher thread");
-        Self { db, gate, flushes }
+        Self { db, gate }
     }
 
     fn cf_log(&self) -> &rocksdb::ColumnFamily {
@@ -221,15 +184,12 @@ impl RaftLogStorage<TypeConfig> for LogStore {
             batch.put_cf(self.cf_log(), log_key(entry.log_id.index), encode(&entry));
         }
         fail::fail_point!("log-append-before-write");
-        // Written to the WAL now, made durable by the flusher's next sync;
-        // Raft counts the entries as persisted only when it acknowledges.
-        match self.db.write(batch) {
+        let result = self.db.write_opt(batch, &synced());
+        match result {
             Ok(()) => {
-                if let Err(unsent) = self.flushes.send(callback) {
-                    unsent
-                        .0
-                        .log_io_completed(Err(std::io::Error::other("the log flusher stopped")));
-                }
+                // Synced but not yet acknowledged to Raft.
+                fail::fail_point!("log-append-before-ack");
+                callback.log_io_completed(Ok(()));
                 Ok(())
             }
             Err(e) => {

@@ -9,14 +9,13 @@
 //! | `sm` | `l/<scope>\0<name>`, `t/<lease id>`, `s/<client id>`, `m/...` | postcard |
 //! | `events` | log index + sub-index, big-endian | postcard `Event` |
 //!
-//! Votes are written with fsync. Log appends are group-committed: written to
-//! the write-ahead log at once, and acknowledged to Raft only after a flusher
-//! thread has synced the WAL (one fsync for every append queued since the
-//! last one). A state-machine apply writes its state changes, events and
-//! `last_applied` in one `WriteBatch`: the batch is atomic, and because it
-//! shares the write-ahead log with the Raft log, it is durable no later than
-//! the next log sync; if a crash loses it, openraft re-applies the entries
-//! from the durable log.
+//! Log appends and votes are written with fsync (a group commit that let
+//! appends share one WAL sync was measured slower here and reverted: see
+//! BENCHMARKS.md). A state-machine apply writes its state changes, events
+//! and `last_applied` in one `WriteBatch`: the batch is atomic, and because it
+//! shares the write-ahead log with the (synced) Raft log, it is durable no
+//! later than the next synced log write; if a crash loses it, openraft
+//! re-applies the entries from the durable log.
 
 // openraft's traits fix the error type (`StorageError`, large); helpers here
 // return it too rather than converting back and forth.
