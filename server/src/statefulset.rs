@@ -110,14 +110,27 @@ pub struct Membership {
     pub probe: u32,
 }
 
+/// A cluster-service client of `addr`: connected within a second, each
+/// call bounded by `timeout`.
+async fn cluster_client(
+    addr: &str,
+    timeout: Duration,
+) -> anyhow::Result<ClusterServiceClient<tonic::transport::Channel>> {
+    let endpoint = tonic::transport::Endpoint::from_shared(format!("http://{addr}"))?
+        .connect_timeout(Duration::from_secs(1))
+        .timeout(timeout);
+    Ok(ClusterServiceClient::new(endpoint.connect().await?))
+}
+
+/// `addr`'s status.
+async fn status_of(addr: &str) -> Option<pb::StatusResponse> {
+    let mut client = cluster_client(addr, Duration::from_secs(2)).await.ok()?;
+    Some(client.status(pb::StatusRequest {}).await.ok()?.into_inner())
+}
+
 /// Asks `addr` for its status; the leader's address when it knows one.
 async fn leader_of(addr: &str) -> Option<(String, pb::StatusResponse)> {
-    let endpoint = tonic::transport::Endpoint::from_shared(format!("http://{addr}"))
-        .ok()?
-        .connect_timeout(Duration::from_secs(1))
-        .timeout(Duration::from_secs(2));
-    let mut client = ClusterServiceClient::new(endpoint.connect().await.ok()?);
-    let status = client.status(pb::StatusRequest {}).await.ok()?.into_inner();
+    let status = status_of(addr).await?;
     if status.role == "leader" {
         return Some((addr.to_string(), status));
     }
@@ -125,22 +138,15 @@ async fn leader_of(addr: &str) -> Option<(String, pb::StatusResponse)> {
         return None;
     }
     let leader = status.leader_addr.clone();
-    let endpoint = tonic::transport::Endpoint::from_shared(format!("http://{leader}"))
-        .ok()?
-        .connect_timeout(Duration::from_secs(1))
-        .timeout(Duration::from_secs(2));
-    let mut client = ClusterServiceClient::new(endpoint.connect().await.ok()?);
-    let status = client.status(pb::StatusRequest {}).await.ok()?.into_inner();
+    let status = status_of(&leader).await?;
     (status.role == "leader").then_some((leader, status))
 }
 
 /// Joins through the leader at `leader`: learner first (returns once caught
 /// up), then voter, replacing any older member at this address.
 async fn join(ctx: &Ctx, leader: &str, status: &pb::StatusResponse) -> anyhow::Result<()> {
-    let endpoint = tonic::transport::Endpoint::from_shared(format!("http://{leader}"))?
-        .connect_timeout(Duration::from_secs(1))
-        .timeout(Duration::from_secs(120));
-    let mut client = ClusterServiceClient::new(endpoint.connect().await?);
+    // Adding a learner returns once it has caught up: allow for that.
+    let mut client = cluster_client(leader, Duration::from_secs(120)).await?;
     if !status.members.iter().any(|m| m.node_id == ctx.id) {
         tracing::info!(leader, "joining as a learner");
         client
@@ -338,19 +344,7 @@ async fn wait_shutdown(ctx: &Ctx) {
 
 /// Whether `addr` answers as node `id`.
 async fn answers_as(addr: &str, id: u64) -> bool {
-    let Ok(endpoint) = tonic::transport::Endpoint::from_shared(format!("http://{addr}")) else {
-        return false;
-    };
-    let endpoint = endpoint
-        .connect_timeout(Duration::from_secs(1))
-        .timeout(Duration::from_secs(1));
-    let Ok(channel) = endpoint.connect().await else {
-        return false;
-    };
-    ClusterServiceClient::new(channel)
-        .status(pb::StatusRequest {})
-        .await
-        .is_ok_and(|s| s.into_inner().node_id == id)
+    status_of(addr).await.is_some_and(|s| s.node_id == id)
 }
 
 /// The leader's half of [`keep_membership`].
