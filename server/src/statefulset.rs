@@ -268,9 +268,10 @@ async fn find_leader(set: &Membership) -> Option<(String, pb::StatusResponse)> {
 const KEEP_INTERVAL: Duration = Duration::from_secs(2);
 
 /// Runs for the replica's life after [`join_or_bootstrap`]:
-/// - a replica that knows no leader for a while asks the others; if the
-///   leader's membership lacks it (it was removed while down, e.g. scaled
-///   in and now scaled out again with its old volume), it joins again;
+/// - a replica asks the leader (found through the others when it knows
+///   none) whether it is a voter; if not (it was removed while down, e.g.
+///   scaled in and now scaled out again with its old volume, or its
+///   promotion was cut short), it joins again;
 /// - the leader removes voters that have been unreachable for
 ///   `scale_in_after` (zero: never) when they hold the highest ordinals of
 ///   the set — a StatefulSet scales in from the top, so that is a scale-in.
@@ -322,10 +323,16 @@ pub async fn keep_membership(ctx: &Ctx, set: &Membership, scale_in_after: Durati
                 find_leader(set).await
             }
         };
+        // Not a voter: removed while away, or added as a learner whose
+        // promotion was cut short (e.g. by a leader change) — join() adds
+        // it if needed and promotes it.
         if let Some((addr, status)) = asked
-            && !status.members.iter().any(|m| m.node_id == ctx.id)
+            && !status
+                .members
+                .iter()
+                .any(|m| m.node_id == ctx.id && m.voter)
         {
-            tracing::info!(leader = addr, "not a member any more: joining again");
+            tracing::info!(leader = addr, "not a voter: joining again");
             if let Err(err) = join(ctx, &addr, &status).await {
                 tracing::warn!(err = format!("{err:#}"), "joining again failed; retrying");
             }
