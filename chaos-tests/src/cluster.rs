@@ -472,6 +472,41 @@ impl ProcessCluster {
         }
     }
 
+    /// Waits until replica `id` has applied what the leader had applied when
+    /// the wait began. Unlike [`Self::wait_converged`] this needs no pause in
+    /// the writes: under a running workload the leader always has entries
+    /// in flight, so "everyone applied the whole log" may never be seen.
+    pub async fn wait_caught_up(&self, id: u64, within: Duration) -> anyhow::Result<()> {
+        let client = self.client_with(Duration::from_secs(1));
+        let deadline = tokio::time::Instant::now() + within;
+        let target = loop {
+            if let Some(leader) = self.leader(&client).await {
+                break leader.applied_index;
+            }
+            anyhow::ensure!(
+                tokio::time::Instant::now() < deadline,
+                "no leader within {within:?}"
+            );
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        };
+        loop {
+            let addr = self.addr(id);
+            let applied =
+                match tokio::time::timeout(Duration::from_secs(1), client.status_of(&addr)).await {
+                    Ok(Ok(status)) => status.applied_index,
+                    _ => 0,
+                };
+            if applied >= target {
+                return Ok(());
+            }
+            anyhow::ensure!(
+                tokio::time::Instant::now() < deadline,
+                "replica {id} applied {applied} of {target} within {within:?}"
+            );
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
+
     /// Voters of the current membership, from the leader.
     pub async fn voters(&self, client: &Client) -> Vec<u64> {
         match self.leader(client).await {

@@ -242,7 +242,7 @@ async fn inject(
             }
             cluster.restart(armed, Some("sm-apply-membership-before-write=panic"))?;
             cluster
-                .wait_converged(Duration::from_secs(60))
+                .wait_caught_up(armed, Duration::from_secs(60))
                 .await
                 .context("the armed replica did not catch up")?;
             let remaining: Vec<u64> = voters.iter().copied().filter(|v| *v != old).collect();
