@@ -147,13 +147,14 @@ async fn fresh_cluster(options: &DriverOptions) -> anyhow::Result<ProcessCluster
 }
 
 /// A cluster as the chaos runs use it: proxied links, short election
-/// timeouts, frequent snapshots, four spare ids for replacements.
+/// timeouts, frequent snapshots, four spare ids for replacements, the pin
+/// nodes registered.
 pub async fn chaos_cluster(
     tetherd: PathBuf,
     replicas: usize,
     failpoints: Option<String>,
 ) -> anyhow::Result<ProcessCluster> {
-    ProcessCluster::start_spec(ClusterSpec {
+    let cluster = ProcessCluster::start_spec(ClusterSpec {
         tetherd,
         voters: replicas,
         // Spare ids for member replacements.
@@ -169,7 +170,10 @@ pub async fn chaos_cluster(
         ],
         failpoints,
     })
-    .await
+    .await?;
+    // The nodes the pin assigner places pins on, once per cluster.
+    crate::workers::register_pin_nodes(&cluster.client()).await?;
+    Ok(cluster)
 }
 
 /// Runs schedules until the count or the time is reached.
@@ -201,8 +205,6 @@ pub async fn run_many(options: DriverOptions) -> anyhow::Result<Summary> {
                 used += 1;
                 let schedule = Schedule::generate(seed, options.faults, options.workload);
                 let current = cluster.as_mut().expect("started above");
-                // Pin nodes are registered per cluster (idempotent).
-                crate::workers::register_pin_nodes(&current.client()).await?;
                 let result =
                     runner::run(current, &schedule, &format!("s{seed}"), &options.run).await;
                 let mut summary = summary.lock().unwrap_or_else(|p| p.into_inner());
