@@ -306,3 +306,43 @@ async fn learner_is_added_promoted_and_a_voter_removed() {
     assert_eq!(members, remaining);
     cluster.shutdown().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn membership_changes_sent_together_wait_for_each_other_instead_of_failing() {
+    let mut cluster = Cluster::start(3).await;
+    cluster.add_node(4).await;
+    cluster.add_node(5).await;
+    let addr4 = cluster.addrs[&4].to_string();
+    let addr5 = cluster.addrs[&5].to_string();
+    // Two operators at once: openraft takes one membership change at a time
+    // and refuses the other while the first is uncommitted; the server waits
+    // for the first to apply and then runs the second.
+    let (first, second) = (common::client(&cluster), common::client(&cluster));
+    let (added4, added5) = tokio::join!(
+        first.add_learner(4, &addr4, false),
+        second.add_learner(5, &addr5, false)
+    );
+    added4.expect("learner 4");
+    added5.expect("learner 5");
+    let (promoted, readded) = tokio::join!(
+        first.change_membership(vec![1, 2, 3, 4], false),
+        second.add_learner(5, &addr5, false)
+    );
+    promoted.expect("promoting 4 (a joint change, two entries)");
+    readded.expect("re-adding learner 5 while 4 is promoted");
+    let leader = cluster.wait_leader().await;
+    let status = first
+        .status_of(&cluster.addrs[&leader].to_string())
+        .await
+        .unwrap();
+    let voters: Vec<u64> = status
+        .members
+        .iter()
+        .filter(|m| m.voter)
+        .map(|m| m.node_id)
+        .collect();
+    let members: Vec<u64> = status.members.iter().map(|m| m.node_id).collect();
+    assert_eq!(voters, vec![1, 2, 3, 4]);
+    assert_eq!(members, vec![1, 2, 3, 4, 5]);
+    cluster.shutdown().await;
+}

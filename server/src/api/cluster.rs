@@ -210,6 +210,59 @@ async fn hand_over(ctx: &Ctx, target: u64, addr: &str, timeout: Duration) -> Res
     result
 }
 
+/// How long a membership change waits for an earlier one to commit before
+/// it reports the cluster busy.
+const MEMBERSHIP_BUSY_WAIT: Duration = Duration::from_secs(10);
+
+type MembershipResult = std::result::Result<
+    openraft::raft::ClientWriteResponse<crate::raft::TypeConfig>,
+    openraft::error::RaftError<u64, openraft::error::ClientWriteError<u64, openraft::BasicNode>>,
+>;
+
+/// Runs a membership change, and when openraft refuses it because an
+/// earlier change has not committed yet (the second, uniform step of a
+/// joint change is still in flight), waits for that change to be applied
+/// and tries again: an operator's "add this learner" should not fail
+/// because the previous command's last entry is a few milliseconds from
+/// commit. Other errors, and a change still pending after
+/// [`MEMBERSHIP_BUSY_WAIT`], are returned as they are.
+async fn change_when_settled<F, Fut>(ctx: &Ctx, change: F) -> MembershipResult
+where
+    F: Fn() -> Fut,
+    Fut: std::future::Future<Output = MembershipResult>,
+{
+    let give_up = tokio::time::Instant::now() + MEMBERSHIP_BUSY_WAIT;
+    loop {
+        let result = change().await;
+        let pending = match &result {
+            Err(openraft::error::RaftError::APIError(
+                openraft::error::ClientWriteError::ChangeMembershipError(
+                    openraft::error::ChangeMembershipError::InProgress(busy),
+                ),
+            )) => busy.membership_log_id.clone(),
+            _ => return result,
+        };
+        let remaining = give_up.saturating_duration_since(tokio::time::Instant::now());
+        if remaining.is_zero() {
+            return result;
+        }
+        let index = pending.map_or(0, |id| id.index);
+        tracing::info!(
+            index,
+            "a membership change is committing; waiting to apply it"
+        );
+        let mut rx = ctx.raft.metrics();
+        let applied = tokio::time::timeout(
+            remaining,
+            rx.wait_for(|m| m.last_applied.as_ref().is_some_and(|a| a.index >= index)),
+        )
+        .await;
+        if !matches!(applied, Ok(Ok(_))) {
+            return result;
+        }
+    }
+}
+
 impl ClusterApi {
     async fn do_add_learner(&self, req: pb::AddLearnerRequest) -> Result<pb::AddLearnerResponse> {
         if req.node_id == 0 {
@@ -225,12 +278,13 @@ impl ClusterApi {
         let node = BasicNode {
             addr: req.addr.clone(),
         };
-        let response = self
-            .ctx
-            .raft
-            .add_learner(req.node_id, node, req.blocking)
-            .await
-            .map_err(from_raft_error)?;
+        let response = change_when_settled(&self.ctx, || {
+            self.ctx
+                .raft
+                .add_learner(req.node_id, node.clone(), req.blocking)
+        })
+        .await
+        .map_err(from_raft_error)?;
         tracing::info!(node_id = req.node_id, addr = req.addr, "learner added");
         Ok(pb::AddLearnerResponse {
             log_index: response.log_id.index,
@@ -259,12 +313,13 @@ impl ClusterApi {
                 )));
             }
             let remove: BTreeSet<u64> = req.remove_learners.iter().copied().collect();
-            let response = self
-                .ctx
-                .raft
-                .change_membership(openraft::ChangeMembers::RemoveNodes(remove.clone()), false)
-                .await
-                .map_err(from_raft_error)?;
+            let response = change_when_settled(&self.ctx, || {
+                self.ctx
+                    .raft
+                    .change_membership(openraft::ChangeMembers::RemoveNodes(remove.clone()), false)
+            })
+            .await
+            .map_err(from_raft_error)?;
             tracing::info!(?remove, "learners removed");
             return Ok(pb::ChangeMembershipResponse {
                 log_index: response.log_id.index,
@@ -276,12 +331,13 @@ impl ClusterApi {
             ));
         }
         let voters: BTreeSet<u64> = req.voters.iter().copied().collect();
-        let response = self
-            .ctx
-            .raft
-            .change_membership(voters.clone(), req.retain_as_learners)
-            .await
-            .map_err(from_raft_error)?;
+        let response = change_when_settled(&self.ctx, || {
+            self.ctx
+                .raft
+                .change_membership(voters.clone(), req.retain_as_learners)
+        })
+        .await
+        .map_err(from_raft_error)?;
         tracing::info!(?voters, "membership changed");
         Ok(pb::ChangeMembershipResponse {
             log_index: response.log_id.index,
