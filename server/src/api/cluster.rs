@@ -239,7 +239,7 @@ where
                 openraft::error::ClientWriteError::ChangeMembershipError(
                     openraft::error::ChangeMembershipError::InProgress(busy),
                 ),
-            )) => busy.membership_log_id.clone(),
+            )) => busy.membership_log_id,
             _ => return result,
         };
         let remaining = give_up.saturating_duration_since(tokio::time::Instant::now());
