@@ -114,7 +114,7 @@ mod tests {
         let options = Options {
             call_timeout: Duration::from_millis(200),
             retry_timeout: Duration::from_millis(300),
-            client_id: None,
+            ..Options::default()
         };
         let client = Client::new(["127.0.0.1:1"], options).unwrap();
         let err = client

@@ -18,6 +18,9 @@ use tether_proto::watch_service_client::WatchServiceClient;
 use tether_proto::{LEADER_ADDR_METADATA, LockKey, Pod};
 use tokio::time::Instant;
 use tonic::Status;
+use tonic::metadata::{Ascii, MetadataValue};
+use tonic::service::Interceptor;
+use tonic::service::interceptor::InterceptedService;
 use tonic::transport::{Channel, Endpoint};
 
 use crate::error::{Error, Result};
@@ -34,6 +37,12 @@ pub struct Options {
     pub retry_timeout: Duration,
     /// Client id for exactly-once dedupe; random per client when `None`.
     pub client_id: Option<String>,
+    /// Mutual TLS: this client's certificate (its role) and the CA the
+    /// replicas' certificates must chain to. Needed when the replicas run
+    /// with `--tls-dir`.
+    pub tls: Option<Arc<tether_tls::TlsMaterial>>,
+    /// A bearer token, for replicas run with `--auth-tokens` (development).
+    pub bearer_token: Option<String>,
 }
 
 impl Default for Options {
@@ -42,7 +51,33 @@ impl Default for Options {
             call_timeout: Duration::from_secs(5),
             retry_timeout: Duration::from_secs(15),
             client_id: None,
+            tls: None,
+            bearer_token: None,
         }
+    }
+}
+
+/// A connection to one replica, with this client's credentials attached
+/// to every call.
+pub type Conn = InterceptedService<Channel, Credentials>;
+
+/// Adds the bearer token (if any) to each request.
+#[derive(Clone)]
+pub struct Credentials {
+    authorization: Option<MetadataValue<Ascii>>,
+}
+
+impl Interceptor for Credentials {
+    fn call(
+        &mut self,
+        mut request: tonic::Request<()>,
+    ) -> std::result::Result<tonic::Request<()>, Status> {
+        if let Some(value) = &self.authorization {
+            request
+                .metadata_mut()
+                .insert("authorization", value.clone());
+        }
+        Ok(request)
     }
 }
 
@@ -61,7 +96,9 @@ struct Shared {
     sequence: AtomicU64,
     /// The replica to try first (the believed leader).
     preferred: Mutex<String>,
-    channels: Mutex<HashMap<String, Channel>>,
+    channels: Mutex<HashMap<String, Conn>>,
+    /// Attached to every call.
+    credentials: Credentials,
     /// Sequences of requests not yet answered.
     in_flight: Mutex<BTreeSet<u64>>,
     /// Signalled when a request completes (see `begin_request`).
@@ -157,6 +194,14 @@ impl Client {
             return Err(Error::InvalidArgument("no endpoints given".into()));
         }
         let client_id = options.client_id.clone().unwrap_or_else(random_client_id);
+        let authorization = match &options.bearer_token {
+            Some(token) => Some(format!("Bearer {}", token.trim()).parse().map_err(|_| {
+                Error::InvalidArgument(
+                    "the bearer token holds characters a header cannot carry".into(),
+                )
+            })?),
+            None => None,
+        };
         let shared = Shared {
             preferred: Mutex::new(endpoints[0].clone()),
             endpoints,
@@ -164,6 +209,7 @@ impl Client {
             client_id,
             sequence: AtomicU64::new(0),
             channels: Mutex::new(HashMap::new()),
+            credentials: Credentials { authorization },
             in_flight: Mutex::new(BTreeSet::new()),
             freed: tokio::sync::Notify::new(),
         };
@@ -222,7 +268,7 @@ impl Client {
         }
     }
 
-    fn channel(&self, addr: &str) -> Result<Channel> {
+    fn channel(&self, addr: &str) -> Result<Conn> {
         let mut channels = self
             .shared
             .channels
@@ -236,11 +282,15 @@ impl Client {
         } else {
             format!("http://{addr}")
         };
-        let channel = Endpoint::from_shared(url)
+        let endpoint = Endpoint::from_shared(url)
             .map_err(|e| Error::InvalidArgument(format!("bad endpoint {addr:?}: {e}")))?
             .connect_timeout(Duration::from_secs(2))
-            .tcp_nodelay(true)
-            .connect_lazy();
+            .tcp_nodelay(true);
+        let channel = match &self.shared.options.tls {
+            Some(tls) => tether_tls::lazy_channel(endpoint, tls.clone(), Duration::from_secs(2)),
+            None => endpoint.connect_lazy(),
+        };
+        let channel = InterceptedService::new(channel, self.shared.credentials.clone());
         channels.insert(addr.to_string(), channel.clone());
         Ok(channel)
     }
@@ -276,7 +326,7 @@ impl Client {
     /// retry budget runs out. `call` must reuse one request id throughout.
     pub async fn with_leader<T, F, Fut>(&self, extra_timeout: Duration, call: F) -> Result<T>
     where
-        F: Fn(Channel) -> Fut,
+        F: Fn(Conn) -> Fut,
         Fut: Future<Output = std::result::Result<T, Status>>,
     {
         let give_up = Instant::now() + self.shared.options.retry_timeout + extra_timeout;

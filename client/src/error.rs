@@ -57,6 +57,12 @@ pub enum Error {
         /// The server's explanation.
         message: String,
     },
+    /// The caller's role does not allow the call (mutual TLS or tokens on).
+    #[error("{0}")]
+    PermissionDenied(String),
+    /// The server could not tell who is calling (no or an unknown token).
+    #[error("unauthenticated: {0}")]
+    Unauthenticated(String),
     /// Anything else the server said.
     #[error("{0}")]
     Other(String),
@@ -76,6 +82,7 @@ impl Error {
             Error::Compacted { .. } => 6,
             Error::DeadlineExceeded(_) => 4,
             Error::Unavailable(_) | Error::ResourceExhausted(_) => 5,
+            Error::PermissionDenied(_) | Error::Unauthenticated(_) => 7,
             Error::Other(_) => 1,
         }
     }
@@ -92,6 +99,8 @@ impl From<Status> for Error {
             Code::NotFound => Error::NotFound(message),
             Code::Aborted => Error::Aborted(message),
             Code::Unavailable => Error::Unavailable(message),
+            Code::PermissionDenied => Error::PermissionDenied(message),
+            Code::Unauthenticated => Error::Unauthenticated(message),
             Code::OutOfRange => {
                 let oldest_retained = status
                     .metadata()

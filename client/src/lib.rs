@@ -39,11 +39,14 @@ mod client;
 mod error;
 mod hold;
 pub mod http;
+pub mod security;
 pub mod selector;
 mod watch;
 
-pub use client::{AcquireProgress, Client, InFlight, Options, parse_lock_key};
+pub use client::{AcquireProgress, Client, Conn, Credentials, InFlight, Options, parse_lock_key};
 pub use error::{Error, Result};
 pub use hold::Held;
+pub use security::SecurityArgs;
 pub use tether_proto as proto;
+pub use tether_tls;
 pub use watch::{WatchUpdate, Watcher};

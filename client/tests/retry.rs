@@ -61,6 +61,7 @@ async fn a_retry_after_a_lost_answer_returns_the_original_answer_and_applies_onc
         call_timeout: Duration::from_millis(1500),
         retry_timeout: Duration::from_secs(30),
         client_id: Some("retry-client".into()),
+        ..Options::default()
     };
     // The proxy first: the first attempt goes through it.
     let client = Client::new([proxy.to_string(), node.addr().to_string()], options).unwrap();

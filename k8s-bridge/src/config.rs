@@ -22,6 +22,10 @@ pub struct BridgeConfig {
         value_delimiter = ','
     )]
     pub endpoints: Vec<String>,
+    /// Credentials for Tether (the bridge's certificate names the role
+    /// `bridge`).
+    #[command(flatten)]
+    pub security: tether_client::SecurityArgs,
     /// A kubeconfig file (default: in-cluster config, then $KUBECONFIG, then ~/.kube/config).
     #[arg(long, env = "KUBECONFIG")]
     pub kubeconfig: Option<PathBuf>,

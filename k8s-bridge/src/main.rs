@@ -26,7 +26,9 @@ async fn main() -> anyhow::Result<()> {
         None => kube::Config::infer().await?,
     };
     let kube = kube::Client::try_from(config)?;
-    let tether = Client::new(args.endpoints.clone(), Options::default())?;
+    let mut options = Options::default();
+    args.security.apply(&mut options)?;
+    let tether = Client::new(args.endpoints.clone(), options)?;
     tracing::info!(endpoints = ?args.endpoints, resync = ?args.resync, "tether-bridge starting");
     let bridge = Bridge::new(tether, kube);
     let http = tokio::net::TcpListener::bind(args.http_listen).await?;

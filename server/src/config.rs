@@ -83,6 +83,25 @@ pub struct Config {
     #[arg(long, env = "TETHER_RESTORE_FROM")]
     pub restore_from: Option<PathBuf>,
 
+    /// Directory holding this replica's certificate in cert-manager's layout
+    /// (`tls.crt`, `tls.key`, `ca.crt`). Turns on mutual TLS for clients and
+    /// replicas alike: every caller needs a certificate from that CA, and its
+    /// role comes from the certificate (a `tether:<role>` URI SAN, else the
+    /// common name). The replica's own certificate must name `replica` and
+    /// cover the addresses peers dial. The files are re-read when they change.
+    #[arg(long, env = "TETHER_TLS_DIR")]
+    pub tls_dir: Option<PathBuf>,
+
+    /// How often the TLS files are checked for a rotated certificate.
+    #[arg(long, env = "TETHER_TLS_RELOAD_INTERVAL", default_value = "10s", value_parser = humantime::parse_duration)]
+    pub tls_reload_interval: Duration,
+
+    /// Development without TLS: a file of `TOKEN ROLE [NAME]` lines; callers
+    /// send `authorization: Bearer TOKEN` and get that role. Tokens cross the
+    /// network in clear text; use --tls-dir anywhere that matters.
+    #[arg(long, env = "TETHER_AUTH_TOKENS", conflicts_with = "tls_dir")]
+    pub auth_tokens: Option<PathBuf>,
+
     /// Address of the HTTP server for `/health` and `/metrics`.
     #[arg(long, env = "TETHER_HTTP_LISTEN", default_value = "127.0.0.1:7421")]
     pub http_listen: SocketAddr,

@@ -41,6 +41,12 @@ pub enum ApiError {
     /// The replica cannot serve now (shutting down, no quorum); retry.
     #[error("{0}")]
     Unavailable(String),
+    /// The caller could not be identified.
+    #[error("{0}")]
+    Unauthenticated(String),
+    /// The caller's role does not allow the call; nothing was changed.
+    #[error("permission denied: {0}")]
+    PermissionDenied(String),
     /// A bug or storage failure.
     #[error("internal error: {0}")]
     Internal(String),
@@ -74,6 +80,8 @@ impl ApiError {
             ApiError::Aborted(_) => "aborted",
             ApiError::FailedPrecondition(_) => "failed_precondition",
             ApiError::Unavailable(_) => "unavailable",
+            ApiError::Unauthenticated(_) => "unauthenticated",
+            ApiError::PermissionDenied(_) => "permission_denied",
             ApiError::Internal(_) => "internal",
         }
     }
@@ -119,6 +127,8 @@ impl From<ApiError> for Status {
             ApiError::Aborted(_) => Status::aborted(message),
             ApiError::FailedPrecondition(_) => Status::failed_precondition(message),
             ApiError::Unavailable(_) => Status::unavailable(message),
+            ApiError::Unauthenticated(_) => Status::unauthenticated(message),
+            ApiError::PermissionDenied(_) => Status::permission_denied(message),
             ApiError::Internal(_) => Status::internal(message),
         }
     }

@@ -19,6 +19,7 @@
 //! - `testing.rs` — in-process test clusters (for tests, not `tetherd`).
 
 pub mod api;
+pub mod auth;
 pub mod config;
 pub mod error;
 pub mod http;

@@ -29,11 +29,22 @@ async fn main() -> anyhow::Result<()> {
         data_dir = %config.data_dir.display(),
         "tetherd starting"
     );
-    tracing::warn!(
-        "INSECURE: no TLS and no authentication; anyone who can reach {} can take and release \
-         locks. Keep it on loopback or a trusted network.",
-        config.listen
-    );
+    match (&config.tls_dir, &config.auth_tokens) {
+        (Some(dir), _) => tracing::info!(
+            tls_dir = %dir.display(),
+            "mutual TLS on: callers need a certificate from the CA; roles come from certificates"
+        ),
+        (None, Some(tokens)) => tracing::warn!(
+            tokens = %tokens.display(),
+            "INSECURE TRANSPORT: roles come from bearer tokens sent in clear text over plain \
+             TCP; for development only (use --tls-dir elsewhere)"
+        ),
+        (None, None) => tracing::warn!(
+            "INSECURE: no TLS and no authentication; anyone who can reach {} can take and \
+             release locks. Keep it on loopback or a trusted network, or use --tls-dir.",
+            config.listen
+        ),
+    }
     if config.initial_members.is_none() && !config.statefulset {
         tracing::info!("no --initial-members: running as a single-node cluster");
     }

@@ -15,11 +15,10 @@ use tether_proto::node_service_server::NodeServiceServer;
 use tether_proto::pin_service_server::PinServiceServer;
 use tether_proto::raft_service_server::RaftServiceServer;
 use tether_proto::watch_service_server::WatchServiceServer;
+use tether_tls::{TlsFiles, TlsMaterial};
 use tokio::net::TcpListener;
 use tokio::sync::watch;
 use tokio::task::JoinHandle;
-use tokio_stream::StreamExt;
-use tokio_stream::wrappers::TcpListenerStream;
 
 use crate::api::cluster::{ClusterApi, transfer_leader};
 use crate::api::lease::LeaseApi;
@@ -29,6 +28,7 @@ use crate::api::pin::PinApi;
 use crate::api::raft::RaftApi;
 use crate::api::watch::WatchApi;
 use crate::api::{Ctx, wall_clock_ms};
+use crate::auth::Auth;
 use crate::config::{Config, parse_members};
 use crate::metrics::Metrics;
 use crate::raft::Raft;
@@ -129,10 +129,16 @@ impl Node {
         }
         .validate()
         .context("invalid Raft timing (the heartbeat must be shorter than the election timeout)")?;
+        let tls = load_tls(&config)?;
+        let auth = match (&tls, &config.auth_tokens) {
+            (Some(_), _) => Auth::Certificates,
+            (None, Some(path)) => Auth::from_token_file(path)?,
+            (None, None) => Auth::Open,
+        };
         let raft = Raft::new(
             id,
             Arc::new(raft_config),
-            Network::new(config.peer_dial.clone()),
+            Network::new(config.peer_dial.clone(), tls.clone()),
             log_store,
             sm_store,
         )
@@ -151,6 +157,8 @@ impl Node {
             metrics: Arc::new(Metrics::default()),
             shutdown: shutdown_rx.clone(),
             transferring: Default::default(),
+            auth,
+            tls: tls.clone(),
         });
 
         if set.is_none() {
@@ -158,6 +166,9 @@ impl Node {
         }
 
         let mut tasks = Vec::new();
+        if let Some(tls) = &tls {
+            tasks.push(tls.watch(config.tls_reload_interval));
+        }
         let grpc_server = tonic::transport::Server::builder()
             .add_service(
                 LockServiceServer::new(LockApi::new(ctx.clone()))
@@ -174,15 +185,8 @@ impl Node {
                     .max_encoding_message_size(MAX_GRPC_MESSAGE),
             );
         let stop = wait_for(shutdown_rx.clone());
+        let incoming = tether_tls::incoming(grpc, tls.clone());
         tasks.push(tokio::spawn(async move {
-            // Small request/response messages: without TCP_NODELAY, Nagle's
-            // algorithm and delayed ACKs add ~40 ms to answers.
-            let incoming = TcpListenerStream::new(grpc).map(|stream| {
-                if let Ok(stream) = &stream {
-                    let _ = stream.set_nodelay(true);
-                }
-                stream
-            });
             if let Err(err) = grpc_server
                 .serve_with_incoming_shutdown(incoming, stop)
                 .await
@@ -303,6 +307,26 @@ async fn wait_for(mut rx: watch::Receiver<bool>) {
             return;
         }
     }
+}
+
+/// The replica's TLS material when `--tls-dir` is set. Its certificate
+/// must name the `replica` role: the other replicas accept Raft traffic
+/// only from that role.
+fn load_tls(config: &Config) -> anyhow::Result<Option<Arc<TlsMaterial>>> {
+    let Some(dir) = &config.tls_dir else {
+        return Ok(None);
+    };
+    let tls = TlsMaterial::load(TlsFiles::in_dir(dir))
+        .with_context(|| format!("cannot use the TLS files in {}", dir.display()))?;
+    let identity = tls.identity();
+    anyhow::ensure!(
+        identity.name == "replica",
+        "the replica's certificate ({}) must name the role `replica` (common name or a \
+         `tether:replica` URI SAN); it names {:?}",
+        identity.subject,
+        identity.name
+    );
+    Ok(Some(tls))
 }
 
 /// The StatefulSet identity of this pod, from its hostname.

@@ -24,12 +24,14 @@
 use std::collections::BTreeSet;
 use std::hash::{BuildHasher, Hasher};
 use std::path::Path;
+use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::Context;
 use openraft::BasicNode;
 use tether_proto as pb;
 use tether_proto::cluster_service_client::ClusterServiceClient;
+use tether_tls::TlsMaterial;
 
 use crate::api::Ctx;
 
@@ -115,22 +117,32 @@ pub struct Membership {
 async fn cluster_client(
     addr: &str,
     timeout: Duration,
+    tls: Option<&Arc<TlsMaterial>>,
 ) -> anyhow::Result<ClusterServiceClient<tonic::transport::Channel>> {
     let endpoint = tonic::transport::Endpoint::from_shared(format!("http://{addr}"))?
         .connect_timeout(Duration::from_secs(1))
         .timeout(timeout);
-    Ok(ClusterServiceClient::new(endpoint.connect().await?))
+    let channel = match tls {
+        Some(tls) => tether_tls::lazy_channel(endpoint, tls.clone(), Duration::from_secs(1)),
+        None => endpoint.connect().await?,
+    };
+    Ok(ClusterServiceClient::new(channel))
 }
 
 /// `addr`'s status.
-async fn status_of(addr: &str) -> Option<pb::StatusResponse> {
-    let mut client = cluster_client(addr, Duration::from_secs(2)).await.ok()?;
+async fn status_of(addr: &str, tls: Option<&Arc<TlsMaterial>>) -> Option<pb::StatusResponse> {
+    let mut client = cluster_client(addr, Duration::from_secs(2), tls)
+        .await
+        .ok()?;
     Some(client.status(pb::StatusRequest {}).await.ok()?.into_inner())
 }
 
 /// Asks `addr` for its status; the leader's address when it knows one.
-async fn leader_of(addr: &str) -> Option<(String, pb::StatusResponse)> {
-    let status = status_of(addr).await?;
+async fn leader_of(
+    addr: &str,
+    tls: Option<&Arc<TlsMaterial>>,
+) -> Option<(String, pb::StatusResponse)> {
+    let status = status_of(addr, tls).await?;
     if status.role == "leader" {
         return Some((addr.to_string(), status));
     }
@@ -138,7 +150,7 @@ async fn leader_of(addr: &str) -> Option<(String, pb::StatusResponse)> {
         return None;
     }
     let leader = status.leader_addr.clone();
-    let status = status_of(&leader).await?;
+    let status = status_of(&leader, tls).await?;
     (status.role == "leader").then_some((leader, status))
 }
 
@@ -146,7 +158,7 @@ async fn leader_of(addr: &str) -> Option<(String, pb::StatusResponse)> {
 /// up), then voter, replacing any older member at this address.
 async fn join(ctx: &Ctx, leader: &str, status: &pb::StatusResponse) -> anyhow::Result<()> {
     // Adding a learner returns once it has caught up: allow for that.
-    let mut client = cluster_client(leader, Duration::from_secs(120)).await?;
+    let mut client = cluster_client(leader, Duration::from_secs(120), ctx.tls.as_ref()).await?;
     if !status.members.iter().any(|m| m.node_id == ctx.id) {
         tracing::info!(leader, "joining as a learner");
         client
@@ -220,7 +232,7 @@ pub async fn join_or_bootstrap(ctx: &Ctx, set: &Membership) -> anyhow::Result<()
         if ctx.raft.is_initialized().await? && is_voter(ctx) {
             return Ok(());
         }
-        match find_leader(set).await {
+        match find_leader(set, ctx.tls.as_ref()).await {
             Some((leader, status)) => match join(ctx, &leader, &status).await {
                 Ok(()) => return Ok(()),
                 Err(err) => {
@@ -255,9 +267,12 @@ pub async fn join_or_bootstrap(ctx: &Ctx, set: &Membership) -> anyhow::Result<()
 }
 
 /// The leader, asked through the other ordinals.
-async fn find_leader(set: &Membership) -> Option<(String, pb::StatusResponse)> {
+async fn find_leader(
+    set: &Membership,
+    tls: Option<&Arc<TlsMaterial>>,
+) -> Option<(String, pb::StatusResponse)> {
     for ordinal in (0..set.probe).filter(|o| *o != set.ordinal) {
-        if let Some(leader) = leader_of(&peer_address(&set.template, ordinal)).await {
+        if let Some(leader) = leader_of(&peer_address(&set.template, ordinal), tls).await {
             return Some(leader);
         }
     }
@@ -307,7 +322,7 @@ pub async fn keep_membership(ctx: &Ctx, set: &Membership, scale_in_after: Durati
         // stale: one removed while it was down restarts with the old
         // configuration and the old leader's vote. Ask the leader.
         let asked = match &leader_addr {
-            Some(addr) => leader_of(addr).await,
+            Some(addr) => leader_of(addr, ctx.tls.as_ref()).await,
             None => None,
         };
         let asked = match asked {
@@ -320,7 +335,7 @@ pub async fn keep_membership(ctx: &Ctx, set: &Membership, scale_in_after: Durati
                 if since.elapsed() < KEEP_INTERVAL * 3 {
                     continue;
                 }
-                find_leader(set).await
+                find_leader(set, ctx.tls.as_ref()).await
             }
         };
         // Not a voter: removed while away, or added as a learner whose
@@ -350,8 +365,8 @@ async fn wait_shutdown(ctx: &Ctx) {
 }
 
 /// Whether `addr` answers as node `id`.
-async fn answers_as(addr: &str, id: u64) -> bool {
-    status_of(addr).await.is_some_and(|s| s.node_id == id)
+async fn answers_as(addr: &str, id: u64, tls: Option<&Arc<TlsMaterial>>) -> bool {
+    status_of(addr, tls).await.is_some_and(|s| s.node_id == id)
 }
 
 /// The leader's half of [`keep_membership`].
@@ -381,7 +396,7 @@ async fn scale_in(
         if *id == ctx.id {
             continue;
         }
-        if answers_as(addr, *id).await {
+        if answers_as(addr, *id, ctx.tls.as_ref()).await {
             down_since.remove(id);
             if let Some(ordinal) = ordinal_of(addr) {
                 highest_up = highest_up.max(ordinal);

@@ -47,8 +47,11 @@ pub struct Cluster {
     /// gRPC addresses, kept across restarts.
     pub addrs: BTreeMap<u64, SocketAddr>,
     /// Adjusts each replica's config before it starts.
-    pub tweak: fn(&mut Config),
+    pub tweak: Tweak,
 }
+
+/// A config adjustment applied to every replica a [`Cluster`] starts.
+pub type Tweak = std::sync::Arc<dyn Fn(&mut Config) + Send + Sync>;
 
 fn no_tweak(_: &mut Config) {}
 
@@ -59,8 +62,12 @@ impl Cluster {
     }
 
     /// [`Cluster::start`] with a config adjustment.
-    pub async fn start_with(n: u64, tweak: fn(&mut Config)) -> Cluster {
+    pub async fn start_with(
+        n: u64,
+        tweak: impl Fn(&mut Config) + Send + Sync + 'static,
+    ) -> Cluster {
         init_tracing();
+        let tweak: Tweak = std::sync::Arc::new(tweak);
         let mut listeners = BTreeMap::new();
         let mut addrs = BTreeMap::new();
         for id in 1..=n {
@@ -77,7 +84,7 @@ impl Cluster {
             nodes: BTreeMap::new(),
             dirs: BTreeMap::new(),
             addrs,
-            tweak,
+            tweak: tweak.clone(),
         };
         for (id, listener) in listeners {
             let dir = tempfile::tempdir().unwrap();

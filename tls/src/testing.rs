@@ -49,6 +49,18 @@ impl TestCa {
     /// Writes a certificate for `common_name` in cert-manager's layout
     /// (`tls.crt`, `tls.key`, `ca.crt`) into `dir`, replacing what is there.
     pub fn write_dir(&self, dir: &Path, common_name: &str, hosts: &[&str]) -> TlsFiles {
+        self.write_dir_trusting(dir, common_name, hosts, &self.pem)
+    }
+
+    /// [`TestCa::write_dir`] with another `ca.crt` (e.g. a bundle of the old
+    /// and the new CA during a CA rotation).
+    pub fn write_dir_trusting(
+        &self,
+        dir: &Path,
+        common_name: &str,
+        hosts: &[&str],
+        trusted_pem: &str,
+    ) -> TlsFiles {
         std::fs::create_dir_all(dir).expect("certificate directory");
         let (cert, key) = self.issue(common_name, hosts);
         let files = TlsFiles::in_dir(dir);
@@ -56,7 +68,62 @@ impl TestCa {
         // old key refuses the pair and tries again later.
         std::fs::write(&files.key, key).expect("write key");
         std::fs::write(&files.cert, cert).expect("write certificate");
-        std::fs::write(&files.ca, &self.pem).expect("write CA");
+        std::fs::write(&files.ca, trusted_pem).expect("write CA");
         files
     }
+}
+
+/// Connects to `addr` over TLS trusting `ca_pem` but presenting no
+/// certificate, sends a byte and waits for the answer: `Err` when the
+/// server refuses (TLS 1.3 reports a refused client on the first read).
+pub async fn connect_without_certificate(
+    addr: std::net::SocketAddr,
+    ca_pem: &str,
+) -> std::io::Result<()> {
+    use rustls_pki_types::pem::PemObject;
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut roots = rustls::RootCertStore::empty();
+    for cert in rustls_pki_types::CertificateDer::pem_slice_iter(ca_pem.as_bytes()) {
+        roots
+            .add(cert.map_err(std::io::Error::other)?)
+            .map_err(std::io::Error::other)?;
+    }
+    let provider = std::sync::Arc::new(rustls::crypto::ring::default_provider());
+    let config = rustls::ClientConfig::builder_with_provider(provider)
+        .with_safe_default_protocol_versions()
+        .map_err(std::io::Error::other)?
+        .with_root_certificates(roots)
+        .with_no_client_auth();
+    let tcp = tokio::net::TcpStream::connect(addr).await?;
+    let name = rustls_pki_types::ServerName::from(addr.ip());
+    let mut tls = tokio_rustls::TlsConnector::from(std::sync::Arc::new(config))
+        .connect(name, tcp)
+        .await?;
+    tls.write_all(b"PRI * HTTP/2.0\r\n\r\n").await?;
+    let mut buf = [0u8; 64];
+    match tls.read(&mut buf).await? {
+        0 => Err(std::io::Error::new(
+            std::io::ErrorKind::ConnectionAborted,
+            "closed by the server",
+        )),
+        _ => Ok(()),
+    }
+}
+
+/// The certificate (DER) the server at `addr` presents to `client`.
+pub async fn server_certificate(
+    addr: std::net::SocketAddr,
+    client: &std::sync::Arc<crate::TlsMaterial>,
+) -> std::io::Result<Vec<u8>> {
+    let tcp = tokio::net::TcpStream::connect(addr).await?;
+    let name = rustls_pki_types::ServerName::from(addr.ip());
+    let tls = tokio_rustls::TlsConnector::from(client.client_config())
+        .connect(name, tcp)
+        .await?;
+    let (_, session) = tls.get_ref();
+    session
+        .peer_certificates()
+        .and_then(|certs| certs.first())
+        .map(|cert| cert.to_vec())
+        .ok_or_else(|| std::io::Error::other("no server certificate"))
 }

@@ -1,5 +1,6 @@
 //! `ClusterService`: status, membership changes, leader transfer, snapshots.
 
+use crate::auth::Action;
 use std::collections::BTreeSet;
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
@@ -398,18 +399,24 @@ impl ClusterApi {
 impl ClusterService for ClusterApi {
     async fn status(
         &self,
-        _request: Request<pb::StatusRequest>,
+        request: Request<pb::StatusRequest>,
     ) -> Result<Response<pb::StatusResponse>, Status> {
-        self.ctx
-            .finish("Status", Ok(status(&self.ctx)))
-            .map(Response::new)
+        let result = self
+            .ctx
+            .auth
+            .check(&request, Action::ClusterStatus)
+            .map(|_| status(&self.ctx));
+        self.ctx.finish("Status", result).map(Response::new)
     }
 
     async fn add_learner(
         &self,
         request: Request<pb::AddLearnerRequest>,
     ) -> Result<Response<pb::AddLearnerResponse>, Status> {
-        let result = self.do_add_learner(request.into_inner()).await;
+        let result = match self.ctx.auth.check(&request, Action::ClusterAdmin) {
+            Ok(_) => self.do_add_learner(request.into_inner()).await,
+            Err(err) => Err(err),
+        };
         self.ctx.finish("AddLearner", result).map(Response::new)
     }
 
@@ -417,7 +424,10 @@ impl ClusterService for ClusterApi {
         &self,
         request: Request<pb::ChangeMembershipRequest>,
     ) -> Result<Response<pb::ChangeMembershipResponse>, Status> {
-        let result = self.do_change_membership(request.into_inner()).await;
+        let result = match self.ctx.auth.check(&request, Action::ClusterAdmin) {
+            Ok(_) => self.do_change_membership(request.into_inner()).await,
+            Err(err) => Err(err),
+        };
         self.ctx
             .finish("ChangeMembership", result)
             .map(Response::new)
@@ -427,18 +437,23 @@ impl ClusterService for ClusterApi {
         &self,
         request: Request<pb::TransferLeaderRequest>,
     ) -> Result<Response<pb::TransferLeaderResponse>, Status> {
-        let target = request.into_inner().target_node_id;
-        let result = transfer_leader(&self.ctx, target)
-            .await
-            .map(|leader_id| pb::TransferLeaderResponse { leader_id });
+        let result = match self.ctx.auth.check(&request, Action::ClusterAdmin) {
+            Ok(_) => transfer_leader(&self.ctx, request.into_inner().target_node_id)
+                .await
+                .map(|leader_id| pb::TransferLeaderResponse { leader_id }),
+            Err(err) => Err(err),
+        };
         self.ctx.finish("TransferLeader", result).map(Response::new)
     }
 
     async fn snapshot(
         &self,
-        _request: Request<pb::SnapshotRequest>,
+        request: Request<pb::SnapshotRequest>,
     ) -> Result<Response<pb::SnapshotResponse>, Status> {
-        let result = self.do_snapshot().await;
+        let result = match self.ctx.auth.check(&request, Action::ClusterAdmin) {
+            Ok(_) => self.do_snapshot().await,
+            Err(err) => Err(err),
+        };
         self.ctx.finish("Snapshot", result).map(Response::new)
     }
 
@@ -447,9 +462,12 @@ impl ClusterService for ClusterApi {
 
     async fn export_snapshot(
         &self,
-        _request: Request<pb::ExportSnapshotRequest>,
+        request: Request<pb::ExportSnapshotRequest>,
     ) -> Result<Response<Self::ExportSnapshotStream>, Status> {
-        let result = self.do_export().await;
+        let result = match self.ctx.auth.check(&request, Action::ClusterAdmin) {
+            Ok(_) => self.do_export().await,
+            Err(err) => Err(err),
+        };
         let chunks = self.ctx.finish("ExportSnapshot", result)?;
         Ok(Response::new(tokio_stream::iter(
             chunks.into_iter().map(Ok).collect::<Vec<_>>(),

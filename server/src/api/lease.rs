@@ -1,5 +1,6 @@
 //! `LeaseService`: pod revokes and TTL leases.
 
+use crate::auth::Action;
 use std::pin::Pin;
 use std::sync::Arc;
 
@@ -181,7 +182,10 @@ impl LeaseService for LeaseApi {
         &self,
         request: Request<pb::RevokePodRequest>,
     ) -> Result<Response<pb::RevokePodResponse>, Status> {
-        let result = self.do_revoke_pod(request.into_inner()).await;
+        let result = match self.ctx.auth.check(&request, Action::RevokePod) {
+            Ok(_) => self.do_revoke_pod(request.into_inner()).await,
+            Err(err) => Err(err),
+        };
         self.ctx.finish("RevokePod", result).map(Response::new)
     }
 
@@ -189,7 +193,10 @@ impl LeaseService for LeaseApi {
         &self,
         request: Request<pb::LeaseGrantRequest>,
     ) -> Result<Response<pb::LeaseGrantResponse>, Status> {
-        let result = self.do_grant(request.into_inner()).await;
+        let result = match self.ctx.auth.check(&request, Action::Leases) {
+            Ok(_) => self.do_grant(request.into_inner()).await,
+            Err(err) => Err(err),
+        };
         self.ctx.finish("LeaseGrant", result).map(Response::new)
     }
 
@@ -197,6 +204,12 @@ impl LeaseService for LeaseApi {
         &self,
         request: Request<Streaming<pb::LeaseKeepAliveRequest>>,
     ) -> Result<Response<Self::KeepAliveStream>, Status> {
+        if let Err(err) = self.ctx.auth.check(&request, Action::Leases) {
+            return Err(self
+                .ctx
+                .finish::<()>("LeaseKeepAlive", Err(err))
+                .unwrap_err());
+        }
         let mut incoming = request.into_inner();
         let (tx, rx) = mpsc::channel(4);
         let ctx = self.ctx.clone();
@@ -220,7 +233,10 @@ impl LeaseService for LeaseApi {
         &self,
         request: Request<pb::ReportPodRequest>,
     ) -> Result<Response<pb::ReportPodResponse>, Status> {
-        let result = self.do_report_pod(request.into_inner()).await;
+        let result = match self.ctx.auth.check(&request, Action::Report) {
+            Ok(_) => self.do_report_pod(request.into_inner()).await,
+            Err(err) => Err(err),
+        };
         self.ctx.finish("ReportPod", result).map(Response::new)
     }
 
@@ -228,7 +244,10 @@ impl LeaseService for LeaseApi {
         &self,
         request: Request<pb::LeaseRevokeRequest>,
     ) -> Result<Response<pb::LeaseRevokeResponse>, Status> {
-        let result = self.do_revoke(request.into_inner()).await;
+        let result = match self.ctx.auth.check(&request, Action::Leases) {
+            Ok(_) => self.do_revoke(request.into_inner()).await,
+            Err(err) => Err(err),
+        };
         self.ctx.finish("LeaseRevoke", result).map(Response::new)
     }
 }

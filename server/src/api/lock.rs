@@ -1,6 +1,7 @@
 //! `LockService`: acquire (server-streamed grant), release, holder, get, list,
 //! force-release.
 
+use crate::auth::{Action, Caller};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -172,10 +173,15 @@ async fn cancel_wait(ctx: &Ctx, key: &LockKey, pod_uid: &str) -> Result<CancelOu
 }
 
 impl LockApi {
-    async fn do_acquire(&self, req: pb::AcquireRequest) -> Result<ReceiverStream<AcquireItem>> {
+    async fn do_acquire(
+        &self,
+        caller: &Caller,
+        req: pb::AcquireRequest,
+    ) -> Result<ReceiverStream<AcquireItem>> {
         let ctx = &self.ctx;
         let request_id = validate::request_id(req.request_id.as_ref())?;
         let key = validate::lock_key(req.key.as_ref())?;
+        caller.require(Action::Acquire(&key))?;
         let pod = req
             .pod
             .as_ref()
@@ -228,9 +234,14 @@ impl LockApi {
         Ok(ReceiverStream::new(rx))
     }
 
-    async fn do_release(&self, req: pb::ReleaseRequest) -> Result<pb::ReleaseResponse> {
+    async fn do_release(
+        &self,
+        caller: &Caller,
+        req: pb::ReleaseRequest,
+    ) -> Result<pb::ReleaseResponse> {
         let request_id = validate::request_id(req.request_id.as_ref())?;
         let key = validate::lock_key(req.key.as_ref())?;
+        caller.require(Action::Release(&key))?;
         validate::pod_uid(&req.pod_uid)?;
         let command = Command::Release(Release {
             key,
@@ -247,8 +258,13 @@ impl LockApi {
         }
     }
 
-    async fn do_holder(&self, req: pb::HolderRequest) -> Result<pb::HolderResponse> {
+    async fn do_holder(
+        &self,
+        caller: &Caller,
+        req: pb::HolderRequest,
+    ) -> Result<pb::HolderResponse> {
         let key = validate::lock_key(req.key.as_ref())?;
+        caller.require(Action::ReadLock(&key))?;
         self.ctx.linearizable().await?;
         let hold = {
             let applied = self.ctx.state.read();
@@ -265,8 +281,13 @@ impl LockApi {
         })
     }
 
-    async fn do_get(&self, req: pb::GetLockRequest) -> Result<pb::GetLockResponse> {
+    async fn do_get(
+        &self,
+        caller: &Caller,
+        req: pb::GetLockRequest,
+    ) -> Result<pb::GetLockResponse> {
         let key = validate::lock_key(req.key.as_ref())?;
+        caller.require(Action::ReadLock(&key))?;
         self.ctx.linearizable().await?;
         let lock = {
             let applied = self.ctx.state.read();
@@ -306,20 +327,29 @@ impl LockApi {
 
     async fn do_force_release(
         &self,
+        caller: &Caller,
         req: pb::ForceReleaseRequest,
     ) -> Result<pb::ForceReleaseResponse> {
         let request_id = validate::request_id(req.request_id.as_ref())?;
         let key = validate::lock_key(req.key.as_ref())?;
+        caller.require(Action::ForceRelease(&key))?;
         validate::text("operator", &req.operator, true)?;
         validate::text("reason", &req.reason, true)?;
+        // The audit record names who really asked, not only who they say
+        // they are.
+        let operator = if caller.authenticated() {
+            format!("{} [{}]", req.operator, caller.identity)
+        } else {
+            req.operator.clone()
+        };
         let command = Command::ForceRelease(ForceRelease {
             key: key.clone(),
-            operator: req.operator.clone(),
+            operator: operator.clone(),
             reason: req.reason.clone(),
         });
         match self.ctx.write(request_id, command).await? {
             Reply::Released { released, next } => {
-                tracing::warn!(%key, operator = req.operator, reason = req.reason, released = ?released.as_ref().map(|h| h.token), "lock force-released");
+                tracing::warn!(%key, operator, reason = req.reason, released = ?released.as_ref().map(|h| h.token), "lock force-released");
                 Ok(pb::ForceReleaseResponse {
                     released: released.as_ref().map(hold_to),
                     next_holder: next.as_ref().map(hold_to),
@@ -339,7 +369,10 @@ impl LockService for LockApi {
         &self,
         request: Request<pb::AcquireRequest>,
     ) -> Result<Response<Self::AcquireStream>, Status> {
-        let result = self.do_acquire(request.into_inner()).await;
+        let result = match self.ctx.auth.caller(&request) {
+            Ok(caller) => self.do_acquire(&caller, request.into_inner()).await,
+            Err(err) => Err(err),
+        };
         self.ctx.finish("Acquire", result).map(Response::new)
     }
 
@@ -347,7 +380,10 @@ impl LockService for LockApi {
         &self,
         request: Request<pb::ReleaseRequest>,
     ) -> Result<Response<pb::ReleaseResponse>, Status> {
-        let result = self.do_release(request.into_inner()).await;
+        let result = match self.ctx.auth.caller(&request) {
+            Ok(caller) => self.do_release(&caller, request.into_inner()).await,
+            Err(err) => Err(err),
+        };
         self.ctx.finish("Release", result).map(Response::new)
     }
 
@@ -355,7 +391,10 @@ impl LockService for LockApi {
         &self,
         request: Request<pb::HolderRequest>,
     ) -> Result<Response<pb::HolderResponse>, Status> {
-        let result = self.do_holder(request.into_inner()).await;
+        let result = match self.ctx.auth.caller(&request) {
+            Ok(caller) => self.do_holder(&caller, request.into_inner()).await,
+            Err(err) => Err(err),
+        };
         self.ctx.finish("Holder", result).map(Response::new)
     }
 
@@ -363,7 +402,10 @@ impl LockService for LockApi {
         &self,
         request: Request<pb::GetLockRequest>,
     ) -> Result<Response<pb::GetLockResponse>, Status> {
-        let result = self.do_get(request.into_inner()).await;
+        let result = match self.ctx.auth.caller(&request) {
+            Ok(caller) => self.do_get(&caller, request.into_inner()).await,
+            Err(err) => Err(err),
+        };
         self.ctx.finish("Get", result).map(Response::new)
     }
 
@@ -371,7 +413,10 @@ impl LockService for LockApi {
         &self,
         request: Request<pb::ListLocksRequest>,
     ) -> Result<Response<pb::ListLocksResponse>, Status> {
-        let result = self.do_list(request.into_inner());
+        let result = match self.ctx.auth.check(&request, Action::ListLocks) {
+            Ok(_) => self.do_list(request.into_inner()),
+            Err(err) => Err(err),
+        };
         self.ctx.finish("List", result).map(Response::new)
     }
 
@@ -379,7 +424,10 @@ impl LockService for LockApi {
         &self,
         request: Request<pb::ForceReleaseRequest>,
     ) -> Result<Response<pb::ForceReleaseResponse>, Status> {
-        let result = self.do_force_release(request.into_inner()).await;
+        let result = match self.ctx.auth.caller(&request) {
+            Ok(caller) => self.do_force_release(&caller, request.into_inner()).await,
+            Err(err) => Err(err),
+        };
         self.ctx.finish("ForceRelease", result).map(Response::new)
     }
 }

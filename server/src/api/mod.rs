@@ -49,6 +49,10 @@ pub struct Ctx {
     /// with `UNAVAILABLE` (clients retry and find the new leader), so the
     /// target can catch up with a log that stops growing (Raft thesis 3.10).
     pub transferring: std::sync::atomic::AtomicBool,
+    /// How callers are identified and what their roles allow.
+    pub auth: crate::auth::Auth,
+    /// This replica's TLS material, for calls it makes to the others.
+    pub tls: Option<Arc<tether_tls::TlsMaterial>>,
 }
 
 /// Wall-clock time in ms since the epoch: only ever used to stamp entries

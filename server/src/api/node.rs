@@ -1,5 +1,6 @@
 //! `NodeService`: node reports (from the bridge) and the registry listing.
 
+use crate::auth::Action;
 use std::sync::Arc;
 
 use tether_proto as pb;
@@ -99,7 +100,10 @@ impl NodeService for NodeApi {
         &self,
         request: Request<pb::ReportNodeRequest>,
     ) -> Result<Response<pb::ReportNodeResponse>, Status> {
-        let result = self.do_report(request.into_inner()).await;
+        let result = match self.ctx.auth.check(&request, Action::Report) {
+            Ok(_) => self.do_report(request.into_inner()).await,
+            Err(err) => Err(err),
+        };
         self.ctx.finish("ReportNode", result).map(Response::new)
     }
 
@@ -107,7 +111,11 @@ impl NodeService for NodeApi {
         &self,
         request: Request<pb::ListNodesRequest>,
     ) -> Result<Response<pb::ListNodesResponse>, Status> {
-        let result = Ok(self.do_list(request.into_inner()));
+        let result = self
+            .ctx
+            .auth
+            .check(&request, Action::ReadNodes)
+            .map(|_| self.do_list(request.into_inner()));
         self.ctx.finish("ListNodes", result).map(Response::new)
     }
 }

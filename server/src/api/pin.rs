@@ -1,5 +1,6 @@
 //! `PinService`: assign, release, get, list pins.
 
+use crate::auth::Action;
 use std::sync::Arc;
 
 use tether_proto as pb;
@@ -128,7 +129,10 @@ impl PinService for PinApi {
         &self,
         request: Request<pb::AssignRequest>,
     ) -> Result<Response<pb::AssignResponse>, Status> {
-        let result = self.do_assign(request.into_inner()).await;
+        let result = match self.ctx.auth.check(&request, Action::WritePins) {
+            Ok(_) => self.do_assign(request.into_inner()).await,
+            Err(err) => Err(err),
+        };
         self.ctx.finish("Assign", result).map(Response::new)
     }
 
@@ -136,7 +140,10 @@ impl PinService for PinApi {
         &self,
         request: Request<pb::ReleasePinRequest>,
     ) -> Result<Response<pb::ReleasePinResponse>, Status> {
-        let result = self.do_release(request.into_inner()).await;
+        let result = match self.ctx.auth.check(&request, Action::WritePins) {
+            Ok(_) => self.do_release(request.into_inner()).await,
+            Err(err) => Err(err),
+        };
         self.ctx.finish("ReleasePin", result).map(Response::new)
     }
 
@@ -144,7 +151,10 @@ impl PinService for PinApi {
         &self,
         request: Request<pb::GetPinRequest>,
     ) -> Result<Response<pb::GetPinResponse>, Status> {
-        let result = self.do_get(request.into_inner()).await;
+        let result = match self.ctx.auth.check(&request, Action::ReadPins) {
+            Ok(_) => self.do_get(request.into_inner()).await,
+            Err(err) => Err(err),
+        };
         self.ctx.finish("GetPin", result).map(Response::new)
     }
 
@@ -152,7 +162,10 @@ impl PinService for PinApi {
         &self,
         request: Request<pb::ListPinsRequest>,
     ) -> Result<Response<pb::ListPinsResponse>, Status> {
-        let result = self.do_list(request.into_inner());
+        let result = match self.ctx.auth.check(&request, Action::ReadPins) {
+            Ok(_) => self.do_list(request.into_inner()),
+            Err(err) => Err(err),
+        };
         self.ctx.finish("ListPins", result).map(Response::new)
     }
 }

@@ -1,5 +1,6 @@
 //! The internal `RaftService`: hands replica-to-replica messages to openraft.
 
+use crate::auth::Action;
 use std::sync::Arc;
 
 use serde::Serialize;
@@ -33,6 +34,10 @@ impl RaftApi {
     /// the member that used to live there, and the leader would see that
     /// member's log go backwards.
     fn check_target(&self, request: &Request<RaftRequest>) -> Result<(), Status> {
+        self.ctx
+            .auth
+            .check(request, Action::Raft)
+            .map_err(Status::from)?;
         let Some(target) = request.metadata().get(TARGET_METADATA) else {
             return Ok(());
         };

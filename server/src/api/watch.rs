@@ -3,6 +3,7 @@
 //! applies, so a slow watcher never holds up the state machine; order and
 //! gap-freedom follow from reading revisions in key order.
 
+use crate::auth::Action;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -266,7 +267,10 @@ impl WatchService for WatchApi {
         &self,
         request: Request<pb::WatchRequest>,
     ) -> Result<Response<Self::WatchStream>, Status> {
-        let result = self.do_watch(request.into_inner());
+        let result = match self.ctx.auth.check(&request, Action::Watch) {
+            Ok(_) => self.do_watch(request.into_inner()),
+            Err(err) => Err(Status::from(err)),
+        };
         self.ctx
             .metrics
             .request("Watch", if result.is_ok() { "ok" } else { "refused" });
@@ -277,7 +281,10 @@ impl WatchService for WatchApi {
         &self,
         request: Request<pb::HistoryRequest>,
     ) -> Result<Response<pb::HistoryResponse>, Status> {
-        let result = self.do_history(request.into_inner());
+        let result = match self.ctx.auth.check(&request, Action::Watch) {
+            Ok(_) => self.do_history(request.into_inner()),
+            Err(err) => Err(err),
+        };
         self.ctx.finish("History", result).map(Response::new)
     }
 }

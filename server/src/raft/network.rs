@@ -20,6 +20,7 @@ use tonic::transport::{Channel, Endpoint};
 use super::TypeConfig;
 use crate::config::PeerDial;
 use crate::store::{decode, encode};
+use tether_tls::TlsMaterial;
 
 /// Creates one [`PeerClient`] per target replica.
 #[derive(Clone, Default)]
@@ -27,14 +28,17 @@ pub struct Network {
     /// Addresses that replace the membership's for some targets
     /// (`--peer-dial`).
     dial: Arc<PeerDial>,
+    /// Mutual TLS to the other replicas, when on.
+    tls: Option<Arc<TlsMaterial>>,
 }
 
 impl Network {
     /// A network dialing `dial`'s address for the replicas it names and the
     /// membership address for the rest.
-    pub fn new(dial: PeerDial) -> Self {
+    pub fn new(dial: PeerDial, tls: Option<Arc<TlsMaterial>>) -> Self {
         Self {
             dial: Arc::new(dial),
+            tls,
         }
     }
 }
@@ -44,7 +48,7 @@ impl RaftNetworkFactory<TypeConfig> for Network {
 
     async fn new_client(&mut self, target: u64, node: &BasicNode) -> PeerClient {
         let addr = self.dial.get(&target).unwrap_or(&node.addr);
-        PeerClient::new(target, addr)
+        PeerClient::new(target, addr, self.tls.clone())
     }
 }
 
@@ -64,14 +68,18 @@ enum Rpc {
 }
 
 impl PeerClient {
-    fn new(target: u64, addr: &str) -> Self {
+    fn new(target: u64, addr: &str, tls: Option<Arc<TlsMaterial>>) -> Self {
         let client = Endpoint::from_shared(format!("http://{addr}"))
             .ok()
             .map(|e| {
-                e.connect_timeout(Duration::from_secs(1))
+                let e = e
+                    .connect_timeout(Duration::from_secs(1))
                     .tcp_nodelay(true)
-                    .http2_keep_alive_interval(Duration::from_secs(5))
-                    .connect_lazy()
+                    .http2_keep_alive_interval(Duration::from_secs(5));
+                match tls {
+                    Some(tls) => tether_tls::lazy_channel(e, tls, Duration::from_secs(1)),
+                    None => e.connect_lazy(),
+                }
             })
             .map(RaftServiceClient::new);
         Self {

@@ -23,6 +23,8 @@ struct Args {
         value_delimiter = ','
     )]
     endpoints: Vec<String>,
+    #[command(flatten)]
+    security: tether_client::SecurityArgs,
     /// This node's name (the downward API's spec.nodeName).
     #[arg(long, env = "NODE_NAME")]
     node_name: String,
@@ -55,7 +57,9 @@ async fn main() -> anyhow::Result<()> {
         )
         .init();
     let args = Args::parse();
-    let client = Client::new(args.endpoints.clone(), Options::default())?;
+    let mut options = Options::default();
+    args.security.apply(&mut options)?;
+    let client = Client::new(args.endpoints.clone(), options)?;
     let config = PluginConfig {
         node: args.node_name.clone(),
         scope: args.scope,

@@ -28,6 +28,8 @@ struct Args {
         value_delimiter = ','
     )]
     endpoints: Vec<String>,
+    #[command(flatten)]
+    security: tether_client::SecurityArgs,
     /// Address to serve the extender on.
     #[arg(long, env = "TETHER_EXTENDER_LISTEN", default_value = "127.0.0.1:8890")]
     listen: std::net::SocketAddr,
@@ -60,7 +62,9 @@ async fn main() -> anyhow::Result<()> {
     let kube = kube::Client::try_default().await.map_err(|e| {
         anyhow::anyhow!("cannot reach the Kubernetes API (in-cluster config or KUBECONFIG): {e}")
     })?;
-    let client = Client::new(args.endpoints.clone(), Options::default())?;
+    let mut options = Options::default();
+    args.security.apply(&mut options)?;
+    let client = Client::new(args.endpoints.clone(), options)?;
     let config = ExtenderConfig {
         scope: args.scope,
         wait: args.bind_wait,

@@ -44,6 +44,9 @@ struct Cli {
     #[arg(long, default_value = "10s", value_parser = humantime::parse_duration, global = true)]
     retry_for: Duration,
 
+    #[command(flatten)]
+    security: tether_client::SecurityArgs,
+
     #[command(subcommand)]
     command: Command,
 }
@@ -51,7 +54,7 @@ struct Cli {
 const EXIT_CODES: &str = "Exit codes: 0 ok, 1 other error, 2 invalid arguments, 3 refused by the lock \
 rules (held, not the holder, stale token, unknown lease, no such pin), 4 wait deadline passed, 5 no \
 replica could serve or no candidate fits (for a write the outcome is unknown), 6 watch revision \
-compacted";
+compacted, 7 permission denied or not authenticated (see --tls-dir, --token-file)";
 
 #[derive(Clone, Copy, ValueEnum, PartialEq)]
 enum Format {
@@ -574,11 +577,12 @@ async fn cluster_status(client: &Client, out: &Out) -> Result<(), Error> {
 }
 
 async fn run(cli: Cli) -> Result<(), Error> {
-    let options = Options {
+    let mut options = Options {
         call_timeout: cli.timeout,
         retry_timeout: cli.retry_for,
-        client_id: None,
+        ..Options::default()
     };
+    cli.security.apply(&mut options)?;
     let client = Client::new(cli.endpoints.clone(), options)?;
     let out = Out { format: cli.output };
     match cli.command {
@@ -1189,13 +1193,13 @@ async fn main() -> ExitCode {
         let _ = std::io::stdout().write_all(&script);
         return ExitCode::SUCCESS;
     }
-    let explain = Client::new(
-        cli.endpoints.clone(),
-        Options {
-            call_timeout: cli.timeout,
-            ..Options::default()
-        },
-    );
+    let mut explain_options = Options {
+        call_timeout: cli.timeout,
+        ..Options::default()
+    };
+    // A bad --tls-dir is reported by `run`; the explanation does without.
+    let _ = cli.security.apply(&mut explain_options);
+    let explain = Client::new(cli.endpoints.clone(), explain_options);
     match run(cli).await {
         Ok(()) => ExitCode::SUCCESS,
         Err(err) => {

@@ -1,0 +1,368 @@
+//! Mutual TLS and roles on real replicas, with certificates made in the test:
+//! a device plugin confined to its node, callers without a certificate
+//! refused, a replica from another CA kept out, certificates rotated while
+//! the replicas run.
+
+mod common;
+
+use std::path::Path;
+use std::sync::Arc;
+use std::time::Duration;
+
+use common::{DEADLINE, lock, pod};
+use tether_client::proto::Outcome;
+use tether_client::{Client, Error, Options};
+use tether_server::testing::Cluster;
+use tether_tls::testing::{TestCa, connect_without_certificate, server_certificate};
+use tether_tls::{TlsFiles, TlsMaterial};
+
+/// Where the replicas' certificate lives; one for all replicas (it names
+/// the role `replica` and 127.0.0.1, where they all listen).
+fn replica_dir(root: &Path) -> std::path::PathBuf {
+    root.join("replica")
+}
+
+/// A replica's own certificate directory, when the test gives it one
+/// (used instead of the shared one).
+fn own_replica_dir(root: &Path, id: u64) -> std::path::PathBuf {
+    root.join(format!("replica-{id}"))
+}
+
+async fn tls_cluster(n: u64, root: &Path, ca: &TestCa) -> Cluster {
+    let shared = replica_dir(root);
+    ca.write_dir(&shared, "replica", &["127.0.0.1", "localhost"]);
+    let root = root.to_path_buf();
+    Cluster::start_with(n, move |config| {
+        let own = own_replica_dir(&root, config.node_id);
+        config.tls_dir = Some(if own.exists() { own } else { shared.clone() });
+        config.tls_reload_interval = Duration::from_millis(100);
+    })
+    .await
+}
+
+fn client_as(cluster: &Cluster, tls: Arc<TlsMaterial>) -> Client {
+    Client::new(
+        cluster.endpoints(),
+        Options {
+            retry_timeout: DEADLINE,
+            tls: Some(tls),
+            ..Options::default()
+        },
+    )
+    .unwrap()
+}
+
+fn identity(root: &Path, ca: &TestCa, name: &str) -> Arc<TlsMaterial> {
+    let dir = root.join(name.replace(':', "-"));
+    TlsMaterial::load(ca.write_dir(&dir, name, &["localhost"])).unwrap()
+}
+
+fn denied(result: Result<impl std::fmt::Debug, Error>, what: &str) -> String {
+    match result {
+        Err(Error::PermissionDenied(message)) => message,
+        other => panic!("{what}: expected PERMISSION_DENIED, got {other:?}"),
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_device_plugin_can_touch_only_its_own_nodes_locks() {
+    let root = tempfile::tempdir().unwrap();
+    let ca = TestCa::new("tether-test-ca");
+    let cluster = tls_cluster(3, root.path(), &ca).await;
+    let scheduler = client_as(&cluster, identity(root.path(), &ca, "scheduler"));
+    let plugin = client_as(&cluster, identity(root.path(), &ca, "device-plugin:node-a"));
+    let admin = client_as(&cluster, identity(root.path(), &ca, "admin"));
+
+    let (own, other) = (lock("node-a"), lock("node-b"));
+    let hold_a = scheduler
+        .acquire(&own, &pod("pod-a"), b"gpu-0".to_vec(), Duration::ZERO, 0)
+        .await
+        .expect("the scheduler binds on node-a");
+    let hold_b = scheduler
+        .acquire(&other, &pod("pod-b"), b"gpu-1".to_vec(), Duration::ZERO, 0)
+        .await
+        .expect("the scheduler binds on node-b");
+
+    // Its own node: read the payload, release.
+    let seen = plugin.holder(&own).await.unwrap().expect("held");
+    assert_eq!(seen.payload, b"gpu-0");
+    // Another node: every way in is refused, and says what was needed.
+    let message = denied(plugin.holder(&other).await, "reading node-b's hold");
+    assert!(
+        message.contains("device-plugin:node-a")
+            && message.contains("read lock gpu-bind/node-b")
+            && message.contains("device-plugin:node-b"),
+        "{message}"
+    );
+    denied(plugin.get(&other).await, "reading node-b's lock");
+    denied(
+        plugin
+            .release(&other, "pod-b", hold_b.token, Outcome::Allocated)
+            .await,
+        "releasing node-b's hold",
+    );
+    denied(
+        plugin.force_release(&other, "mallory", "testing").await,
+        "force-releasing node-b",
+    );
+    denied(
+        plugin.force_release(&own, "mallory", "testing").await,
+        "force-releasing its own node (admin only)",
+    );
+    denied(plugin.list("").await, "listing every node's locks");
+    denied(
+        plugin
+            .acquire(&other, &pod("pod-x"), vec![], Duration::ZERO, 0)
+            .await,
+        "acquiring",
+    );
+    // Nothing changed on node-b.
+    let still = admin.holder(&other).await.unwrap().expect("still held");
+    assert_eq!(
+        (still.token, still.payload.as_slice()),
+        (hold_b.token, &b"gpu-1"[..])
+    );
+
+    plugin
+        .release(&own, "pod-a", hold_a.token, Outcome::Allocated)
+        .await
+        .expect("its own node's hold");
+    assert!(admin.holder(&own).await.unwrap().is_none());
+
+    // The admin's force-release is recorded with the certificate's identity.
+    admin
+        .force_release(&other, "oncall", "stuck bind")
+        .await
+        .unwrap();
+    let events = admin
+        .history_query(tether_client::proto::HistoryRequest {
+            key: "lock/gpu-bind/node-b".to_string(),
+            ..Default::default()
+        })
+        .await
+        .unwrap();
+    let audit = format!("{events:?}");
+    assert!(audit.contains("oncall [CN=admin]"), "{audit}");
+    cluster.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn callers_without_a_certificate_from_the_ca_are_refused() {
+    let root = tempfile::tempdir().unwrap();
+    let ca = TestCa::new("tether-test-ca");
+    let cluster = tls_cluster(1, root.path(), &ca).await;
+    let addr = cluster.addrs[&1];
+
+    // TLS without a client certificate: the handshake is refused.
+    let refused = connect_without_certificate(addr, ca.pem()).await;
+    assert!(refused.is_err(), "no certificate: {refused:?}");
+    // Plain HTTP/2: no TLS, no service.
+    let plain = Client::new(
+        cluster.endpoints(),
+        Options {
+            retry_timeout: Duration::from_millis(500),
+            call_timeout: Duration::from_millis(500),
+            ..Options::default()
+        },
+    )
+    .unwrap();
+    // (The TLS server answers the plain HTTP/2 preface with a TLS alert,
+    // which the client sees as a protocol error.)
+    let err = plain.holder(&lock("node-a")).await;
+    assert!(err.is_err(), "a plain client was served: {err:?}");
+    // A certificate from another CA.
+    let stranger = TestCa::new("someone-else");
+    let outsider = Client::new(
+        cluster.endpoints(),
+        Options {
+            retry_timeout: Duration::from_millis(500),
+            call_timeout: Duration::from_millis(500),
+            tls: Some(identity(root.path(), &stranger, "admin")),
+            ..Options::default()
+        },
+    )
+    .unwrap();
+    let err = outsider.holder(&lock("node-a")).await.unwrap_err();
+    assert!(matches!(err, Error::Unavailable(_)), "{err:?}");
+    // A certificate from the CA that names no role.
+    let nobody = client_as(&cluster, identity(root.path(), &ca, "intern"));
+    let message = denied(
+        nobody.holder(&lock("node-a")).await,
+        "a roleless certificate",
+    );
+    assert!(message.contains("names no role"), "{message}");
+    // And a reader may read but not write.
+    let reader = client_as(&cluster, identity(root.path(), &ca, "reader"));
+    assert!(reader.holder(&lock("node-a")).await.unwrap().is_none());
+    denied(
+        reader
+            .acquire(&lock("node-a"), &pod("p"), vec![], Duration::ZERO, 0)
+            .await,
+        "a reader acquiring",
+    );
+    cluster.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_replica_with_a_certificate_from_another_ca_cannot_join() {
+    let root = tempfile::tempdir().unwrap();
+    let ca = TestCa::new("tether-test-ca");
+    let mut cluster = tls_cluster(3, root.path(), &ca).await;
+    let admin = client_as(&cluster, identity(root.path(), &ca, "admin"));
+    admin
+        .acquire(&lock("node-a"), &pod("p1"), vec![], Duration::ZERO, 0)
+        .await
+        .unwrap();
+    // Replica 4 has a certificate for the role `replica`, but from
+    // another CA.
+    let stranger = TestCa::new("someone-else");
+    let files = stranger.write_dir(
+        &own_replica_dir(root.path(), 4),
+        "replica",
+        &["127.0.0.1", "localhost"],
+    );
+    let stranger_material = TlsMaterial::load(files).unwrap();
+    cluster.add_node(4).await;
+    let addr4 = cluster.addrs[&4].to_string();
+    admin
+        .add_learner(4, &addr4, false)
+        .await
+        .expect("membership accepts the address; the handshake is what fails");
+    // A learner from the right CA, added the same way, catches up; replica
+    // 4 gets nothing in the same time.
+    cluster.add_node(5).await;
+    let addr5 = cluster.addrs[&5].to_string();
+    admin.add_learner(5, &addr5, true).await.expect("learner 5");
+    let leader = cluster
+        .node(1)
+        .raft()
+        .metrics()
+        .borrow()
+        .current_leader
+        .expect("replica 1 knows the leader");
+    cluster.wait_applied(5, cluster.applied(leader)).await;
+    assert_eq!(
+        cluster.applied(4),
+        0,
+        "replica 4 (another CA) received no entries"
+    );
+    // And it cannot reach the replicas as a client either.
+    let outsider = Client::new(
+        [cluster.addrs[&1].to_string()],
+        Options {
+            retry_timeout: Duration::from_millis(500),
+            call_timeout: Duration::from_millis(500),
+            tls: Some(stranger_material),
+            ..Options::default()
+        },
+    )
+    .unwrap();
+    assert!(outsider.holder(&lock("node-a")).await.is_err());
+    cluster.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn certificates_rotate_without_a_restart() {
+    let root = tempfile::tempdir().unwrap();
+    let ca = TestCa::new("tether-test-ca");
+    let cluster = tls_cluster(3, root.path(), &ca).await;
+    let addr = cluster.addrs[&1];
+    let scheduler_dir = root.path().join("scheduler");
+    let scheduler_tls =
+        TlsMaterial::load(ca.write_dir(&scheduler_dir, "scheduler", &["localhost"])).unwrap();
+    let before = server_certificate(addr, &scheduler_tls).await.unwrap();
+
+    // 1. The replicas' certificate is renewed in place (as cert-manager
+    //    does): new connections get the new one.
+    ca.write_dir(
+        &replica_dir(root.path()),
+        "replica",
+        &["127.0.0.1", "localhost"],
+    );
+    let renewed = TlsMaterial::load(TlsFiles::in_dir(&replica_dir(root.path()))).unwrap();
+    let expected = std::fs::read(&renewed.files().cert).unwrap();
+    let deadline = tokio::time::Instant::now() + DEADLINE;
+    loop {
+        let now = server_certificate(addr, &scheduler_tls).await.unwrap();
+        if now != before {
+            let pem = String::from_utf8(expected.clone()).unwrap();
+            assert!(pem.contains("BEGIN CERTIFICATE"));
+            break;
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "the replica kept its old certificate"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    // The cluster still works with the renewed certificate between replicas.
+    let scheduler = client_as(&cluster, scheduler_tls.clone());
+    scheduler
+        .acquire(&lock("node-a"), &pod("p1"), vec![], Duration::ZERO, 0)
+        .await
+        .unwrap();
+
+    // 2. A CA rotation: the replicas first trust both CAs, then a client
+    //    with a certificate from the new CA gets in, no restart anywhere.
+    let new_ca = TestCa::new("tether-test-ca-2");
+    let bundle = format!("{}{}", ca.pem(), new_ca.pem());
+    ca.write_dir_trusting(
+        &replica_dir(root.path()),
+        "replica",
+        &["127.0.0.1", "localhost"],
+        &bundle,
+    );
+    let newcomer_dir = root.path().join("newcomer");
+    let newcomer_tls = TlsMaterial::load(new_ca.write_dir_trusting(
+        &newcomer_dir,
+        "reader",
+        &["localhost"],
+        &bundle,
+    ))
+    .unwrap();
+    let deadline = tokio::time::Instant::now() + DEADLINE;
+    loop {
+        let newcomer = Client::new(
+            [addr.to_string()],
+            Options {
+                retry_timeout: Duration::from_millis(300),
+                call_timeout: Duration::from_millis(300),
+                tls: Some(newcomer_tls.clone()),
+                ..Options::default()
+            },
+        )
+        .unwrap();
+        match newcomer.holder(&lock("node-a")).await {
+            Ok(hold) => {
+                assert!(hold.is_some());
+                break;
+            }
+            Err(err) => assert!(
+                tokio::time::Instant::now() < deadline,
+                "the new CA was never trusted: {err}"
+            ),
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+
+    // 3. A client's own certificate is renewed with another role: its
+    //    material reloads, and new connections carry the new role.
+    let _watch = scheduler_tls.watch(Duration::from_millis(50));
+    ca.write_dir(&scheduler_dir, "reader", &["localhost"]);
+    let deadline = tokio::time::Instant::now() + DEADLINE;
+    while scheduler_tls.identity().name != "reader" {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "the client kept its old certificate"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let demoted = client_as(&cluster, scheduler_tls);
+    denied(
+        demoted
+            .acquire(&lock("node-b"), &pod("p2"), vec![], Duration::ZERO, 0)
+            .await,
+        "a reader now",
+    );
+    cluster.shutdown().await;
+}
