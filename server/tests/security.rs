@@ -366,3 +366,61 @@ async fn certificates_rotate_without_a_restart() {
     );
     cluster.shutdown().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn development_bearer_tokens_give_roles_without_tls() {
+    let root = tempfile::tempdir().unwrap();
+    let tokens = root.path().join("tokens");
+    std::fs::write(
+        &tokens,
+        "# dev only\nsched-0123456789abcdef scheduler\nplugin-0123456789abcdef device-plugin:node-a\n",
+    )
+    .unwrap();
+    let cluster = Cluster::start_with(1, move |config| {
+        config.auth_tokens = Some(tokens.clone());
+    })
+    .await;
+    let with_token = |token: Option<&str>| {
+        Client::new(
+            cluster.endpoints(),
+            Options {
+                retry_timeout: DEADLINE,
+                bearer_token: token.map(str::to_string),
+                ..Options::default()
+            },
+        )
+        .unwrap()
+    };
+    let scheduler = with_token(Some("sched-0123456789abcdef"));
+    let hold = scheduler
+        .acquire(&lock("node-b"), &pod("p"), vec![], Duration::ZERO, 0)
+        .await
+        .unwrap();
+    let plugin = with_token(Some("plugin-0123456789abcdef"));
+    let message = denied(
+        plugin
+            .release(&lock("node-b"), "p", hold.token, Outcome::Allocated)
+            .await,
+        "a plugin token on another node",
+    );
+    assert!(message.contains("token:device-plugin:node-a"), "{message}");
+    for (token, what) in [
+        (None, "no token"),
+        (Some("guess-0123456789abcdef"), "unknown"),
+    ] {
+        match with_token(token).holder(&lock("node-b")).await {
+            Err(Error::Unauthenticated(message)) => {
+                assert!(
+                    message.contains(if token.is_none() {
+                        "no bearer token"
+                    } else {
+                        "unknown"
+                    }),
+                    "{message}"
+                )
+            }
+            other => panic!("{what}: expected UNAUTHENTICATED, got {other:?}"),
+        }
+    }
+    cluster.shutdown().await;
+}
