@@ -265,6 +265,41 @@ fn format_v1_log_entries_and_snapshot_still_decode() {
     assert_eq!(stored, snapshot);
 }
 
+/// Format 2 added the `Audit` command (administrative actions recorded
+/// with the identity that asked); everything of format 1 is unchanged.
+fn v2_entries() -> Vec<Entry> {
+    let next = v1_entries().len() as u64 + 1;
+    vec![Entry {
+        log_id: log_id(2, next),
+        payload: EntryPayload::Normal(Request {
+            format_version: 2,
+            request_id: None,
+            leader_time_ms: 1_790_000_100_000,
+            command: Command::Audit(Audit {
+                identity: "CN=admin, O=ops".into(),
+                action: "ChangeMembership".into(),
+                detail: "voters [1, 2, 3]".into(),
+            }),
+        }),
+    }]
+}
+
+#[test]
+fn format_v2_log_entries_still_decode() {
+    let entries = v2_entries();
+    if std::env::var("TETHER_WRITE_FIXTURES").is_ok() {
+        std::fs::create_dir_all(fixture(2, "")).unwrap();
+        let encoded: Vec<Vec<u8>> = entries.iter().map(encode).collect();
+        std::fs::write(fixture(2, "log.bin"), encode(&encoded)).unwrap();
+    }
+    let stored: Vec<Vec<u8>> = decode(&std::fs::read(fixture(2, "log.bin")).unwrap()).unwrap();
+    assert_eq!(stored.len(), entries.len());
+    for (bytes, expected) in stored.iter().zip(&entries) {
+        let entry = decode_entry(bytes).expect("a format-2 entry decodes");
+        assert_eq!(format!("{entry:?}"), format!("{expected:?}"));
+    }
+}
+
 #[test]
 fn data_from_a_newer_format_is_refused_with_a_clear_error() {
     let mut entry = v1_entries().pop().unwrap();

@@ -258,6 +258,42 @@ async fn a_replica_with_a_certificate_from_another_ca_cannot_join() {
     )
     .unwrap();
     assert!(outsider.holder(&lock("node-a")).await.is_err());
+
+    // Both membership changes are in the history with who asked.
+    let events = admin
+        .history_query(tether_client::proto::HistoryRequest {
+            key: "cluster/admin".to_string(),
+            ..Default::default()
+        })
+        .await
+        .unwrap()
+        .events;
+    let recorded: Vec<(String, String, String)> = events
+        .iter()
+        .map(|e| {
+            assert_eq!(e.kind, "AdminAction");
+            (
+                e.attributes["identity"].clone(),
+                e.attributes["action"].clone(),
+                e.attributes["detail"].clone(),
+            )
+        })
+        .collect();
+    assert_eq!(
+        recorded,
+        vec![
+            (
+                "CN=admin".into(),
+                "AddLearner".into(),
+                format!("node 4 at {addr4}")
+            ),
+            (
+                "CN=admin".into(),
+                "AddLearner".into(),
+                format!("node 5 at {addr5}")
+            ),
+        ]
+    );
     cluster.shutdown().await;
 }
 

@@ -1,6 +1,8 @@
 //! `ClusterService`: status, membership changes, leader transfer, snapshots.
 
-use crate::auth::Action;
+use crate::auth::{Action, Caller};
+use crate::sm::Command;
+use crate::sm::command::Audit;
 use std::collections::BTreeSet;
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
@@ -265,6 +267,18 @@ where
 }
 
 impl ClusterApi {
+    /// Records an administrative action, with who asked, in the history
+    /// before it is carried out: an action that cannot be recorded (this
+    /// replica is not the leader, no quorum) is not carried out either.
+    async fn audit(&self, caller: &Caller, action: &str, detail: String) -> Result<()> {
+        let command = Command::Audit(Audit {
+            identity: caller.identity.clone(),
+            action: action.to_string(),
+            detail,
+        });
+        self.ctx.write(None, command).await.map(|_| ())
+    }
+
     async fn do_add_learner(&self, req: pb::AddLearnerRequest) -> Result<pb::AddLearnerResponse> {
         if req.node_id == 0 {
             return Err(ApiError::InvalidArgument(
@@ -414,7 +428,14 @@ impl ClusterService for ClusterApi {
         request: Request<pb::AddLearnerRequest>,
     ) -> Result<Response<pb::AddLearnerResponse>, Status> {
         let result = match self.ctx.auth.check(&request, Action::ClusterAdmin) {
-            Ok(_) => self.do_add_learner(request.into_inner()).await,
+            Ok(caller) => {
+                let req = request.into_inner();
+                let detail = format!("node {} at {}", req.node_id, req.addr);
+                match self.audit(&caller, "AddLearner", detail).await {
+                    Ok(()) => self.do_add_learner(req).await,
+                    Err(err) => Err(err),
+                }
+            }
             Err(err) => Err(err),
         };
         self.ctx.finish("AddLearner", result).map(Response::new)
@@ -425,7 +446,18 @@ impl ClusterService for ClusterApi {
         request: Request<pb::ChangeMembershipRequest>,
     ) -> Result<Response<pb::ChangeMembershipResponse>, Status> {
         let result = match self.ctx.auth.check(&request, Action::ClusterAdmin) {
-            Ok(_) => self.do_change_membership(request.into_inner()).await,
+            Ok(caller) => {
+                let req = request.into_inner();
+                let detail = if req.remove_learners.is_empty() {
+                    format!("voters {:?}", req.voters)
+                } else {
+                    format!("remove learners {:?}", req.remove_learners)
+                };
+                match self.audit(&caller, "ChangeMembership", detail).await {
+                    Ok(()) => self.do_change_membership(req).await,
+                    Err(err) => Err(err),
+                }
+            }
             Err(err) => Err(err),
         };
         self.ctx
@@ -438,9 +470,18 @@ impl ClusterService for ClusterApi {
         request: Request<pb::TransferLeaderRequest>,
     ) -> Result<Response<pb::TransferLeaderResponse>, Status> {
         let result = match self.ctx.auth.check(&request, Action::ClusterAdmin) {
-            Ok(_) => transfer_leader(&self.ctx, request.into_inner().target_node_id)
-                .await
-                .map(|leader_id| pb::TransferLeaderResponse { leader_id }),
+            Ok(caller) => {
+                let target = request.into_inner().target_node_id;
+                match self
+                    .audit(&caller, "TransferLeader", format!("to node {target}"))
+                    .await
+                {
+                    Ok(()) => transfer_leader(&self.ctx, target)
+                        .await
+                        .map(|leader_id| pb::TransferLeaderResponse { leader_id }),
+                    Err(err) => Err(err),
+                }
+            }
             Err(err) => Err(err),
         };
         self.ctx.finish("TransferLeader", result).map(Response::new)
@@ -465,7 +506,10 @@ impl ClusterService for ClusterApi {
         request: Request<pb::ExportSnapshotRequest>,
     ) -> Result<Response<Self::ExportSnapshotStream>, Status> {
         let result = match self.ctx.auth.check(&request, Action::ClusterAdmin) {
-            Ok(_) => self.do_export().await,
+            Ok(caller) => match self.audit(&caller, "ExportSnapshot", String::new()).await {
+                Ok(()) => self.do_export().await,
+                Err(err) => Err(err),
+            },
             Err(err) => Err(err),
         };
         let chunks = self.ctx.finish("ExportSnapshot", result)?;

@@ -359,6 +359,24 @@ pub fn event_to(event: &sm::Event) -> pb::Event {
             node.clone(),
             vec![],
         ),
+        K::AdminAction {
+            identity,
+            action,
+            detail,
+        } => {
+            attr("identity", identity.clone());
+            attr("action", action.clone());
+            attr("detail", detail.clone());
+            (
+                "AdminAction",
+                "cluster/admin".to_string(),
+                None,
+                0,
+                String::new(),
+                String::new(),
+                vec![],
+            )
+        }
     };
     out.kind = kind.to_string();
     out.key = key;

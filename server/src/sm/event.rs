@@ -161,4 +161,14 @@ pub enum EventKind {
         /// How long it has been held, ms.
         held_ms: u64,
     },
+    /// An operator changed the cluster (membership, leadership, snapshot
+    /// export). (Appended last: variants are encoded by position.)
+    AdminAction {
+        /// Who: certificate subject, `token:<name>` or `anonymous`.
+        identity: String,
+        /// What, e.g. `ChangeMembership`.
+        action: String,
+        /// Its arguments.
+        detail: String,
+    },
 }

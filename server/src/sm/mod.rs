@@ -33,7 +33,8 @@ pub use types::*;
 
 /// Format version of log entries and snapshots written by this build. A
 /// replica that meets a newer version stops instead of guessing.
-pub const FORMAT_VERSION: u16 = 1;
+/// 1: the first; 2: adds `Command::Audit` and `EventKind::AdminAction`.
+pub const FORMAT_VERSION: u16 = 2;
 
 /// One log entry's application payload.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]

@@ -4,6 +4,7 @@
 
 mod acquire;
 mod assign;
+mod audit;
 mod cancel_wait;
 mod force_release;
 mod lease;
@@ -16,6 +17,7 @@ mod sweep;
 
 pub use acquire::Acquire;
 pub use assign::Assign;
+pub use audit::Audit;
 pub use cancel_wait::{CancelOutcome, CancelWait};
 pub use force_release::ForceRelease;
 pub use lease::{GrantLease, KeepAliveLease, RevokeLease};
@@ -61,6 +63,9 @@ pub enum Command {
     ReportNode(ReportNode),
     /// Report a pod's phase (bridge).
     ReportPod(ReportPod),
+    /// Record an administrative action in the history. (Appended last:
+    /// variants are encoded by position in the log.)
+    Audit(Audit),
 }
 
 impl Command {
@@ -80,6 +85,7 @@ impl Command {
             Command::ReleasePin(c) => c.apply(txn),
             Command::ReportNode(c) => c.apply(txn),
             Command::ReportPod(c) => c.apply(txn),
+            Command::Audit(c) => c.apply(txn),
         }
     }
 }
