@@ -102,15 +102,20 @@ impl From<Status> for Error {
             Code::PermissionDenied => Error::PermissionDenied(message),
             Code::Unauthenticated => Error::Unauthenticated(message),
             Code::OutOfRange => {
-                let oldest_retained = status
+                let compacted = status
                     .metadata()
                     .get(tether_proto::COMPACT_REVISION_METADATA)
                     .and_then(|v| v.to_str().ok())
-                    .and_then(|v| v.parse().ok())
-                    .unwrap_or(0);
-                Error::Compacted {
-                    oldest_retained,
-                    message,
+                    .and_then(|v| v.parse().ok());
+                match compacted {
+                    Some(oldest_retained) => Error::Compacted {
+                        oldest_retained,
+                        message,
+                    },
+                    // gRPC's own "message length too large".
+                    None => Error::InvalidArgument(format!(
+                        "{message} (the replica's --max-request-bytes); nothing was changed"
+                    )),
                 }
             }
             code => Error::Other(format!("{code:?}: {message}")),

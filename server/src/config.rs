@@ -118,6 +118,21 @@ pub struct Config {
     #[arg(long, env = "TETHER_MAX_PAYLOAD_BYTES", default_value_t = 64 * 1024)]
     pub max_payload_bytes: usize,
 
+    /// Largest request a client may send, in bytes (Raft traffic between
+    /// replicas has its own, larger bound). Must leave room for a payload of
+    /// --max-payload-bytes.
+    #[arg(long, env = "TETHER_MAX_REQUEST_BYTES", default_value_t = 1024 * 1024)]
+    pub max_request_bytes: usize,
+
+    /// Most labels a node report or a pin may carry.
+    #[arg(long, env = "TETHER_MAX_LABELS", default_value_t = 64)]
+    pub max_labels: usize,
+
+    /// Most watches one client (certificate identity, or IP address without
+    /// authentication) may have open on one replica.
+    #[arg(long, env = "TETHER_MAX_WATCHERS_PER_CLIENT", default_value_t = 64)]
+    pub max_watchers_per_client: usize,
+
     /// Longest wait queue per lock.
     #[arg(long, env = "TETHER_MAX_QUEUE_LENGTH", default_value_t = 1024)]
     pub max_queue_length: u32,

@@ -38,9 +38,12 @@ use crate::sm::{Command, Reply, Request};
 use crate::statefulset;
 use crate::store;
 
-/// gRPC messages may carry a payload of up to `max_payload_bytes` plus
-/// framing; Raft messages carry batches of entries and snapshots.
+/// Raft messages carry batches of entries and snapshots; client requests
+/// are bounded by `--max-request-bytes` instead.
 const MAX_GRPC_MESSAGE: usize = 64 * 1024 * 1024;
+
+/// Room a request needs beside its payload (key, pod, ids, framing).
+const REQUEST_OVERHEAD: usize = 16 * 1024;
 
 /// A running replica.
 pub struct Node {
@@ -88,6 +91,14 @@ impl Node {
             None => config.node_id,
         };
         anyhow::ensure!(id > 0, "node id must be at least 1");
+        anyhow::ensure!(
+            config.max_request_bytes >= config.max_payload_bytes + REQUEST_OVERHEAD,
+            "--max-request-bytes {} leaves no room for a payload of --max-payload-bytes {} \
+             (it must be at least {} more)",
+            config.max_request_bytes,
+            config.max_payload_bytes,
+            REQUEST_OVERHEAD
+        );
 
         std::fs::create_dir_all(&config.data_dir).with_context(|| {
             format!("cannot create data directory {}", config.data_dir.display())
@@ -159,6 +170,7 @@ impl Node {
             transferring: Default::default(),
             auth,
             tls: tls.clone(),
+            watchers: Default::default(),
         });
 
         if set.is_none() {
@@ -169,16 +181,32 @@ impl Node {
         if let Some(tls) = &tls {
             tasks.push(tls.watch(config.tls_reload_interval));
         }
+        let request_limit = config.max_request_bytes;
         let grpc_server = tonic::transport::Server::builder()
             .add_service(
                 LockServiceServer::new(LockApi::new(ctx.clone()))
-                    .max_decoding_message_size(MAX_GRPC_MESSAGE),
+                    .max_decoding_message_size(request_limit),
             )
-            .add_service(LeaseServiceServer::new(LeaseApi::new(ctx.clone())))
-            .add_service(PinServiceServer::new(PinApi::new(ctx.clone())))
-            .add_service(NodeServiceServer::new(NodeApi::new(ctx.clone())))
-            .add_service(WatchServiceServer::new(WatchApi::new(ctx.clone())))
-            .add_service(ClusterServiceServer::new(ClusterApi::new(ctx.clone())))
+            .add_service(
+                LeaseServiceServer::new(LeaseApi::new(ctx.clone()))
+                    .max_decoding_message_size(request_limit),
+            )
+            .add_service(
+                PinServiceServer::new(PinApi::new(ctx.clone()))
+                    .max_decoding_message_size(request_limit),
+            )
+            .add_service(
+                NodeServiceServer::new(NodeApi::new(ctx.clone()))
+                    .max_decoding_message_size(request_limit),
+            )
+            .add_service(
+                WatchServiceServer::new(WatchApi::new(ctx.clone()))
+                    .max_decoding_message_size(request_limit),
+            )
+            .add_service(
+                ClusterServiceServer::new(ClusterApi::new(ctx.clone()))
+                    .max_decoding_message_size(request_limit),
+            )
             .add_service(
                 RaftServiceServer::new(RaftApi::new(ctx.clone()))
                     .max_decoding_message_size(MAX_GRPC_MESSAGE)

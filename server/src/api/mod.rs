@@ -53,6 +53,9 @@ pub struct Ctx {
     pub auth: crate::auth::Auth,
     /// This replica's TLS material, for calls it makes to the others.
     pub tls: Option<Arc<tether_tls::TlsMaterial>>,
+    /// Open watches per owner (identity or IP), for
+    /// `--max-watchers-per-client`.
+    pub watchers: std::sync::Mutex<std::collections::HashMap<String, usize>>,
 }
 
 /// Wall-clock time in ms since the epoch: only ever used to stamp entries

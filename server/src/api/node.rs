@@ -41,7 +41,17 @@ impl NodeApi {
             }
         };
         let labels = if req.set_labels {
-            Some(validate::labels("node label", &req.labels)?)
+            Some(validate::labels(
+                "node label",
+                &req.labels,
+                self.ctx.config.max_labels,
+            )?)
+        } else if !req.labels.is_empty() {
+            return Err(ApiError::InvalidArgument(
+                "labels were given but set_labels is false: set it to replace the node's labels, \
+                 or send no labels to keep them"
+                    .into(),
+            ));
         } else {
             None
         };

@@ -31,7 +31,7 @@ impl PinApi {
         if !req.pod_uid.is_empty() {
             validate::pod_uid(&req.pod_uid)?;
         }
-        let labels = validate::labels("pin label", &req.labels)?;
+        let labels = validate::labels("pin label", &req.labels, self.ctx.config.max_labels)?;
         let affinity = validate::affinity(req.affinity.as_ref())?;
         let command = Command::Assign(Assign {
             key: key.clone(),

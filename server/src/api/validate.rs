@@ -144,6 +144,9 @@ pub fn payload(payload: &[u8], limit: usize) -> Result<()> {
     Ok(())
 }
 
+/// Most `match_labels` one affinity selector may carry.
+pub const MAX_SELECTOR_LABELS: usize = 64;
+
 /// Most candidates one assignment may name.
 pub const MAX_CANDIDATES: usize = 1000;
 
@@ -162,12 +165,20 @@ fn label_value_ok(value: &str) -> bool {
             .all(|b| b.is_ascii_alphanumeric() || b"-_.".contains(&b))
 }
 
-/// Labels: keys up to 253 characters of letters, digits and `-_./`; values
-/// up to 63 of letters, digits and `-_.` (Kubernetes label rules, loosely).
+/// Labels: at most `max_count`; keys up to 253 characters of letters,
+/// digits and `-_./`; values up to 63 of letters, digits and `-_.`
+/// (Kubernetes label rules, loosely).
 pub fn labels(
     what: &str,
     labels: &std::collections::HashMap<String, String>,
+    max_count: usize,
 ) -> Result<std::collections::BTreeMap<String, String>> {
+    if labels.len() > max_count {
+        return Err(ApiError::TooLarge(format!(
+            "{} {what}s is over the limit of {max_count} (tetherd --max-labels)",
+            labels.len()
+        )));
+    }
     for (key, value) in labels {
         if !label_key_ok(key) {
             return Err(invalid(format!(
@@ -242,7 +253,7 @@ fn selector(
     let Some(sel) = sel else {
         return Ok(LabelSelector::default());
     };
-    let match_labels = labels("selector label", &sel.match_labels)?;
+    let match_labels = labels("selector label", &sel.match_labels, MAX_SELECTOR_LABELS)?;
     let mut match_expressions = Vec::new();
     for r in &sel.match_expressions {
         if !label_key_ok(&r.key) {

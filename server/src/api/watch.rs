@@ -3,7 +3,7 @@
 //! applies, so a slow watcher never holds up the state machine; order and
 //! gap-freedom follow from reading revisions in key order.
 
-use crate::auth::Action;
+use crate::auth::{Action, Caller};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -59,6 +59,57 @@ fn compacted(start: Revision, first: u64) -> Status {
 
 fn storage_error(err: impl std::fmt::Display) -> Status {
     ApiError::Internal(format!("reading events: {err}")).into()
+}
+
+/// Whom a watch counts against for `--max-watchers-per-client`: the
+/// authenticated identity, else the caller's IP address.
+fn watcher_owner<T>(caller: &Caller, request: &tonic::Request<T>) -> String {
+    if caller.authenticated() {
+        return caller.identity.clone();
+    }
+    request
+        .extensions()
+        .get::<tether_tls::PeerInfo>()
+        .and_then(|peer| peer.remote_addr)
+        .map_or_else(|| "unknown".to_string(), |addr| addr.ip().to_string())
+}
+
+/// One open watch of one owner; gives its place back when dropped.
+struct WatcherSlot {
+    ctx: Arc<Ctx>,
+    owner: String,
+}
+
+impl WatcherSlot {
+    fn take(ctx: &Arc<Ctx>, owner: String) -> Result<WatcherSlot, ApiError> {
+        let limit = ctx.config.max_watchers_per_client;
+        let mut open = ctx.watchers.lock().unwrap_or_else(|p| p.into_inner());
+        let count = open.entry(owner.clone()).or_insert(0);
+        if *count >= limit {
+            return Err(ApiError::TooLarge(format!(
+                "{owner} already has {count} watches open on this replica, the limit (tetherd \
+                 --max-watchers-per-client {limit}); close one, or share one watch with a wider \
+                 filter"
+            )));
+        }
+        *count += 1;
+        Ok(WatcherSlot {
+            ctx: ctx.clone(),
+            owner,
+        })
+    }
+}
+
+impl Drop for WatcherSlot {
+    fn drop(&mut self) {
+        let mut open = self.ctx.watchers.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(count) = open.get_mut(&self.owner) {
+            *count -= 1;
+            if *count == 0 {
+                open.remove(&self.owner);
+            }
+        }
+    }
 }
 
 /// Whether a wire event passes the watch filters.
@@ -152,7 +203,11 @@ async fn follow(
 }
 
 impl WatchApi {
-    fn do_watch(&self, req: pb::WatchRequest) -> Result<ReceiverStream<WatchItem>, Status> {
+    fn do_watch(
+        &self,
+        owner: String,
+        req: pb::WatchRequest,
+    ) -> Result<ReceiverStream<WatchItem>, Status> {
         if req.key_prefix.len() > MAX_PREFIX {
             return Err(ApiError::InvalidArgument(format!(
                 "key prefix is longer than {MAX_PREFIX} bytes"
@@ -160,6 +215,7 @@ impl WatchApi {
             .into());
         }
         let ctx = &self.ctx;
+        let slot = WatcherSlot::take(ctx, owner)?;
         // Subscribe before reading so an apply between the read and the wait
         // still wakes the watcher.
         let wake = ctx.state.subscribe();
@@ -182,14 +238,10 @@ impl WatchApi {
             return Err(compacted(start, first));
         }
         let (tx, rx) = mpsc::channel(16);
-        tokio::spawn(follow(
-            ctx.clone(),
-            start,
-            req.kinds,
-            req.key_prefix,
-            wake,
-            tx,
-        ));
+        tokio::spawn(async move {
+            follow(slot.ctx.clone(), start, req.kinds, req.key_prefix, wake, tx).await;
+            drop(slot);
+        });
         Ok(ReceiverStream::new(rx))
     }
 
@@ -268,7 +320,10 @@ impl WatchService for WatchApi {
         request: Request<pb::WatchRequest>,
     ) -> Result<Response<Self::WatchStream>, Status> {
         let result = match self.ctx.auth.check(&request, Action::Watch) {
-            Ok(_) => self.do_watch(request.into_inner()),
+            Ok(caller) => {
+                let who = watcher_owner(&caller, &request);
+                self.do_watch(who, request.into_inner())
+            }
             Err(err) => Err(Status::from(err)),
         };
         self.ctx
