@@ -22,6 +22,7 @@ pub mod api;
 pub mod auth;
 pub mod config;
 pub mod error;
+pub mod fuzzing;
 pub mod http;
 pub mod metrics;
 pub mod node;

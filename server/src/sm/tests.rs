@@ -817,56 +817,13 @@ fn check_invariants(
     last_token: &mut BTreeMap<LockKey, u64>,
     seed: u64,
 ) {
-    for (k, lock) in &state.locks {
-        assert!(
-            lock.holder.is_some() || lock.waiters.is_empty(),
-            "seed {seed}: {k} free but has waiters"
-        );
-        let mut uids: Vec<_> = lock.waiters.iter().map(|w| w.pod.uid.clone()).collect();
-        if let Some(h) = &lock.holder {
-            uids.push(h.pod.uid.clone());
-        }
-        let total = uids.len();
-        uids.sort();
-        uids.dedup();
-        assert_eq!(
-            uids.len(),
-            total,
-            "seed {seed}: {k} has a pod twice among holder and waiters"
-        );
-    }
-    for event in new_events {
-        match &event.kind {
-            EventKind::LockQueued { key, pod, .. } => queues
-                .entry(key.clone())
-                .or_default()
-                .push_back(pod.uid.clone()),
-            EventKind::WaitEnded { key, pod, .. } => queues
-                .entry(key.clone())
-                .or_default()
-                .retain(|u| u != &pod.uid),
-            EventKind::LockGranted { key, hold } => {
-                let queue = queues.entry(key.clone()).or_default();
-                if queue.contains(&hold.pod.uid) {
-                    assert_eq!(
-                        queue.front(),
-                        Some(&hold.pod.uid),
-                        "seed {seed}: {key} granted out of FIFO order"
-                    );
-                    queue.pop_front();
-                }
-                let last = last_token.entry(key.clone()).or_default();
-                assert!(
-                    hold.token > *last,
-                    "seed {seed}: token {} not above {} on {key}",
-                    hold.token,
-                    last
-                );
-                *last = hold.token;
-            }
-            _ => {}
-        }
-    }
+    crate::fuzzing::check_lock_invariants(
+        state,
+        new_events,
+        queues,
+        last_token,
+        &format!("seed {seed}"),
+    );
 }
 
 #[test]

@@ -1,0 +1,6 @@
+//! libFuzzer entry point of the `stored` target (see `tether_server::fuzzing`).
+#![no_main]
+
+libfuzzer_sys::fuzz_target!(|data: &[u8]| {
+    tether_server::fuzzing::stored(data);
+});
