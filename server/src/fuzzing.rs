@@ -3,7 +3,7 @@
 //! (coverage-guided, nightly) and by `tether-fuzz` (a mutation fuzzer on
 //! stable Rust that CI runs for a bounded time).
 //!
-//! - [`request`]: the first byte picks one of the client request messages;
+//! - [`request`]: the first byte picks one of the 25 request messages;
 //!   the rest is decoded as that protobuf message and, when it decodes, goes
 //!   through the same validation as the gRPC handler. Decoded messages must
 //!   re-encode to bytes that decode to the same message.
@@ -64,7 +64,7 @@ pub fn request(data: &[u8]) -> bool {
         return false;
     };
     let limit = 64 * 1024;
-    match which % 20 {
+    match which % 25 {
         0 => decoded::<pb::AcquireRequest>(bytes, |r| {
             let _ = validate::request_id(r.request_id.as_ref());
             let _ = validate::lock_key(r.key.as_ref());
@@ -122,7 +122,15 @@ pub fn request(data: &[u8]) -> bool {
         16 => decoded::<pb::WatchRequest>(bytes, |_| {}),
         17 => decoded::<pb::HistoryRequest>(bytes, |_| {}),
         18 => decoded::<pb::ChangeMembershipRequest>(bytes, |_| {}),
-        _ => decoded::<pb::AddLearnerRequest>(bytes, |_| {}),
+        19 => decoded::<pb::AddLearnerRequest>(bytes, |_| {}),
+        20 => decoded::<pb::TransferLeaderRequest>(bytes, |_| {}),
+        21 => decoded::<pb::StatusRequest>(bytes, |_| {}),
+        22 => decoded::<pb::SnapshotRequest>(bytes, |_| {}),
+        23 => decoded::<pb::ExportSnapshotRequest>(bytes, |_| {}),
+        _ => decoded::<pb::RaftRequest>(bytes, |r| {
+            // What the Raft service does with the bytes it carries.
+            stored(&[[3].as_slice(), &r.data].concat());
+        }),
     }
 }
 
@@ -652,6 +660,19 @@ fn request_seeds() -> Vec<Vec<u8>> {
                 node_id: 4,
                 addr: "tether-3.tether-peers:7420".into(),
                 blocking: true,
+            },
+        ),
+        tagged(20, &pb::TransferLeaderRequest { target_node_id: 2 }),
+        tagged(21, &pb::StatusRequest {}),
+        tagged(22, &pb::SnapshotRequest {}),
+        tagged(23, &pb::ExportSnapshotRequest {}),
+        tagged(
+            24,
+            &pb::RaftRequest {
+                data: encode(&openraft::raft::VoteRequest::<u64>::new(
+                    openraft::Vote::new(3, 2),
+                    None,
+                )),
             },
         ),
     ]
