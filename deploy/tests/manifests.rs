@@ -478,3 +478,174 @@ fn the_image_holds_the_binaries_the_manifests_run_as_the_user_they_expect() {
         "the image runs as {user}"
     );
 }
+
+/// Whether DNS `name` is covered by certificate name `pattern` (a leading
+/// `*.` matches one label).
+fn covers(pattern: &str, name: &str) -> bool {
+    match pattern.strip_prefix("*.") {
+        Some(rest) => name
+            .split_once('.')
+            .is_some_and(|(first, tail)| !first.is_empty() && tail == rest),
+        None => pattern == name,
+    }
+}
+
+#[test]
+fn the_optional_tls_certificates_and_patch_fit_the_manifests() {
+    let tls = deploy_dir().join("optional/tls");
+    let documents = read_documents(&tls.join("certificates.yaml")).unwrap();
+    let certificates: Vec<&Value> = documents
+        .iter()
+        .filter(|d| kind(d) == "Certificate")
+        .collect();
+    let by_role = |role: &str| -> &Value {
+        certificates
+            .iter()
+            .find(|c| c["spec"]["commonName"] == role)
+            .unwrap_or_else(|| panic!("no certificate for role {role}"))
+    };
+    // Every leaf is signed by the CA issuer, and names a role tetherd knows.
+    for certificate in &certificates {
+        assert_eq!(certificate["apiVersion"], "cert-manager.io/v1");
+        let name = certificate["spec"]["commonName"].as_str().unwrap();
+        if certificate["spec"]["isCA"] == true {
+            continue;
+        }
+        assert_eq!(
+            certificate["spec"]["issuerRef"]["name"], "tether-ca",
+            "{name}"
+        );
+        name.parse::<tether_server::auth::Role>()
+            .unwrap_or_else(|e| panic!("{name}: {e}"));
+        for uri in certificate["spec"]["uris"].as_array().into_iter().flatten() {
+            let uri = uri.as_str().unwrap();
+            assert_eq!(uri.strip_prefix("tether:"), Some(name), "{uri}");
+        }
+    }
+    // The replicas' certificate covers what peers and clients dial.
+    let prod = render(&deploy_dir().join("overlays/prod")).unwrap();
+    let set: StatefulSet = one(&prod, "StatefulSet");
+    let tetherd_env = env_of(
+        &set.spec
+            .as_ref()
+            .unwrap()
+            .template
+            .spec
+            .as_ref()
+            .unwrap()
+            .containers[0],
+    );
+    let template = tetherd_env
+        .iter()
+        .find(|(k, _)| k == "TETHER_PEER_TEMPLATE")
+        .map(|(_, v)| v.clone())
+        .unwrap();
+    let peer_host = template.replace("{ordinal}", "0");
+    let peer_host = peer_host.rsplit_once(':').unwrap().0;
+    let bridge: Deployment = one(&prod, "Deployment");
+    let bridge_container = &bridge
+        .spec
+        .as_ref()
+        .unwrap()
+        .template
+        .spec
+        .as_ref()
+        .unwrap()
+        .containers[0];
+    let endpoint = env_of(bridge_container)
+        .into_iter()
+        .find(|(k, _)| k == "TETHER_ENDPOINTS")
+        .map(|(_, v)| v)
+        .unwrap();
+    let client_host = endpoint.rsplit_once(':').unwrap().0.to_string();
+    let replica = by_role("replica");
+    let names: Vec<&str> = replica["spec"]["dnsNames"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|n| n.as_str().unwrap())
+        .collect();
+    for host in [
+        peer_host.to_string(),
+        format!("{peer_host}.{NAMESPACE}.svc"),
+        client_host.clone(),
+        format!("{client_host}.{NAMESPACE}.svc"),
+    ] {
+        assert!(
+            names.iter().any(|p| covers(p, &host)),
+            "{host} not in {names:?}"
+        );
+    }
+    let usages = replica["spec"]["usages"].as_array().unwrap();
+    assert!(
+        usages.contains(&Value::from("server auth"))
+            && usages.contains(&Value::from("client auth"))
+    );
+    by_role("bridge");
+
+    // The patch: containers that exist, Secrets the certificates write,
+    // and settings the binaries accept.
+    let secrets: BTreeMap<&str, &str> = certificates
+        .iter()
+        .map(|c| {
+            (
+                c["spec"]["commonName"].as_str().unwrap(),
+                c["spec"]["secretName"].as_str().unwrap(),
+            )
+        })
+        .collect();
+    let patches = read_documents(&tls.join("tls-patch.yaml")).unwrap();
+    for patch in &patches {
+        let (target, role) = match kind(patch) {
+            "StatefulSet" => (&set.spec.as_ref().unwrap().template, "replica"),
+            "Deployment" => (&bridge.spec.as_ref().unwrap().template, "bridge"),
+            other => panic!("unexpected kind {other} in the patch"),
+        };
+        assert_eq!(
+            name(patch),
+            if role == "replica" {
+                "tether"
+            } else {
+                "tether-bridge"
+            }
+        );
+        let pod = &patch["spec"]["template"]["spec"];
+        let container = &pod["containers"][0];
+        let existing: Vec<&str> = target
+            .spec
+            .as_ref()
+            .unwrap()
+            .containers
+            .iter()
+            .map(|c| c.name.as_str())
+            .collect();
+        assert!(existing.contains(&container["name"].as_str().unwrap()));
+        assert_eq!(pod["volumes"][0]["secret"]["secretName"], secrets[role]);
+        assert_eq!(
+            container["volumeMounts"][0]["mountPath"],
+            container["env"][0]["value"]
+        );
+        let env = vec![(
+            container["env"][0]["name"].as_str().unwrap().to_string(),
+            container["env"][0]["value"].as_str().unwrap().to_string(),
+        )];
+        if role == "replica" {
+            check_env("tetherd", &env, tether_server::Config::command(), |args| {
+                <tether_server::Config as clap::Parser>::try_parse_from(args)
+                    .map(drop)
+                    .map_err(|e| e.to_string())
+            });
+        } else {
+            check_env(
+                "tether-bridge",
+                &env,
+                tether_k8s_bridge::config::BridgeConfig::command(),
+                |args| {
+                    <tether_k8s_bridge::config::BridgeConfig as clap::Parser>::try_parse_from(args)
+                        .map(drop)
+                        .map_err(|e| e.to_string())
+                },
+            );
+        }
+    }
+}
