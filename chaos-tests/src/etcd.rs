@@ -214,3 +214,57 @@ async fn run(
     total.elapsed = started.elapsed();
     total
 }
+
+/// The mixed scenario on etcd: the same arrivals, each taking its node's
+/// lock with one of `sessions` leases (a lock is owned by a lease, so
+/// binds in flight at once need different ones: the scheduler's sessions),
+/// holding it [`crate::workload::MIXED_HOLD`], unlocking.
+pub async fn mixed(channel: &Channel, arrivals: &[crate::workload::Arrival], tag: &str) -> Run {
+    const SESSIONS: usize = 64;
+    let mut leases = Vec::new();
+    for _ in 0..SESSIONS {
+        if let Ok(lease) = grant(channel).await {
+            leases.push(lease);
+        }
+    }
+    let pool = Arc::new(tokio::sync::Mutex::new(leases));
+    let free = Arc::new(tokio::sync::Semaphore::new(pool.lock().await.len()));
+    let started = Instant::now();
+    let mut tasks = Vec::new();
+    for arrival in arrivals.iter().copied() {
+        let (channel, pool, free) = (channel.clone(), pool.clone(), free.clone());
+        let name = format!("{tag}-node-{}", arrival.node).into_bytes();
+        tasks.push(tokio::spawn(async move {
+            tokio::time::sleep_until((started + arrival.at).into()).await;
+            let arrived = Instant::now();
+            let mut run = Run::default();
+            let Ok(_permit) = free.acquire().await else {
+                run.errors += 1;
+                return run;
+            };
+            let lease = pool.lock().await.pop().expect("a permit means a lease");
+            match lock(&channel, &name, lease).await {
+                Ok(key) => {
+                    run.pair_latency.push(arrived.elapsed());
+                    tokio::time::sleep(crate::workload::MIXED_HOLD).await;
+                    match unlock(&channel, key).await {
+                        Ok(()) => run.pairs += 1,
+                        Err(_) => run.errors += 1,
+                    }
+                }
+                Err(_) => run.errors += 1,
+            }
+            pool.lock().await.push(lease);
+            run
+        }));
+    }
+    let mut total = Run::default();
+    for task in tasks {
+        let run = task.await.expect("bind");
+        total.pairs += run.pairs;
+        total.errors += run.errors;
+        total.pair_latency.extend(run.pair_latency);
+    }
+    total.elapsed = started.elapsed();
+    total
+}

@@ -146,3 +146,89 @@ pub async fn contended(client: &Client, clients: usize, duration: Duration, tag:
     total.elapsed = started.elapsed();
     total
 }
+
+/// One bind of the mixed scenario: when it arrives (from the start of the
+/// run) and which node's lock it takes.
+#[derive(Debug, Clone, Copy)]
+pub struct Arrival {
+    /// Offset from the start of the run.
+    pub at: Duration,
+    /// Node index in `0..nodes`.
+    pub node: usize,
+}
+
+/// Binds arriving as a Poisson process of `rate` per second for `duration`
+/// over `nodes` nodes, from `seed`: the same list drives every system.
+pub fn poisson_arrivals(rate: f64, nodes: usize, duration: Duration, seed: u64) -> Vec<Arrival> {
+    let mut rng = crate::rng::Rng::new(seed);
+    let mut at = 0.0f64;
+    let mut out = Vec::new();
+    loop {
+        // Exponential gaps: -ln(U) / rate, U uniform in (0, 1].
+        let u = (rng.next_u64() >> 11) as f64 / (1u64 << 53) as f64;
+        at += -(1.0 - u).ln() / rate.max(1e-9);
+        if at >= duration.as_secs_f64() {
+            return out;
+        }
+        out.push(Arrival {
+            at: Duration::from_secs_f64(at),
+            node: rng.below(nodes as u64) as usize,
+        });
+    }
+}
+
+/// How long a bind holds its node's lock (HAMi's measured hold).
+pub const MIXED_HOLD: Duration = Duration::from_millis(20);
+
+/// The mixed scenario: each arrival takes its node's lock (queueing behind
+/// a bind in progress there), holds it [`MIXED_HOLD`], releases it. The
+/// figure is the scheduler-perceived bind latency: arrival → lock granted.
+/// Open loop: arrivals do not wait for earlier binds.
+pub async fn mixed(client: &Client, arrivals: &[Arrival], tag: &str) -> Run {
+    let started = Instant::now();
+    let mut tasks = Vec::new();
+    for (n, arrival) in arrivals.iter().copied().enumerate() {
+        let client = client.clone();
+        let key = LockKey {
+            scope: "bench".into(),
+            name: format!("{tag}-node-{}", arrival.node),
+        };
+        let owner = pod(format!("{tag}-b{n}"));
+        tasks.push(tokio::spawn(async move {
+            tokio::time::sleep_until((started + arrival.at).into()).await;
+            let arrived = Instant::now();
+            let mut run = Run::default();
+            match client
+                .acquire(&key, &owner, Vec::new(), Duration::from_secs(60), 0)
+                .await
+            {
+                Ok(held) => {
+                    run.pair_latency.push(arrived.elapsed());
+                    tokio::time::sleep(MIXED_HOLD).await;
+                    match held.release(Outcome::Allocated).await {
+                        Ok(_) => run.pairs += 1,
+                        Err(e) => {
+                            run.errors += 1;
+                            run.first_error = Some(e.to_string());
+                        }
+                    }
+                }
+                Err(e) => {
+                    run.errors += 1;
+                    run.first_error = Some(e.to_string());
+                }
+            }
+            run
+        }));
+    }
+    let mut total = Run::default();
+    for task in tasks {
+        let run = task.await.expect("bind");
+        total.pairs += run.pairs;
+        total.errors += run.errors;
+        total.first_error = total.first_error.or(run.first_error);
+        total.pair_latency.extend(run.pair_latency);
+    }
+    total.elapsed = started.elapsed();
+    total
+}
