@@ -528,7 +528,18 @@ impl ProcessCluster {
             return Ok(None);
         }
         let client = self.client_with(Duration::from_secs(30));
-        let voters = self.voters(&client).await;
+        // Right after a crash or a partition heals there may be no leader
+        // for an election timeout, and then no membership to read.
+        let leader = self
+            .wait_for_leader(Duration::from_secs(30))
+            .await
+            .context("replacing a member needs a leader")?;
+        let voters: Vec<u64> = leader
+            .members
+            .iter()
+            .filter(|m| m.voter)
+            .map(|m| m.node_id)
+            .collect();
         anyhow::ensure!(voters.contains(&old), "{old} is not a voter of {voters:?}");
         let remaining: Vec<u64> = voters.iter().copied().filter(|v| *v != old).collect();
         client
