@@ -10,7 +10,6 @@ use std::time::{Duration, Instant};
 use tonic::transport::{Channel, Endpoint};
 
 use crate::cluster::free_port;
-use crate::stats::Samples;
 use crate::workload::Run;
 
 /// etcd's generated API subset.
@@ -200,19 +199,7 @@ async fn run(
             run
         }));
     }
-    let mut total = Run {
-        handover: Samples::default(),
-        ..Run::default()
-    };
-    for task in tasks {
-        let run = task.await.expect("worker");
-        total.pairs += run.pairs;
-        total.errors += run.errors;
-        total.pair_latency.extend(run.pair_latency);
-        total.handover.extend(run.handover);
-    }
-    total.elapsed = started.elapsed();
-    total
+    Run::gather(tasks, started).await
 }
 
 /// The mixed scenario on etcd: the same arrivals, each taking its node's
@@ -258,13 +245,5 @@ pub async fn mixed(channel: &Channel, arrivals: &[crate::workload::Arrival], tag
             run
         }));
     }
-    let mut total = Run::default();
-    for task in tasks {
-        let run = task.await.expect("bind");
-        total.pairs += run.pairs;
-        total.errors += run.errors;
-        total.pair_latency.extend(run.pair_latency);
-    }
-    total.elapsed = started.elapsed();
-    total
+    Run::gather(tasks, started).await
 }

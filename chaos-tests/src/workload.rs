@@ -28,6 +28,21 @@ pub struct Run {
 }
 
 impl Run {
+    /// The sum of the workers' runs, timed from `started`.
+    pub async fn gather(tasks: Vec<tokio::task::JoinHandle<Run>>, started: Instant) -> Run {
+        let mut total = Run::default();
+        for task in tasks {
+            let run = task.await.expect("a workload task");
+            total.pairs += run.pairs;
+            total.errors += run.errors;
+            total.first_error = total.first_error.or(run.first_error);
+            total.pair_latency.extend(run.pair_latency);
+            total.handover.extend(run.handover);
+        }
+        total.elapsed = started.elapsed();
+        total
+    }
+
     /// Pairs per second.
     pub fn rate(&self) -> f64 {
         self.pairs as f64 / self.elapsed.as_secs_f64().max(1e-9)
@@ -78,16 +93,7 @@ pub async fn uncontended(client: &Client, clients: usize, duration: Duration, ta
             run
         }));
     }
-    let mut total = Run::default();
-    for task in tasks {
-        let run = task.await.expect("worker");
-        total.pairs += run.pairs;
-        total.errors += run.errors;
-        total.first_error = total.first_error.or(run.first_error);
-        total.pair_latency.extend(run.pair_latency);
-    }
-    total.elapsed = started.elapsed();
-    total
+    Run::gather(tasks, started).await
 }
 
 /// `clients` workers all on one lock, for `duration`: each waits its turn,
@@ -134,17 +140,7 @@ pub async fn contended(client: &Client, clients: usize, duration: Duration, tag:
             run
         }));
     }
-    let mut total = Run::default();
-    for task in tasks {
-        let run = task.await.expect("worker");
-        total.pairs += run.pairs;
-        total.errors += run.errors;
-        total.first_error = total.first_error.or(run.first_error);
-        total.pair_latency.extend(run.pair_latency);
-        total.handover.extend(run.handover);
-    }
-    total.elapsed = started.elapsed();
-    total
+    Run::gather(tasks, started).await
 }
 
 /// One bind of the mixed scenario: when it arrives (from the start of the
@@ -221,14 +217,5 @@ pub async fn mixed(client: &Client, arrivals: &[Arrival], tag: &str) -> Run {
             run
         }));
     }
-    let mut total = Run::default();
-    for task in tasks {
-        let run = task.await.expect("bind");
-        total.pairs += run.pairs;
-        total.errors += run.errors;
-        total.first_error = total.first_error.or(run.first_error);
-        total.pair_latency.extend(run.pair_latency);
-    }
-    total.elapsed = started.elapsed();
-    total
+    Run::gather(tasks, started).await
 }

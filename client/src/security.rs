@@ -2,7 +2,6 @@
 //! shared by `lockctl`, the device plugin, the extender and the bridge.
 
 use std::path::PathBuf;
-use std::sync::Arc;
 use std::time::Duration;
 
 use tether_tls::{TlsFiles, TlsMaterial};
@@ -56,12 +55,5 @@ impl SecurityArgs {
             options.bearer_token = Some(token.to_string());
         }
         Ok(())
-    }
-
-    /// Loaded material, for callers that build their own options.
-    pub fn tls(&self) -> Result<Option<Arc<TlsMaterial>>> {
-        let mut options = Options::default();
-        self.apply(&mut options)?;
-        Ok(options.tls)
     }
 }

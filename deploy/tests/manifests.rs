@@ -8,7 +8,6 @@
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
 
-use clap::CommandFactory;
 use k8s_openapi::api::apps::v1::{Deployment, StatefulSet};
 use k8s_openapi::api::core::v1::{ConfigMap, Container, Service, ServiceAccount};
 use k8s_openapi::api::networking::v1::NetworkPolicy;
@@ -83,13 +82,8 @@ fn flags(command: clap::Command) -> BTreeMap<String, (String, bool)> {
 
 /// Checks that every `env` entry is a flag of the binary and that the
 /// binary accepts the values (by parsing them as the flags they stand for).
-fn check_env(
-    what: &str,
-    env: &[(String, String)],
-    command: clap::Command,
-    parse: impl Fn(Vec<String>) -> Result<(), String>,
-) {
-    let known = flags(command);
+fn check_env<P: clap::Parser>(what: &str, env: &[(String, String)]) {
+    let known = flags(P::command());
     let mut args = vec![what.to_string()];
     for (key, value) in env {
         if key == "RUST_LOG" {
@@ -106,7 +100,9 @@ fn check_env(
             (false, _) => args.push(format!("--{long}={value}")),
         }
     }
-    parse(args.clone()).unwrap_or_else(|e| panic!("{what} refuses {args:?}: {e}"));
+    if let Err(e) = P::try_parse_from(args.clone()) {
+        panic!("{what} refuses {args:?}: {e}");
+    }
 }
 
 fn env_of(container: &Container) -> Vec<(String, String)> {
@@ -317,11 +313,7 @@ fn every_overlay_renders_to_valid_consistent_objects() {
         assert_eq!(Some(from.name.as_str()), config.metadata.name.as_deref());
         let mut all = env.clone();
         all.extend(config.data.clone().unwrap_or_default());
-        check_env("tetherd", &all, tether_server::Config::command(), |args| {
-            <tether_server::Config as clap::Parser>::try_parse_from(args)
-                .map(drop)
-                .map_err(|e| e.to_string())
-        });
+        check_env::<tether_server::Config>("tetherd", &all);
 
         // PDB and NetworkPolicy select the pods; the policy admits the
         // replicas, labelled clients, and nothing on ports tetherd lacks.
@@ -409,16 +401,7 @@ fn every_overlay_renders_to_valid_consistent_objects() {
                 ports["grpc"]
             )
         );
-        check_env(
-            "tether-bridge",
-            &bridge_env,
-            tether_k8s_bridge::config::BridgeConfig::command(),
-            |args| {
-                <tether_k8s_bridge::config::BridgeConfig as clap::Parser>::try_parse_from(args)
-                    .map(drop)
-                    .map_err(|e| e.to_string())
-            },
-        );
+        check_env::<tether_k8s_bridge::config::BridgeConfig>("tether-bridge", &bridge_env);
     }
 }
 
@@ -630,22 +613,9 @@ fn the_optional_tls_certificates_and_patch_fit_the_manifests() {
             container["env"][0]["value"].as_str().unwrap().to_string(),
         )];
         if role == "replica" {
-            check_env("tetherd", &env, tether_server::Config::command(), |args| {
-                <tether_server::Config as clap::Parser>::try_parse_from(args)
-                    .map(drop)
-                    .map_err(|e| e.to_string())
-            });
+            check_env::<tether_server::Config>("tetherd", &env);
         } else {
-            check_env(
-                "tether-bridge",
-                &env,
-                tether_k8s_bridge::config::BridgeConfig::command(),
-                |args| {
-                    <tether_k8s_bridge::config::BridgeConfig as clap::Parser>::try_parse_from(args)
-                        .map(drop)
-                        .map_err(|e| e.to_string())
-                },
-            );
+            check_env::<tether_k8s_bridge::config::BridgeConfig>("tether-bridge", &env);
         }
     }
 }

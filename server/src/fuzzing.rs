@@ -201,6 +201,35 @@ pub fn stored(data: &[u8]) -> bool {
     }
 }
 
+/// xorshift64*: small seeded pseudo-random numbers, so a seed replays the
+/// same run (the state machine's property test, `tether-fuzz`). The seed
+/// must not be 0.
+pub struct XorShift(pub u64);
+
+impl XorShift {
+    /// The next 64 bits.
+    pub fn next_u64(&mut self) -> u64 {
+        self.0 ^= self.0 >> 12;
+        self.0 ^= self.0 << 25;
+        self.0 ^= self.0 >> 27;
+        self.0.wrapping_mul(0x2545_F491_4F6C_DD1D)
+    }
+
+    /// Uniform in `0..n` (`n` > 0).
+    pub fn below(&mut self, n: u64) -> u64 {
+        self.next_u64() % n
+    }
+
+    /// An index in `0..len`; 0 when `len` is 0.
+    pub fn index(&mut self, len: usize) -> usize {
+        if len == 0 {
+            0
+        } else {
+            self.below(len as u64) as usize
+        }
+    }
+}
+
 /// Reads choices from the fuzz input; zeros once it runs out.
 struct Choices<'a> {
     data: &'a [u8],

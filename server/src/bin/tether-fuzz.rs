@@ -16,7 +16,7 @@ use std::process::ExitCode;
 use std::time::{Duration, Instant};
 
 use clap::Parser;
-use tether_server::fuzzing::{TARGETS, run, seed_inputs};
+use tether_server::fuzzing::{TARGETS, XorShift, run, seed_inputs};
 
 #[derive(Parser, Debug)]
 #[command(
@@ -58,78 +58,58 @@ struct Args {
     replay: Option<PathBuf>,
 }
 
-/// xorshift64*: small, seeded, reproducible.
-struct Rng(u64);
-
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 ^= self.0 >> 12;
-        self.0 ^= self.0 << 25;
-        self.0 ^= self.0 >> 27;
-        self.0.wrapping_mul(0x2545_F491_4F6C_DD1D)
-    }
-
-    fn below(&mut self, n: usize) -> usize {
-        if n == 0 {
-            0
-        } else {
-            (self.next() % n as u64) as usize
-        }
-    }
-}
-
 const INTERESTING: [u8; 8] = [0, 1, 0x7f, 0x80, 0xff, 0x0a, 0x12, 0x1a];
 const MAX_LEN: usize = 4096;
 
 /// One to eight edits of an input: bit flips, byte sets, inserts,
 /// deletions, duplications and splices with another pool entry.
-fn mutate(rng: &mut Rng, input: &[u8], pool: &[Vec<u8>]) -> Vec<u8> {
+fn mutate(rng: &mut XorShift, input: &[u8], pool: &[Vec<u8>]) -> Vec<u8> {
     let mut out = input.to_vec();
-    for _ in 0..1 + rng.below(8) {
+    for _ in 0..1 + rng.index(8) {
         let len = out.len();
-        match rng.below(7) {
+        match rng.index(7) {
             0 if len > 0 => {
-                let i = rng.below(len);
-                out[i] ^= 1 << rng.below(8);
+                let i = rng.index(len);
+                out[i] ^= 1 << rng.index(8);
             }
             1 if len > 0 => {
-                let i = rng.below(len);
-                out[i] = if rng.below(2) == 0 {
-                    INTERESTING[rng.below(INTERESTING.len())]
+                let i = rng.index(len);
+                out[i] = if rng.index(2) == 0 {
+                    INTERESTING[rng.index(INTERESTING.len())]
                 } else {
-                    rng.next() as u8
+                    rng.next_u64() as u8
                 };
             }
             2 => {
-                let i = rng.below(len + 1);
-                let n = 1 + rng.below(8);
+                let i = rng.index(len + 1);
+                let n = 1 + rng.index(8);
                 for _ in 0..n {
-                    out.insert(i, rng.next() as u8);
+                    out.insert(i, rng.next_u64() as u8);
                 }
             }
             3 if len > 1 => {
-                let i = rng.below(len);
-                let n = 1 + rng.below((len - i).min(16));
+                let i = rng.index(len);
+                let n = 1 + rng.index((len - i).min(16));
                 out.drain(i..i + n);
             }
             4 if len > 1 => {
-                let i = rng.below(len);
-                let n = 1 + rng.below((len - i).min(32));
+                let i = rng.index(len);
+                let n = 1 + rng.index((len - i).min(32));
                 let chunk: Vec<u8> = out[i..i + n].to_vec();
-                let at = rng.below(out.len() + 1);
+                let at = rng.index(out.len() + 1);
                 out.splice(at..at, chunk);
             }
             5 if !pool.is_empty() => {
-                let other = &pool[rng.below(pool.len())];
+                let other = &pool[rng.index(pool.len())];
                 if !other.is_empty() {
-                    let from = rng.below(other.len());
-                    let n = 1 + rng.below(other.len() - from);
-                    let at = rng.below(out.len() + 1);
+                    let from = rng.index(other.len());
+                    let n = 1 + rng.index(other.len() - from);
+                    let at = rng.index(out.len() + 1);
                     out.truncate(at);
                     out.extend_from_slice(&other[from..from + n]);
                 }
             }
-            _ => out.push(rng.next() as u8),
+            _ => out.push(rng.next_u64() as u8),
         }
     }
     out.truncate(MAX_LEN);
@@ -182,7 +162,7 @@ fn fuzz(target: &str, args: &Args, seed: u64) -> Outcome {
         pool.push(Vec::new());
     }
     let mut seen: HashSet<u64> = pool.iter().map(|p| hash(p)).collect();
-    let mut rng = Rng(seed.max(1));
+    let mut rng = XorShift(seed.max(1));
     let started = Instant::now();
     let mut executions = 0u64;
     let mut well_formed = 0u64;
@@ -195,7 +175,7 @@ fn fuzz(target: &str, args: &Args, seed: u64) -> Outcome {
         let input = match queue.pop() {
             Some(input) => input,
             None => {
-                let base = &pool[rng.below(pool.len())];
+                let base = &pool[rng.index(pool.len())];
                 mutate(&mut rng, base, &pool)
             }
         };
@@ -222,7 +202,7 @@ fn fuzz(target: &str, args: &Args, seed: u64) -> Outcome {
         // decoders.
         if accepted {
             well_formed += 1;
-            if pool.len() < 4096 && rng.below(16) == 0 && seen.insert(hash(&input)) {
+            if pool.len() < 4096 && rng.index(16) == 0 && seen.insert(hash(&input)) {
                 pool.push(input);
             }
         }

@@ -5,6 +5,8 @@ use std::collections::{BTreeMap, VecDeque};
 use super::affinity::*;
 use super::command::*;
 use super::*;
+// Seeded, so a failing seed replays exactly.
+use crate::fuzzing::XorShift as Rng;
 
 const T0: u64 = 1_000_000;
 
@@ -439,23 +441,6 @@ fn committed_time_never_goes_backwards() {
     m.now -= 500; // a new leader whose clock is behind
     m.run(acquire("b", "u1", 0)).unwrap();
     assert_eq!(m.state.now_ms, T0);
-}
-
-/// Deterministic pseudo-random numbers (xorshift64*), so a failing seed
-/// replays exactly.
-struct Rng(u64);
-
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 ^= self.0 >> 12;
-        self.0 ^= self.0 << 25;
-        self.0 ^= self.0 >> 27;
-        self.0.wrapping_mul(0x2545_F491_4F6C_DD1D)
-    }
-
-    fn below(&mut self, n: u64) -> u64 {
-        self.next() % n
-    }
 }
 
 fn random_command(rng: &mut Rng, m: &Machine) -> Command {
