@@ -12,10 +12,12 @@
 //! - `runner.rs` — one schedule: workload, faults, heal, collect, check.
 //! - `driver.rs` — many schedules across clusters, summed up.
 //! - `trace.rs` — pod-lifecycle trace replay through the bridge's logic.
-//! - `workload.rs`, `stats.rs`, `etcd.rs` — the benchmark's workloads,
-//!   latency statistics and the etcd side of the comparison.
+//! - `workload.rs`, `stats.rs`, `etcd.rs`, `chart.rs` — the benchmark's
+//!   workloads, latency statistics, the etcd side of the comparison and its
+//!   SVG charts.
 //! - `bin/tether-chaos.rs`, `bin/tether-bench.rs` — the two programs.
 
+pub mod chart;
 pub mod checkers;
 pub mod cluster;
 pub mod driver;

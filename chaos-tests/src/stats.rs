@@ -29,6 +29,15 @@ impl Samples {
         self.latencies.is_empty()
     }
 
+    /// All latencies in milliseconds, fastest first (for CDF charts).
+    pub fn sorted_ms(&mut self) -> Vec<f64> {
+        self.latencies.sort_unstable();
+        self.latencies
+            .iter()
+            .map(|d| d.as_secs_f64() * 1000.0)
+            .collect()
+    }
+
     /// The `q` quantile (0.0-1.0), nearest-rank; zero when empty.
     pub fn quantile(&mut self, q: f64) -> Duration {
         if self.latencies.is_empty() {

@@ -6,11 +6,15 @@
 //! in the same run, with the Tether/etcd ratio. Without etcd installed it
 //! prints Tether's figures only.
 //!
+//! With `--charts DIR` it also draws the run as SVG: throughput against
+//! clients, and latency CDFs of each scenario (`chart.rs`).
+//!
 //! `cargo build --release -p tether-server -p tether-chaos && target/release/tether-bench`
 
 use std::time::{Duration, Instant};
 
 use clap::Parser;
+use tether_chaos::chart::{Chart, PALETTE, Scale, Series, cdf_points};
 use tether_chaos::cluster::{ProcessCluster, sibling_binary};
 use tether_chaos::etcd::{self, EtcdCluster};
 use tether_chaos::stats::{Samples, ms};
@@ -50,6 +54,160 @@ struct Args {
     /// The etcd binary (`apt-get install etcd-server`); skipped if absent.
     #[arg(long, default_value = "/usr/bin/etcd")]
     etcd: std::path::PathBuf,
+    /// Write SVG charts of the run into this directory (created if missing).
+    #[arg(long)]
+    charts: Option<std::path::PathBuf>,
+}
+
+/// One scenario's figures for one system, kept for the charts.
+struct Measured {
+    system: &'static str,
+    scenario: &'static str,
+    clients: usize,
+    rate: f64,
+    pair_ms: Vec<f64>,
+    handover_ms: Vec<f64>,
+}
+
+impl Measured {
+    fn of(system: &'static str, scenario: &'static str, clients: usize, run: &mut Run) -> Self {
+        Measured {
+            system,
+            scenario,
+            clients,
+            rate: run.rate(),
+            pair_ms: run.pair_latency.sorted_ms(),
+            handover_ms: run.handover.sorted_ms(),
+        }
+    }
+}
+
+/// Tether solid, etcd dashed.
+fn is_comparison(system: &str) -> bool {
+    system != "tether"
+}
+
+/// Pairs/s against clients, one line per system.
+fn throughput_chart(results: &[Measured], scenario: &str, subtitle: &str) -> Option<Chart> {
+    let rows: Vec<&Measured> = results.iter().filter(|m| m.scenario == scenario).collect();
+    if rows.is_empty() {
+        return None;
+    }
+    let mut series = Vec::new();
+    for (i, system) in ["tether", "etcd"].into_iter().enumerate() {
+        let points: Vec<(f64, f64)> = rows
+            .iter()
+            .filter(|m| m.system == system)
+            .map(|m| (m.clients as f64, m.rate))
+            .collect();
+        if !points.is_empty() {
+            series.push(Series {
+                label: system.to_string(),
+                color: PALETTE[i],
+                dashed: is_comparison(system),
+                markers: true,
+                points,
+            });
+        }
+    }
+    let mut clients: Vec<f64> = rows.iter().map(|m| m.clients as f64).collect();
+    clients.sort_by(f64::total_cmp);
+    clients.dedup();
+    Some(Chart {
+        title: format!("{scenario}: acquire + release pairs per second"),
+        subtitle: subtitle.to_string(),
+        x_label: "clients (log scale)".into(),
+        y_label: "pairs/s".into(),
+        x: Scale::Log {
+            min: clients[0].min(1.0),
+            max: clients[clients.len() - 1].max(2.0),
+        },
+        y: Scale::linear_from_zero(rows.iter().map(|m| m.rate)),
+        x_ticks: Some(clients),
+        series,
+    })
+}
+
+/// Latency CDFs of one scenario: a colour per client count (or rate), Tether
+/// solid and etcd dashed. `handover` picks the hand-over latencies.
+fn cdf_chart(
+    results: &[Measured],
+    scenario: &str,
+    handover: bool,
+    what: &str,
+    per: &str,
+    subtitle: &str,
+) -> Option<Chart> {
+    let rows: Vec<&Measured> = results
+        .iter()
+        .filter(|m| m.scenario == scenario)
+        .filter(|m| !(if handover { &m.handover_ms } else { &m.pair_ms }).is_empty())
+        .collect();
+    if rows.is_empty() {
+        return None;
+    }
+    let mut counts: Vec<usize> = rows.iter().map(|m| m.clients).collect();
+    counts.sort_unstable();
+    counts.dedup();
+    let series = rows
+        .iter()
+        .map(|m| {
+            let color_index = counts.iter().position(|c| *c == m.clients).unwrap_or(0);
+            let sorted = if handover { &m.handover_ms } else { &m.pair_ms };
+            Series {
+                label: format!("{} {} {per}", m.system, m.clients),
+                color: PALETTE[color_index % PALETTE.len()],
+                dashed: is_comparison(m.system),
+                markers: false,
+                points: cdf_points(sorted, 400),
+            }
+        })
+        .collect::<Vec<_>>();
+    let x = Scale::log_decades(series.iter().flat_map(|s| s.points.iter().map(|(x, _)| *x)));
+    Some(Chart {
+        title: format!("{scenario}: {what} latency CDF"),
+        subtitle: subtitle.to_string(),
+        x_label: format!("{what} latency, ms (log scale)"),
+        y_label: "fraction at or below".into(),
+        x,
+        y: Scale::Linear { min: 0.0, max: 1.0 },
+        x_ticks: None,
+        series,
+    })
+}
+
+fn write_charts(dir: &std::path::Path, results: &[Measured], subtitle: &str) -> anyhow::Result<()> {
+    std::fs::create_dir_all(dir)?;
+    let charts = [
+        (
+            "throughput-uncontended.svg",
+            throughput_chart(results, "uncontended", subtitle),
+        ),
+        (
+            "throughput-contended.svg",
+            throughput_chart(results, "contended", subtitle),
+        ),
+        (
+            "latency-cdf-uncontended.svg",
+            cdf_chart(results, "uncontended", false, "pair", "clients", subtitle),
+        ),
+        (
+            "handover-cdf-contended.svg",
+            cdf_chart(results, "contended", true, "hand-over", "clients", subtitle),
+        ),
+        (
+            "latency-cdf-mixed.svg",
+            cdf_chart(results, "mixed", false, "bind", "binds/s", subtitle),
+        ),
+    ];
+    for (file, chart) in charts {
+        if let Some(chart) = chart {
+            let path = dir.join(file);
+            std::fs::write(&path, chart.to_svg())?;
+            println!("chart: {}", path.display());
+        }
+    }
+    Ok(())
 }
 
 /// A synced RocksDB put loop: the floor under any replicated commit here.
@@ -116,6 +274,13 @@ async fn main() -> anyhow::Result<()> {
         ms(floor.quantile(0.5)),
         ms(floor.quantile(0.99))
     );
+    let subtitle = format!(
+        "{} replicas each, loopback, fsync on (floor p50 {} ms), {cores} cores, {:?} per scenario",
+        args.replicas,
+        ms(floor.quantile(0.5)),
+        args.duration
+    );
+    let mut results = Vec::new();
     let tetherd = args
         .tetherd
         .clone()
@@ -185,9 +350,11 @@ async fn main() -> anyhow::Result<()> {
                     Some(ratio),
                 );
                 row("etcd", name, clients, &mut etcd_run, is_contended, None);
+                results.push(Measured::of("etcd", name, clients, &mut etcd_run));
             }
             None => row("tether", name, clients, &mut tether_run, is_contended, None),
         }
+        results.push(Measured::of("tether", name, clients, &mut tether_run));
     }
     for rate in &args.mixed_rates {
         // The same arrivals for both systems.
@@ -202,9 +369,16 @@ async fn main() -> anyhow::Result<()> {
             false,
             None,
         );
+        results.push(Measured::of(
+            "tether",
+            "mixed",
+            *rate as usize,
+            &mut tether_run,
+        ));
         if let Some((_, channel)) = &etcd {
             let mut etcd_run = etcd::mixed(channel, &arrivals, &tag).await;
             row("etcd", "mixed", *rate as usize, &mut etcd_run, false, None);
+            results.push(Measured::of("etcd", "mixed", *rate as usize, &mut etcd_run));
         }
     }
     if !args.mixed_rates.is_empty() {
@@ -214,6 +388,9 @@ async fn main() -> anyhow::Result<()> {
              second, latencies = arrival -> lock granted (what the scheduler waits for)",
             args.mixed_nodes, args.seed
         );
+    }
+    if let Some(dir) = &args.charts {
+        write_charts(dir, &results, &subtitle)?;
     }
     Ok(())
 }
