@@ -36,6 +36,8 @@ pub struct ClusterSpec {
     /// FAILPOINTS for every start that does not set its own (a
     /// `failpoints` build only).
     pub failpoints: Option<String>,
+    /// RUST_LOG of the replicas (`None` = warnings only).
+    pub log_filter: Option<String>,
 }
 
 /// One id's ports and process.
@@ -111,6 +113,7 @@ impl ProcessCluster {
             proxied: false,
             extra_args: Vec::new(),
             failpoints: None,
+            log_filter: None,
         })
         .await
     }
@@ -178,7 +181,8 @@ impl ProcessCluster {
         format!("127.0.0.1:{}", self.replicas[&id].port)
     }
 
-    fn data_dir(&self, id: u64) -> PathBuf {
+    /// Where `id` keeps its data.
+    pub fn data_dir(&self, id: u64) -> PathBuf {
         self.dir.path().join(format!("d{id}"))
     }
 
@@ -220,7 +224,10 @@ impl ProcessCluster {
             .arg(format!("--data-dir={}", self.data_dir(id).display()))
             .arg(format!("--initial-members={}", self.initial_members))
             .args(&self.spec.extra_args)
-            .env("RUST_LOG", "warn")
+            .env(
+                "RUST_LOG",
+                self.spec.log_filter.as_deref().unwrap_or("warn"),
+            )
             .env_remove("FAILPOINTS")
             .stdout(Stdio::null())
             .stderr(self.log_file(id)?);
@@ -279,6 +286,14 @@ impl ProcessCluster {
             .filter(|(_, r)| r.child.is_some() && !r.paused)
             .map(|(id, _)| *id)
             .collect()
+    }
+
+    /// The process id of `id`'s running `tetherd`.
+    pub fn pid(&self, id: u64) -> Option<u32> {
+        self.replicas
+            .get(&id)
+            .and_then(|r| r.child.as_ref())
+            .map(|c| c.id())
     }
 
     /// `kill -9`.

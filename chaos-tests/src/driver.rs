@@ -169,6 +169,7 @@ pub async fn chaos_cluster(
             "--keep-logs-after-snapshot=50".into(),
         ],
         failpoints,
+        log_filter: None,
     })
     .await?;
     // The nodes the pin assigner places pins on, once per cluster.

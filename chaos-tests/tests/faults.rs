@@ -18,6 +18,7 @@ async fn cluster() -> ProcessCluster {
             "--election-timeout=300ms".into(),
         ],
         failpoints: None,
+        log_filter: None,
     })
     .await
     .expect("a 3-replica cluster")

@@ -98,21 +98,59 @@ mod age_retention {
         let entries = (1..=10u64).map(|index| super::acquire_entry(index, index * 1000));
         sm.apply(entries).await.unwrap();
         // Keep 3.5 s of history at committed time 10 s: entries 7..=10.
-        sm.set_event_retention(EventRetention {
-            entries: 1_000,
-            age_ms: 3_500,
-        });
-        sm.get_snapshot_builder()
-            .await
-            .build_snapshot()
-            .await
-            .unwrap();
+        snapshot_keeping(&mut sm, 3_500).await;
         let kept: Vec<u64> = read_events(&db, Revision { index: 0, sub: 0 }, 100)
             .unwrap()
             .iter()
             .map(|e| e.revision.index)
             .collect();
         assert_eq!(kept, vec![7, 8, 9, 10]);
+        assert_eq!(events_first_index(&db).unwrap(), 7);
+    }
+
+    /// Builds a snapshot keeping events younger than `age_ms`.
+    async fn snapshot_keeping(sm: &mut store::StateMachineStore, age_ms: u64) {
+        sm.set_event_retention(EventRetention {
+            entries: 1_000,
+            age_ms,
+        });
+        sm.get_snapshot_builder()
+            .await
+            .build_snapshot()
+            .await
+            .unwrap();
+    }
+
+    /// Entries without events (elections, membership) below the retention
+    /// window do not make a watch from before them "compacted": only a
+    /// deleted event does, and then one past the newest deleted one.
+    #[tokio::test]
+    async fn a_watch_from_revision_one_misses_nothing_until_an_event_is_deleted() {
+        use openraft::{CommittedLeaderId, EntryPayload, LogId};
+        let dir = tempfile::tempdir().unwrap();
+        let (db, _log, mut sm) = store::open(dir.path()).await.unwrap();
+        // Entries 1-3 carry no events; 4-6 and 9-10 do; 7-8 carry none.
+        let blank = |index| tether_server::raft::Entry {
+            log_id: LogId::new(CommittedLeaderId::new(1, 1), index),
+            payload: EntryPayload::Blank,
+        };
+        let entries = (1..=10u64).map(|index| match index {
+            1..=3 | 7 | 8 => blank(index),
+            _ => super::acquire_entry(index, index * 1000),
+        });
+        sm.apply(entries).await.unwrap();
+        // Everything is young: nothing deleted, a watch may start anywhere.
+        snapshot_keeping(&mut sm, 60_000).await;
+        assert_eq!(events_first_index(&db).unwrap(), 0);
+        // Keep 1.5 s at committed time 10 s: events of 4-6 go; the newest
+        // deleted was at 6, so a watch from 7 (no events at 7-8) is whole.
+        snapshot_keeping(&mut sm, 1_500).await;
+        let kept: Vec<u64> = read_events(&db, Revision { index: 0, sub: 0 }, 100)
+            .unwrap()
+            .iter()
+            .map(|e| e.revision.index)
+            .collect();
+        assert_eq!(kept, vec![9, 10]);
         assert_eq!(events_first_index(&db).unwrap(), 7);
     }
 }

@@ -45,7 +45,7 @@ type WatchItem = std::result::Result<pb::WatchResponse, Status>;
 
 fn compacted(start: Revision, first: u64) -> Status {
     let mut status = Status::out_of_range(format!(
-        "revision {}.{} is compacted: the oldest retained event is at log index {first}; re-list \
+        "revision {}.{} is compacted: events before log index {first} have been deleted; re-list \
          the state, then watch from revision {first}",
         start.index, start.sub
     ));

@@ -22,6 +22,13 @@ pub fn event_key(revision: Revision) -> [u8; 12] {
     key
 }
 
+/// The revision of an `events` key (None if it is not one).
+pub fn event_revision(key: &[u8]) -> Option<Revision> {
+    let index = u64::from_be_bytes(key.get(..8)?.try_into().ok()?);
+    let sub = u32::from_be_bytes(key.get(8..12)?.try_into().ok()?);
+    Some(Revision { index, sub })
+}
+
 /// Prefix of lock records in `sm`.
 pub const LOCK_PREFIX: &[u8] = b"l/";
 /// Prefix of TTL lease records in `sm`.

@@ -133,8 +133,13 @@ impl SnapshotGate {
 /// returned `Arc<DB>` lets the owner wait until Raft has let go of the
 /// database (RocksDB allows one opener per directory).
 pub async fn open(dir: &Path) -> Result<(Arc<DB>, LogStore, StateMachineStore), StorageError> {
+    let started = std::time::Instant::now();
     let db = open_db(dir).map_err(|e| err::read_state_machine(&e))?;
     let sm = StateMachineStore::load(db.clone())?;
+    tracing::info!(
+        elapsed_ms = started.elapsed().as_millis() as u64,
+        "database opened and state loaded"
+    );
     let log = LogStore::new(db.clone(), sm.snapshot_gate());
     Ok((db, log, sm))
 }

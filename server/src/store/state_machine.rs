@@ -366,6 +366,7 @@ pub struct SnapshotBuilder {
 
 impl RaftSnapshotBuilder<TypeConfig> for SnapshotBuilder {
     async fn build_snapshot(&mut self) -> Result<Snapshot<TypeConfig>, StorageError> {
+        let started = std::time::Instant::now();
         let (data, last_applied, membership, now_ms) = {
             let applied = self.handle.read();
             let file = SnapshotFile {
@@ -403,8 +404,14 @@ impl RaftSnapshotBuilder<TypeConfig> for SnapshotBuilder {
         let applied = last_applied.map_or(0, |l| l.index);
         let first_kept = self.retention.first_kept(&self.db, applied, now_ms)?;
         if first_kept > events_first_index(&self.db)? {
-            compact_events(&self.db, first_kept)?;
+            compact_events(&self.db, first_kept, Compaction::Retention)?;
         }
+        tracing::info!(
+            index = applied,
+            bytes = stored.data.len(),
+            elapsed_ms = started.elapsed().as_millis() as u64,
+            "snapshot built"
+        );
         Ok(Snapshot {
             meta,
             snapshot: Box::new(Cursor::new(stored.data)),
@@ -523,11 +530,12 @@ impl StateMachineStore {
         data: Vec<u8>,
     ) -> Result<(), StorageError> {
         fail::fail_point!("sm-install-snapshot-before");
+        let started = std::time::Instant::now();
         self.restore(&data)?;
         // This replica never applied the entries the snapshot covers, so it has
         // none of their events: its event history starts after the snapshot.
         let covered = meta.last_log_id.map_or(0, |l| l.index);
-        compact_events(&self.db, covered + 1)?;
+        compact_events(&self.db, covered + 1, Compaction::SnapshotInstalled)?;
         let stored = StoredSnapshot {
             meta: meta.clone(),
             data,
@@ -536,6 +544,12 @@ impl StateMachineStore {
             .put_cf_opt(cf(&self.db, CF_META), SNAPSHOT, encode(&stored), &synced())
             .map_err(|e| err::write_snapshot(Some(meta.signature()), &e))?;
         fail::fail_point!("sm-install-snapshot-after");
+        tracing::info!(
+            index = covered,
+            bytes = stored.data.len(),
+            elapsed_ms = started.elapsed().as_millis() as u64,
+            "snapshot installed"
+        );
         Ok(())
     }
 }
@@ -610,22 +624,56 @@ pub fn read_events(db: &DB, from: sm::Revision, limit: usize) -> Result<Vec<Even
     Ok(out)
 }
 
-/// Deletes events of log indexes below `first_kept` and records it as the
-/// oldest retained index.
-fn compact_events(db: &DB, first_kept: u64) -> Result<(), StorageError> {
+/// Why events below an index go.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Compaction {
+    /// Retention: this replica holds every event below the index, and the
+    /// ones deleted are exactly those it had.
+    Retention,
+    /// A snapshot covering everything below the index was installed: this
+    /// replica never had those entries' events, whatever they were.
+    SnapshotInstalled,
+}
+
+/// Deletes events of log indexes below `first_kept` and records from where
+/// a watch misses nothing (see [`events_first_index`]). After retention
+/// that is one past the newest deleted event — not `first_kept`, so a
+/// watch from revision 1 of a cluster whose first entries had no events
+/// (elections, membership) is not told it missed any.
+fn compact_events(db: &DB, first_kept: u64, why: Compaction) -> Result<(), StorageError> {
     let start = keys::event_key(sm::Revision { index: 0, sub: 0 });
     let end = keys::event_key(sm::Revision {
         index: first_kept,
         sub: 0,
     });
+    let boundary = match why {
+        Compaction::SnapshotInstalled => first_kept,
+        Compaction::Retention => {
+            let newest_deleted = db
+                .iterator_cf(
+                    cf(db, CF_EVENTS),
+                    IteratorMode::From(&end, rocksdb::Direction::Reverse),
+                )
+                .map(|item| item.map_err(sm_read_err))
+                .find(|item| item.as_ref().map_or(true, |(key, _)| key[..] < end[..]))
+                .transpose()?;
+            match newest_deleted {
+                Some((key, _)) => keys::event_revision(&key).map_or(first_kept, |r| r.index + 1),
+                None => 0,
+            }
+        }
+    };
     db.delete_range_cf(cf(db, CF_EVENTS), start, end)
         .map_err(sm_write_err)?;
-    let first = events_first_index(db)?.max(first_kept);
+    let first = events_first_index(db)?.max(boundary);
     db.put_cf_opt(cf(db, CF_META), EVENTS_FIRST, encode(&first), &synced())
         .map_err(sm_write_err)
 }
 
-/// Log index of the oldest retained event (0 = nothing was ever compacted).
+/// The lowest log index a watch or history may start from without missing
+/// a deleted event (0 = none was ever deleted). Events from it on are all
+/// retained; below it, some were deleted by retention or were never here
+/// (the replica installed a snapshot covering them).
 pub fn events_first_index(db: &DB) -> Result<u64, StorageError> {
     match db
         .get_cf(cf(db, CF_META), EVENTS_FIRST)
