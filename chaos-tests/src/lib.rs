@@ -15,7 +15,8 @@
 //! - `workload.rs`, `stats.rs`, `etcd.rs`, `chart.rs` — the benchmark's
 //!   workloads, latency statistics, the etcd side of the comparison and its
 //!   SVG charts.
-//! - `bin/tether-chaos.rs`, `bin/tether-bench.rs` — the two programs.
+//! - `bin/tether-chaos.rs`, `bin/tether-bench.rs`, `bin/tether-scale.rs` —
+//!   the chaos program, the benchmark and the scale run.
 
 pub mod chart;
 pub mod checkers;

@@ -156,6 +156,20 @@ pub(crate) fn replica_unusable(status: &Status) -> bool {
     }
 }
 
+/// Reads a server stream whose last message has arrived to its end, in the
+/// background (the server closes an acquire stream right after the grant,
+/// and the caller need not wait for that). Dropping it unread resets the
+/// stream while its end is still in flight; with 256 acquires at once on
+/// one connection the bench then saw about 200 calls at a time fail with
+/// ENHANCE_YOUR_CALM ("resource exhausted: h2 protocol error"), the code
+/// HTTP/2 closes a connection with after too many stream resets. Reading
+/// the streams to their end, those failures stopped (six runs, none).
+fn drain_finished_stream<T: Send + 'static>(mut stream: tonic::Streaming<T>) {
+    tokio::spawn(async move {
+        let _ = tokio::time::timeout(Duration::from_secs(5), stream.message()).await;
+    });
+}
+
 /// Parses `scope/name`.
 pub fn parse_lock_key(text: &str) -> Result<LockKey> {
     match text.split_once('/') {
@@ -437,6 +451,7 @@ impl Client {
                         .filter(|_| message.state == pb::acquire_response::State::Granted as i32)
                     {
                         on_progress(AcquireProgress::Granted(hold.clone()));
+                        drain_finished_stream(stream);
                         return Ok(hold);
                     }
                     on_progress(AcquireProgress::Queued(message.queue_position));

@@ -46,7 +46,7 @@ fn pin() -> Pin {
         node: "node-7".into(),
         pinned_at_ms: 1_790_000_000_000,
         pod_uid: "a".into(),
-        labels: BTreeMap::from([("app".into(), "slurmd".into())]),
+        labels: BTreeMap::from([("app".into(), "slurmd".into())]).into(),
         lifetime_ms: 600_000,
         last_running_at_ms: 1_790_000_000_001,
         owner: OwnerState::Running,

@@ -363,7 +363,7 @@ async fn main() -> anyhow::Result<()> {
         .map(|_| started.elapsed())?;
     println!(
         "cluster restart: all {} replicas killed (-9) and started; a leader after {}, a linearizable read answered after {} \
-         (includes the election timeout, 1-2 s by default)",
+         (an election included)",
         args.replicas,
         secs(leader_after),
         secs(serving)

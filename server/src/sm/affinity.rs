@@ -12,7 +12,7 @@ use std::fmt;
 use serde::{Deserialize, Serialize};
 
 use super::State;
-use super::types::PinKey;
+use super::types::{Labels, PinKey};
 
 /// The topology key that means "the node itself".
 pub const HOSTNAME_TOPOLOGY: &str = "kubernetes.io/hostname";
@@ -51,14 +51,33 @@ pub struct LabelSelector {
     pub match_expressions: Vec<Requirement>,
 }
 
+/// What a selector reads labels from: a pin's stored [`Labels`] or the
+/// labels of a pin being assigned.
+pub trait LabelLookup {
+    /// The value of `key`.
+    fn label(&self, key: &str) -> Option<&String>;
+}
+
+impl LabelLookup for BTreeMap<String, String> {
+    fn label(&self, key: &str) -> Option<&String> {
+        self.get(key)
+    }
+}
+
+impl LabelLookup for Labels {
+    fn label(&self, key: &str) -> Option<&String> {
+        self.get(key)
+    }
+}
+
 impl LabelSelector {
     /// Whether `labels` satisfy the selector.
-    pub fn matches(&self, labels: &BTreeMap<String, String>) -> bool {
+    pub fn matches(&self, labels: &impl LabelLookup) -> bool {
         self.match_labels
             .iter()
-            .all(|(k, v)| labels.get(k) == Some(v))
+            .all(|(k, v)| labels.label(k) == Some(v))
             && self.match_expressions.iter().all(|r| {
-                let value = labels.get(&r.key);
+                let value = labels.label(&r.key);
                 match r.op {
                     SelectorOp::In => value.is_some_and(|v| r.values.contains(v)),
                     SelectorOp::NotIn => value.is_none_or(|v| !r.values.contains(v)),
@@ -304,7 +323,7 @@ mod tests {
             node: node.into(),
             pinned_at_ms: 0,
             pod_uid: String::new(),
-            labels: labels(&[("app", app)]),
+            labels: labels(&[("app", app)]).into(),
             lifetime_ms: 0,
             last_running_at_ms: 0,
             owner: OwnerState::Unknown,

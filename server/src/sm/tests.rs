@@ -908,3 +908,22 @@ fn replay_is_deterministic() {
     };
     assert_eq!(run(42), run(42));
 }
+
+#[test]
+fn pin_labels_are_stored_exactly_as_the_map_they_replaced() {
+    let map = BTreeMap::from([
+        ("zone".to_string(), "a".to_string()),
+        ("app".to_string(), "db".to_string()),
+    ]);
+    let labels = Labels::from(map.clone());
+    // Same bytes: logs and snapshots written before the change still read.
+    assert_eq!(crate::store::encode(&labels), crate::store::encode(&map));
+    let read: Labels = crate::store::decode(&crate::store::encode(&map)).unwrap();
+    assert_eq!(read, labels);
+    assert_eq!(labels.get("app").map(String::as_str), Some("db"));
+    assert_eq!(labels.get("zone").map(String::as_str), Some("a"));
+    assert_eq!(labels.get("tier"), None);
+    let keys: Vec<&str> = labels.iter().map(|(k, _)| k.as_str()).collect();
+    assert_eq!(keys, ["app", "zone"]);
+    assert_eq!((labels.len(), Labels::default().is_empty()), (2, true));
+}

@@ -64,9 +64,11 @@ impl StateHandle {
     }
 }
 
-/// The serialized form of a snapshot.
+/// The serialized form of a snapshot. `S` is the state, owned when read
+/// and borrowed when written (a snapshot is encoded straight from the
+/// applied state, without copying it first).
 #[derive(Debug, PartialEq, Serialize, Deserialize)]
-pub struct SnapshotFile {
+pub struct SnapshotFile<S = State> {
     /// [`FORMAT_VERSION`] of the writer.
     pub format_version: u16,
     /// Last log id the snapshot covers.
@@ -74,7 +76,7 @@ pub struct SnapshotFile {
     /// Membership as of `last_applied`.
     pub membership: StoredMembership,
     /// The domain state, dedupe table included.
-    pub state: State,
+    pub state: S,
 }
 
 impl SnapshotFile {
@@ -368,12 +370,15 @@ impl RaftSnapshotBuilder<TypeConfig> for SnapshotBuilder {
     async fn build_snapshot(&mut self) -> Result<Snapshot<TypeConfig>, StorageError> {
         let started = std::time::Instant::now();
         let (data, last_applied, membership, now_ms) = {
+            // Encoded under the read lock rather than from a copy: a copy of
+            // 100k pins doubled the replica's peak memory in the scale run,
+            // and copying takes about as long as encoding.
             let applied = self.handle.read();
             let file = SnapshotFile {
                 format_version: FORMAT_VERSION,
                 last_applied: applied.last_applied,
                 membership: applied.membership.clone(),
-                state: applied.state.clone(),
+                state: &applied.state,
             };
             (
                 encode(&file),

@@ -76,7 +76,7 @@ impl Assign {
             pinned_at_ms: now,
             owner: owner_state(&txn.state.pods, &self.pod_uid),
             pod_uid: self.pod_uid,
-            labels: self.labels,
+            labels: self.labels.into(),
             lifetime_ms: self.lifetime_ms,
             last_running_at_ms: now,
         };
