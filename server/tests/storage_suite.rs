@@ -99,13 +99,18 @@ mod age_retention {
         sm.apply(entries).await.unwrap();
         // Keep 3.5 s of history at committed time 10 s: entries 7..=10.
         snapshot_keeping(&mut sm, 3_500).await;
-        let kept: Vec<u64> = read_events(&db, Revision { index: 0, sub: 0 }, 100)
+        let kept = retained_indexes(&db);
+        assert_eq!(kept, vec![7, 8, 9, 10]);
+        assert_eq!(events_first_index(&db).unwrap(), 7);
+    }
+
+    /// Log indexes of the retained events, oldest first.
+    fn retained_indexes(db: &rocksdb::DB) -> Vec<u64> {
+        read_events(db, Revision { index: 0, sub: 0 }, 100)
             .unwrap()
             .iter()
             .map(|e| e.revision.index)
-            .collect();
-        assert_eq!(kept, vec![7, 8, 9, 10]);
-        assert_eq!(events_first_index(&db).unwrap(), 7);
+            .collect()
     }
 
     /// Builds a snapshot keeping events younger than `age_ms`.
@@ -145,11 +150,7 @@ mod age_retention {
         // Keep 1.5 s at committed time 10 s: events of 4-6 go; the newest
         // deleted was at 6, so a watch from 7 (no events at 7-8) is whole.
         snapshot_keeping(&mut sm, 1_500).await;
-        let kept: Vec<u64> = read_events(&db, Revision { index: 0, sub: 0 }, 100)
-            .unwrap()
-            .iter()
-            .map(|e| e.revision.index)
-            .collect();
+        let kept = retained_indexes(&db);
         assert_eq!(kept, vec![9, 10]);
         assert_eq!(events_first_index(&db).unwrap(), 7);
     }

@@ -160,6 +160,15 @@ fn secs(d: Duration) -> String {
     format!("{:.2} s", d.as_secs_f64())
 }
 
+/// One filling step's line: how many, how long, how many per second.
+fn print_rate(what: &str, count: u64, took: Duration) {
+    println!(
+        "{what}: {count} in {} ({:.0}/s)",
+        secs(took),
+        count as f64 / took.as_secs_f64()
+    );
+}
+
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
     let args = Args::parse();
@@ -213,11 +222,7 @@ async fn main() -> anyhow::Result<()> {
         }
     })
     .await?;
-    println!(
-        "nodes: {nodes} registered in {} ({:.0}/s)",
-        secs(took),
-        nodes as f64 / took.as_secs_f64()
-    );
+    print_rate("nodes registered", nodes, took);
 
     // Pins: 100 members per set, each on one node, permanent (one event each).
     let took = parallel(args.pins, args.concurrency, {
@@ -245,12 +250,7 @@ async fn main() -> anyhow::Result<()> {
         }
     })
     .await?;
-    println!(
-        "pins: {} assigned in {} ({:.0}/s)",
-        args.pins,
-        secs(took),
-        args.pins as f64 / took.as_secs_f64()
-    );
+    print_rate("pins assigned", args.pins, took);
 
     // Lock pairs on the nodes' locks (two events each), no contention.
     let pairs = args.events.saturating_sub(2 * nodes + args.pins) / 2;
@@ -277,11 +277,7 @@ async fn main() -> anyhow::Result<()> {
         }
     })
     .await?;
-    println!(
-        "lock pairs: {pairs} in {} ({:.0}/s)",
-        secs(took),
-        pairs as f64 / took.as_secs_f64()
-    );
+    print_rate("lock pairs", pairs, took);
     let leader = cluster.wait_converged(Duration::from_secs(120)).await?;
     println!(
         "filled: leader {} applied index {}, last snapshot at {}",
