@@ -17,7 +17,7 @@ use super::Ctx;
 use super::convert::{event_to, revision_to};
 use crate::error::{ApiError, Result};
 use crate::sm::Revision;
-use crate::store::{events_first_index, read_events};
+use crate::store::read_events;
 
 /// Events read from RocksDB per batch.
 const BATCH: usize = 256;
@@ -135,17 +135,6 @@ async fn follow(
                 return;
             }
         };
-        let first = match events_first_index(&db) {
-            Ok(first) => first,
-            Err(err) => {
-                let _ = tx.send(Err(storage_error(err))).await;
-                return;
-            }
-        };
-        if next.index < first {
-            let _ = tx.send(Err(compacted(next, first))).await;
-            return;
-        }
         let batch = match read_events(&db, next, BATCH) {
             Ok(batch) => batch,
             Err(err) => {
@@ -153,6 +142,13 @@ async fn follow(
                 return;
             }
         };
+        // Checked after the read: the compaction point is raised before
+        // events are deleted, so a read that met a deletion sees it here.
+        let first = ctx.state.events_first();
+        if next.index < first {
+            let _ = tx.send(Err(compacted(next, first))).await;
+            return;
+        }
         if let Some(last) = batch.last() {
             next = Revision {
                 index: last.revision.index,
@@ -232,8 +228,9 @@ impl WatchApi {
                 }
             }
         };
-        let db = ctx.db()?;
-        let first = events_first_index(&db).map_err(storage_error)?;
+        // Refused once this replica is shutting down.
+        ctx.db()?;
+        let first = ctx.state.events_first();
         if start.index < first {
             return Err(compacted(start, first));
         }
@@ -256,7 +253,7 @@ impl WatchApi {
             n => n.min(HISTORY_LIMIT),
         };
         let db = self.ctx.db()?;
-        let first = events_first_index(&db).map_err(|e| ApiError::Internal(e.to_string()))?;
+        let first = self.ctx.state.events_first();
         let from = req
             .from
             .map_or(Revision { index: 0, sub: 0 }, |r| Revision {

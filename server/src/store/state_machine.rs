@@ -7,6 +7,7 @@
 
 use std::collections::BTreeMap;
 use std::io::Cursor;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, RwLock, RwLockReadGuard};
 
 use openraft::storage::{RaftStateMachine, Snapshot};
@@ -47,6 +48,12 @@ pub struct AppliedState {
 pub struct StateHandle {
     inner: Arc<RwLock<AppliedState>>,
     events: broadcast::Sender<Event>,
+    /// [`events_first_index`], kept in memory: watches check it for every
+    /// batch and every wake-up, and reading it from RocksDB decompressed
+    /// the stored snapshot each time (it shares a data block with the
+    /// snapshot in `meta`; at 100k pins a 7.6 MiB block, too big for the
+    /// block cache): a watch read ~70k events/s instead of ~350k.
+    events_first: Arc<AtomicU64>,
 }
 
 impl StateHandle {
@@ -61,6 +68,14 @@ impl StateHandle {
     /// later events you wait for.
     pub fn subscribe(&self) -> broadcast::Receiver<Event> {
         self.events.subscribe()
+    }
+
+    /// The lowest log index a watch or history may start from without
+    /// missing a deleted event (see [`events_first_index`]). Raised before
+    /// events are deleted, so a reader that checks it after reading sees
+    /// any deletion its read may have met.
+    pub fn events_first(&self) -> u64 {
+        self.events_first.load(Ordering::SeqCst)
     }
 }
 
@@ -231,11 +246,13 @@ impl StateMachineStore {
             }
         }
         let (events, _) = broadcast::channel(EVENT_CHANNEL_CAPACITY);
+        let events_first = events_first_index(&db)?;
         let store = Self {
             db,
             handle: StateHandle {
                 inner: Arc::new(RwLock::new(applied)),
                 events,
+                events_first: Arc::new(AtomicU64::new(events_first)),
             },
             retention: EventRetention::default(),
             gate: SnapshotGate::new(0),
@@ -408,8 +425,13 @@ impl RaftSnapshotBuilder<TypeConfig> for SnapshotBuilder {
         // retention window are deleted (history beyond it is not kept).
         let applied = last_applied.map_or(0, |l| l.index);
         let first_kept = self.retention.first_kept(&self.db, applied, now_ms)?;
-        if first_kept > events_first_index(&self.db)? {
-            compact_events(&self.db, first_kept, Compaction::Retention)?;
+        if first_kept > self.handle.events_first() {
+            compact_events(
+                &self.db,
+                first_kept,
+                Compaction::Retention,
+                &self.handle.events_first,
+            )?;
         }
         tracing::info!(
             index = applied,
@@ -540,7 +562,12 @@ impl StateMachineStore {
         // This replica never applied the entries the snapshot covers, so it has
         // none of their events: its event history starts after the snapshot.
         let covered = meta.last_log_id.map_or(0, |l| l.index);
-        compact_events(&self.db, covered + 1, Compaction::SnapshotInstalled)?;
+        compact_events(
+            &self.db,
+            covered + 1,
+            Compaction::SnapshotInstalled,
+            &self.handle.events_first,
+        )?;
         let stored = StoredSnapshot {
             meta: meta.clone(),
             data,
@@ -645,7 +672,12 @@ enum Compaction {
 /// that is one past the newest deleted event — not `first_kept`, so a
 /// watch from revision 1 of a cluster whose first entries had no events
 /// (elections, membership) is not told it missed any.
-fn compact_events(db: &DB, first_kept: u64, why: Compaction) -> Result<(), StorageError> {
+fn compact_events(
+    db: &DB,
+    first_kept: u64,
+    why: Compaction,
+    cached: &AtomicU64,
+) -> Result<(), StorageError> {
     let start = keys::event_key(sm::Revision { index: 0, sub: 0 });
     let end = keys::event_key(sm::Revision {
         index: first_kept,
@@ -668,9 +700,11 @@ fn compact_events(db: &DB, first_kept: u64, why: Compaction) -> Result<(), Stora
             }
         }
     };
+    let first = cached.load(Ordering::SeqCst).max(boundary);
+    // Raised before the deletion: a watch that read across it re-checks.
+    cached.fetch_max(first, Ordering::SeqCst);
     db.delete_range_cf(cf(db, CF_EVENTS), start, end)
         .map_err(sm_write_err)?;
-    let first = events_first_index(db)?.max(boundary);
     db.put_cf_opt(cf(db, CF_META), EVENTS_FIRST, encode(&first), &synced())
         .map_err(sm_write_err)
 }
