@@ -88,6 +88,16 @@ fn replica_port() -> u16 {
     }
 }
 
+/// The voters' ids in a replica's status.
+fn voter_ids(status: &pb::StatusResponse) -> Vec<u64> {
+    status
+        .members
+        .iter()
+        .filter(|m| m.voter)
+        .map(|m| m.node_id)
+        .collect()
+}
+
 /// `tetherd` next to the running executable (same target directory).
 pub fn sibling_binary(name: &str) -> PathBuf {
     let exe = std::env::current_exe().expect("own path");
@@ -524,15 +534,9 @@ impl ProcessCluster {
 
     /// Voters of the current membership, from the leader.
     pub async fn voters(&self, client: &Client) -> Vec<u64> {
-        match self.leader(client).await {
-            Some(leader) => leader
-                .members
-                .iter()
-                .filter(|m| m.voter)
-                .map(|m| m.node_id)
-                .collect(),
-            None => Vec::new(),
-        }
+        self.leader(client)
+            .await
+            .map_or_else(Vec::new, |leader| voter_ids(&leader))
     }
 
     /// Replaces voter `old` the way an operator replaces a member whose
@@ -549,12 +553,7 @@ impl ProcessCluster {
             .wait_for_leader(Duration::from_secs(30))
             .await
             .context("replacing a member needs a leader")?;
-        let voters: Vec<u64> = leader
-            .members
-            .iter()
-            .filter(|m| m.voter)
-            .map(|m| m.node_id)
-            .collect();
+        let voters = voter_ids(&leader);
         anyhow::ensure!(voters.contains(&old), "{old} is not a voter of {voters:?}");
         let remaining: Vec<u64> = voters.iter().copied().filter(|v| *v != old).collect();
         client
