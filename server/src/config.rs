@@ -137,6 +137,19 @@ pub struct Config {
     #[arg(long, env = "TETHER_MAX_QUEUE_LENGTH", default_value_t = 1024)]
     pub max_queue_length: u32,
 
+    /// Most acquires and releases of different clients proposed together in
+    /// one log entry when writes queue up on the leader (one append and one
+    /// fsync per replica for all of them). 1 turns batching off.
+    #[arg(long, env = "TETHER_BATCH_MAX_COMMANDS", default_value_t = 128,
+          value_parser = clap::value_parser!(u32).range(1..=crate::sm::MAX_BATCH_ITEMS as i64))]
+    pub batch_max_commands: u32,
+
+    /// Most batch entries the leader has proposed and not yet committed;
+    /// further acquires and releases queue and go out together in the next.
+    #[arg(long, env = "TETHER_BATCH_IN_FLIGHT", default_value_t = 2,
+          value_parser = clap::value_parser!(u32).range(1..=64))]
+    pub batch_in_flight: u32,
+
     /// Longest wait an acquire may ask for.
     #[arg(long, env = "TETHER_MAX_WAIT", default_value = "15m", value_parser = humantime::parse_duration)]
     pub max_wait: Duration,

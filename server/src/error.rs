@@ -10,7 +10,7 @@ use crate::sm::CommandError;
 pub type Result<T, E = ApiError> = std::result::Result<T, E>;
 
 /// Why an API call failed.
-#[derive(Debug, thiserror::Error)]
+#[derive(Debug, Clone, thiserror::Error)]
 pub enum ApiError {
     /// Malformed input; nothing was changed.
     #[error("{0}")]
@@ -103,6 +103,7 @@ impl From<ApiError> for Status {
                     | CommandError::NotHolder { .. }
                     | CommandError::StaleToken { .. }
                     | CommandError::SequenceTooOld { .. } => Code::FailedPrecondition,
+                    CommandError::InvalidBatch { .. } => Code::Internal,
                 };
                 Status::new(code, message)
             }

@@ -268,7 +268,7 @@ fn pod(uid: u8) -> crate::sm::Pod {
 fn next_command(c: &mut Choices<'_>, state: &State) -> Command {
     let lock = LockKey::new("gpu-bind", format!("n{}", c.below(3)));
     let uid = c.below(6);
-    match c.below(16) {
+    match c.below(17) {
         0..=3 => Command::Acquire(Acquire {
             key: lock,
             pod: pod(uid),
@@ -364,6 +364,26 @@ fn next_command(c: &mut Choices<'_>, state: &State) -> Command {
                 lease_id: u64::from(c.below(8)),
             }),
         },
+        16 => {
+            // Acquires and releases on distinct locks, as a leader forms
+            // them; now and then a malformed one (a lock twice, or empty),
+            // which must be refused whole.
+            let allow_repeats = c.below(8) == 0;
+            let mut items = Vec::new();
+            let mut locks = std::collections::BTreeSet::new();
+            for _ in 0..c.below(4) {
+                let command = next_command(c, state);
+                if let Some(lock) = batchable_lock(&command)
+                    && (locks.insert(lock.clone()) || allow_repeats)
+                {
+                    items.push(BatchItem {
+                        request_id: None,
+                        command,
+                    });
+                }
+            }
+            Command::Batch(Batch { items })
+        }
         _ => Command::Sweep(Sweep {
             leader_tenure_ms: u64::from(c.byte()) * 100,
             hold_timeout_ms: 3_000,
@@ -734,7 +754,7 @@ fn stored_seeds() -> Vec<Vec<u8>> {
     let membership = openraft::Membership::new(vec![voters], nodes);
     let last = entries.last().map(|e| e.log_id);
     let file = SnapshotFile {
-        format_version: crate::sm::FORMAT_VERSION,
+        format_version: crate::sm::SNAPSHOT_FORMAT_VERSION,
         last_applied: last,
         membership: openraft::StoredMembership::new(last, membership),
         state,

@@ -3,6 +3,7 @@
 use std::collections::BTreeMap;
 use std::fmt::Write;
 use std::sync::Mutex;
+use std::sync::atomic::{AtomicU64, Ordering};
 
 /// Counters kept by the API and the leader's background tasks.
 #[derive(Default)]
@@ -11,6 +12,10 @@ pub struct Metrics {
     requests: Mutex<BTreeMap<(&'static str, &'static str), u64>>,
     /// Sweeps proposed by this replica as leader, by what they expired.
     sweeps: Mutex<BTreeMap<&'static str, u64>>,
+    /// Log entries proposed for acquires and releases (one per batch).
+    write_entries: AtomicU64,
+    /// Acquires and releases in those entries.
+    write_commands: AtomicU64,
 }
 
 impl Metrics {
@@ -35,6 +40,13 @@ impl Metrics {
             .or_default() += count;
     }
 
+    /// Counts one entry proposed for `commands` acquires and releases.
+    pub fn proposed_entry(&self, commands: usize) {
+        self.write_entries.fetch_add(1, Ordering::Relaxed);
+        self.write_commands
+            .fetch_add(commands as u64, Ordering::Relaxed);
+    }
+
     /// Renders the counters in Prometheus text format.
     pub fn render(&self, out: &mut String) {
         out.push_str("# HELP tether_requests_total gRPC calls by method and result.\n");
@@ -55,5 +67,19 @@ impl Metrics {
         for (what, n) in self.sweeps.lock().unwrap_or_else(|p| p.into_inner()).iter() {
             let _ = writeln!(out, "tether_expired_total{{kind=\"{what}\"}} {n}");
         }
+        out.push_str("# HELP tether_write_entries_total Log entries this replica proposed for acquires and releases (one per batch).\n");
+        out.push_str("# TYPE tether_write_entries_total counter\n");
+        let _ = writeln!(
+            out,
+            "tether_write_entries_total {}",
+            self.write_entries.load(Ordering::Relaxed)
+        );
+        out.push_str("# HELP tether_write_commands_total Acquires and releases in those entries; divided by the entries, the mean batch size.\n");
+        out.push_str("# TYPE tether_write_commands_total counter\n");
+        let _ = writeln!(
+            out,
+            "tether_write_commands_total {}",
+            self.write_commands.load(Ordering::Relaxed)
+        );
     }
 }

@@ -146,10 +146,11 @@ impl Node {
             (None, Some(path)) => Auth::from_token_file(path)?,
             (None, None) => Auth::Open,
         };
+        let peer_formats = Arc::new(crate::raft::network::PeerFormats::default());
         let raft = Raft::new(
             id,
             Arc::new(raft_config),
-            Network::new(config.peer_dial.clone(), tls.clone()),
+            Network::new(config.peer_dial.clone(), tls.clone(), peer_formats.clone()),
             log_store,
             sm_store,
         )
@@ -158,6 +159,22 @@ impl Node {
 
         let config = Arc::new(config);
         let (shutdown, shutdown_rx) = watch::channel(false);
+        let metrics = Arc::new(Metrics::default());
+        let proposer = (config.batch_max_commands > 1).then(|| {
+            let limits = crate::api::batching::BatchLimits {
+                max_commands: config.batch_max_commands as usize,
+                // Keeps a batch entry well inside one Raft message.
+                max_payload_bytes: config.max_request_bytes,
+                in_flight: config.batch_in_flight as usize,
+            };
+            crate::api::batching::Proposer::start(
+                raft.clone(),
+                id,
+                peer_formats,
+                limits,
+                metrics.clone(),
+            )
+        });
         let ctx = Arc::new(Ctx {
             id,
             addr: advertise.clone(),
@@ -165,12 +182,13 @@ impl Node {
             state,
             db: Arc::downgrade(&db),
             config: config.clone(),
-            metrics: Arc::new(Metrics::default()),
+            metrics,
             shutdown: shutdown_rx.clone(),
             transferring: Default::default(),
             auth,
             tls: tls.clone(),
             watchers: Default::default(),
+            proposer,
         });
 
         if set.is_none() {

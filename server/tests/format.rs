@@ -300,6 +300,96 @@ fn format_v2_log_entries_still_decode() {
     }
 }
 
+/// Format 3 added the `Batch` command (several clients' acquires and
+/// releases in one entry); single commands are still written as format 2.
+fn v3_entries() -> Vec<Entry> {
+    let next = v1_entries().len() as u64 + v2_entries().len() as u64 + 1;
+    let item = |client: &str, command: Command| BatchItem {
+        request_id: Some(RequestId {
+            client_id: client.into(),
+            sequence: 7,
+            first_incomplete: 6,
+        }),
+        command,
+    };
+    vec![Entry {
+        log_id: log_id(3, next),
+        payload: EntryPayload::Normal(Request {
+            format_version: 3,
+            request_id: None,
+            leader_time_ms: 1_790_000_200_000,
+            command: Command::Batch(Batch {
+                items: vec![
+                    item(
+                        "client-1",
+                        Command::Acquire(Acquire {
+                            key: LockKey::new("gpu-bind", "node-8"),
+                            pod: pod("b"),
+                            payload: b"plan".to_vec(),
+                            wait_ms: 30_000,
+                            lease_id: 0,
+                            client_id: "client-1".into(),
+                            queue_limit: 1024,
+                        }),
+                    ),
+                    item(
+                        "client-2",
+                        Command::Release(Release {
+                            key: key(),
+                            pod_uid: "a".into(),
+                            token: 3,
+                            outcome: Outcome::Allocated,
+                        }),
+                    ),
+                ],
+            }),
+        }),
+    }]
+}
+
+#[test]
+fn format_v3_log_entries_still_decode() {
+    let entries = v3_entries();
+    if std::env::var("TETHER_WRITE_FIXTURES").is_ok() {
+        std::fs::create_dir_all(fixture(3, "")).unwrap();
+        let encoded: Vec<Vec<u8>> = entries.iter().map(encode).collect();
+        std::fs::write(fixture(3, "log.bin"), encode(&encoded)).unwrap();
+    }
+    let stored: Vec<Vec<u8>> = decode(&std::fs::read(fixture(3, "log.bin")).unwrap()).unwrap();
+    assert_eq!(stored.len(), entries.len());
+    for (bytes, expected) in stored.iter().zip(&entries) {
+        let entry = decode_entry(bytes).expect("a format-3 entry decodes");
+        assert_eq!(format!("{entry:?}"), format!("{expected:?}"));
+    }
+}
+
+#[test]
+fn entries_are_written_in_the_oldest_format_that_expresses_them() {
+    // A replica of the previous build keeps reading single commands; only
+    // batch entries need this one. Snapshots have not changed shape.
+    let single = Request::new(None, 1, v1_entries_command());
+    assert_eq!(single.format_version, 2);
+    let EntryPayload::Normal(batch) = &v3_entries()[0].payload else {
+        unreachable!("a normal entry")
+    };
+    let rewritten = Request::new(None, 1, batch.command.clone());
+    assert_eq!(rewritten.format_version, 3);
+    assert_eq!(FORMAT_VERSION, 3);
+    assert_eq!(SNAPSHOT_FORMAT_VERSION, 2);
+}
+
+/// The command of the last format-1 entry.
+fn v1_entries_command() -> Command {
+    v1_entries()
+        .into_iter()
+        .rev()
+        .find_map(|entry| match entry.payload {
+            EntryPayload::Normal(request) => Some(request.command),
+            _ => None,
+        })
+        .expect("format 1 has normal entries")
+}
+
 #[test]
 fn data_from_a_newer_format_is_refused_with_a_clear_error() {
     let mut entry = v1_entries().pop().unwrap();

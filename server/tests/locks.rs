@@ -62,6 +62,109 @@ async fn acquire_release_round_trip_and_holder_read() {
     cluster.shutdown().await;
 }
 
+/// The leader's counter `name` from its `/metrics` text.
+fn leader_counter(cluster: &Cluster, leader: u64, name: &str) -> u64 {
+    let mut text = String::new();
+    cluster.node(leader).ctx().metrics.render(&mut text);
+    text.lines()
+        .find_map(|line| line.strip_prefix(name)?.trim().parse().ok())
+        .unwrap_or_else(|| panic!("no {name} in:\n{text}"))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn concurrent_acquires_and_releases_share_entries_and_tokens_still_rise_per_lock() {
+    // One entry in flight at a time, so that commands arriving meanwhile
+    // must wait and go out together.
+    let cluster = Cluster::start_with(3, |config| config.batch_in_flight = 1).await;
+    let leader = cluster.wait_leader().await;
+    let client = Arc::new(common::client(&cluster));
+    let shared = lock("node-shared");
+    // Each task returns its lock's name and the tokens it saw, in order.
+    let mut tasks = Vec::new();
+    for i in 0..40usize {
+        let (client, shared) = (client.clone(), shared.clone());
+        tasks.push(tokio::spawn(async move {
+            // Most tasks have a lock of their own; every fifth queues on the
+            // shared one, so batches meet commands on one lock too.
+            let (key, uid) = if i % 5 == 0 {
+                (shared, format!("shared-{i}"))
+            } else {
+                (lock(&format!("node-{i}")), format!("own-{i}"))
+            };
+            let mut tokens = Vec::new();
+            for round in 0..5 {
+                let hold = client
+                    .acquire(
+                        &key,
+                        &pod(&uid),
+                        format!("{round}").into_bytes(),
+                        DEADLINE,
+                        0,
+                    )
+                    .await
+                    .unwrap();
+                assert_eq!(hold.payload(), format!("{round}").as_bytes());
+                tokens.push(hold.token);
+                client
+                    .release(&key, &uid, hold.token, Outcome::Allocated)
+                    .await
+                    .unwrap();
+            }
+            (key.name, tokens)
+        }));
+    }
+    let mut seen = Vec::new();
+    for task in tasks {
+        seen.push(
+            tokio::time::timeout(DEADLINE, task)
+                .await
+                .expect("task finished")
+                .unwrap(),
+        );
+    }
+    let mut shared_tokens = Vec::new();
+    for (name, tokens) in &seen {
+        assert!(
+            tokens.windows(2).all(|w| w[0] < w[1]),
+            "{name}: tokens {tokens:?} do not rise"
+        );
+        if name == "node-shared" {
+            shared_tokens.extend(tokens.iter().copied());
+        }
+    }
+    // Every grant of the shared lock has a token of its own.
+    let grants = shared_tokens.len();
+    shared_tokens.sort_unstable();
+    shared_tokens.dedup();
+    assert_eq!(
+        shared_tokens.len(),
+        grants,
+        "two grants of one lock share a token"
+    );
+
+    let entries = leader_counter(&cluster, leader, "tether_write_entries_total");
+    let commands = leader_counter(&cluster, leader, "tether_write_commands_total");
+    assert_eq!(
+        commands,
+        40 * 5 * 2,
+        "every acquire and release was proposed once"
+    );
+    assert!(
+        entries < commands,
+        "{commands} commands went out in {entries} entries: nothing was batched"
+    );
+    println!("{commands} acquires and releases in {entries} entries");
+    for i in 0..40usize {
+        let key = if i % 5 == 0 {
+            shared.clone()
+        } else {
+            lock(&format!("node-{i}"))
+        };
+        assert_eq!(client.holder(&key).await.unwrap(), None);
+    }
+    cluster.shutdown().await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn fifty_waiters_are_granted_in_fifo_order_exactly_once_with_increasing_tokens() {
     let cluster = Cluster::start(3).await;

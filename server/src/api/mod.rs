@@ -1,6 +1,7 @@
 //! gRPC handlers: decode, validate, call Raft (or a linearizable read) and
 //! convert. Errors map to `Status` in one place (`crate::error`).
 
+pub mod batching;
 pub mod cluster;
 pub mod convert;
 pub mod lease;
@@ -20,7 +21,7 @@ use crate::config::Config;
 use crate::error::{ApiError, Result, from_raft_error};
 use crate::metrics::Metrics;
 use crate::raft::Raft;
-use crate::sm::{Command, Reply, Request, RequestId};
+use crate::sm::{Command, Reply, Request, RequestId, batchable_lock};
 use crate::store::StateHandle;
 
 /// What every handler needs: the Raft handle, a read handle on the applied
@@ -56,6 +57,9 @@ pub struct Ctx {
     /// Open watches per owner (identity or IP), for
     /// `--max-watchers-per-client`.
     pub watchers: std::sync::Mutex<std::collections::HashMap<String, usize>>,
+    /// The batching queue for acquires and releases; None when batching is
+    /// off (`--batch-max-commands 1`).
+    pub proposer: Option<batching::Proposer>,
 }
 
 /// Wall-clock time in ms since the epoch: only ever used to stamp entries
@@ -76,13 +80,20 @@ impl Ctx {
                 "leadership is being transferred; retry in a moment".into(),
             ));
         }
-        let request = Request::new(request_id, wall_clock_ms(), command);
-        let response = self
-            .raft
-            .client_write(request)
-            .await
-            .map_err(from_raft_error)?;
-        Ok(response.data.result?)
+        let response = match &self.proposer {
+            Some(proposer) if batchable_lock(&command).is_some() && proposer.may_batch() => {
+                proposer.propose(request_id, command).await?
+            }
+            _ => {
+                let request = Request::new(request_id, wall_clock_ms(), command);
+                self.raft
+                    .client_write(request)
+                    .await
+                    .map_err(from_raft_error)?
+                    .data
+            }
+        };
+        Ok(response.result?)
     }
 
     /// Waits until this replica, as leader, has applied everything committed

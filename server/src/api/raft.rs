@@ -10,6 +10,7 @@ use tether_proto::{RaftReply, RaftRequest};
 use tonic::{Request, Response, Status};
 
 use super::Ctx;
+use crate::sm::FORMAT_VERSION;
 use crate::store::{decode, encode};
 
 /// The `RaftService` implementation.
@@ -26,6 +27,11 @@ impl RaftApi {
 
 /// Metadata naming the replica a Raft message is meant for.
 pub const TARGET_METADATA: &str = "x-tether-target-node";
+
+/// Response metadata: the newest log format this replica reads
+/// ([`FORMAT_VERSION`]), so that a leader writes entries of a new format
+/// only once every member can read them.
+pub const FORMAT_METADATA: &str = "x-tether-format";
 
 impl RaftApi {
     /// Refuses a message meant for another node id. Raft messages do not
@@ -57,7 +63,7 @@ fn decode_request<T: DeserializeOwned>(request: Request<RaftRequest>) -> Result<
 }
 
 fn reply<T: Serialize, E: Serialize>(result: Result<T, E>) -> Result<Response<RaftReply>, Status> {
-    Ok(Response::new(match result {
+    let mut response = Response::new(match result {
         Ok(value) => RaftReply {
             data: encode(&value),
             error: Vec::new(),
@@ -66,7 +72,11 @@ fn reply<T: Serialize, E: Serialize>(result: Result<T, E>) -> Result<Response<Ra
             data: Vec::new(),
             error: encode(&err),
         },
-    }))
+    });
+    response
+        .metadata_mut()
+        .insert(FORMAT_METADATA, FORMAT_VERSION.into());
+    Ok(response)
 }
 
 #[tonic::async_trait]

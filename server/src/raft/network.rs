@@ -1,7 +1,8 @@
 //! openraft's network over the internal `RaftService` (tonic). Messages are
 //! openraft's own types in the log's postcard encoding.
 
-use std::sync::Arc;
+use std::collections::BTreeMap;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use openraft::BasicNode;
@@ -18,9 +19,39 @@ use tether_proto::{RaftReply, RaftRequest};
 use tonic::transport::{Channel, Endpoint};
 
 use super::TypeConfig;
+use crate::api::raft::FORMAT_METADATA;
 use crate::config::PeerDial;
 use crate::store::{decode, encode};
 use tether_tls::TlsMaterial;
+
+/// The newest log format each other replica said it reads, learned from
+/// the answers to Raft messages (metadata [`FORMAT_METADATA`]). A replica of
+/// a build older than that metadata sends none and counts as format 2.
+#[derive(Debug, Default)]
+pub struct PeerFormats {
+    formats: Mutex<BTreeMap<u64, u16>>,
+}
+
+/// Format assumed for a replica whose answers carry no format.
+const FORMAT_OF_OLDER_BUILDS: u16 = 2;
+
+impl PeerFormats {
+    fn record(&self, peer: u64, format: u16) {
+        self.formats
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .insert(peer, format);
+    }
+
+    /// Whether every one of `peers` has answered since this replica started
+    /// and reads `format`: only then may this leader write entries of it.
+    pub fn all_read(&self, peers: impl IntoIterator<Item = u64>, format: u16) -> bool {
+        let formats = self.formats.lock().unwrap_or_else(|p| p.into_inner());
+        peers
+            .into_iter()
+            .all(|peer| formats.get(&peer).is_some_and(|f| *f >= format))
+    }
+}
 
 /// Creates one [`PeerClient`] per target replica.
 #[derive(Clone, Default)]
@@ -30,15 +61,19 @@ pub struct Network {
     dial: Arc<PeerDial>,
     /// Mutual TLS to the other replicas, when on.
     tls: Option<Arc<TlsMaterial>>,
+    /// What each peer reads, filled in by the clients.
+    formats: Arc<PeerFormats>,
 }
 
 impl Network {
     /// A network dialing `dial`'s address for the replicas it names and the
-    /// membership address for the rest.
-    pub fn new(dial: PeerDial, tls: Option<Arc<TlsMaterial>>) -> Self {
+    /// membership address for the rest, recording the peers' formats in
+    /// `formats`.
+    pub fn new(dial: PeerDial, tls: Option<Arc<TlsMaterial>>, formats: Arc<PeerFormats>) -> Self {
         Self {
             dial: Arc::new(dial),
             tls,
+            formats,
         }
     }
 }
@@ -48,7 +83,7 @@ impl RaftNetworkFactory<TypeConfig> for Network {
 
     async fn new_client(&mut self, target: u64, node: &BasicNode) -> PeerClient {
         let addr = self.dial.get(&target).unwrap_or(&node.addr);
-        PeerClient::new(target, addr, self.tls.clone())
+        PeerClient::new(target, addr, self.tls.clone(), self.formats.clone())
     }
 }
 
@@ -57,6 +92,7 @@ pub struct PeerClient {
     target: u64,
     addr: String,
     client: Option<RaftServiceClient<Channel>>,
+    formats: Arc<PeerFormats>,
 }
 
 /// Which `RaftService` method to call.
@@ -68,7 +104,12 @@ enum Rpc {
 }
 
 impl PeerClient {
-    fn new(target: u64, addr: &str, tls: Option<Arc<TlsMaterial>>) -> Self {
+    fn new(
+        target: u64,
+        addr: &str,
+        tls: Option<Arc<TlsMaterial>>,
+        formats: Arc<PeerFormats>,
+    ) -> Self {
         let client = Endpoint::from_shared(format!("http://{addr}"))
             .ok()
             .map(|e| {
@@ -86,6 +127,7 @@ impl PeerClient {
             target,
             addr: addr.to_string(),
             client,
+            formats,
         }
     }
 
@@ -125,7 +167,15 @@ impl PeerClient {
             Rpc::InstallSnapshot => client.install_snapshot(req).await,
         };
         let reply: RaftReply = match result {
-            Ok(resp) => resp.into_inner(),
+            Ok(resp) => {
+                let format = resp
+                    .metadata()
+                    .get(FORMAT_METADATA)
+                    .and_then(|v| v.to_str().ok()?.parse().ok())
+                    .unwrap_or(FORMAT_OF_OLDER_BUILDS);
+                self.formats.record(self.target, format);
+                resp.into_inner()
+            }
             Err(status) => {
                 // Connection failures make the peer unreachable (openraft backs
                 // off); other statuses are network errors (retried at once).
@@ -180,5 +230,27 @@ impl RaftNetwork<TypeConfig> for PeerClient {
         option: RPCOption,
     ) -> Result<VoteResponse<u64>, RPCError<u64, BasicNode, RaftError<u64>>> {
         self.call(Rpc::Vote, &rpc, &option).await
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_new_format_is_written_only_once_every_peer_said_it_reads_it() {
+        let formats = PeerFormats::default();
+        // No peers (a single replica): nothing to wait for.
+        assert!(formats.all_read([], 3));
+        // A peer that has not answered yet may be of an older build.
+        formats.record(2, 3);
+        assert!(!formats.all_read([2, 3], 3));
+        // One that answered without the metadata is an older build.
+        formats.record(3, FORMAT_OF_OLDER_BUILDS);
+        assert!(!formats.all_read([2, 3], 3));
+        assert!(formats.all_read([2, 3], 2));
+        // Upgraded and restarted: it answers with the new format.
+        formats.record(3, 3);
+        assert!(formats.all_read([2, 3], 3));
     }
 }

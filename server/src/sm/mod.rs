@@ -27,14 +27,28 @@ use std::collections::{BTreeMap, BTreeSet};
 
 use serde::{Deserialize, Serialize};
 
-pub use command::{Command, CommandError, Reply};
+pub use command::{
+    BATCH_FORMAT_VERSION, Batch, BatchItem, Command, CommandError, MAX_BATCH_ITEMS, Reply,
+    batchable_lock,
+};
 pub use event::{Event, EventKind, Revision};
 pub use types::*;
 
 /// Format version of log entries and snapshots written by this build. A
 /// replica that meets a newer version stops instead of guessing.
-/// 1: the first; 2: adds `Command::Audit` and `EventKind::AdminAction`.
-pub const FORMAT_VERSION: u16 = 2;
+/// 1: the first; 2: adds `Command::Audit` and `EventKind::AdminAction`;
+/// 3: adds `Command::Batch`.
+///
+/// An entry is written in the oldest format that can express it
+/// ([`Command::format_version`]) and snapshots in [`SNAPSHOT_FORMAT_VERSION`],
+/// so a replica of the previous build keeps following a leader of this one
+/// until the leader proposes a batch.
+pub const FORMAT_VERSION: u16 = 3;
+
+/// Format version written in snapshots: the state has not changed shape
+/// since format 2 (a batch's reply is never kept in the dedupe table, since
+/// a batch entry has no request id of its own).
+pub const SNAPSHOT_FORMAT_VERSION: u16 = 2;
 
 /// One log entry's application payload.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -51,10 +65,10 @@ pub struct Request {
 }
 
 impl Request {
-    /// A request in the current format.
+    /// A request in the oldest format that can express `command`.
     pub fn new(request_id: Option<RequestId>, leader_time_ms: u64, command: Command) -> Self {
         Self {
-            format_version: FORMAT_VERSION,
+            format_version: command.format_version(),
             request_id,
             leader_time_ms,
             command,
@@ -293,7 +307,8 @@ impl Txn<'_> {
 /// index and request always give the same result, events and state.
 ///
 /// A request whose `(client_id, sequence)` was applied before is answered from
-/// the dedupe table and changes nothing else.
+/// the dedupe table and changes nothing else. A batch applies its items in
+/// order, each deduplicated on its own, and answers [`Reply::Batch`].
 pub fn apply(state: &mut State, index: u64, request: &Request) -> (Response, Vec<Event>, Dirty) {
     let now_ms = state.now_ms.max(request.leader_time_ms);
     state.now_ms = now_ms;
@@ -304,16 +319,51 @@ pub fn apply(state: &mut State, index: u64, request: &Request) -> (Response, Vec
         events: Vec::new(),
         dirty: Dirty::default(),
     };
+    let response = match &request.command {
+        Command::Batch(batch) => {
+            let checked = if request.request_id.is_some() {
+                Err("a batch entry carries its items' request ids, not one of its own".into())
+            } else {
+                batch.check()
+            };
+            let replies = match checked {
+                Ok(()) => batch
+                    .items
+                    .iter()
+                    .map(|item| apply_one(&mut txn, item.request_id.as_ref(), &item.command))
+                    .collect(),
+                Err(reason) => {
+                    let refused = Response {
+                        result: Err(CommandError::InvalidBatch { reason }),
+                        deduplicated: false,
+                    };
+                    vec![refused; batch.items.len()]
+                }
+            };
+            Response {
+                result: Ok(Reply::Batch(replies)),
+                deduplicated: false,
+            }
+        }
+        command => apply_one(&mut txn, request.request_id.as_ref(), command),
+    };
+    // Once per entry: a batch's items each touch only their own lock, so
+    // dropping idle locks after all of them equals dropping after each.
+    txn.drop_idle_locks();
+    let Txn { events, dirty, .. } = txn;
+    (response, events, dirty)
+}
 
-    if let Some(id) = &request.request_id
+/// Applies one client's command within `txn`, with the dedupe table.
+fn apply_one(txn: &mut Txn<'_>, request_id: Option<&RequestId>, command: &Command) -> Response {
+    if let Some(id) = request_id
         && let Some(session) = txn.state.sessions.get(&id.client_id)
     {
         if let Some(stored) = session.responses.get(&id.sequence) {
-            let response = Response {
+            return Response {
                 result: stored.clone(),
                 deduplicated: true,
             };
-            return (response, Vec::new(), Dirty::default());
         }
         if id.sequence < session.acknowledged_below {
             let err = CommandError::SequenceTooOld {
@@ -321,18 +371,17 @@ pub fn apply(state: &mut State, index: u64, request: &Request) -> (Response, Vec
                 sequence: id.sequence,
                 oldest_kept: session.acknowledged_below,
             };
-            let response = Response {
+            return Response {
                 result: Err(err),
                 deduplicated: false,
             };
-            return (response, Vec::new(), Dirty::default());
         }
     }
 
-    let result = request.command.clone().apply(&mut txn);
-    txn.drop_idle_locks();
+    let result = command.clone().apply(txn);
 
-    if let Some(id) = &request.request_id {
+    if let Some(id) = request_id {
+        let now_ms = txn.now_ms;
         let session = txn.state.sessions.entry(id.client_id.clone()).or_default();
         session.responses.insert(id.sequence, result.clone());
         // Forget what the client has seen answered; bound the rest.
@@ -346,16 +395,10 @@ pub fn apply(state: &mut State, index: u64, request: &Request) -> (Response, Vec
         session.last_seen_ms = now_ms;
         txn.dirty.sessions.insert(id.client_id.clone());
     }
-
-    let Txn { events, dirty, .. } = txn;
-    (
-        Response {
-            result,
-            deduplicated: false,
-        },
-        events,
-        dirty,
-    )
+    Response {
+        result,
+        deduplicated: false,
+    }
 }
 
 #[cfg(test)]

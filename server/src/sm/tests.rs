@@ -275,6 +275,152 @@ fn retried_request_is_answered_from_the_dedupe_table() {
     );
 }
 
+fn request_id(client: &str, sequence: u64) -> RequestId {
+    RequestId {
+        client_id: client.into(),
+        sequence,
+        first_incomplete: sequence,
+    }
+}
+
+fn batch(items: Vec<(Option<RequestId>, Command)>) -> Command {
+    Command::Batch(Batch {
+        items: items
+            .into_iter()
+            .map(|(request_id, command)| BatchItem {
+                request_id,
+                command,
+            })
+            .collect(),
+    })
+}
+
+fn batch_replies(response: Response) -> Vec<Response> {
+    match response.result {
+        Ok(Reply::Batch(replies)) => replies,
+        other => panic!("expected the replies of a batch, got {other:?}"),
+    }
+}
+
+#[test]
+fn a_batch_applies_each_item_with_its_own_reply_dedupe_and_the_entry_token() {
+    let mut m = Machine::new();
+    m.run(acquire("a", "u1", 0)).unwrap();
+    m.run(acquire("a", "u2", 60_000)).unwrap();
+    // Release a (hands over to u2), take b, and fail a non-holder's release
+    // of c: three clients, one entry.
+    let response = m.run_as(
+        None,
+        batch(vec![
+            (Some(request_id("c1", 1)), release("a", "u1", 1)),
+            (Some(request_id("c3", 1)), acquire("b", "u3", 0)),
+            (Some(request_id("c4", 1)), release("c", "u4", 9)),
+        ]),
+    );
+    let replies = batch_replies(response);
+    assert_eq!(replies.len(), 3);
+    let Ok(Reply::Released {
+        next: Some(next), ..
+    }) = &replies[0].result
+    else {
+        panic!("the release hands over: {:?}", replies[0]);
+    };
+    assert_eq!((next.pod.uid.as_str(), next.token), ("u2", 3));
+    assert_eq!(granted(replies[1].result.clone()).token, 3);
+    assert!(matches!(
+        replies[2].result,
+        Err(CommandError::NotHolder { .. })
+    ));
+    // One entry's events: sub-indexes run on across the items.
+    let revisions: Vec<(u64, u32)> = m
+        .events
+        .iter()
+        .filter(|e| e.revision.index == 3)
+        .map(|e| (e.revision.index, e.revision.sub))
+        .collect();
+    assert_eq!(revisions, vec![(3, 0), (3, 1), (3, 2)]);
+
+    // Each item is in the dedupe table under its own id: a retry, alone or
+    // in a later batch, gets the stored reply and changes nothing.
+    let state = crate::store::encode(&m.state);
+    let retry = m.run_as(Some(request_id("c3", 1)), acquire("b", "u3", 0));
+    assert!(retry.deduplicated);
+    assert_eq!(retry.result, replies[1].result);
+    let retried = batch_replies(m.run_as(
+        None,
+        batch(vec![(Some(request_id("c1", 1)), release("a", "u1", 1))]),
+    ));
+    assert!(retried[0].deduplicated);
+    assert_eq!(retried[0].result, replies[0].result);
+    let mut sessions_only = m.state.clone();
+    let mut before: State = crate::store::decode(&state).unwrap();
+    sessions_only.now_ms = before.now_ms;
+    before.sessions = sessions_only.sessions.clone();
+    assert_eq!(before, sessions_only, "retries changed more than the clock");
+}
+
+#[test]
+fn a_malformed_batch_is_refused_whole_and_changes_nothing() {
+    let mut m = Machine::new();
+    m.run(acquire("a", "u1", 0)).unwrap();
+    let malformed = [
+        ("empty", batch(vec![])),
+        (
+            "two commands on one lock",
+            batch(vec![
+                (None, release("a", "u1", 1)),
+                (None, acquire("a", "u2", 0)),
+            ]),
+        ),
+        (
+            "not an acquire or release",
+            batch(vec![
+                (None, acquire("b", "u2", 0)),
+                (None, plain_assign("m1", "u3", &["n1"], 0)),
+            ]),
+        ),
+        (
+            "a batch inside a batch",
+            batch(vec![(None, batch(vec![(None, acquire("b", "u2", 0))]))]),
+        ),
+    ];
+    for (what, command) in malformed {
+        let items = match &command {
+            Command::Batch(b) => b.items.len(),
+            _ => unreachable!(),
+        };
+        let before = crate::store::encode(&m.state);
+        let events = m.events.len();
+        let replies = batch_replies(m.run_as(None, command));
+        assert_eq!(replies.len(), items, "{what}");
+        for reply in &replies {
+            assert!(
+                matches!(&reply.result, Err(CommandError::InvalidBatch { reason }) if !reason.is_empty()),
+                "{what}: {reply:?}"
+            );
+        }
+        let mut after = m.state.clone();
+        after.now_ms = crate::store::decode::<State>(&before).unwrap().now_ms;
+        assert_eq!(
+            crate::store::encode(&after),
+            before,
+            "{what}: state changed"
+        );
+        assert_eq!(m.events.len(), events, "{what}: events emitted");
+    }
+    // A batch entry with a request id of its own is refused too: its items
+    // carry the ids.
+    let replies = batch_replies(m.run_as(
+        Some(request_id("c1", 1)),
+        batch(vec![(None, acquire("b", "u2", 0))]),
+    ));
+    assert!(matches!(
+        replies[0].result,
+        Err(CommandError::InvalidBatch { .. })
+    ));
+    assert!(!m.state.locks.contains_key(&key("b")));
+}
+
 #[test]
 fn acknowledged_sequences_are_forgotten_and_refused() {
     let mut m = Machine::new();
@@ -503,6 +649,34 @@ fn random_command(rng: &mut Rng, m: &Machine) -> Command {
         }),
         _ => sweep(rng.below(20_000), 3_000),
     }
+}
+
+/// A batch of up to four random acquires and releases on distinct locks,
+/// each with its own request id half of the time; a single random command
+/// when none of the draws could go into a batch.
+fn random_batch(rng: &mut Rng, m: &Machine) -> Command {
+    let mut items = Vec::new();
+    let mut locks = std::collections::BTreeSet::new();
+    for _ in 0..1 + rng.below(4) {
+        let command = random_command(rng, m);
+        if let Some(lock) = batchable_lock(&command)
+            && locks.insert(lock.clone())
+        {
+            let request_id = (rng.below(2) == 0).then(|| RequestId {
+                client_id: format!("b{}", rng.below(3)),
+                sequence: (m.index + 1) * 8 + items.len() as u64,
+                first_incomplete: m.index * 8,
+            });
+            items.push(BatchItem {
+                request_id,
+                command,
+            });
+        }
+    }
+    if items.is_empty() {
+        return random_command(rng, m);
+    }
+    Command::Batch(Batch { items })
 }
 
 /// Checks the invariants that must hold after every entry, and that grants
@@ -817,7 +991,7 @@ fn random_sequences_keep_mutual_exclusion_fifo_and_increasing_tokens() {
         .ok()
         .and_then(|s| s.parse().ok())
         .unwrap_or(0x5eed_u64);
-    let (mut pins_assigned, mut nodes_gone, mut grants) = (0, 0, 0);
+    let (mut pins_assigned, mut nodes_gone, mut grants, mut batches) = (0, 0, 0, 0);
     for round in 0..40u64 {
         let seed = base_seed.wrapping_add(round).max(1);
         println!("state machine property test seed {seed} (replay: TETHER_SM_SEED={seed})");
@@ -828,13 +1002,19 @@ fn random_sequences_keep_mutual_exclusion_fifo_and_increasing_tokens() {
         let mut snapshot_at = None;
         for step in 0..400 {
             m.now += rng.below(400);
-            let command = random_command(&mut rng, &m);
+            let command = if rng.below(4) == 0 {
+                random_batch(&mut rng, &m)
+            } else {
+                random_command(&mut rng, &m)
+            };
+            batches += u32::from(matches!(command, Command::Batch(_)));
             let before = m.events.len();
-            let id = (rng.below(2) == 0).then(|| RequestId {
-                client_id: format!("c{}", rng.below(3)),
-                sequence: m.index + 1,
-                first_incomplete: m.index.saturating_sub(rng.below(4)),
-            });
+            let id =
+                (rng.below(2) == 0 && !matches!(command, Command::Batch(_))).then(|| RequestId {
+                    client_id: format!("c{}", rng.below(3)),
+                    sequence: m.index + 1,
+                    first_incomplete: m.index.saturating_sub(rng.below(4)),
+                });
             m.run_as(id, command);
             check_pin_invariants(&m.state, seed);
             check_invariants(
@@ -889,8 +1069,8 @@ fn random_sequences_keep_mutual_exclusion_fifo_and_increasing_tokens() {
     }
     // The generator must exercise what the invariants are about.
     assert!(
-        pins_assigned > 100 && nodes_gone > 20 && grants > 100,
-        "{pins_assigned} pins, {nodes_gone} nodes gone, {grants} grants"
+        pins_assigned > 100 && nodes_gone > 20 && grants > 100 && batches > 100,
+        "{pins_assigned} pins, {nodes_gone} nodes gone, {grants} grants, {batches} batches"
     );
 }
 

@@ -19,7 +19,7 @@ use tokio::sync::broadcast;
 use super::keys::{self, LAST_APPLIED, MEMBERSHIP, NOW};
 use super::{CF_EVENTS, CF_META, CF_SM, SnapshotGate, decode, encode, err};
 use crate::raft::{Entry, LogId, StorageError, StoredMembership, TypeConfig};
-use crate::sm::{self, Dirty, Event, FORMAT_VERSION, Response, State};
+use crate::sm::{self, Dirty, Event, FORMAT_VERSION, Response, SNAPSHOT_FORMAT_VERSION, State};
 
 /// `meta` key of the current snapshot.
 const SNAPSHOT: &[u8] = b"snapshot";
@@ -84,7 +84,8 @@ impl StateHandle {
 /// applied state, without copying it first).
 #[derive(Debug, PartialEq, Serialize, Deserialize)]
 pub struct SnapshotFile<S = State> {
-    /// [`FORMAT_VERSION`] of the writer.
+    /// Format of the snapshot ([`SNAPSHOT_FORMAT_VERSION`] when written by
+    /// this build).
     pub format_version: u16,
     /// Last log id the snapshot covers.
     pub last_applied: Option<LogId>,
@@ -392,7 +393,7 @@ impl RaftSnapshotBuilder<TypeConfig> for SnapshotBuilder {
             // and copying takes about as long as encoding.
             let applied = self.handle.read();
             let file = SnapshotFile {
-                format_version: FORMAT_VERSION,
+                format_version: SNAPSHOT_FORMAT_VERSION,
                 last_applied: applied.last_applied,
                 membership: applied.membership.clone(),
                 state: &applied.state,
@@ -629,7 +630,7 @@ impl StateMachineStore {
             )]),
         );
         let file = SnapshotFile {
-            format_version: FORMAT_VERSION,
+            format_version: SNAPSHOT_FORMAT_VERSION,
             last_applied: Some(last),
             membership: StoredMembership::new(Some(last), membership.clone()),
             state: file.state,

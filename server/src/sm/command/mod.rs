@@ -5,6 +5,7 @@
 mod acquire;
 mod assign;
 mod audit;
+mod batch;
 mod cancel_wait;
 mod force_release;
 mod lease;
@@ -18,6 +19,7 @@ mod sweep;
 pub use acquire::Acquire;
 pub use assign::Assign;
 pub use audit::Audit;
+pub use batch::{BATCH_FORMAT_VERSION, Batch, BatchItem, MAX_BATCH_ITEMS, batchable_lock};
 pub use cancel_wait::{CancelOutcome, CancelWait};
 pub use force_release::ForceRelease;
 pub use lease::{GrantLease, KeepAliveLease, RevokeLease};
@@ -66,6 +68,8 @@ pub enum Command {
     /// Record an administrative action in the history. (Appended last:
     /// variants are encoded by position in the log.)
     Audit(Audit),
+    /// Several clients' acquires and releases in one entry (format 3).
+    Batch(Batch),
 }
 
 impl Command {
@@ -86,6 +90,21 @@ impl Command {
             Command::ReportNode(c) => c.apply(txn),
             Command::ReportPod(c) => c.apply(txn),
             Command::Audit(c) => c.apply(txn),
+            // `sm::apply` applies a batch item by item; a batch can only get
+            // here as an item of another, which `Batch::check` refuses.
+            Command::Batch(_) => Err(CommandError::InvalidBatch {
+                reason: "a batch inside a batch".into(),
+            }),
+        }
+    }
+
+    /// The oldest format that can express this command: entries are written
+    /// in it, so replicas of an older build read every entry that does not
+    /// need the newer format (see `FORMAT_VERSION`).
+    pub fn format_version(&self) -> u16 {
+        match self {
+            Command::Batch(_) => BATCH_FORMAT_VERSION,
+            _ => 2,
         }
     }
 }
@@ -164,6 +183,8 @@ pub enum Reply {
         /// Lock holds released (node gone).
         locks_released: u32,
     },
+    /// The replies of a batch's items, in order.
+    Batch(Vec<crate::sm::Response>),
 }
 
 /// Deterministic refusals: returned to the client, never a replica failure.
@@ -234,6 +255,13 @@ pub enum CommandError {
         key: PinKey,
         /// Per candidate, why it was refused.
         reasons: Vec<(String, String)>,
+    },
+    /// A batch entry that breaks the rules of a batch: nothing in it was
+    /// applied. Only a faulty leader proposes one.
+    #[error("malformed batch entry, nothing in it was applied: {reason}")]
+    InvalidBatch {
+        /// What was wrong.
+        reason: String,
     },
 }
 

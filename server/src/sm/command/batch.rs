@@ -1,0 +1,80 @@
+//! `Batch`: several clients' acquires and releases in one log entry, so that
+//! one append (one fsync on each replica) commits them all.
+//!
+//! Every item keeps its own request id, so dedupe works per item exactly as
+//! for an entry of its own, and its own reply. Items apply in order, as if
+//! each were the next entry, except that they share the entry's index; that
+//! index is the fencing token of any grant an item makes. Tokens must rise
+//! strictly per lock, so a batch holds at most one command per lock, and only
+//! commands that touch just the lock they name (acquire and release).
+
+use std::collections::BTreeSet;
+
+use serde::{Deserialize, Serialize};
+
+use super::Command;
+use crate::sm::types::{LockKey, RequestId};
+
+/// The log format that introduced batch entries.
+pub const BATCH_FORMAT_VERSION: u16 = 3;
+
+/// Most items one batch entry may carry.
+pub const MAX_BATCH_ITEMS: usize = 256;
+
+/// Commands of several clients applied by one entry.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Batch {
+    /// In apply order.
+    pub items: Vec<BatchItem>,
+}
+
+/// One client's command inside a [`Batch`].
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct BatchItem {
+    /// As on an entry of its own.
+    pub request_id: Option<RequestId>,
+    /// An acquire or a release.
+    pub command: Command,
+}
+
+impl Batch {
+    /// Why this batch may not be applied, if it may not: no items, too many,
+    /// a command that is not an acquire or release, or two commands on one
+    /// lock. The leader forms batches that pass; apply checks again, so that
+    /// a malformed entry is refused the same way on every replica.
+    pub fn check(&self) -> Result<(), String> {
+        if self.items.is_empty() {
+            return Err("a batch entry has no items".into());
+        }
+        if self.items.len() > MAX_BATCH_ITEMS {
+            return Err(format!(
+                "a batch entry has {} items, over the limit of {MAX_BATCH_ITEMS}",
+                self.items.len()
+            ));
+        }
+        let mut keys = BTreeSet::new();
+        for item in &self.items {
+            let Some(key) = batchable_lock(&item.command) else {
+                return Err("a batch entry may carry only acquires and releases".into());
+            };
+            if !keys.insert(key) {
+                return Err(format!(
+                    "a batch entry carries two commands on lock {key}; their grants would share \
+                     a fencing token"
+                ));
+            }
+        }
+        Ok(())
+    }
+}
+
+/// The lock a command names, if it may go into a batch: acquires and
+/// releases touch only that lock (and the dedupe table), so a batch with one
+/// command per lock keeps every lock's tokens strictly rising.
+pub fn batchable_lock(command: &Command) -> Option<&LockKey> {
+    match command {
+        Command::Acquire(acquire) => Some(&acquire.key),
+        Command::Release(release) => Some(&release.key),
+        _ => None,
+    }
+}
