@@ -6,6 +6,10 @@
 //! in the same run, with the Tether/etcd ratio. Without etcd installed it
 //! prints Tether's figures only.
 //!
+//! With `--unbatched` a second Tether cluster runs the same workloads with
+//! write batching off (`--batch-max-commands 1`, row `no-batch`): the
+//! before and after of batching, in one run.
+//!
 //! With `--charts DIR` it also draws the run as SVG: throughput against
 //! clients, and latency CDFs of each scenario (`chart.rs`).
 //!
@@ -15,7 +19,7 @@ use std::time::{Duration, Instant};
 
 use clap::Parser;
 use tether_chaos::chart::{Chart, PALETTE, Scale, Series, cdf_points};
-use tether_chaos::cluster::{ProcessCluster, sibling_binary};
+use tether_chaos::cluster::{ClusterSpec, ProcessCluster, sibling_binary};
 use tether_chaos::etcd::{self, EtcdCluster};
 use tether_chaos::stats::{Samples, ms};
 use tether_chaos::workload::{Run, contended, mixed, poisson_arrivals, uncontended};
@@ -57,7 +61,16 @@ struct Args {
     /// Write SVG charts of the run into this directory (created if missing).
     #[arg(long)]
     charts: Option<std::path::PathBuf>,
+    /// Also run Tether with write batching off (`--batch-max-commands 1`),
+    /// as the row `no-batch`.
+    #[arg(long)]
+    unbatched: bool,
 }
+
+/// Tether with its default settings.
+const TETHER: &str = "tether";
+/// Tether with write batching off.
+const NO_BATCH: &str = "no-batch";
 
 /// One scenario's figures for one system, kept for the charts.
 struct Measured {
@@ -82,9 +95,9 @@ impl Measured {
     }
 }
 
-/// Tether solid, etcd dashed.
+/// Tether solid, the others dashed.
 fn is_comparison(system: &str) -> bool {
-    system != "tether"
+    system != TETHER
 }
 
 /// Pairs/s against clients, one line per system.
@@ -94,7 +107,7 @@ fn throughput_chart(results: &[Measured], scenario: &str, subtitle: &str) -> Opt
         return None;
     }
     let mut series = Vec::new();
-    for (i, system) in ["tether", "etcd"].into_iter().enumerate() {
+    for (i, system) in [TETHER, "etcd", NO_BATCH].into_iter().enumerate() {
         let points: Vec<(f64, f64)> = rows
             .iter()
             .filter(|m| m.system == system)
@@ -138,9 +151,11 @@ fn cdf_chart(
     per: &str,
     subtitle: &str,
 ) -> Option<Chart> {
+    // Tether beside etcd; the unbatched Tether only in the throughput charts
+    // (a third set of lines per client count would hide the other two).
     let rows: Vec<&Measured> = results
         .iter()
-        .filter(|m| m.scenario == scenario)
+        .filter(|m| m.scenario == scenario && m.system != NO_BATCH)
         .filter(|m| !(if handover { &m.handover_ms } else { &m.pair_ms }).is_empty())
         .collect();
     if rows.is_empty() {
@@ -225,6 +240,24 @@ fn fsync_floor(n: usize) -> anyhow::Result<Samples> {
     Ok(samples)
 }
 
+/// Prints one scenario's rows; Tether's rows carry their ratio to etcd's
+/// pairs/s when etcd ran (not for the mixed scenario, whose rate is set).
+fn print_rows(runs: &mut [(&'static str, Run)], scenario: &str, clients: usize, contended: bool) {
+    let etcd_rate = runs
+        .iter()
+        .find(|(system, _)| *system == "etcd")
+        .map(|(_, run)| run.rate());
+    for (system, run) in runs.iter_mut() {
+        let ratio = match etcd_rate {
+            Some(etcd) if *system != "etcd" && scenario != "mixed" => {
+                Some(run.rate() / etcd.max(1e-9))
+            }
+            _ => None,
+        };
+        row(system, scenario, clients, run, contended, ratio);
+    }
+}
+
 fn row(
     system: &str,
     scenario: &str,
@@ -242,7 +275,7 @@ fn row(
         ("-".to_string(), "-".to_string())
     };
     println!(
-        "{:<7} {:<12} {:>7} {:>10.0} {:>9} {:>9} {:>9} {:>11} {:>11} {:>7} {:>7}",
+        "{:<8} {:<12} {:>7} {:>10.0} {:>9} {:>9} {:>9} {:>11} {:>11} {:>7} {:>7}",
         system,
         scenario,
         clients,
@@ -286,9 +319,37 @@ async fn main() -> anyhow::Result<()> {
         .clone()
         .unwrap_or_else(|| sibling_binary("tetherd"));
     let cluster = ProcessCluster::start(&tetherd, args.replicas).await?;
-    let client = cluster.client();
-    // Warm up connections and the leader.
-    uncontended(&client, 4, Duration::from_millis(500), "warm").await;
+    // Tether variants by row name; the unbatched one is a second cluster,
+    // idle while the first runs.
+    let mut tethers = vec![(TETHER, cluster.client())];
+    let unbatched = if args.unbatched {
+        let spec = ClusterSpec {
+            tetherd: tetherd.clone(),
+            voters: args.replicas,
+            slots: args.replicas,
+            proxied: false,
+            extra_args: vec!["--batch-max-commands".into(), "1".into()],
+            failpoints: None,
+            log_filter: None,
+        };
+        let cluster = ProcessCluster::start_spec(spec).await?;
+        tethers.push((NO_BATCH, cluster.client()));
+        Some(cluster)
+    } else {
+        None
+    };
+    println!(
+        "{TETHER}: tetherd's defaults (write batching on){}",
+        if unbatched.is_some() {
+            format!("; {NO_BATCH}: the same with --batch-max-commands 1 (batching off)")
+        } else {
+            String::new()
+        }
+    );
+    for (_, client) in &tethers {
+        // Warm up connections and the leader.
+        uncontended(client, 4, Duration::from_millis(500), "warm").await;
+    }
     let etcd = if args.etcd.exists() {
         let etcd = EtcdCluster::start(&args.etcd, args.replicas).await?;
         let channel = etcd.channel().await?;
@@ -303,7 +364,7 @@ async fn main() -> anyhow::Result<()> {
 
     println!();
     println!(
-        "{:<7} {:<12} {:>7} {:>10} {:>9} {:>9} {:>9} {:>11} {:>11} {:>7} {:>7}",
+        "{:<8} {:<12} {:>7} {:>10} {:>9} {:>9} {:>9} {:>11} {:>11} {:>7} {:>7}",
         "system",
         "scenario",
         "clients",
@@ -328,57 +389,42 @@ async fn main() -> anyhow::Result<()> {
             "uncontended"
         };
         let tag = format!("{name}-{clients}");
-        let mut tether_run = if is_contended {
-            contended(&client, clients, args.duration, &tag).await
-        } else {
-            uncontended(&client, clients, args.duration, &tag).await
-        };
-        match &etcd {
-            Some((_, channel)) => {
-                let mut etcd_run = if is_contended {
-                    etcd::contended(channel, clients, args.duration, &tag).await
-                } else {
-                    etcd::uncontended(channel, clients, args.duration, &tag).await
-                };
-                let ratio = tether_run.rate() / etcd_run.rate().max(1e-9);
-                row(
-                    "tether",
-                    name,
-                    clients,
-                    &mut tether_run,
-                    is_contended,
-                    Some(ratio),
-                );
-                row("etcd", name, clients, &mut etcd_run, is_contended, None);
-                results.push(Measured::of("etcd", name, clients, &mut etcd_run));
-            }
-            None => row("tether", name, clients, &mut tether_run, is_contended, None),
+        let mut runs = Vec::new();
+        for (system, client) in &tethers {
+            let run = if is_contended {
+                contended(client, clients, args.duration, &tag).await
+            } else {
+                uncontended(client, clients, args.duration, &tag).await
+            };
+            runs.push((*system, run));
         }
-        results.push(Measured::of("tether", name, clients, &mut tether_run));
+        if let Some((_, channel)) = &etcd {
+            let run = if is_contended {
+                etcd::contended(channel, clients, args.duration, &tag).await
+            } else {
+                etcd::uncontended(channel, clients, args.duration, &tag).await
+            };
+            runs.push(("etcd", run));
+        }
+        print_rows(&mut runs, name, clients, is_contended);
+        for (system, mut run) in runs {
+            results.push(Measured::of(system, name, clients, &mut run));
+        }
     }
     for rate in &args.mixed_rates {
-        // The same arrivals for both systems.
+        // The same arrivals for every system.
         let arrivals = poisson_arrivals(*rate, args.mixed_nodes, args.duration, args.seed);
         let tag = format!("mixed-{rate}");
-        let mut tether_run = mixed(&client, &arrivals, &tag).await;
-        row(
-            "tether",
-            "mixed",
-            *rate as usize,
-            &mut tether_run,
-            false,
-            None,
-        );
-        results.push(Measured::of(
-            "tether",
-            "mixed",
-            *rate as usize,
-            &mut tether_run,
-        ));
+        let mut runs = Vec::new();
+        for (system, client) in &tethers {
+            runs.push((*system, mixed(client, &arrivals, &tag).await));
+        }
         if let Some((_, channel)) = &etcd {
-            let mut etcd_run = etcd::mixed(channel, &arrivals, &tag).await;
-            row("etcd", "mixed", *rate as usize, &mut etcd_run, false, None);
-            results.push(Measured::of("etcd", "mixed", *rate as usize, &mut etcd_run));
+            runs.push(("etcd", etcd::mixed(channel, &arrivals, &tag).await));
+        }
+        print_rows(&mut runs, "mixed", *rate as usize, false);
+        for (system, mut run) in runs {
+            results.push(Measured::of(system, "mixed", *rate as usize, &mut run));
         }
     }
     if !args.mixed_rates.is_empty() {
