@@ -67,7 +67,7 @@ impl Metrics {
         for (what, n) in self.sweeps.lock().unwrap_or_else(|p| p.into_inner()).iter() {
             let _ = writeln!(out, "tether_expired_total{{kind=\"{what}\"}} {n}");
         }
-        out.push_str("# HELP tether_write_entries_total Log entries this replica proposed for acquires and releases (one per batch).\n");
+        out.push_str("# HELP tether_write_entries_total Log entries the batching queue of this replica proposed for acquires and releases (one per batch; none while batching is off or not every member reads batch entries yet).\n");
         out.push_str("# TYPE tether_write_entries_total counter\n");
         let _ = writeln!(
             out,
