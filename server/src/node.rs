@@ -38,10 +38,6 @@ use crate::sm::{Command, Reply, Request};
 use crate::statefulset;
 use crate::store;
 
-/// Raft messages carry batches of entries and snapshots; client requests
-/// are bounded by `--max-request-bytes` instead.
-const MAX_GRPC_MESSAGE: usize = 64 * 1024 * 1024;
-
 /// Room a request needs beside its payload (key, pod, ids, framing).
 const REQUEST_OVERHEAD: usize = 16 * 1024;
 
@@ -227,8 +223,8 @@ impl Node {
             )
             .add_service(
                 RaftServiceServer::new(RaftApi::new(ctx.clone()))
-                    .max_decoding_message_size(MAX_GRPC_MESSAGE)
-                    .max_encoding_message_size(MAX_GRPC_MESSAGE),
+                    .max_decoding_message_size(crate::raft::MAX_RAFT_MESSAGE_BYTES)
+                    .max_encoding_message_size(crate::raft::MAX_RAFT_MESSAGE_BYTES),
             );
         let stop = wait_for(shutdown_rx.clone());
         let incoming = tether_tls::incoming(grpc, tls.clone());

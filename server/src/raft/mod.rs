@@ -19,6 +19,11 @@ openraft::declare_raft_types!(
         AsyncRuntime = openraft::TokioRuntime,
 );
 
+/// Largest Raft message a replica accepts (and sends): AppendEntries carry
+/// many entries, snapshots come in chunks; client requests are bounded by
+/// `--max-request-bytes` instead.
+pub const MAX_RAFT_MESSAGE_BYTES: usize = 64 * 1024 * 1024;
+
 /// A Tether replica's Raft handle.
 pub type Raft = openraft::Raft<TypeConfig>;
 /// A log id in Tether's configuration.

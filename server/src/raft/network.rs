@@ -6,7 +6,9 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use openraft::BasicNode;
-use openraft::error::{InstallSnapshotError, NetworkError, RPCError, RaftError, Unreachable};
+use openraft::error::{
+    InstallSnapshotError, NetworkError, PayloadTooLarge, RPCError, RaftError, Unreachable,
+};
 use openraft::network::{RPCOption, RaftNetwork, RaftNetworkFactory};
 use openraft::raft::{
     AppendEntriesRequest, AppendEntriesResponse, InstallSnapshotRequest, InstallSnapshotResponse,
@@ -18,7 +20,7 @@ use tether_proto::raft_service_client::RaftServiceClient;
 use tether_proto::{RaftReply, RaftRequest};
 use tonic::transport::{Channel, Endpoint};
 
-use super::TypeConfig;
+use super::{MAX_RAFT_MESSAGE_BYTES, TypeConfig};
 use crate::api::raft::FORMAT_METADATA;
 use crate::config::PeerDial;
 use crate::store::{decode, encode};
@@ -51,6 +53,19 @@ impl PeerFormats {
             .into_iter()
             .all(|peer| formats.get(&peer).is_some_and(|f| *f >= format))
     }
+}
+
+/// How many of a message's `entries` to send instead, when its `bytes` are
+/// over `limit` (the receiver would refuse it, and openraft would send it
+/// again unchanged, for ever): proportionally fewer, with a tenth to spare,
+/// at least one. None when it fits, or when it is one entry (which fits:
+/// client requests are far smaller than a Raft message).
+fn fewer_entries(entries: usize, bytes: usize, limit: usize) -> Option<u64> {
+    if bytes <= limit || entries <= 1 {
+        return None;
+    }
+    let fitting = (entries as u128 * limit as u128 * 9 / 10 / bytes as u128) as u64;
+    Some(fitting.clamp(1, entries as u64 - 1))
 }
 
 /// Creates one [`PeerClient`] per target replica.
@@ -131,10 +146,14 @@ impl PeerClient {
         }
     }
 
+    /// Sends `request`; `entries` is the number of log entries it carries
+    /// (AppendEntries), so that one too big for a Raft message is sent again
+    /// with fewer.
     async fn call<Req, Resp, Err>(
         &mut self,
         rpc: Rpc,
         request: &Req,
+        entries: usize,
         option: &RPCOption,
     ) -> Result<Resp, RPCError<u64, BasicNode, Err>>
     where
@@ -151,9 +170,14 @@ impl PeerClient {
                 &std::io::Error::other(msg),
             )));
         };
-        let mut req = tonic::Request::new(RaftRequest {
-            data: encode(request),
-        });
+        let data = encode(request);
+        if let Some(hint) = fewer_entries(entries, data.len(), MAX_RAFT_MESSAGE_BYTES) {
+            // openraft sends at most `hint` entries per message for a while.
+            return Err(RPCError::PayloadTooLarge(
+                PayloadTooLarge::new_entries_hint(hint),
+            ));
+        }
+        let mut req = tonic::Request::new(RaftRequest { data });
         req.set_timeout(option.hard_ttl());
         // The receiver refuses messages meant for another id (see
         // `api::raft::RaftApi::check_target`).
@@ -210,7 +234,8 @@ impl RaftNetwork<TypeConfig> for PeerClient {
         rpc: AppendEntriesRequest<TypeConfig>,
         option: RPCOption,
     ) -> Result<AppendEntriesResponse<u64>, RPCError<u64, BasicNode, RaftError<u64>>> {
-        self.call(Rpc::AppendEntries, &rpc, &option).await
+        let entries = rpc.entries.len();
+        self.call(Rpc::AppendEntries, &rpc, entries, &option).await
     }
 
     async fn install_snapshot(
@@ -221,7 +246,7 @@ impl RaftNetwork<TypeConfig> for PeerClient {
         InstallSnapshotResponse<u64>,
         RPCError<u64, BasicNode, RaftError<u64, InstallSnapshotError>>,
     > {
-        self.call(Rpc::InstallSnapshot, &rpc, &option).await
+        self.call(Rpc::InstallSnapshot, &rpc, 0, &option).await
     }
 
     async fn vote(
@@ -229,13 +254,22 @@ impl RaftNetwork<TypeConfig> for PeerClient {
         rpc: VoteRequest<u64>,
         option: RPCOption,
     ) -> Result<VoteResponse<u64>, RPCError<u64, BasicNode, RaftError<u64>>> {
-        self.call(Rpc::Vote, &rpc, &option).await
+        self.call(Rpc::Vote, &rpc, 0, &option).await
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn an_append_too_big_for_one_message_is_split() {
+        assert_eq!(fewer_entries(300, 1_000, 64), Some(17));
+        assert_eq!(fewer_entries(300, 64, 64), None, "fits exactly");
+        assert_eq!(fewer_entries(1, 1_000, 64), None, "one entry is sent as is");
+        assert_eq!(fewer_entries(2, 10_000, 64), Some(1), "at least one");
+        assert_eq!(fewer_entries(300, 65, 64), Some(265), "always fewer");
+    }
 
     #[test]
     fn a_new_format_is_written_only_once_every_peer_said_it_reads_it() {
