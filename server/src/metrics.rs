@@ -67,19 +67,21 @@ impl Metrics {
         for (what, n) in self.sweeps.lock().unwrap_or_else(|p| p.into_inner()).iter() {
             let _ = writeln!(out, "tether_expired_total{{kind=\"{what}\"}} {n}");
         }
-        out.push_str("# HELP tether_write_entries_total Log entries the batching queue of this replica proposed for acquires and releases (one per batch; none while batching is off or not every member reads batch entries yet).\n");
-        out.push_str("# TYPE tether_write_entries_total counter\n");
-        let _ = writeln!(
-            out,
-            "tether_write_entries_total {}",
-            self.write_entries.load(Ordering::Relaxed)
-        );
-        out.push_str("# HELP tether_write_commands_total Acquires and releases in those entries; divided by the entries, the mean batch size.\n");
-        out.push_str("# TYPE tether_write_commands_total counter\n");
-        let _ = writeln!(
-            out,
-            "tether_write_commands_total {}",
-            self.write_commands.load(Ordering::Relaxed)
-        );
+        let counters = [
+            (
+                "tether_write_entries_total",
+                "Log entries the batching queue of this replica proposed for acquires and releases (one per batch; none while batching is off or not every member reads batch entries yet).",
+                &self.write_entries,
+            ),
+            (
+                "tether_write_commands_total",
+                "Acquires and releases in those entries; divided by the entries, the mean batch size.",
+                &self.write_commands,
+            ),
+        ];
+        for (name, help, value) in counters {
+            let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} counter");
+            let _ = writeln!(out, "{name} {}", value.load(Ordering::Relaxed));
+        }
     }
 }

@@ -284,20 +284,27 @@ fn v2_entries() -> Vec<Entry> {
     }]
 }
 
-#[test]
-fn format_v2_log_entries_still_decode() {
-    let entries = v2_entries();
+/// Checks that `format-v{version}/log.bin` decodes to `entries` (writing
+/// it first under `TETHER_WRITE_FIXTURES`).
+fn check_log_fixture(version: u16, entries: &[Entry]) {
     if std::env::var("TETHER_WRITE_FIXTURES").is_ok() {
-        std::fs::create_dir_all(fixture(2, "")).unwrap();
+        std::fs::create_dir_all(fixture(version, "")).unwrap();
         let encoded: Vec<Vec<u8>> = entries.iter().map(encode).collect();
-        std::fs::write(fixture(2, "log.bin"), encode(&encoded)).unwrap();
+        std::fs::write(fixture(version, "log.bin"), encode(&encoded)).unwrap();
     }
-    let stored: Vec<Vec<u8>> = decode(&std::fs::read(fixture(2, "log.bin")).unwrap()).unwrap();
+    let stored: Vec<Vec<u8>> =
+        decode(&std::fs::read(fixture(version, "log.bin")).unwrap()).unwrap();
     assert_eq!(stored.len(), entries.len());
-    for (bytes, expected) in stored.iter().zip(&entries) {
-        let entry = decode_entry(bytes).expect("a format-2 entry decodes");
+    for (bytes, expected) in stored.iter().zip(entries) {
+        let entry = decode_entry(bytes)
+            .unwrap_or_else(|e| panic!("a format-{version} entry does not decode: {e}"));
         assert_eq!(format!("{entry:?}"), format!("{expected:?}"));
     }
+}
+
+#[test]
+fn format_v2_log_entries_still_decode() {
+    check_log_fixture(2, &v2_entries());
 }
 
 /// Format 3 added the `Batch` command (several clients' acquires and
@@ -349,18 +356,7 @@ fn v3_entries() -> Vec<Entry> {
 
 #[test]
 fn format_v3_log_entries_still_decode() {
-    let entries = v3_entries();
-    if std::env::var("TETHER_WRITE_FIXTURES").is_ok() {
-        std::fs::create_dir_all(fixture(3, "")).unwrap();
-        let encoded: Vec<Vec<u8>> = entries.iter().map(encode).collect();
-        std::fs::write(fixture(3, "log.bin"), encode(&encoded)).unwrap();
-    }
-    let stored: Vec<Vec<u8>> = decode(&std::fs::read(fixture(3, "log.bin")).unwrap()).unwrap();
-    assert_eq!(stored.len(), entries.len());
-    for (bytes, expected) in stored.iter().zip(&entries) {
-        let entry = decode_entry(bytes).expect("a format-3 entry decodes");
-        assert_eq!(format!("{entry:?}"), format!("{expected:?}"));
-    }
+    check_log_fixture(3, &v3_entries());
 }
 
 #[test]
