@@ -146,8 +146,9 @@ pub struct Config {
 
     /// Most batch entries the leader has proposed and not yet committed;
     /// further acquires and releases queue and go out together in the next.
-    /// Commands on one lock cannot share an entry, so this is also how many
-    /// of them (a contended lock's releases and new waiters) are in flight.
+    /// (A command on a lock the forming batch already has goes out alone at
+    /// once, outside this limit: commands on one lock cannot share an
+    /// entry.)
     #[arg(long, env = "TETHER_BATCH_IN_FLIGHT", default_value_t = 4,
           value_parser = clap::value_parser!(u32).range(1..=64))]
     pub batch_in_flight: u32,
