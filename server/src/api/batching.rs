@@ -20,9 +20,8 @@
 //! fencing token of any grant in it, and tokens must rise per lock). A
 //! command on a lock already in the forming batch goes out at once in an
 //! entry of its own, outside the in-flight limit, as every command did
-//! before batching: a hot lock's commands keep pipelining (holding them for
-//! the next batch cost a workload of many clients on few locks about a fifth
-//! of its operations in the chaos runs).
+//! before batching: a hot lock's commands keep pipelining instead of
+//! waiting for a permit and a batch of their own.
 
 use std::collections::BTreeSet;
 use std::sync::Arc;
