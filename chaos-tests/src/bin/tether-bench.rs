@@ -71,6 +71,8 @@ struct Args {
 const TETHER: &str = "tether";
 /// Tether with write batching off.
 const NO_BATCH: &str = "no-batch";
+/// The etcd cluster.
+const ETCD: &str = "etcd";
 
 /// One scenario's figures for one system, kept for the charts.
 struct Measured {
@@ -107,7 +109,7 @@ fn throughput_chart(results: &[Measured], scenario: &str, subtitle: &str) -> Opt
         return None;
     }
     let mut series = Vec::new();
-    for (i, system) in [TETHER, "etcd", NO_BATCH].into_iter().enumerate() {
+    for (i, system) in [TETHER, ETCD, NO_BATCH].into_iter().enumerate() {
         let points: Vec<(f64, f64)> = rows
             .iter()
             .filter(|m| m.system == system)
@@ -245,11 +247,11 @@ fn fsync_floor(n: usize) -> anyhow::Result<Samples> {
 fn print_rows(runs: &mut [(&'static str, Run)], scenario: &str, clients: usize, contended: bool) {
     let etcd_rate = runs
         .iter()
-        .find(|(system, _)| *system == "etcd")
+        .find(|(system, _)| *system == ETCD)
         .map(|(_, run)| run.rate());
     for (system, run) in runs.iter_mut() {
         let ratio = match etcd_rate {
-            Some(etcd) if *system != "etcd" && scenario != "mixed" => {
+            Some(etcd) if *system != ETCD && scenario != "mixed" => {
                 Some(run.rate() / etcd.max(1e-9))
             }
             _ => None,
@@ -404,7 +406,7 @@ async fn main() -> anyhow::Result<()> {
             } else {
                 etcd::uncontended(channel, clients, args.duration, &tag).await
             };
-            runs.push(("etcd", run));
+            runs.push((ETCD, run));
         }
         print_rows(&mut runs, name, clients, is_contended);
         for (system, mut run) in runs {
@@ -420,7 +422,7 @@ async fn main() -> anyhow::Result<()> {
             runs.push((*system, mixed(client, &arrivals, &tag).await));
         }
         if let Some((_, channel)) = &etcd {
-            runs.push(("etcd", etcd::mixed(channel, &arrivals, &tag).await));
+            runs.push((ETCD, etcd::mixed(channel, &arrivals, &tag).await));
         }
         print_rows(&mut runs, "mixed", *rate as usize, false);
         for (system, mut run) in runs {
