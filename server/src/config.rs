@@ -120,9 +120,16 @@ pub struct Config {
 
     /// Largest request a client may send, in bytes (Raft traffic between
     /// replicas has its own, larger bound). Must leave room for a payload of
-    /// --max-payload-bytes.
+    /// --max-payload-bytes, and be at most 16 MiB (a quarter of the Raft
+    /// message limit, so that any one log entry fits a message).
     #[arg(long, env = "TETHER_MAX_REQUEST_BYTES", default_value_t = 1024 * 1024)]
     pub max_request_bytes: usize,
+
+    /// Largest Raft message between replicas, in bytes. Not a flag: every
+    /// replica must use the same; tests lower it to reach the splitting of
+    /// large AppendEntries with little data.
+    #[arg(skip = crate::raft::MAX_RAFT_MESSAGE_BYTES)]
+    pub raft_message_limit: usize,
 
     /// Most labels a node report or a pin may carry.
     #[arg(long, env = "TETHER_MAX_LABELS", default_value_t = 64)]

@@ -95,6 +95,14 @@ impl Node {
             config.max_payload_bytes,
             REQUEST_OVERHEAD
         );
+        anyhow::ensure!(
+            config.max_request_bytes <= config.raft_message_limit / 4,
+            "--max-request-bytes {} is too large: at most {} (a quarter of the {} byte Raft \
+             message limit, so that any one log entry fits a message to the other replicas)",
+            config.max_request_bytes,
+            config.raft_message_limit / 4,
+            config.raft_message_limit
+        );
 
         std::fs::create_dir_all(&config.data_dir).with_context(|| {
             format!("cannot create data directory {}", config.data_dir.display())
@@ -132,6 +140,9 @@ impl Node {
             election_timeout_max: election_ms * 2,
             snapshot_policy: SnapshotPolicy::LogsSinceLast(config.snapshot_every),
             max_in_snapshot_log_to_keep: config.keep_logs_after_snapshot,
+            // openraft's 3 MiB chunks, or half the Raft message limit when
+            // that is lower, so a chunk and its metadata fit one message.
+            snapshot_max_chunk_size: (config.raft_message_limit as u64 / 2).min(3 * 1024 * 1024),
             ..Default::default()
         }
         .validate()
@@ -146,7 +157,12 @@ impl Node {
         let raft = Raft::new(
             id,
             Arc::new(raft_config),
-            Network::new(config.peer_dial.clone(), tls.clone(), peer_formats.clone()),
+            Network::new(
+                config.peer_dial.clone(),
+                tls.clone(),
+                peer_formats.clone(),
+                config.raft_message_limit,
+            ),
             log_store,
             sm_store,
         )
@@ -223,8 +239,8 @@ impl Node {
             )
             .add_service(
                 RaftServiceServer::new(RaftApi::new(ctx.clone()))
-                    .max_decoding_message_size(crate::raft::MAX_RAFT_MESSAGE_BYTES)
-                    .max_encoding_message_size(crate::raft::MAX_RAFT_MESSAGE_BYTES),
+                    .max_decoding_message_size(config.raft_message_limit)
+                    .max_encoding_message_size(config.raft_message_limit),
             );
         let stop = wait_for(shutdown_rx.clone());
         let incoming = tether_tls::incoming(grpc, tls.clone());

@@ -490,3 +490,35 @@ async fn candidates_at_below_and_above_the_limit() {
     .await;
     cluster.shutdown().await;
 }
+
+/// `--max-request-bytes` is checked at start against what it must carry (a
+/// payload of `--max-payload-bytes`) and what must carry it (one Raft
+/// message holds any one entry): out of bounds, the replica does not start
+/// and says which flag to change.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_replica_refuses_to_start_with_a_request_limit_out_of_bounds() {
+    let start = |tweak: fn(&mut tether_server::Config)| async move {
+        let dir = tempfile::tempdir().unwrap();
+        let mut config = tether_server::testing::test_config(1, dir.path());
+        tweak(&mut config);
+        let grpc = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let http = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        match tether_server::Node::start_with(config, grpc, http).await {
+            Ok(node) => {
+                node.stop().await;
+                panic!("the replica started");
+            }
+            Err(err) => format!("{err:#}"),
+        }
+    };
+    let err = start(|c| c.max_request_bytes = c.max_payload_bytes).await;
+    assert!(
+        err.contains("--max-request-bytes") && err.contains("--max-payload-bytes"),
+        "{err}"
+    );
+    let err = start(|c| c.max_request_bytes = c.raft_message_limit / 4 + 1).await;
+    assert!(
+        err.contains("--max-request-bytes") && err.contains("at most 16777216"),
+        "{err}"
+    );
+}

@@ -346,3 +346,117 @@ async fn membership_changes_sent_together_wait_for_each_other_instead_of_failing
     assert_eq!(members, vec![1, 2, 3, 4, 5]);
     cluster.shutdown().await;
 }
+
+/// Writes `writers` x `per_writer` acquires with `payload`-byte payloads on
+/// distinct locks, concurrently (so that they also share batch entries).
+async fn write_backlog(
+    client: &std::sync::Arc<tether_client::Client>,
+    tag: &str,
+    writers: usize,
+    per_writer: usize,
+    payload: usize,
+) {
+    let mut tasks = Vec::new();
+    for w in 0..writers {
+        let client = client.clone();
+        let tag = tag.to_string();
+        tasks.push(tokio::spawn(async move {
+            for i in 0..per_writer {
+                client
+                    .acquire(
+                        &lock(&format!("{tag}-{w}-{i}")),
+                        &pod(&format!("{tag}-{w}")),
+                        vec![(i % 251) as u8; payload],
+                        Duration::ZERO,
+                        0,
+                    )
+                    .await
+                    .unwrap();
+            }
+        }));
+    }
+    for task in tasks {
+        tokio::time::timeout(DEADLINE, task)
+            .await
+            .expect("writer finished")
+            .unwrap();
+    }
+}
+
+/// A follower back from a stop whose backlog is many times one Raft message:
+/// AppendEntries that would pass the limit are split (the network answers
+/// openraft with `PayloadTooLarge` and fewer entries; the receiver would
+/// refuse the whole message, and the follower would never catch up), and a
+/// snapshot goes over in chunks under the limit. The limit is lowered from
+/// 64 MiB to 256 KiB so that 2 MiB of payloads reach it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_backlog_of_many_raft_messages_reaches_a_restarted_follower() {
+    const MESSAGE_LIMIT: usize = 256 * 1024;
+    const PAYLOAD: usize = 8 * 1024;
+    let mut cluster = Cluster::start_with(3, |c| {
+        c.raft_message_limit = MESSAGE_LIMIT;
+        c.max_payload_bytes = PAYLOAD;
+        c.max_request_bytes = MESSAGE_LIMIT / 4;
+        c.snapshot_every = 1_000_000;
+        c.keep_logs_after_snapshot = 0;
+    })
+    .await;
+    let client = std::sync::Arc::new(common::client(&cluster));
+    let leader = cluster.wait_leader().await;
+    let follower = *cluster.addrs.keys().find(|id| **id != leader).unwrap();
+
+    // By the log: 16 x 16 acquires of 8 KiB, 2 MiB, far fewer entries than
+    // openraft's 300 per message, so its first AppendEntries would carry 8
+    // times the limit.
+    cluster.stop(follower).await;
+    write_backlog(&client, "log", 16, 16, PAYLOAD).await;
+    cluster.restart(follower).await;
+    cluster
+        .wait_applied(follower, cluster.applied(leader))
+        .await;
+    assert_eq!(
+        state_bytes(&cluster, follower),
+        state_bytes(&cluster, leader)
+    );
+
+    // By a snapshot of 4 MiB of holds, once the leader purged the log.
+    cluster.stop(follower).await;
+    write_backlog(&client, "snap", 16, 16, PAYLOAD).await;
+    let snapshot_index = client.snapshot().await.unwrap();
+    let deadline = tokio::time::Instant::now() + DEADLINE;
+    while cluster
+        .node(leader)
+        .raft()
+        .metrics()
+        .borrow()
+        .purged
+        .map_or(0, |l| l.index)
+        < snapshot_index
+    {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "leader did not purge its log"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    cluster.restart(follower).await;
+    cluster
+        .wait_applied(follower, cluster.applied(leader))
+        .await;
+    let installed = cluster
+        .node(follower)
+        .raft()
+        .metrics()
+        .borrow()
+        .snapshot
+        .map_or(0, |l| l.index);
+    assert!(
+        installed >= snapshot_index,
+        "the follower caught up without installing the snapshot"
+    );
+    assert_eq!(
+        state_bytes(&cluster, follower),
+        state_bytes(&cluster, leader)
+    );
+    cluster.shutdown().await;
+}

@@ -21,7 +21,8 @@ openraft::declare_raft_types!(
 
 /// Largest Raft message a replica accepts (and sends): AppendEntries carry
 /// many entries, snapshots come in chunks; client requests are bounded by
-/// `--max-request-bytes` instead.
+/// `--max-request-bytes` instead, at most a quarter of this so that one entry
+/// always fits a message. The default of `Config::raft_message_limit`.
 pub const MAX_RAFT_MESSAGE_BYTES: usize = 64 * 1024 * 1024;
 
 /// A Tether replica's Raft handle.

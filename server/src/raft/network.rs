@@ -20,7 +20,7 @@ use tether_proto::raft_service_client::RaftServiceClient;
 use tether_proto::{RaftReply, RaftRequest};
 use tonic::transport::{Channel, Endpoint};
 
-use super::{MAX_RAFT_MESSAGE_BYTES, TypeConfig};
+use super::TypeConfig;
 use crate::api::raft::FORMAT_METADATA;
 use crate::config::PeerDial;
 use crate::store::{decode, encode};
@@ -58,8 +58,9 @@ impl PeerFormats {
 /// How many of a message's `entries` to send instead, when its `bytes` are
 /// over `limit` (the receiver would refuse it, and openraft would send it
 /// again unchanged, for ever): proportionally fewer, with a tenth to spare,
-/// at least one. None when it fits, or when it is one entry (which fits:
-/// client requests are far smaller than a Raft message).
+/// at least one. None when it fits, or when it is one entry (which fits: the
+/// replica refuses to start with `--max-request-bytes` over a quarter of the
+/// message limit, and batches are bounded by it too).
 fn fewer_entries(entries: usize, bytes: usize, limit: usize) -> Option<u64> {
     if bytes <= limit || entries <= 1 {
         return None;
@@ -78,17 +79,25 @@ pub struct Network {
     tls: Option<Arc<TlsMaterial>>,
     /// What each peer reads, filled in by the clients.
     formats: Arc<PeerFormats>,
+    /// Largest Raft message a peer accepts, in bytes.
+    message_limit: usize,
 }
 
 impl Network {
     /// A network dialing `dial`'s address for the replicas it names and the
     /// membership address for the rest, recording the peers' formats in
-    /// `formats`.
-    pub fn new(dial: PeerDial, tls: Option<Arc<TlsMaterial>>, formats: Arc<PeerFormats>) -> Self {
+    /// `formats` and keeping messages within `message_limit` bytes.
+    pub fn new(
+        dial: PeerDial,
+        tls: Option<Arc<TlsMaterial>>,
+        formats: Arc<PeerFormats>,
+        message_limit: usize,
+    ) -> Self {
         Self {
             dial: Arc::new(dial),
             tls,
             formats,
+            message_limit,
         }
     }
 }
@@ -98,7 +107,13 @@ impl RaftNetworkFactory<TypeConfig> for Network {
 
     async fn new_client(&mut self, target: u64, node: &BasicNode) -> PeerClient {
         let addr = self.dial.get(&target).unwrap_or(&node.addr);
-        PeerClient::new(target, addr, self.tls.clone(), self.formats.clone())
+        PeerClient::new(
+            target,
+            addr,
+            self.tls.clone(),
+            self.formats.clone(),
+            self.message_limit,
+        )
     }
 }
 
@@ -108,7 +123,12 @@ pub struct PeerClient {
     addr: String,
     client: Option<RaftServiceClient<Channel>>,
     formats: Arc<PeerFormats>,
+    message_limit: usize,
 }
+
+/// Bytes a `RaftRequest` adds around its `data` (field tag and length), so
+/// that a message just under the limit by its data is not just over it.
+const RAFT_REQUEST_FRAMING: usize = 16;
 
 /// Which `RaftService` method to call.
 #[derive(Clone, Copy)]
@@ -124,6 +144,7 @@ impl PeerClient {
         addr: &str,
         tls: Option<Arc<TlsMaterial>>,
         formats: Arc<PeerFormats>,
+        message_limit: usize,
     ) -> Self {
         let client = Endpoint::from_shared(format!("http://{addr}"))
             .ok()
@@ -143,6 +164,7 @@ impl PeerClient {
             addr: addr.to_string(),
             client,
             formats,
+            message_limit,
         }
     }
 
@@ -171,7 +193,8 @@ impl PeerClient {
             )));
         };
         let data = encode(request);
-        if let Some(hint) = fewer_entries(entries, data.len(), MAX_RAFT_MESSAGE_BYTES) {
+        let message_bytes = data.len() + RAFT_REQUEST_FRAMING;
+        if let Some(hint) = fewer_entries(entries, message_bytes, self.message_limit) {
             // openraft sends at most `hint` entries per message for a while.
             return Err(RPCError::PayloadTooLarge(
                 PayloadTooLarge::new_entries_hint(hint),
