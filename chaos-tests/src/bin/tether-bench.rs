@@ -242,6 +242,27 @@ fn fsync_floor(n: usize) -> anyhow::Result<Samples> {
     Ok(samples)
 }
 
+/// Sequential Status calls to the leader: a gRPC round trip through the
+/// client library with no Raft and no disk, the floor under every acquire
+/// and release besides the fsyncs.
+async fn rpc_floor(
+    cluster: &ProcessCluster,
+    client: &tether_client::Client,
+    n: usize,
+) -> anyhow::Result<Samples> {
+    let leader = cluster
+        .leader(client)
+        .await
+        .ok_or_else(|| anyhow::anyhow!("no Tether leader for the RPC floor"))?;
+    let mut samples = Samples::default();
+    for _ in 0..n {
+        let t0 = Instant::now();
+        client.status_of(&leader.addr).await?;
+        samples.push(t0.elapsed());
+    }
+    Ok(samples)
+}
+
 /// Prints one scenario's rows; Tether's rows carry their ratio to etcd's
 /// pairs/s when etcd ran (not for the mixed scenario, whose rate is set).
 fn print_rows(runs: &mut [(&'static str, Run)], scenario: &str, clients: usize, contended: bool) {
@@ -352,6 +373,12 @@ async fn main() -> anyhow::Result<()> {
         // Warm up connections and the leader.
         uncontended(client, 4, Duration::from_millis(500), "warm").await;
     }
+    let mut rpc = rpc_floor(&cluster, &tethers[0].1, 1000).await?;
+    println!(
+        "gRPC round trip floor (Status RPC to the Tether leader: no Raft, no disk; 1000 calls): p50 {} ms, p99 {} ms",
+        ms(rpc.quantile(0.5)),
+        ms(rpc.quantile(0.99))
+    );
     let etcd = if args.etcd.exists() {
         let etcd = EtcdCluster::start(&args.etcd, args.replicas).await?;
         let channel = etcd.channel().await?;
