@@ -14,6 +14,37 @@ fn state_bytes(cluster: &Cluster, id: u64) -> Vec<u8> {
     tether_server::store::encode(&cluster.node(id).ctx().state.read().state)
 }
 
+/// Waits until `leader` has purged its log up to `index`.
+async fn wait_purged(cluster: &Cluster, leader: u64, index: u64) {
+    let deadline = tokio::time::Instant::now() + DEADLINE;
+    while cluster
+        .node(leader)
+        .raft()
+        .metrics()
+        .borrow()
+        .purged
+        .map_or(0, |l| l.index)
+        < index
+    {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "leader did not purge its log up to {index}"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+/// The index of the last snapshot replica `id` built or installed.
+fn snapshot_index_of(cluster: &Cluster, id: u64) -> u64 {
+    cluster
+        .node(id)
+        .raft()
+        .metrics()
+        .borrow()
+        .snapshot
+        .map_or(0, |l| l.index)
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn stopped_replica_recovers_from_rocksdb_and_catches_up() {
     let mut cluster = Cluster::start(3).await;
@@ -121,31 +152,10 @@ async fn lagging_replica_is_brought_back_by_snapshot_install() {
     let snapshot_index = client.snapshot().await.unwrap();
     assert!(snapshot_index >= 30);
     // The leader purged the log the snapshot covers.
-    let deadline = tokio::time::Instant::now() + DEADLINE;
-    while cluster
-        .node(leader)
-        .raft()
-        .metrics()
-        .borrow()
-        .purged
-        .map_or(0, |l| l.index)
-        < snapshot_index
-    {
-        assert!(
-            tokio::time::Instant::now() < deadline,
-            "leader did not purge its log"
-        );
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    wait_purged(&cluster, leader, snapshot_index).await;
     cluster.restart(lagging).await;
     cluster.wait_applied(lagging, cluster.applied(leader)).await;
-    let installed = cluster
-        .node(lagging)
-        .raft()
-        .metrics()
-        .borrow()
-        .snapshot
-        .map_or(0, |l| l.index);
+    let installed = snapshot_index_of(&cluster, lagging);
     assert!(
         installed >= snapshot_index,
         "lagging replica caught up without installing the snapshot"
@@ -423,33 +433,12 @@ async fn a_backlog_of_many_raft_messages_reaches_a_restarted_follower() {
     cluster.stop(follower).await;
     write_backlog(&client, "snap", 16, 16, PAYLOAD).await;
     let snapshot_index = client.snapshot().await.unwrap();
-    let deadline = tokio::time::Instant::now() + DEADLINE;
-    while cluster
-        .node(leader)
-        .raft()
-        .metrics()
-        .borrow()
-        .purged
-        .map_or(0, |l| l.index)
-        < snapshot_index
-    {
-        assert!(
-            tokio::time::Instant::now() < deadline,
-            "leader did not purge its log"
-        );
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    wait_purged(&cluster, leader, snapshot_index).await;
     cluster.restart(follower).await;
     cluster
         .wait_applied(follower, cluster.applied(leader))
         .await;
-    let installed = cluster
-        .node(follower)
-        .raft()
-        .metrics()
-        .borrow()
-        .snapshot
-        .map_or(0, |l| l.index);
+    let installed = snapshot_index_of(&cluster, follower);
     assert!(
         installed >= snapshot_index,
         "the follower caught up without installing the snapshot"
