@@ -295,6 +295,29 @@ mod tests {
     }
 
     #[test]
+    fn the_framing_margin_covers_a_raft_request_up_to_the_limit() {
+        use prost::Message;
+        // A protobuf bytes field adds a tag and a varint length; the limit
+        // is 64 MiB, so the largest data that can be sent is just under it.
+        for len in [
+            0,
+            1,
+            127,
+            128,
+            16_383,
+            16_384,
+            crate::raft::MAX_RAFT_MESSAGE_BYTES,
+        ] {
+            let request = RaftRequest { data: vec![0; len] };
+            assert!(
+                request.encoded_len() <= len + RAFT_REQUEST_FRAMING,
+                "{len} bytes of data encode to {}",
+                request.encoded_len()
+            );
+        }
+    }
+
+    #[test]
     fn a_new_format_is_written_only_once_every_peer_said_it_reads_it() {
         let formats = PeerFormats::default();
         // No peers (a single replica): nothing to wait for.
