@@ -10,6 +10,14 @@
 //! write batching off (`--batch-max-commands 1`, row `no-batch`): the
 //! before and after of batching, in one run.
 //!
+//! With `--baseline PATH` a third cluster runs another `tetherd` build (row
+//! `baseline`) through the same scenarios, each right after the current
+//! build's: the before and after of a code change, in one run under the same
+//! conditions. `--rounds N` runs every scenario N times per system,
+//! alternating systems within each round, and ends with each row's median
+//! and range over the rounds (run-to-run noise on a shared 2-core machine is
+//! ±15 %, larger than most changes).
+//!
 //! With `--charts DIR` it also draws the run as SVG: throughput against
 //! clients, and latency CDFs of each scenario (`chart.rs`).
 //!
@@ -65,12 +73,22 @@ struct Args {
     /// as the row `no-batch`.
     #[arg(long)]
     unbatched: bool,
+    /// Another tetherd build to run beside this one, as the row `baseline`
+    /// (e.g. the build before a change).
+    #[arg(long)]
+    baseline: Option<std::path::PathBuf>,
+    /// Times every scenario runs per system; with more than one, a summary
+    /// of medians and ranges follows the rows.
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=100))]
+    rounds: u32,
 }
 
 /// Tether with its default settings.
 const TETHER: &str = "tether";
 /// Tether with write batching off.
 const NO_BATCH: &str = "no-batch";
+/// Another tetherd build (`--baseline`).
+const BASELINE: &str = "baseline";
 /// The etcd cluster.
 const ETCD: &str = "etcd";
 
@@ -109,7 +127,7 @@ fn throughput_chart(results: &[Measured], scenario: &str, subtitle: &str) -> Opt
         return None;
     }
     let mut series = Vec::new();
-    for (i, system) in [TETHER, ETCD, NO_BATCH].into_iter().enumerate() {
+    for (i, system) in [TETHER, ETCD, NO_BATCH, BASELINE].into_iter().enumerate() {
         let points: Vec<(f64, f64)> = rows
             .iter()
             .filter(|m| m.system == system)
@@ -153,11 +171,12 @@ fn cdf_chart(
     per: &str,
     subtitle: &str,
 ) -> Option<Chart> {
-    // Tether beside etcd; the unbatched Tether only in the throughput charts
-    // (a third set of lines per client count would hide the other two).
+    // Tether beside etcd; the unbatched and baseline Tethers only in the
+    // throughput charts (a third set of lines per client count would hide
+    // the other two).
     let rows: Vec<&Measured> = results
         .iter()
-        .filter(|m| m.scenario == scenario && m.system != NO_BATCH)
+        .filter(|m| m.scenario == scenario && m.system != NO_BATCH && m.system != BASELINE)
         .filter(|m| !(if handover { &m.handover_ms } else { &m.pair_ms }).is_empty())
         .collect();
     if rows.is_empty() {
@@ -361,14 +380,27 @@ async fn main() -> anyhow::Result<()> {
     } else {
         None
     };
-    println!(
-        "{TETHER}: tetherd's defaults (write batching on){}",
-        if unbatched.is_some() {
-            format!("; {NO_BATCH}: the same with --batch-max-commands 1 (batching off)")
-        } else {
-            String::new()
+    let baseline = match &args.baseline {
+        Some(path) => {
+            let cluster = ProcessCluster::start(path, args.replicas).await?;
+            tethers.push((BASELINE, cluster.client()));
+            Some(cluster)
         }
-    );
+        None => None,
+    };
+    let mut variants = vec![format!(
+        "{TETHER}: {} with its defaults (write batching on)",
+        tetherd.display()
+    )];
+    if unbatched.is_some() {
+        variants.push(format!(
+            "{NO_BATCH}: the same with --batch-max-commands 1 (batching off)"
+        ));
+    }
+    if let Some(path) = &args.baseline {
+        variants.push(format!("{BASELINE}: {} with its defaults", path.display()));
+    }
+    println!("{}", variants.join("; "));
     for (_, client) in &tethers {
         // Warm up connections and the leader.
         uncontended(client, 4, Duration::from_millis(500), "warm").await;
@@ -406,6 +438,39 @@ async fn main() -> anyhow::Result<()> {
         "errors",
         "ratio"
     );
+    for round in 1..=args.rounds {
+        if args.rounds > 1 {
+            println!("round {round} of {}", args.rounds);
+        }
+        let rows = run_round(&args, &tethers, etcd.as_ref().map(|(_, c)| c)).await;
+        results.extend(rows.into_iter().map(|m| (round, m)));
+    }
+    if !args.mixed_rates.is_empty() {
+        println!(
+            "mixed: {} node locks, binds arriving as a Poisson process at the rate in the clients column \
+             (per second, seed {}), each held 20 ms then released; pairs/s = binds completed per \
+             second, latencies = arrival -> lock granted (what the scheduler waits for)",
+            args.mixed_nodes, args.seed
+        );
+    }
+    if args.rounds > 1 {
+        print_summary(&results, args.rounds);
+    }
+    if let Some(dir) = &args.charts {
+        write_charts(dir, &median_rounds(results), &subtitle)?;
+    }
+    drop((unbatched, baseline));
+    Ok(())
+}
+
+/// Runs every scenario once on every system (Tether variants in turn, then
+/// etcd), printing the rows; returns the figures for the charts and summary.
+async fn run_round(
+    args: &Args,
+    tethers: &[(&'static str, tether_client::Client)],
+    etcd: Option<&tonic::transport::Channel>,
+) -> Vec<Measured> {
+    let mut results = Vec::new();
     let scenarios = args
         .uncontended
         .iter()
@@ -419,7 +484,7 @@ async fn main() -> anyhow::Result<()> {
         };
         let tag = format!("{name}-{clients}");
         let mut runs = Vec::new();
-        for (system, client) in &tethers {
+        for (system, client) in tethers {
             let run = if is_contended {
                 contended(client, clients, args.duration, &tag).await
             } else {
@@ -427,7 +492,7 @@ async fn main() -> anyhow::Result<()> {
             };
             runs.push((*system, run));
         }
-        if let Some((_, channel)) = &etcd {
+        if let Some(channel) = etcd {
             let run = if is_contended {
                 etcd::contended(channel, clients, args.duration, &tag).await
             } else {
@@ -445,10 +510,10 @@ async fn main() -> anyhow::Result<()> {
         let arrivals = poisson_arrivals(*rate, args.mixed_nodes, args.duration, args.seed);
         let tag = format!("mixed-{rate}");
         let mut runs = Vec::new();
-        for (system, client) in &tethers {
+        for (system, client) in tethers {
             runs.push((*system, mixed(client, &arrivals, &tag).await));
         }
-        if let Some((_, channel)) = &etcd {
+        if let Some(channel) = etcd {
             runs.push((ETCD, etcd::mixed(channel, &arrivals, &tag).await));
         }
         print_rows(&mut runs, "mixed", *rate as usize, false);
@@ -456,16 +521,102 @@ async fn main() -> anyhow::Result<()> {
             results.push(Measured::of(system, "mixed", *rate as usize, &mut run));
         }
     }
-    if !args.mixed_rates.is_empty() {
+    results
+}
+
+/// The rows of one system, scenario and client count (or rate), in the
+/// order the rounds ran.
+fn group_rows(results: &[(u32, Measured)]) -> Vec<Vec<&Measured>> {
+    let mut groups: Vec<Vec<&Measured>> = Vec::new();
+    for (_, m) in results {
+        match groups.iter_mut().find(|g| {
+            g[0].system == m.system && g[0].scenario == m.scenario && g[0].clients == m.clients
+        }) {
+            Some(group) => group.push(m),
+            None => groups.push(vec![m]),
+        }
+    }
+    groups
+}
+
+/// The median of `values` (the lower middle for an even count).
+fn median(mut values: Vec<f64>) -> f64 {
+    values.sort_by(f64::total_cmp);
+    values[(values.len() - 1) / 2]
+}
+
+/// Each row's median pairs/s over the rounds with its range, and the median
+/// of the rounds' p50 pair and hand-over latencies.
+fn print_summary(results: &[(u32, Measured)], rounds: u32) {
+    println!();
+    println!("medians over {rounds} rounds (range of pairs/s in brackets)");
+    println!(
+        "{:<8} {:<12} {:>7} {:>10} {:>19} {:>9} {:>11}",
+        "system", "scenario", "clients", "pairs/s", "range", "p50 ms", "handover50"
+    );
+    for group in group_rows(results) {
+        let rates: Vec<f64> = group.iter().map(|m| m.rate).collect();
+        let low = rates.iter().copied().fold(f64::INFINITY, f64::min);
+        let high = rates.iter().copied().fold(0.0, f64::max);
+        let p50 = median(group.iter().map(|m| quantile(&m.pair_ms, 0.5)).collect());
+        let handover = if group[0].handover_ms.is_empty() {
+            "-".to_string()
+        } else {
+            format!(
+                "{:.3}",
+                median(
+                    group
+                        .iter()
+                        .map(|m| quantile(&m.handover_ms, 0.5))
+                        .collect()
+                )
+            )
+        };
         println!(
-            "mixed: {} node locks, binds arriving as a Poisson process at the rate in the clients column \
-             (per second, seed {}), each held 20 ms then released; pairs/s = binds completed per \
-             second, latencies = arrival -> lock granted (what the scheduler waits for)",
-            args.mixed_nodes, args.seed
+            "{:<8} {:<12} {:>7} {:>10.0} {:>19} {:>9.3} {:>11}",
+            group[0].system,
+            group[0].scenario,
+            group[0].clients,
+            median(rates),
+            format!("[{low:.0}, {high:.0}]"),
+            p50,
+            handover
         );
     }
-    if let Some(dir) = &args.charts {
-        write_charts(dir, &results, &subtitle)?;
+}
+
+/// The `q` quantile of sorted milliseconds (0 when empty).
+fn quantile(sorted_ms: &[f64], q: f64) -> f64 {
+    if sorted_ms.is_empty() {
+        return 0.0;
     }
-    Ok(())
+    let rank = ((sorted_ms.len() - 1) as f64 * q).round() as usize;
+    sorted_ms[rank]
+}
+
+/// For the charts, one round per row: the one with the median pairs/s (so
+/// a chart of several rounds shows a typical round, not an outlier).
+fn median_rounds(results: Vec<(u32, Measured)>) -> Vec<Measured> {
+    let medians: Vec<(&'static str, &'static str, usize, f64)> = group_rows(&results)
+        .into_iter()
+        .map(|group| {
+            let rate = median(group.iter().map(|m| m.rate).collect());
+            (group[0].system, group[0].scenario, group[0].clients, rate)
+        })
+        .collect();
+    let mut taken = vec![false; medians.len()];
+    let mut chosen = Vec::new();
+    for (_, m) in results {
+        let Some(i) = medians
+            .iter()
+            .position(|k| k.0 == m.system && k.1 == m.scenario && k.2 == m.clients)
+        else {
+            continue;
+        };
+        if !taken[i] && m.rate == medians[i].3 {
+            taken[i] = true;
+            chosen.push(m);
+        }
+    }
+    chosen
 }
