@@ -155,3 +155,76 @@ mod age_retention {
         assert_eq!(events_first_index(&db).unwrap(), 7);
     }
 }
+
+/// The state machine hands a queued acquire the events that end its wait,
+/// and tells it to read the state when a snapshot replaces the state.
+mod waits {
+    use std::time::Duration;
+
+    use openraft::RaftSnapshotBuilder;
+    use openraft::storage::RaftStateMachine;
+    use tether_server::sm::{EventKind, LockKey};
+    use tether_server::store::{self, waiters::WaitSignal};
+
+    const DEADLINE: Duration = Duration::from_secs(30);
+
+    #[tokio::test]
+    async fn apply_hands_a_grant_to_the_wait_naming_its_lock_and_pod_only() {
+        let dir = tempfile::tempdir().unwrap();
+        let (_db, _log, mut sm) = store::open(dir.path()).await.unwrap();
+        let handle = sm.handle();
+        let mut waiting = handle.register_wait(&LockKey::new("gpu-bind", "node-2"), "u2");
+        let mut other_pod = handle.register_wait(&LockKey::new("gpu-bind", "node-2"), "u9");
+        sm.apply((1..=3).map(|i| super::acquire_entry(i, 1000 + i)))
+            .await
+            .unwrap();
+        match tokio::time::timeout(DEADLINE, waiting.recv()).await {
+            Ok(Some(WaitSignal::Event(event))) => assert!(
+                matches!(&event.kind, EventKind::LockGranted { key, hold }
+                    if key.name == "node-2" && hold.pod.uid == "u2" && hold.token == 2),
+                "expected u2's grant of node-2 at token 2, got {event:?}"
+            ),
+            other => panic!("expected u2's grant, got {other:?}"),
+        }
+        assert!(waiting.try_recv().is_none(), "one grant, one signal");
+        assert!(
+            other_pod.try_recv().is_none(),
+            "a wait for another pod on the same lock was told"
+        );
+    }
+
+    #[tokio::test]
+    async fn a_snapshot_install_tells_every_wait_to_read_the_state() {
+        let source_dir = tempfile::tempdir().unwrap();
+        let (_db, _log, mut source) = store::open(source_dir.path()).await.unwrap();
+        source
+            .apply((1..=5).map(|i| super::acquire_entry(i, 1000 + i)))
+            .await
+            .unwrap();
+        let snapshot = source
+            .get_snapshot_builder()
+            .await
+            .build_snapshot()
+            .await
+            .unwrap();
+
+        // A replica far behind: u3's grant reaches it inside the snapshot,
+        // with no event.
+        let dir = tempfile::tempdir().unwrap();
+        let (_db, _log, mut behind) = store::open(dir.path()).await.unwrap();
+        let handle = behind.handle();
+        let key = LockKey::new("gpu-bind", "node-3");
+        let mut waiting = handle.register_wait(&key, "u3");
+        behind.begin_receiving_snapshot().await.unwrap();
+        behind
+            .install_snapshot(&snapshot.meta, snapshot.snapshot)
+            .await
+            .unwrap();
+        match tokio::time::timeout(DEADLINE, waiting.recv()).await {
+            Ok(Some(WaitSignal::Recheck)) => {}
+            other => panic!("expected a recheck after the install, got {other:?}"),
+        }
+        let holder = handle.read().state.locks[&key].holder.clone();
+        assert_eq!(holder.map(|h| h.pod.uid), Some("u3".to_string()));
+    }
+}

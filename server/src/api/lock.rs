@@ -7,7 +7,7 @@ use std::time::Duration;
 
 use tether_proto as pb;
 use tether_proto::lock_service_server::LockService;
-use tokio::sync::{broadcast, mpsc};
+use tokio::sync::mpsc;
 use tokio_stream::wrappers::ReceiverStream;
 use tonic::{Request, Response, Status};
 
@@ -16,6 +16,7 @@ use super::{Ctx, unexpected, validate};
 use crate::error::{ApiError, Result};
 use crate::sm::command::{Acquire, CancelOutcome, CancelWait, ForceRelease, Release};
 use crate::sm::{Command, EventKind, Hold, LockKey, Reply, WaitEndReason};
+use crate::store::waiters::{WaitSignal, WaitTicket};
 
 /// The `LockService` implementation.
 pub struct LockApi {
@@ -66,7 +67,7 @@ async fn follow_wait(
     key: LockKey,
     pod_uid: String,
     wait: Duration,
-    mut events: broadcast::Receiver<crate::sm::Event>,
+    mut ticket: WaitTicket,
     tx: mpsc::Sender<AcquireItem>,
 ) {
     let deadline = tokio::time::Instant::now() + wait;
@@ -93,8 +94,8 @@ async fn follow_wait(
             }
         }
         tokio::select! {
-            event = events.recv() => match event {
-                Ok(event) => match event.kind {
+            signal = ticket.recv() => match signal {
+                Some(WaitSignal::Event(event)) => match event.kind {
                     EventKind::LockGranted { key: k, hold } if k == key && hold.pod.uid == pod_uid => {
                         let _ = tx.send(Ok(granted(&ctx, &hold))).await;
                         return;
@@ -122,9 +123,9 @@ async fn follow_wait(
                     }
                     _ => {}
                 },
-                // Fell behind the event stream: the state tells where we are.
-                Err(broadcast::error::RecvError::Lagged(_)) => check_state = true,
-                Err(broadcast::error::RecvError::Closed) => {
+                // A snapshot replaced the state: it tells where we are.
+                Some(WaitSignal::Recheck) => check_state = true,
+                None => {
                     let err = ApiError::Unavailable("this replica is shutting down; acquire again on another replica".into());
                     let _ = tx.send(Err(err.into())).await;
                     return;
@@ -209,9 +210,9 @@ impl LockApi {
                 .unwrap_or_default(),
             queue_limit: ctx.config.max_queue_length,
         });
-        // Subscribe before proposing so the grant cannot slip between the
-        // apply and the subscription.
-        let events = ctx.state.subscribe();
+        // Register before proposing so the grant cannot slip between the
+        // apply and the registration.
+        let ticket = ctx.state.register_wait(&key, &pod.uid);
         let reply = ctx.write(request_id, command).await?;
         let (tx, rx) = mpsc::channel(2);
         match reply {
@@ -227,7 +228,7 @@ impl LockApi {
                 };
                 let _ = tx.send(Ok(queued)).await;
                 let pod_uid = pod.uid.clone();
-                tokio::spawn(follow_wait(ctx.clone(), key, pod_uid, wait, events, tx));
+                tokio::spawn(follow_wait(ctx.clone(), key, pod_uid, wait, ticket, tx));
             }
             other => return Err(unexpected(other)),
         }

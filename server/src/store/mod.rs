@@ -24,6 +24,7 @@
 pub mod keys;
 pub mod log_store;
 pub mod state_machine;
+pub mod waiters;
 
 use std::path::Path;
 use std::sync::Arc;

@@ -17,6 +17,7 @@ use serde::{Deserialize, Serialize};
 use tokio::sync::broadcast;
 
 use super::keys::{self, LAST_APPLIED, MEMBERSHIP, NOW};
+use super::waiters::{WaitRegistry, WaitTicket};
 use super::{CF_EVENTS, CF_META, CF_SM, SnapshotGate, decode, encode, err};
 use crate::raft::{Entry, LogId, StorageError, StoredMembership, TypeConfig};
 use crate::sm::{self, Dirty, Event, FORMAT_VERSION, Response, SNAPSHOT_FORMAT_VERSION, State};
@@ -54,6 +55,8 @@ pub struct StateHandle {
     /// snapshot in `meta`; at 100k pins a 7.6 MiB block, too big for the
     /// block cache): a watch read ~70k events/s instead of ~350k.
     events_first: Arc<AtomicU64>,
+    /// Queued acquires waiting for their grant (see [`WaitRegistry`]).
+    waits: WaitRegistry,
 }
 
 impl StateHandle {
@@ -68,6 +71,13 @@ impl StateHandle {
     /// later events you wait for.
     pub fn subscribe(&self) -> broadcast::Receiver<Event> {
         self.events.subscribe()
+    }
+
+    /// Registers an acquire's wait for `key` by `pod_uid`: the ticket
+    /// receives the events that grant it the lock or end its wait. Register
+    /// before proposing the acquire.
+    pub fn register_wait(&self, key: &crate::sm::LockKey, pod_uid: &str) -> WaitTicket {
+        self.waits.register(key, pod_uid)
     }
 
     /// The lowest log index a watch or history may start from without
@@ -254,6 +264,7 @@ impl StateMachineStore {
                 inner: Arc::new(RwLock::new(applied)),
                 events,
                 events_first: Arc::new(AtomicU64::new(events_first)),
+                waits: WaitRegistry::default(),
             },
             retention: EventRetention::default(),
             gate: SnapshotGate::new(0),
@@ -510,6 +521,7 @@ impl RaftStateMachine<TypeConfig> for StateMachineStore {
             self.db.write(batch).map_err(sm_write_err)?;
             fail::fail_point!("sm-apply-after-write");
         }
+        self.handle.waits.route(&all_events);
         for event in all_events {
             // No subscriber is not an error: nobody is waiting.
             let _ = self.handle.events.send(event);
@@ -539,6 +551,9 @@ impl RaftStateMachine<TypeConfig> for StateMachineStore {
         let result = self.install(meta, snapshot.into_inner());
         let covered = meta.last_log_id.map_or(0, |l| l.index);
         self.gate.end_install(result.is_ok().then_some(covered));
+        // The entries the snapshot covers were never applied here, so their
+        // grants produced no events: waiters read the new state instead.
+        self.handle.waits.recheck_all();
         result
     }
 
