@@ -18,6 +18,10 @@
 //! and range over the rounds (run-to-run noise on a shared 2-core machine is
 //! ±15 %, larger than most changes).
 //!
+//! With `--cpu` each scenario's `tether` rows are followed by the CPU time
+//! each replica (leader first) and the bench itself used during it, from
+//! `/proc/<pid>/stat`: where the two cores went.
+//!
 //! With `--charts DIR` it also draws the run as SVG: throughput against
 //! clients, and latency CDFs of each scenario (`chart.rs`).
 //!
@@ -81,6 +85,10 @@ struct Args {
     /// of medians and ranges follows the rows.
     #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=100))]
     rounds: u32,
+    /// After each scenario, print the CPU used by each `tether` replica and
+    /// by the bench during its `tether` run (Linux `/proc`).
+    #[arg(long)]
+    cpu: bool,
 }
 
 /// Tether with its default settings.
@@ -438,11 +446,16 @@ async fn main() -> anyhow::Result<()> {
         "errors",
         "ratio"
     );
+    let cpu = if args.cpu {
+        Some(CpuProbe::of(&cluster, &tethers[0].1, args.replicas).await?)
+    } else {
+        None
+    };
     for round in 1..=args.rounds {
         if args.rounds > 1 {
             println!("round {round} of {}", args.rounds);
         }
-        let rows = run_round(&args, &tethers, etcd.as_ref().map(|(_, c)| c)).await;
+        let rows = run_round(&args, &tethers, etcd.as_ref().map(|(_, c)| c), cpu.as_ref()).await;
         results.extend(rows.into_iter().map(|m| (round, m)));
     }
     if !args.mixed_rates.is_empty() {
@@ -469,6 +482,7 @@ async fn run_round(
     args: &Args,
     tethers: &[(&'static str, tether_client::Client)],
     etcd: Option<&tonic::transport::Channel>,
+    cpu: Option<&CpuProbe>,
 ) -> Vec<Measured> {
     let mut results = Vec::new();
     let scenarios = args
@@ -484,12 +498,17 @@ async fn run_round(
         };
         let tag = format!("{name}-{clients}");
         let mut runs = Vec::new();
+        let mut cpu_line = None;
         for (system, client) in tethers {
+            let before = cpu.filter(|_| *system == TETHER).map(CpuProbe::sample);
             let run = if is_contended {
                 contended(client, clients, args.duration, &tag).await
             } else {
                 uncontended(client, clients, args.duration, &tag).await
             };
+            if let (Some(probe), Some(before)) = (cpu, before) {
+                cpu_line = Some(probe.report(&before, &probe.sample()));
+            }
             runs.push((*system, run));
         }
         if let Some(channel) = etcd {
@@ -501,6 +520,9 @@ async fn run_round(
             runs.push((ETCD, run));
         }
         print_rows(&mut runs, name, clients, is_contended);
+        if let Some(line) = cpu_line {
+            println!("        {line}");
+        }
         for (system, mut run) in runs {
             results.push(Measured::of(system, name, clients, &mut run));
         }
@@ -510,18 +532,105 @@ async fn run_round(
         let arrivals = poisson_arrivals(*rate, args.mixed_nodes, args.duration, args.seed);
         let tag = format!("mixed-{rate}");
         let mut runs = Vec::new();
+        let mut cpu_line = None;
         for (system, client) in tethers {
+            let before = cpu.filter(|_| *system == TETHER).map(CpuProbe::sample);
             runs.push((*system, mixed(client, &arrivals, &tag).await));
+            if let (Some(probe), Some(before)) = (cpu, before) {
+                cpu_line = Some(probe.report(&before, &probe.sample()));
+            }
         }
         if let Some(channel) = etcd {
             runs.push((ETCD, etcd::mixed(channel, &arrivals, &tag).await));
         }
         print_rows(&mut runs, "mixed", *rate as usize, false);
+        if let Some(line) = cpu_line {
+            println!("        {line}");
+        }
         for (system, mut run) in runs {
             results.push(Measured::of(system, "mixed", *rate as usize, &mut run));
         }
     }
     results
+}
+
+/// CPU time of the `tether` replicas and of the bench, from `/proc`.
+struct CpuProbe {
+    /// Label and pid, leader first, the bench last.
+    processes: Vec<(String, u32)>,
+}
+
+/// One reading: CPU seconds per process, and when.
+struct CpuSample {
+    seconds: Vec<f64>,
+    at: Instant,
+}
+
+/// Linux reports `utime` and `stime` in clock ticks of 1/100 s (USER_HZ,
+/// fixed at 100 in the kernel's ABI on the platforms this runs on).
+const TICKS_PER_SECOND: f64 = 100.0;
+
+impl CpuProbe {
+    async fn of(
+        cluster: &ProcessCluster,
+        client: &tether_client::Client,
+        replicas: usize,
+    ) -> anyhow::Result<Self> {
+        let leader = cluster
+            .leader(client)
+            .await
+            .ok_or_else(|| anyhow::anyhow!("no Tether leader for --cpu"))?
+            .node_id;
+        let mut processes = Vec::new();
+        let ids = std::iter::once(leader).chain((1..=replicas as u64).filter(|id| *id != leader));
+        for id in ids {
+            let pid = cluster
+                .pid(id)
+                .ok_or_else(|| anyhow::anyhow!("replica {id} is not running"))?;
+            let role = if id == leader { "leader" } else { "follower" };
+            processes.push((format!("n{id} {role}"), pid));
+        }
+        processes.push(("bench".to_string(), std::process::id()));
+        Ok(CpuProbe { processes })
+    }
+
+    fn sample(&self) -> CpuSample {
+        CpuSample {
+            seconds: self
+                .processes
+                .iter()
+                .map(|(_, pid)| cpu_seconds(*pid).unwrap_or(f64::NAN))
+                .collect(),
+            at: Instant::now(),
+        }
+    }
+
+    /// "cpu (tether): n1 leader 71 %, ..." as percent of one core.
+    fn report(&self, before: &CpuSample, after: &CpuSample) -> String {
+        let wall = (after.at - before.at).as_secs_f64().max(1e-9);
+        let parts: Vec<String> = self
+            .processes
+            .iter()
+            .zip(before.seconds.iter().zip(&after.seconds))
+            .map(|((label, _), (b, a))| format!("{label} {:.0} %", (a - b) / wall * 100.0))
+            .collect();
+        format!(
+            "cpu ({TETHER}, % of one core over {wall:.1} s): {}",
+            parts.join(", ")
+        )
+    }
+}
+
+/// User plus system CPU seconds of a process, all its threads.
+fn cpu_seconds(pid: u32) -> Option<f64> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    // The command name (field 2) is in parentheses and may hold spaces:
+    // count fields from the last ')'. utime and stime are fields 14 and 15.
+    let rest = &stat[stat.rfind(')')? + 1..];
+    let fields: Vec<&str> = rest.split_whitespace().collect();
+    let utime: f64 = fields.get(11)?.parse().ok()?;
+    let stime: f64 = fields.get(12)?.parse().ok()?;
+    Some((utime + stime) / TICKS_PER_SECOND)
 }
 
 /// The rows of one system, scenario and client count (or rate), in the
