@@ -174,10 +174,7 @@ mod tests {
     use crate::sm::{Hold, Pod, Revision, WaitEndReason};
 
     fn key(name: &str) -> LockKey {
-        LockKey {
-            scope: "gpu-bind".into(),
-            name: name.into(),
-        }
+        LockKey::new("gpu-bind", name)
     }
 
     fn pod(uid: &str) -> Pod {
