@@ -456,7 +456,7 @@ async fn main() -> anyhow::Result<()> {
             println!("round {round} of {}", args.rounds);
         }
         let rows = run_round(&args, &tethers, etcd.as_ref().map(|(_, c)| c), cpu.as_ref()).await;
-        results.extend(rows.into_iter().map(|m| (round, m)));
+        results.extend(rows);
     }
     if !args.mixed_rates.is_empty() {
         println!(
@@ -635,9 +635,9 @@ fn cpu_seconds(pid: u32) -> Option<f64> {
 
 /// The rows of one system, scenario and client count (or rate), in the
 /// order the rounds ran.
-fn group_rows(results: &[(u32, Measured)]) -> Vec<Vec<&Measured>> {
+fn group_rows(results: &[Measured]) -> Vec<Vec<&Measured>> {
     let mut groups: Vec<Vec<&Measured>> = Vec::new();
-    for (_, m) in results {
+    for m in results {
         match groups.iter_mut().find(|g| {
             g[0].system == m.system && g[0].scenario == m.scenario && g[0].clients == m.clients
         }) {
@@ -656,7 +656,7 @@ fn median(mut values: Vec<f64>) -> f64 {
 
 /// Each row's median pairs/s over the rounds with its range, and the median
 /// of the rounds' p50 pair and hand-over latencies.
-fn print_summary(results: &[(u32, Measured)], rounds: u32) {
+fn print_summary(results: &[Measured], rounds: u32) {
     println!();
     println!("medians over {rounds} rounds (range of pairs/s in brackets)");
     println!(
@@ -705,7 +705,7 @@ fn quantile(sorted_ms: &[f64], q: f64) -> f64 {
 
 /// For the charts, one round per row: the one with the median pairs/s (so
 /// a chart of several rounds shows a typical round, not an outlier).
-fn median_rounds(results: Vec<(u32, Measured)>) -> Vec<Measured> {
+fn median_rounds(results: Vec<Measured>) -> Vec<Measured> {
     let medians: Vec<(&'static str, &'static str, usize, f64)> = group_rows(&results)
         .into_iter()
         .map(|group| {
@@ -715,7 +715,7 @@ fn median_rounds(results: Vec<(u32, Measured)>) -> Vec<Measured> {
         .collect();
     let mut taken = vec![false; medians.len()];
     let mut chosen = Vec::new();
-    for (_, m) in results {
+    for m in results {
         let Some(i) = medians
             .iter()
             .position(|k| k.0 == m.system && k.1 == m.scenario && k.2 == m.clients)
