@@ -22,6 +22,10 @@
 //! each replica (leader first) and the bench itself used during it, from
 //! `/proc/<pid>/stat`: where the two cores went.
 //!
+//! With `--logs DIR` the Tether replicas' logs are copied there at the end
+//! and every scenario's rows say when it started (UTC, as in the logs), to
+//! find what a replica was doing during a slow run.
+//!
 //! With `--charts DIR` it also draws the run as SVG: throughput against
 //! clients, and latency CDFs of each scenario (`chart.rs`).
 //!
@@ -89,6 +93,10 @@ struct Args {
     /// by the bench during its `tether` run (Linux `/proc`).
     #[arg(long)]
     cpu: bool,
+    /// Copy every Tether replica's log here at the end
+    /// (`<row>-tetherd-<id>.log`), and print each scenario's start time.
+    #[arg(long)]
+    logs: Option<std::path::PathBuf>,
 }
 
 /// Tether with its default settings.
@@ -368,20 +376,12 @@ async fn main() -> anyhow::Result<()> {
         .tetherd
         .clone()
         .unwrap_or_else(|| sibling_binary("tetherd"));
-    let cluster = ProcessCluster::start(&tetherd, args.replicas).await?;
+    let cluster = ProcessCluster::start_spec(cluster_spec(&args, &tetherd, &[])).await?;
     // Tether variants by row name; the unbatched one is a second cluster,
     // idle while the first runs.
     let mut tethers = vec![(TETHER, cluster.client())];
     let unbatched = if args.unbatched {
-        let spec = ClusterSpec {
-            tetherd: tetherd.clone(),
-            voters: args.replicas,
-            slots: args.replicas,
-            proxied: false,
-            extra_args: vec!["--batch-max-commands".into(), "1".into()],
-            failpoints: None,
-            log_filter: None,
-        };
+        let spec = cluster_spec(&args, &tetherd, &["--batch-max-commands", "1"]);
         let cluster = ProcessCluster::start_spec(spec).await?;
         tethers.push((NO_BATCH, cluster.client()));
         Some(cluster)
@@ -390,7 +390,7 @@ async fn main() -> anyhow::Result<()> {
     };
     let baseline = match &args.baseline {
         Some(path) => {
-            let cluster = ProcessCluster::start(path, args.replicas).await?;
+            let cluster = ProcessCluster::start_spec(cluster_spec(&args, path, &[])).await?;
             tethers.push((BASELINE, cluster.client()));
             Some(cluster)
         }
@@ -472,8 +472,49 @@ async fn main() -> anyhow::Result<()> {
     if let Some(dir) = &args.charts {
         write_charts(dir, &median_rounds(results), &subtitle)?;
     }
-    drop((unbatched, baseline));
+    if let Some(dir) = &args.logs {
+        std::fs::create_dir_all(dir)?;
+        let clusters = [
+            (TETHER, Some(&cluster)),
+            (NO_BATCH, unbatched.as_ref()),
+            (BASELINE, baseline.as_ref()),
+        ];
+        for (row, cluster) in clusters {
+            let Some(cluster) = cluster else { continue };
+            for id in cluster.running() {
+                let to = dir.join(format!("{row}-tetherd-{id}.log"));
+                std::fs::copy(cluster.log_path(id), &to)?;
+                println!("log: {}", to.display());
+            }
+        }
+    }
     Ok(())
+}
+
+/// A Tether cluster of `--replicas` running `tetherd` with `extra_args`;
+/// with `--logs`, the replicas log at info level (snapshots, elections).
+fn cluster_spec(args: &Args, tetherd: &std::path::Path, extra_args: &[&str]) -> ClusterSpec {
+    ClusterSpec {
+        tetherd: tetherd.to_path_buf(),
+        voters: args.replicas,
+        slots: args.replicas,
+        proxied: false,
+        extra_args: extra_args.iter().map(|a| a.to_string()).collect(),
+        failpoints: None,
+        log_filter: args.logs.as_ref().map(|_| "info,openraft=warn".to_string()),
+    }
+}
+
+/// Wall-clock time of day in UTC, `HH:MM:SS.mmm` (the replicas' log
+/// timestamps are UTC).
+fn utc_time_of_day() -> String {
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap_or_default();
+    let ms_of_day = now.as_millis() % (24 * 3600 * 1000);
+    let (h, rest) = (ms_of_day / 3_600_000, ms_of_day % 3_600_000);
+    let (m, rest) = (rest / 60_000, rest % 60_000);
+    format!("{h:02}:{m:02}:{:02}.{:03}", rest / 1000, rest % 1000)
 }
 
 /// Runs every scenario once on every system (Tether variants in turn, then
@@ -497,6 +538,12 @@ async fn run_round(
             "uncontended"
         };
         let tag = format!("{name}-{clients}");
+        if args.logs.is_some() {
+            println!(
+                "        ({name} {clients} started {} UTC)",
+                utc_time_of_day()
+            );
+        }
         let mut runs = Vec::new();
         let mut cpu_line = None;
         for (system, client) in tethers {
@@ -531,6 +578,9 @@ async fn run_round(
         // The same arrivals for every system.
         let arrivals = poisson_arrivals(*rate, args.mixed_nodes, args.duration, args.seed);
         let tag = format!("mixed-{rate}");
+        if args.logs.is_some() {
+            println!("        (mixed {rate} started {} UTC)", utc_time_of_day());
+        }
         let mut runs = Vec::new();
         let mut cpu_line = None;
         for (system, client) in tethers {
