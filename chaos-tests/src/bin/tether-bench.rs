@@ -108,7 +108,8 @@ const BASELINE: &str = "baseline";
 /// The etcd cluster.
 const ETCD: &str = "etcd";
 
-/// One scenario's figures for one system, kept for the charts.
+/// One scenario's figures for one system, kept for the charts and the
+/// summary of rounds.
 struct Measured {
     system: &'static str,
     scenario: &'static str,
@@ -116,6 +117,10 @@ struct Measured {
     rate: f64,
     pair_ms: Vec<f64>,
     handover_ms: Vec<f64>,
+    /// p50 pair latency, as printed in the row.
+    pair_p50: Duration,
+    /// p50 hand-over latency (contended runs; zero otherwise).
+    handover_p50: Duration,
 }
 
 impl Measured {
@@ -127,6 +132,8 @@ impl Measured {
             rate: run.rate(),
             pair_ms: run.pair_latency.sorted_ms(),
             handover_ms: run.handover.sorted_ms(),
+            pair_p50: run.pair_latency.quantile(0.5),
+            handover_p50: run.handover.quantile(0.5),
         }
     }
 }
@@ -277,6 +284,18 @@ fn fsync_floor(n: usize) -> anyhow::Result<Samples> {
     Ok(samples)
 }
 
+/// The Tether leader's status, or an error naming what needed it.
+async fn leader_of(
+    cluster: &ProcessCluster,
+    client: &tether_client::Client,
+    purpose: &str,
+) -> anyhow::Result<tether_client::proto::StatusResponse> {
+    cluster
+        .leader(client)
+        .await
+        .ok_or_else(|| anyhow::anyhow!("no Tether leader for {purpose}"))
+}
+
 /// Sequential Status calls to the leader: a gRPC round trip through the
 /// client library with no Raft and no disk, the floor under every acquire
 /// and release besides the fsyncs.
@@ -285,10 +304,7 @@ async fn rpc_floor(
     client: &tether_client::Client,
     n: usize,
 ) -> anyhow::Result<Samples> {
-    let leader = cluster
-        .leader(client)
-        .await
-        .ok_or_else(|| anyhow::anyhow!("no Tether leader for the RPC floor"))?;
+    let leader = leader_of(cluster, client, "the RPC floor").await?;
     let mut samples = Samples::default();
     for _ in 0..n {
         let t0 = Instant::now();
@@ -626,11 +642,7 @@ impl CpuProbe {
         client: &tether_client::Client,
         replicas: usize,
     ) -> anyhow::Result<Self> {
-        let leader = cluster
-            .leader(client)
-            .await
-            .ok_or_else(|| anyhow::anyhow!("no Tether leader for --cpu"))?
-            .node_id;
+        let leader = leader_of(cluster, client, "--cpu").await?.node_id;
         let mut processes = Vec::new();
         let ids = std::iter::once(leader).chain((1..=replicas as u64).filter(|id| *id != leader));
         for id in ids {
@@ -717,18 +729,13 @@ fn print_summary(results: &[Measured], rounds: u32) {
         let rates: Vec<f64> = group.iter().map(|m| m.rate).collect();
         let low = rates.iter().copied().fold(f64::INFINITY, f64::min);
         let high = rates.iter().copied().fold(0.0, f64::max);
-        let p50 = median(group.iter().map(|m| quantile(&m.pair_ms, 0.5)).collect());
+        let p50 = median(group.iter().map(|m| millis(m.pair_p50)).collect());
         let handover = if group[0].handover_ms.is_empty() {
             "-".to_string()
         } else {
             format!(
                 "{:.3}",
-                median(
-                    group
-                        .iter()
-                        .map(|m| quantile(&m.handover_ms, 0.5))
-                        .collect()
-                )
+                median(group.iter().map(|m| millis(m.handover_p50)).collect())
             )
         };
         println!(
@@ -744,13 +751,9 @@ fn print_summary(results: &[Measured], rounds: u32) {
     }
 }
 
-/// The `q` quantile of sorted milliseconds (0 when empty).
-fn quantile(sorted_ms: &[f64], q: f64) -> f64 {
-    if sorted_ms.is_empty() {
-        return 0.0;
-    }
-    let rank = ((sorted_ms.len() - 1) as f64 * q).round() as usize;
-    sorted_ms[rank]
+/// A duration in milliseconds.
+fn millis(d: Duration) -> f64 {
+    d.as_secs_f64() * 1000.0
 }
 
 /// For the charts, one round per row: the one with the median pairs/s (so
