@@ -125,18 +125,14 @@ impl WaitRegistry {
         }
     }
 
-    /// How many waits are registered (for tests).
-    pub fn len(&self) -> usize {
+    /// How many waits are registered.
+    #[cfg(test)]
+    fn len(&self) -> usize {
         self.waiters()
             .values()
             .flat_map(|by_pod| by_pod.values())
             .map(Vec::len)
             .sum()
-    }
-
-    /// Whether no wait is registered.
-    pub fn is_empty(&self) -> bool {
-        self.len() == 0
     }
 }
 
@@ -271,7 +267,7 @@ mod tests {
             matches!(next_now(&mut retry), Some(WaitSignal::Event(e)) if e.revision.index == 4)
         );
         drop(retry);
-        assert!(registry.is_empty());
+        assert_eq!(registry.len(), 0);
         assert!(registry.waiters().is_empty(), "empty entries are removed");
     }
 
