@@ -18,9 +18,12 @@
 //! and range over the rounds (run-to-run noise on a shared 2-core machine is
 //! ±15 %, larger than most changes).
 //!
-//! With `--cpu` each scenario's `tether` rows are followed by the CPU time
-//! each replica (leader first) and the bench itself used during it, from
-//! `/proc/<pid>/stat`: where the two cores went.
+//! With `--cpu` each scenario's Tether rows (`tether`, and `no-batch` or
+//! `baseline` when run) are followed by the CPU time each replica (leader
+//! first) and the bench itself used during it, from `/proc/<pid>/stat`:
+//! where the two cores went, and the replicas' CPU per completed pair. The
+//! latter moves less from run to run than pairs/s on a shared machine, so it
+//! is the figure to compare two builds by (the rounds summary has its median).
 //!
 //! With `--logs DIR` the Tether replicas' logs are copied there at the end
 //! and every scenario's rows say when it started (UTC, as in the logs), to
@@ -89,8 +92,9 @@ struct Args {
     /// of medians and ranges follows the rows.
     #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=100))]
     rounds: u32,
-    /// After each scenario, print the CPU used by each `tether` replica and
-    /// by the bench during its `tether` run (Linux `/proc`).
+    /// After each scenario, print the CPU used by each replica of every
+    /// Tether row and by the bench during that row's run, and the replicas'
+    /// CPU per completed pair (Linux `/proc`).
     #[arg(long)]
     cpu: bool,
     /// Copy every Tether replica's log here at the end
@@ -121,6 +125,8 @@ struct Measured {
     pair_p50: Duration,
     /// p50 hand-over latency (contended runs; zero otherwise).
     handover_p50: Duration,
+    /// CPU the replicas used per completed pair, in ms (`--cpu`, Tether rows).
+    replica_cpu_ms_per_pair: Option<f64>,
 }
 
 impl Measured {
@@ -134,6 +140,7 @@ impl Measured {
             handover_ms: run.handover.sorted_ms(),
             pair_p50: run.pair_latency.quantile(0.5),
             handover_p50: run.handover.quantile(0.5),
+            replica_cpu_ms_per_pair: None,
         }
     }
 }
@@ -462,16 +469,28 @@ async fn main() -> anyhow::Result<()> {
         "errors",
         "ratio"
     );
-    let cpu = if args.cpu {
-        Some(CpuProbe::of(&cluster, &tethers[0].1, args.replicas).await?)
-    } else {
-        None
-    };
+    // One probe per Tether variant, by row name.
+    let mut cpu = Vec::new();
+    if args.cpu {
+        let clusters = [
+            (TETHER, Some(&cluster)),
+            (NO_BATCH, unbatched.as_ref()),
+            (BASELINE, baseline.as_ref()),
+        ];
+        for (row, cluster) in clusters {
+            let Some(cluster) = cluster else { continue };
+            let (_, client) = tethers
+                .iter()
+                .find(|(system, _)| *system == row)
+                .expect("every started cluster has a row");
+            cpu.push((row, CpuProbe::of(cluster, client, args.replicas).await?));
+        }
+    }
     for round in 1..=args.rounds {
         if args.rounds > 1 {
             println!("round {round} of {}", args.rounds);
         }
-        let rows = run_round(&args, &tethers, etcd.as_ref().map(|(_, c)| c), cpu.as_ref()).await;
+        let rows = run_round(&args, &tethers, etcd.as_ref().map(|(_, c)| c), &cpu).await;
         results.extend(rows);
     }
     if !args.mixed_rates.is_empty() {
@@ -539,7 +558,7 @@ async fn run_round(
     args: &Args,
     tethers: &[(&'static str, tether_client::Client)],
     etcd: Option<&tonic::transport::Channel>,
-    cpu: Option<&CpuProbe>,
+    cpu: &[(&'static str, CpuProbe)],
 ) -> Vec<Measured> {
     let mut results = Vec::new();
     let scenarios = args
@@ -561,16 +580,17 @@ async fn run_round(
             );
         }
         let mut runs = Vec::new();
-        let mut cpu_line = None;
+        let mut cpu_used = Vec::new();
         for (system, client) in tethers {
-            let before = cpu.filter(|_| *system == TETHER).map(CpuProbe::sample);
+            let probe = probe_of(cpu, system);
+            let before = probe.map(CpuProbe::sample);
             let run = if is_contended {
                 contended(client, clients, args.duration, &tag).await
             } else {
                 uncontended(client, clients, args.duration, &tag).await
             };
-            if let (Some(probe), Some(before)) = (cpu, before) {
-                cpu_line = Some(probe.report(&before, &probe.sample()));
+            if let (Some(probe), Some(before)) = (probe, before) {
+                cpu_used.push((*system, probe.used(&before, &probe.sample())));
             }
             runs.push((*system, run));
         }
@@ -583,12 +603,7 @@ async fn run_round(
             runs.push((ETCD, run));
         }
         print_rows(&mut runs, name, clients, is_contended);
-        if let Some(line) = cpu_line {
-            println!("        {line}");
-        }
-        for (system, mut run) in runs {
-            results.push(Measured::of(system, name, clients, &mut run));
-        }
+        results.extend(measure_with_cpu(runs, name, clients, cpu, &cpu_used));
     }
     for rate in &args.mixed_rates {
         // The same arrivals for every system.
@@ -598,29 +613,74 @@ async fn run_round(
             println!("        (mixed {rate} started {} UTC)", utc_time_of_day());
         }
         let mut runs = Vec::new();
-        let mut cpu_line = None;
+        let mut cpu_used = Vec::new();
         for (system, client) in tethers {
-            let before = cpu.filter(|_| *system == TETHER).map(CpuProbe::sample);
+            let probe = probe_of(cpu, system);
+            let before = probe.map(CpuProbe::sample);
             runs.push((*system, mixed(client, &arrivals, &tag).await));
-            if let (Some(probe), Some(before)) = (cpu, before) {
-                cpu_line = Some(probe.report(&before, &probe.sample()));
+            if let (Some(probe), Some(before)) = (probe, before) {
+                cpu_used.push((*system, probe.used(&before, &probe.sample())));
             }
         }
         if let Some(channel) = etcd {
             runs.push((ETCD, etcd::mixed(channel, &arrivals, &tag).await));
         }
         print_rows(&mut runs, "mixed", *rate as usize, false);
-        if let Some(line) = cpu_line {
-            println!("        {line}");
-        }
-        for (system, mut run) in runs {
-            results.push(Measured::of(system, "mixed", *rate as usize, &mut run));
-        }
+        results.extend(measure_with_cpu(
+            runs,
+            "mixed",
+            *rate as usize,
+            cpu,
+            &cpu_used,
+        ));
     }
     results
 }
 
-/// CPU time of the `tether` replicas and of the bench, from `/proc`.
+/// The CPU probe of a row, if it has one.
+fn probe_of<'a>(cpu: &'a [(&'static str, CpuProbe)], system: &str) -> Option<&'a CpuProbe> {
+    cpu.iter().find(|(row, _)| *row == system).map(|(_, p)| p)
+}
+
+/// Each run's figures, with its replicas' CPU per pair where it was probed;
+/// prints each probed row's CPU line.
+fn measure_with_cpu(
+    runs: Vec<(&'static str, Run)>,
+    scenario: &'static str,
+    clients: usize,
+    cpu: &[(&'static str, CpuProbe)],
+    cpu_used: &[(&'static str, CpuUsed)],
+) -> Vec<Measured> {
+    let mut measured = Vec::new();
+    for (system, mut run) in runs {
+        let mut m = Measured::of(system, scenario, clients, &mut run);
+        let used = cpu_used.iter().find(|(row, _)| *row == system);
+        if let (Some(probe), Some((_, used))) = (probe_of(cpu, system), used) {
+            let per_pair = used.replicas_seconds() * 1000.0 / (run.pairs.max(1) as f64);
+            println!("        {}", probe.report(system, used, per_pair));
+            m.replica_cpu_ms_per_pair = Some(per_pair);
+        }
+        measured.push(m);
+    }
+    measured
+}
+
+/// CPU seconds each probed process used over a span of wall time.
+struct CpuUsed {
+    /// Per process, in the probe's order (the bench last).
+    seconds: Vec<f64>,
+    wall: f64,
+}
+
+impl CpuUsed {
+    /// CPU seconds of the replicas together (the bench left out).
+    fn replicas_seconds(&self) -> f64 {
+        let replicas = &self.seconds[..self.seconds.len() - 1];
+        replicas.iter().sum()
+    }
+}
+
+/// CPU time of one Tether cluster's replicas and of the bench, from `/proc`.
 struct CpuProbe {
     /// Label and pid, leader first, the bench last.
     processes: Vec<(String, u32)>,
@@ -667,17 +727,30 @@ impl CpuProbe {
         }
     }
 
-    /// "cpu (tether): n1 leader 71 %, ..." as percent of one core.
-    fn report(&self, before: &CpuSample, after: &CpuSample) -> String {
-        let wall = (after.at - before.at).as_secs_f64().max(1e-9);
+    /// What each process used between two samples.
+    fn used(&self, before: &CpuSample, after: &CpuSample) -> CpuUsed {
+        CpuUsed {
+            seconds: before
+                .seconds
+                .iter()
+                .zip(&after.seconds)
+                .map(|(b, a)| a - b)
+                .collect(),
+            wall: (after.at - before.at).as_secs_f64().max(1e-9),
+        }
+    }
+
+    /// "cpu (tether, ...): n1 leader 71 %, ...; replicas 0.52 ms per pair".
+    fn report(&self, row: &str, used: &CpuUsed, replica_ms_per_pair: f64) -> String {
         let parts: Vec<String> = self
             .processes
             .iter()
-            .zip(before.seconds.iter().zip(&after.seconds))
-            .map(|((label, _), (b, a))| format!("{label} {:.0} %", (a - b) / wall * 100.0))
+            .zip(&used.seconds)
+            .map(|((label, _), s)| format!("{label} {:.0} %", s / used.wall * 100.0))
             .collect();
         format!(
-            "cpu ({TETHER}, % of one core over {wall:.1} s): {}",
+            "cpu ({row}, % of one core over {:.1} s): {}; replicas {replica_ms_per_pair:.3} ms per pair",
+            used.wall,
             parts.join(", ")
         )
     }
@@ -717,13 +790,14 @@ fn median(mut values: Vec<f64>) -> f64 {
 }
 
 /// Each row's median pairs/s over the rounds with its range, and the median
-/// of the rounds' p50 pair and hand-over latencies.
+/// of the rounds' p50 pair and hand-over latencies and (`--cpu`) of the
+/// replicas' CPU per pair.
 fn print_summary(results: &[Measured], rounds: u32) {
     println!();
     println!("medians over {rounds} rounds (range of pairs/s in brackets)");
     println!(
-        "{:<8} {:<12} {:>7} {:>10} {:>19} {:>9} {:>11}",
-        "system", "scenario", "clients", "pairs/s", "range", "p50 ms", "handover50"
+        "{:<8} {:<12} {:>7} {:>10} {:>19} {:>9} {:>11} {:>12}",
+        "system", "scenario", "clients", "pairs/s", "range", "p50 ms", "handover50", "cpu ms/pair"
     );
     for group in group_rows(results) {
         let rates: Vec<f64> = group.iter().map(|m| m.rate).collect();
@@ -738,15 +812,25 @@ fn print_summary(results: &[Measured], rounds: u32) {
                 median(group.iter().map(|m| millis(m.handover_p50)).collect())
             )
         };
+        let cpu: Vec<f64> = group
+            .iter()
+            .filter_map(|m| m.replica_cpu_ms_per_pair)
+            .collect();
+        let cpu = if cpu.is_empty() {
+            "-".to_string()
+        } else {
+            format!("{:.3}", median(cpu))
+        };
         println!(
-            "{:<8} {:<12} {:>7} {:>10.0} {:>19} {:>9.3} {:>11}",
+            "{:<8} {:<12} {:>7} {:>10.0} {:>19} {:>9.3} {:>11} {:>12}",
             group[0].system,
             group[0].scenario,
             group[0].clients,
             median(rates),
             format!("[{low:.0}, {high:.0}]"),
             p50,
-            handover
+            handover,
+            cpu
         );
     }
 }
