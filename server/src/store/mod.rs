@@ -29,7 +29,7 @@ pub mod waiters;
 use std::path::Path;
 use std::sync::Arc;
 
-use rocksdb::{ColumnFamilyDescriptor, DB, Options};
+use rocksdb::{ColumnFamilyDescriptor, DB, MemtableFactory, Options};
 use serde::Serialize;
 use serde::de::DeserializeOwned;
 
@@ -67,9 +67,21 @@ pub fn open_db(dir: &Path) -> Result<Arc<DB>, rocksdb::Error> {
     opts.create_missing_column_families(true);
     opts.set_db_write_buffer_size(MEMTABLE_BUDGET);
     opts.set_max_total_wal_size(MEMTABLE_BUDGET as u64);
+    // A vector memtable (below) takes no concurrent inserts; our two
+    // writers (log appends, applies) are serialised by RocksDB's write group.
+    opts.set_allow_concurrent_memtable_write(false);
     let cfs = [CF_LOG, CF_META, CF_SM, CF_EVENTS].into_iter().map(|name| {
         let mut cf_opts = Options::default();
         cf_opts.set_write_buffer_size(MEMTABLE_SIZE);
+        if name == CF_SM {
+            // The state machine's keys are written on every apply, in no
+            // order (locks, sessions, pods), and read back only whole, when
+            // the replica opens or restores a snapshot: the state lives in
+            // memory. A skip list paid a sorted insert per key (~8 % of the
+            // replicas' CPU in a 64-client run); a vector appends, and sorts
+            // once when the memtable is flushed or scanned.
+            cf_opts.set_memtable_factory(MemtableFactory::Vector);
+        }
         ColumnFamilyDescriptor::new(name, cf_opts)
     });
     Ok(Arc::new(DB::open_cf_descriptors(&opts, dir, cfs)?))
