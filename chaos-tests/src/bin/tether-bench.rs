@@ -469,21 +469,24 @@ async fn main() -> anyhow::Result<()> {
         "errors",
         "ratio"
     );
+    // Every Tether cluster by its row's name.
+    let clusters: Vec<(&'static str, &ProcessCluster)> = [
+        (TETHER, Some(&cluster)),
+        (NO_BATCH, unbatched.as_ref()),
+        (BASELINE, baseline.as_ref()),
+    ]
+    .into_iter()
+    .filter_map(|(row, cluster)| cluster.map(|c| (row, c)))
+    .collect();
     // One probe per Tether variant, by row name.
     let mut cpu = Vec::new();
     if args.cpu {
-        let clusters = [
-            (TETHER, Some(&cluster)),
-            (NO_BATCH, unbatched.as_ref()),
-            (BASELINE, baseline.as_ref()),
-        ];
-        for (row, cluster) in clusters {
-            let Some(cluster) = cluster else { continue };
+        for (row, cluster) in &clusters {
             let (_, client) = tethers
                 .iter()
-                .find(|(system, _)| *system == row)
+                .find(|(system, _)| system == row)
                 .expect("every started cluster has a row");
-            cpu.push((row, CpuProbe::of(cluster, client, args.replicas).await?));
+            cpu.push((*row, CpuProbe::of(cluster, client, args.replicas).await?));
         }
     }
     for round in 1..=args.rounds {
@@ -509,13 +512,7 @@ async fn main() -> anyhow::Result<()> {
     }
     if let Some(dir) = &args.logs {
         std::fs::create_dir_all(dir)?;
-        let clusters = [
-            (TETHER, Some(&cluster)),
-            (NO_BATCH, unbatched.as_ref()),
-            (BASELINE, baseline.as_ref()),
-        ];
-        for (row, cluster) in clusters {
-            let Some(cluster) = cluster else { continue };
+        for (row, cluster) in &clusters {
             for id in cluster.running() {
                 let to = dir.join(format!("{row}-tetherd-{id}.log"));
                 std::fs::copy(cluster.log_path(id), &to)?;
