@@ -67,8 +67,9 @@ pub fn open_db(dir: &Path) -> Result<Arc<DB>, rocksdb::Error> {
     opts.create_missing_column_families(true);
     opts.set_db_write_buffer_size(MEMTABLE_BUDGET);
     opts.set_max_total_wal_size(MEMTABLE_BUDGET as u64);
-    // A vector memtable (below) takes no concurrent inserts; our two
-    // writers (log appends, applies) are serialised by RocksDB's write group.
+    // A vector memtable (below) takes no concurrent inserts. Concurrent
+    // writers (log appends, applies, metadata) still form one RocksDB write
+    // group; its leader then inserts for all of them.
     opts.set_allow_concurrent_memtable_write(false);
     let cfs = [CF_LOG, CF_META, CF_SM, CF_EVENTS].into_iter().map(|name| {
         let mut cf_opts = Options::default();
