@@ -3,11 +3,14 @@
 use crate::auth::Action;
 use std::sync::Arc;
 
+use std::pin::Pin;
+
+use futures::Stream;
 use serde::Serialize;
 use serde::de::DeserializeOwned;
 use tether_proto::raft_service_server::RaftService;
 use tether_proto::{RaftReply, RaftRequest};
-use tonic::{Request, Response, Status};
+use tonic::{Request, Response, Status, Streaming};
 
 use super::Ctx;
 use crate::sm::FORMAT_VERSION;
@@ -39,7 +42,7 @@ impl RaftApi {
     /// back with an empty volume and a new id) would otherwise answer for
     /// the member that used to live there, and the leader would see that
     /// member's log go backwards.
-    fn check_target(&self, request: &Request<RaftRequest>) -> Result<(), Status> {
+    fn check_target<T>(&self, request: &Request<T>) -> Result<(), Status> {
         self.ctx
             .auth
             .check(request, Action::Raft)
@@ -58,12 +61,17 @@ impl RaftApi {
 }
 
 fn decode_request<T: DeserializeOwned>(request: Request<RaftRequest>) -> Result<T, Status> {
-    decode(&request.into_inner().data)
+    decode_message(&request.into_inner())
+}
+
+fn decode_message<T: DeserializeOwned>(message: &RaftRequest) -> Result<T, Status> {
+    decode(&message.data)
         .map_err(|e| Status::invalid_argument(format!("undecodable Raft message: {e}")))
 }
 
-fn reply<T: Serialize, E: Serialize>(result: Result<T, E>) -> Result<Response<RaftReply>, Status> {
-    let mut response = Response::new(match result {
+/// A receiver's answer to one message: its encoded value or error.
+fn reply_message<T: Serialize, E: Serialize>(result: Result<T, E>) -> RaftReply {
+    match result {
         Ok(value) => RaftReply {
             data: encode(&value),
             error: Vec::new(),
@@ -72,15 +80,68 @@ fn reply<T: Serialize, E: Serialize>(result: Result<T, E>) -> Result<Response<Ra
             data: Vec::new(),
             error: encode(&err),
         },
-    });
+    }
+}
+
+/// `response` with this replica's log format in its metadata.
+fn with_format<T>(body: T) -> Response<T> {
+    let mut response = Response::new(body);
     response
         .metadata_mut()
         .insert(FORMAT_METADATA, FORMAT_VERSION.into());
-    Ok(response)
+    response
+}
+
+fn reply<T: Serialize, E: Serialize>(result: Result<T, E>) -> Result<Response<RaftReply>, Status> {
+    Ok(with_format(reply_message(result)))
+}
+
+/// The answers on an `AppendEntriesStream`: each request is decoded and
+/// handed to openraft when the previous answer has been taken, so the
+/// stream's own task does the work (no task or channel in between) and
+/// answers stay in request order. Ends when the leader closes its side or
+/// breaks the stream, after an undecodable message, or with `UNAVAILABLE`
+/// when this replica shuts down (a stream is never "finished" on its own,
+/// and the gRPC server's graceful shutdown waits for every open one).
+fn append_replies(
+    requests: Streaming<RaftRequest>,
+    ctx: Arc<Ctx>,
+) -> impl Stream<Item = Result<RaftReply, Status>> + Send + 'static {
+    futures::stream::unfold(Some((requests, ctx)), |state| async move {
+        let (mut requests, ctx) = state?;
+        let next = tokio::select! {
+            next = requests.message() => next,
+            () = ctx.shutting_down() => {
+                let status = Status::unavailable("this replica is shutting down");
+                return Some((Err(status), None));
+            }
+        };
+        // An error reading the leader's side means it went away; there
+        // is no one left to answer.
+        let message = next.ok()??;
+        let rpc = match decode_message(&message) {
+            Ok(rpc) => rpc,
+            Err(status) => return Some((Err(status), None)),
+        };
+        let answer = reply_message(ctx.raft.append_entries(rpc).await);
+        Some((Ok(answer), Some((requests, ctx))))
+    })
 }
 
 #[tonic::async_trait]
 impl RaftService for RaftApi {
+    type AppendEntriesStreamStream =
+        Pin<Box<dyn Stream<Item = Result<RaftReply, Status>> + Send + 'static>>;
+
+    async fn append_entries_stream(
+        &self,
+        request: Request<Streaming<RaftRequest>>,
+    ) -> Result<Response<Self::AppendEntriesStreamStream>, Status> {
+        self.check_target(&request)?;
+        let replies = append_replies(request.into_inner(), self.ctx.clone());
+        Ok(with_format(Box::pin(replies)))
+    }
+
     async fn append_entries(
         &self,
         request: Request<RaftRequest>,

@@ -1,9 +1,11 @@
 //! openraft's network over the internal `RaftService` (tonic). Messages are
-//! openraft's own types in the log's postcard encoding.
+//! openraft's own types in the log's postcard encoding. AppendEntries, the
+//! message of every commit and heartbeat, goes over one long-lived stream
+//! per follower; votes and snapshots are unary calls.
 
 use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use openraft::BasicNode;
 use openraft::error::{
@@ -18,6 +20,9 @@ use serde::Serialize;
 use serde::de::DeserializeOwned;
 use tether_proto::raft_service_client::RaftServiceClient;
 use tether_proto::{RaftReply, RaftRequest};
+use tokio::sync::mpsc;
+use tokio_stream::wrappers::ReceiverStream;
+use tonic::Status;
 use tonic::transport::{Channel, Endpoint};
 
 use super::TypeConfig;
@@ -124,6 +129,27 @@ pub struct PeerClient {
     client: Option<RaftServiceClient<Channel>>,
     formats: Arc<PeerFormats>,
     message_limit: usize,
+    /// The open AppendEntries stream, if any.
+    append_stream: Option<AppendStream>,
+    /// When the target last said it has no AppendEntries stream (a replica
+    /// of an older build, during a rolling upgrade): AppendEntries then go
+    /// as unary calls until [`STREAM_RETRY_AFTER`] has passed.
+    stream_refused_at: Option<Instant>,
+}
+
+/// How long AppendEntries stay unary after a target refused the stream.
+const STREAM_RETRY_AFTER: Duration = Duration::from_secs(60);
+
+/// One AppendEntries stream to a follower. A request's answer is the next
+/// message on `replies`, so there is never more than one request without
+/// its answer; `awaiting_reply` marks that one, so that a call abandoned
+/// midway (openraft times its calls out by dropping them) leaves a stream
+/// that is thrown away rather than one whose next message answers an
+/// older request.
+struct AppendStream {
+    requests: mpsc::Sender<RaftRequest>,
+    replies: tonic::Streaming<RaftReply>,
+    awaiting_reply: bool,
 }
 
 /// Bytes a `RaftRequest` adds around its `data` (field tag and length), so
@@ -138,6 +164,9 @@ enum Rpc {
     InstallSnapshot,
 }
 
+// The helpers return openraft's `RPCError`, which `RaftNetwork`'s methods
+// must return; boxing it here would only be undone there.
+#[allow(clippy::result_large_err)]
 impl PeerClient {
     fn new(
         target: u64,
@@ -165,77 +194,93 @@ impl PeerClient {
             client,
             formats,
             message_limit,
+            append_stream: None,
+            stream_refused_at: None,
         }
     }
 
-    /// Sends `request`; `entries` is the number of log entries it carries
-    /// (AppendEntries), so that one too big for a Raft message is sent again
-    /// with fewer.
-    async fn call<Req, Resp, Err>(
+    /// The client, or why there is none.
+    fn client<Err: std::error::Error>(
         &mut self,
-        rpc: Rpc,
+    ) -> Result<&mut RaftServiceClient<Channel>, RPCError<u64, BasicNode, Err>> {
+        match self.client.as_mut() {
+            Some(client) => Ok(client),
+            None => {
+                let msg = format!(
+                    "replica {} has an invalid address {:?}",
+                    self.target, self.addr
+                );
+                Err(RPCError::Unreachable(Unreachable::new(
+                    &std::io::Error::other(msg),
+                )))
+            }
+        }
+    }
+
+    /// `request` encoded, or the hint to send fewer entries when it is over
+    /// the message limit; `entries` is the number of log entries it carries
+    /// (AppendEntries).
+    fn encode_request<Req: Serialize, Err: std::error::Error>(
+        &self,
         request: &Req,
         entries: usize,
-        option: &RPCOption,
+    ) -> Result<Vec<u8>, RPCError<u64, BasicNode, Err>> {
+        let data = encode(request);
+        let message_bytes = data.len() + RAFT_REQUEST_FRAMING;
+        match fewer_entries(entries, message_bytes, self.message_limit) {
+            // openraft sends at most `hint` entries per message for a while.
+            Some(hint) => Err(RPCError::PayloadTooLarge(
+                PayloadTooLarge::new_entries_hint(hint),
+            )),
+            None => Ok(data),
+        }
+    }
+
+    /// The metadata naming the target; the receiver refuses messages meant
+    /// for another id (see `api::raft::RaftApi::check_target`).
+    fn name_target<T>(&self, request: &mut tonic::Request<T>) {
+        if let Ok(target) = self.target.to_string().parse() {
+            request
+                .metadata_mut()
+                .insert(crate::api::raft::TARGET_METADATA, target);
+        }
+    }
+
+    /// Notes the log format the target's answer says it reads.
+    fn record_format(&self, metadata: &tonic::metadata::MetadataMap) {
+        let format = metadata
+            .get(FORMAT_METADATA)
+            .and_then(|v| v.to_str().ok()?.parse().ok())
+            .unwrap_or(FORMAT_OF_OLDER_BUILDS);
+        self.formats.record(self.target, format);
+    }
+
+    /// A failed call as openraft's error: connection failures make the
+    /// peer unreachable (openraft backs off); other statuses are network
+    /// errors (retried at once).
+    fn status_error<Err: std::error::Error>(
+        &self,
+        status: &Status,
+    ) -> RPCError<u64, BasicNode, Err> {
+        let err = std::io::Error::other(format!(
+            "RPC to replica {} at {}: {}",
+            self.target, self.addr, status
+        ));
+        match status.code() {
+            tonic::Code::Unavailable => RPCError::Unreachable(Unreachable::new(&err)),
+            _ => RPCError::Network(NetworkError::new(&err)),
+        }
+    }
+
+    /// The receiver's answer: its value, or the error it sent back.
+    fn decode_reply<Resp, Err>(
+        &self,
+        reply: RaftReply,
     ) -> Result<Resp, RPCError<u64, BasicNode, Err>>
     where
-        Req: Serialize,
         Resp: DeserializeOwned,
         Err: std::error::Error + DeserializeOwned,
     {
-        let Some(client) = self.client.as_mut() else {
-            let msg = format!(
-                "replica {} has an invalid address {:?}",
-                self.target, self.addr
-            );
-            return Err(RPCError::Unreachable(Unreachable::new(
-                &std::io::Error::other(msg),
-            )));
-        };
-        let data = encode(request);
-        let message_bytes = data.len() + RAFT_REQUEST_FRAMING;
-        if let Some(hint) = fewer_entries(entries, message_bytes, self.message_limit) {
-            // openraft sends at most `hint` entries per message for a while.
-            return Err(RPCError::PayloadTooLarge(
-                PayloadTooLarge::new_entries_hint(hint),
-            ));
-        }
-        let mut req = tonic::Request::new(RaftRequest { data });
-        req.set_timeout(option.hard_ttl());
-        // The receiver refuses messages meant for another id (see
-        // `api::raft::RaftApi::check_target`).
-        if let Ok(target) = self.target.to_string().parse() {
-            req.metadata_mut()
-                .insert(crate::api::raft::TARGET_METADATA, target);
-        }
-        let result = match rpc {
-            Rpc::AppendEntries => client.append_entries(req).await,
-            Rpc::Vote => client.vote(req).await,
-            Rpc::InstallSnapshot => client.install_snapshot(req).await,
-        };
-        let reply: RaftReply = match result {
-            Ok(resp) => {
-                let format = resp
-                    .metadata()
-                    .get(FORMAT_METADATA)
-                    .and_then(|v| v.to_str().ok()?.parse().ok())
-                    .unwrap_or(FORMAT_OF_OLDER_BUILDS);
-                self.formats.record(self.target, format);
-                resp.into_inner()
-            }
-            Err(status) => {
-                // Connection failures make the peer unreachable (openraft backs
-                // off); other statuses are network errors (retried at once).
-                let err = std::io::Error::other(format!(
-                    "RPC to replica {} at {}: {}",
-                    self.target, self.addr, status
-                ));
-                return Err(match status.code() {
-                    tonic::Code::Unavailable => RPCError::Unreachable(Unreachable::new(&err)),
-                    _ => RPCError::Network(NetworkError::new(&err)),
-                });
-            }
-        };
         if !reply.error.is_empty() {
             let err: Err = decode(&reply.error).map_err(|e| {
                 RPCError::Network(NetworkError::new(&std::io::Error::other(e.to_string())))
@@ -249,6 +294,149 @@ impl PeerClient {
             RPCError::Network(NetworkError::new(&std::io::Error::other(e.to_string())))
         })
     }
+
+    /// Whether AppendEntries should try the stream (the target has not
+    /// refused it lately).
+    fn streaming_appends(&self) -> bool {
+        self.stream_refused_at
+            .is_none_or(|at| at.elapsed() >= STREAM_RETRY_AFTER)
+    }
+
+    /// Opens an AppendEntries stream to the target.
+    async fn open_append_stream(&mut self) -> Result<AppendStream, Status> {
+        // One request waits at most: the next is sent after its answer.
+        let (requests, outgoing) = mpsc::channel(1);
+        let mut request = tonic::Request::new(ReceiverStream::new(outgoing));
+        self.name_target(&mut request);
+        let Some(client) = self.client.as_mut() else {
+            return Err(Status::unavailable("no client"));
+        };
+        let response = client.append_entries_stream(request).await?;
+        self.record_format(response.metadata());
+        Ok(AppendStream {
+            requests,
+            replies: response.into_inner(),
+            awaiting_reply: false,
+        })
+    }
+
+    /// Sends `data` (an encoded AppendEntries) on the stream, opening one if
+    /// there is none, and waits up to `ttl` for its answer. Any failure
+    /// throws the stream away; the next call opens a new one.
+    async fn exchange_on_stream(
+        &mut self,
+        data: Vec<u8>,
+        ttl: Duration,
+    ) -> Result<RaftReply, Status> {
+        let deadline = tokio::time::Instant::now() + ttl;
+        let timed_out = || Status::deadline_exceeded(format!("no answer within {ttl:?}"));
+        if self
+            .append_stream
+            .as_ref()
+            .is_some_and(|stream| stream.awaiting_reply)
+        {
+            // The previous call was abandoned before its answer came.
+            self.append_stream = None;
+        }
+        if self.append_stream.is_none() {
+            let opened = tokio::time::timeout_at(deadline, self.open_append_stream())
+                .await
+                .map_err(|_| timed_out())??;
+            self.append_stream = Some(opened);
+        }
+        let Some(stream) = self.append_stream.as_mut() else {
+            return Err(Status::internal("no AppendEntries stream"));
+        };
+        stream.awaiting_reply = true;
+        let exchange = async {
+            stream
+                .requests
+                .send(RaftRequest { data })
+                .await
+                .map_err(|_| Status::unavailable("the AppendEntries stream is closed"))?;
+            match stream.replies.message().await? {
+                Some(reply) => Ok(reply),
+                None => Err(Status::unavailable(
+                    "the replica ended the AppendEntries stream",
+                )),
+            }
+        };
+        let result = tokio::time::timeout_at(deadline, exchange)
+            .await
+            .unwrap_or_else(|_| Err(timed_out()));
+        match &result {
+            Ok(_) => stream.awaiting_reply = false,
+            Err(_) => self.append_stream = None,
+        }
+        result
+    }
+
+    /// Sends one AppendEntries: over the stream, or as a unary call to a
+    /// target that does not have the stream.
+    async fn append(
+        &mut self,
+        rpc: &AppendEntriesRequest<TypeConfig>,
+        option: &RPCOption,
+    ) -> Result<AppendEntriesResponse<u64>, RPCError<u64, BasicNode, RaftError<u64>>> {
+        if !self.streaming_appends() {
+            return self
+                .call(Rpc::AppendEntries, rpc, rpc.entries.len(), option)
+                .await;
+        }
+        self.client::<RaftError<u64>>()?;
+        let data = self.encode_request(rpc, rpc.entries.len())?;
+        match self.exchange_on_stream(data, option.hard_ttl()).await {
+            Ok(reply) => {
+                self.stream_refused_at = None;
+                self.decode_reply(reply)
+            }
+            Err(status) if status.code() == tonic::Code::Unimplemented => {
+                tracing::info!(
+                    target = self.target,
+                    "replica has no AppendEntries stream (an older build): \
+                     sending AppendEntries as unary calls"
+                );
+                self.stream_refused_at = Some(Instant::now());
+                self.call(Rpc::AppendEntries, rpc, rpc.entries.len(), option)
+                    .await
+            }
+            Err(status) => Err(self.status_error(&status)),
+        }
+    }
+
+    /// Sends `request` as a unary call; `entries` is the number of log
+    /// entries it carries (AppendEntries), so that one too big for a Raft
+    /// message is sent again with fewer.
+    async fn call<Req, Resp, Err>(
+        &mut self,
+        rpc: Rpc,
+        request: &Req,
+        entries: usize,
+        option: &RPCOption,
+    ) -> Result<Resp, RPCError<u64, BasicNode, Err>>
+    where
+        Req: Serialize,
+        Resp: DeserializeOwned,
+        Err: std::error::Error + DeserializeOwned,
+    {
+        let data = self.encode_request(request, entries)?;
+        let mut req = tonic::Request::new(RaftRequest { data });
+        req.set_timeout(option.hard_ttl());
+        self.name_target(&mut req);
+        let client = self.client()?;
+        let result = match rpc {
+            Rpc::AppendEntries => client.append_entries(req).await,
+            Rpc::Vote => client.vote(req).await,
+            Rpc::InstallSnapshot => client.install_snapshot(req).await,
+        };
+        match result {
+            Ok(resp) => {
+                self.record_format(resp.metadata());
+                self.decode_reply(resp.into_inner())
+            }
+            Err(status) => Err(self.status_error(&status)),
+        }
+    }
 }
 
 impl RaftNetwork<TypeConfig> for PeerClient {
@@ -257,8 +445,7 @@ impl RaftNetwork<TypeConfig> for PeerClient {
         rpc: AppendEntriesRequest<TypeConfig>,
         option: RPCOption,
     ) -> Result<AppendEntriesResponse<u64>, RPCError<u64, BasicNode, RaftError<u64>>> {
-        let entries = rpc.entries.len();
-        self.call(Rpc::AppendEntries, &rpc, entries, &option).await
+        self.append(&rpc, &option).await
     }
 
     async fn install_snapshot(
@@ -284,6 +471,234 @@ impl RaftNetwork<TypeConfig> for PeerClient {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::raft::LogId;
+    use openraft::{CommittedLeaderId, Vote};
+    use std::pin::Pin;
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    use tether_proto::raft_service_server::{RaftService, RaftServiceServer};
+    use tokio_stream::StreamExt;
+
+    /// A follower that answers each AppendEntries with `PartialSuccess` up
+    /// to the request's `prev_log_id`, so a test can tell which request an
+    /// answer belongs to; holds the answer back `delay_first` for the first
+    /// streamed message; or, as a replica of an older build, has no stream.
+    struct FakeFollower {
+        has_stream: bool,
+        delay_first: Duration,
+        streams_opened: AtomicUsize,
+        unary_calls: AtomicUsize,
+    }
+
+    fn answer(request: &RaftRequest) -> RaftReply {
+        let rpc: AppendEntriesRequest<TypeConfig> = decode(&request.data).unwrap();
+        let response = AppendEntriesResponse::<u64>::PartialSuccess(rpc.prev_log_id);
+        RaftReply {
+            data: encode(&response),
+            error: Vec::new(),
+        }
+    }
+
+    #[tonic::async_trait]
+    impl RaftService for FakeFollower {
+        type AppendEntriesStreamStream =
+            Pin<Box<dyn futures::Stream<Item = Result<RaftReply, Status>> + Send>>;
+
+        async fn append_entries(
+            &self,
+            request: tonic::Request<RaftRequest>,
+        ) -> Result<tonic::Response<RaftReply>, Status> {
+            self.unary_calls.fetch_add(1, Ordering::SeqCst);
+            Ok(tonic::Response::new(answer(request.get_ref())))
+        }
+
+        async fn append_entries_stream(
+            &self,
+            request: tonic::Request<tonic::Streaming<RaftRequest>>,
+        ) -> Result<tonic::Response<Self::AppendEntriesStreamStream>, Status> {
+            if !self.has_stream {
+                return Err(Status::unimplemented("no such method"));
+            }
+            let opened = self.streams_opened.fetch_add(1, Ordering::SeqCst);
+            let delay = if opened == 0 {
+                self.delay_first
+            } else {
+                Duration::ZERO
+            };
+            let replies = request.into_inner().then(move |message| async move {
+                tokio::time::sleep(delay).await;
+                message.map(|m| answer(&m))
+            });
+            Ok(tonic::Response::new(Box::pin(replies)))
+        }
+
+        async fn vote(
+            &self,
+            _: tonic::Request<RaftRequest>,
+        ) -> Result<tonic::Response<RaftReply>, Status> {
+            Err(Status::unimplemented("not in this test"))
+        }
+
+        async fn install_snapshot(
+            &self,
+            _: tonic::Request<RaftRequest>,
+        ) -> Result<tonic::Response<RaftReply>, Status> {
+            Err(Status::unimplemented("not in this test"))
+        }
+
+        async fn timeout_now(
+            &self,
+            _: tonic::Request<RaftRequest>,
+        ) -> Result<tonic::Response<RaftReply>, Status> {
+            Err(Status::unimplemented("not in this test"))
+        }
+    }
+
+    /// Serves `follower` on a loopback port; a client to it.
+    async fn serve(follower: Arc<FakeFollower>) -> PeerClient {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        tokio::spawn(
+            tonic::transport::Server::builder()
+                .add_service(RaftServiceServer::from_arc(follower))
+                .serve_with_incoming(tokio_stream::wrappers::TcpListenerStream::new(listener)),
+        );
+        PeerClient::new(
+            2,
+            &addr.to_string(),
+            None,
+            Arc::default(),
+            crate::raft::MAX_RAFT_MESSAGE_BYTES,
+        )
+    }
+
+    fn append_after(index: u64) -> AppendEntriesRequest<TypeConfig> {
+        AppendEntriesRequest {
+            vote: Vote::new_committed(1, 1),
+            prev_log_id: Some(LogId::new(CommittedLeaderId::new(1, 1), index)),
+            leader_commit: None,
+            entries: Vec::new(),
+        }
+    }
+
+    fn answered_up_to(response: AppendEntriesResponse<u64>) -> u64 {
+        match response {
+            AppendEntriesResponse::PartialSuccess(Some(log_id)) => log_id.index,
+            other => panic!("unexpected answer {other:?}"),
+        }
+    }
+
+    const GENEROUS: Duration = Duration::from_secs(30);
+
+    #[tokio::test]
+    async fn appends_share_one_stream() {
+        let follower = Arc::new(FakeFollower {
+            has_stream: true,
+            delay_first: Duration::ZERO,
+            streams_opened: AtomicUsize::new(0),
+            unary_calls: AtomicUsize::new(0),
+        });
+        let mut client = serve(follower.clone()).await;
+        for index in 1..=5 {
+            let response = client
+                .append_entries(append_after(index), RPCOption::new(GENEROUS))
+                .await
+                .unwrap();
+            assert_eq!(answered_up_to(response), index);
+        }
+        assert_eq!(follower.streams_opened.load(Ordering::SeqCst), 1);
+        assert_eq!(follower.unary_calls.load(Ordering::SeqCst), 0);
+    }
+
+    #[tokio::test]
+    async fn a_call_abandoned_before_its_answer_does_not_answer_the_next() {
+        // openraft times a call out by dropping it. The late answer to the
+        // first request must not be taken as the second's: that one would
+        // acknowledge entries the follower never matched.
+        let follower = Arc::new(FakeFollower {
+            has_stream: true,
+            delay_first: Duration::from_millis(500),
+            streams_opened: AtomicUsize::new(0),
+            unary_calls: AtomicUsize::new(0),
+        });
+        let mut client = serve(follower.clone()).await;
+        let abandoned = tokio::time::timeout(
+            Duration::from_millis(100),
+            client.append_entries(append_after(1), RPCOption::new(GENEROUS)),
+        )
+        .await;
+        assert!(abandoned.is_err(), "the first answer is held back");
+        let response = client
+            .append_entries(append_after(2), RPCOption::new(GENEROUS))
+            .await
+            .unwrap();
+        assert_eq!(answered_up_to(response), 2);
+        assert_eq!(follower.streams_opened.load(Ordering::SeqCst), 2);
+    }
+
+    #[tokio::test]
+    async fn a_call_timed_out_by_its_ttl_is_an_error_and_the_next_one_works() {
+        let follower = Arc::new(FakeFollower {
+            has_stream: true,
+            delay_first: Duration::from_millis(500),
+            streams_opened: AtomicUsize::new(0),
+            unary_calls: AtomicUsize::new(0),
+        });
+        let mut client = serve(follower.clone()).await;
+        let err = client
+            .append_entries(append_after(1), RPCOption::new(Duration::from_millis(100)))
+            .await
+            .unwrap_err();
+        assert!(
+            matches!(err, RPCError::Network(_)),
+            "a timeout is a network error: {err:?}"
+        );
+        let response = client
+            .append_entries(append_after(2), RPCOption::new(GENEROUS))
+            .await
+            .unwrap();
+        assert_eq!(answered_up_to(response), 2);
+    }
+
+    #[tokio::test]
+    async fn a_replica_without_the_stream_gets_unary_appends() {
+        let follower = Arc::new(FakeFollower {
+            has_stream: false,
+            delay_first: Duration::ZERO,
+            streams_opened: AtomicUsize::new(0),
+            unary_calls: AtomicUsize::new(0),
+        });
+        let mut client = serve(follower.clone()).await;
+        for index in 1..=3 {
+            let response = client
+                .append_entries(append_after(index), RPCOption::new(GENEROUS))
+                .await
+                .unwrap();
+            assert_eq!(answered_up_to(response), index);
+        }
+        assert_eq!(follower.unary_calls.load(Ordering::SeqCst), 3);
+        // Refused once, then not asked again for a while.
+        assert!(client.stream_refused_at.is_some());
+    }
+
+    #[tokio::test]
+    async fn an_unreachable_replica_is_reported_as_unreachable() {
+        // A port nothing listens on.
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let addr = listener.local_addr().unwrap();
+        drop(listener);
+        let mut client = PeerClient::new(
+            2,
+            &addr.to_string(),
+            None,
+            Arc::default(),
+            crate::raft::MAX_RAFT_MESSAGE_BYTES,
+        );
+        let err = client
+            .append_entries(append_after(1), RPCOption::new(GENEROUS))
+            .await
+            .unwrap_err();
+        assert!(matches!(err, RPCError::Unreachable(_)), "{err:?}");
+    }
 
     #[test]
     fn an_append_too_big_for_one_message_is_split() {
