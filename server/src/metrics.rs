@@ -16,6 +16,18 @@ pub struct Metrics {
     write_entries: AtomicU64,
     /// Acquires and releases in those entries.
     write_commands: AtomicU64,
+    /// How this replica sent AppendEntries to each peer: streams opened,
+    /// and messages sent as unary calls to peers without the stream.
+    raft_appends: Mutex<BTreeMap<(u64, RaftAppend), u64>>,
+}
+
+/// What [`Metrics::raft_append`] counts.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+pub enum RaftAppend {
+    /// An AppendEntries stream opened to the peer.
+    StreamOpened,
+    /// An AppendEntries sent as a unary call (the peer has no stream).
+    Unary,
 }
 
 impl Metrics {
@@ -45,6 +57,26 @@ impl Metrics {
         self.write_entries.fetch_add(1, Ordering::Relaxed);
         self.write_commands
             .fetch_add(commands as u64, Ordering::Relaxed);
+    }
+
+    /// Counts one AppendEntries `event` towards `peer`.
+    pub fn raft_append(&self, peer: u64, event: RaftAppend) {
+        *self
+            .raft_appends
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .entry((peer, event))
+            .or_default() += 1;
+    }
+
+    /// How many AppendEntries `event`s towards `peer` were counted.
+    pub fn raft_appends(&self, peer: u64, event: RaftAppend) -> u64 {
+        self.raft_appends
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .get(&(peer, event))
+            .copied()
+            .unwrap_or(0)
     }
 
     /// Renders the counters in Prometheus text format.
@@ -83,5 +115,51 @@ impl Metrics {
             let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} counter");
             let _ = writeln!(out, "{name} {}", value.load(Ordering::Relaxed));
         }
+        let appends = self
+            .raft_appends
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone();
+        let families = [
+            (
+                "tether_raft_append_streams_opened_total",
+                "AppendEntries streams this replica opened to each peer while leading; each failed or timed-out message opens a new one, so a count that keeps rising means a troubled link.",
+                RaftAppend::StreamOpened,
+            ),
+            (
+                "tether_raft_append_unary_total",
+                "AppendEntries this replica sent to each peer as unary calls because the peer has no AppendEntries stream (a replica of an older build).",
+                RaftAppend::Unary,
+            ),
+        ];
+        for (name, help, event) in families {
+            let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} counter");
+            for ((peer, _), n) in appends.iter().filter(|((_, e), _)| *e == event) {
+                let _ = writeln!(out, "{name}{{peer=\"{peer}\"}} {n}");
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn append_counters_render_per_peer() {
+        let metrics = Metrics::default();
+        metrics.raft_append(2, RaftAppend::StreamOpened);
+        metrics.raft_append(2, RaftAppend::StreamOpened);
+        metrics.raft_append(3, RaftAppend::Unary);
+        let mut text = String::new();
+        metrics.render(&mut text);
+        let lines: Vec<&str> = text.lines().collect();
+        assert!(lines.contains(&"tether_raft_append_streams_opened_total{peer=\"2\"} 2"));
+        assert!(lines.contains(&"tether_raft_append_unary_total{peer=\"3\"} 1"));
+        assert!(
+            !text.contains("tether_raft_append_unary_total{peer=\"2\"}"),
+            "no line for what did not happen"
+        );
+        assert!(lines.contains(&"# TYPE tether_raft_append_unary_total counter"));
     }
 }

@@ -154,6 +154,7 @@ impl Node {
             (None, None) => Auth::Open,
         };
         let peer_formats = Arc::new(crate::raft::network::PeerFormats::default());
+        let metrics = Arc::new(Metrics::default());
         let raft = Raft::new(
             id,
             Arc::new(raft_config),
@@ -162,6 +163,7 @@ impl Node {
                 tls.clone(),
                 peer_formats.clone(),
                 config.raft_message_limit,
+                metrics.clone(),
             ),
             log_store,
             sm_store,
@@ -171,7 +173,6 @@ impl Node {
 
         let config = Arc::new(config);
         let (shutdown, shutdown_rx) = watch::channel(false);
-        let metrics = Arc::new(Metrics::default());
         let proposer = (config.batch_max_commands > 1).then(|| {
             let limits = crate::api::batching::BatchLimits {
                 max_commands: config.batch_max_commands as usize,

@@ -10,6 +10,7 @@ use common::{Cluster, DEADLINE, lock, pod};
 use tether_client::proto::lock_service_client::LockServiceClient;
 use tether_client::proto::{self as pb, Outcome};
 use tether_client::{AcquireProgress, Error};
+use tether_server::metrics::RaftAppend;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn acquire_release_round_trip_and_holder_read() {
@@ -154,6 +155,12 @@ async fn concurrent_acquires_and_releases_share_entries_and_tokens_still_rise_pe
         "{commands} commands went out in {entries} entries: nothing was batched"
     );
     println!("{commands} acquires and releases in {entries} entries");
+    // Replication went over AppendEntries streams, not unary calls.
+    let metrics = &cluster.node(leader).ctx().metrics;
+    for follower in (1..=3).filter(|id| *id != leader) {
+        assert!(metrics.raft_appends(follower, RaftAppend::StreamOpened) >= 1);
+        assert_eq!(metrics.raft_appends(follower, RaftAppend::Unary), 0);
+    }
     for i in 0..40usize {
         let key = if i % 5 == 0 {
             shared.clone()

@@ -28,6 +28,7 @@ use tonic::transport::{Channel, Endpoint};
 use super::TypeConfig;
 use crate::api::raft::FORMAT_METADATA;
 use crate::config::PeerDial;
+use crate::metrics::{Metrics, RaftAppend};
 use crate::store::{decode, encode};
 use tether_tls::TlsMaterial;
 
@@ -86,23 +87,28 @@ pub struct Network {
     formats: Arc<PeerFormats>,
     /// Largest Raft message a peer accepts, in bytes.
     message_limit: usize,
+    /// Where the clients count how they sent AppendEntries.
+    metrics: Arc<Metrics>,
 }
 
 impl Network {
     /// A network dialing `dial`'s address for the replicas it names and the
     /// membership address for the rest, recording the peers' formats in
-    /// `formats` and keeping messages within `message_limit` bytes.
+    /// `formats`, keeping messages within `message_limit` bytes and
+    /// counting AppendEntries streams in `metrics`.
     pub fn new(
         dial: PeerDial,
         tls: Option<Arc<TlsMaterial>>,
         formats: Arc<PeerFormats>,
         message_limit: usize,
+        metrics: Arc<Metrics>,
     ) -> Self {
         Self {
             dial: Arc::new(dial),
             tls,
             formats,
             message_limit,
+            metrics,
         }
     }
 }
@@ -118,6 +124,7 @@ impl RaftNetworkFactory<TypeConfig> for Network {
             self.tls.clone(),
             self.formats.clone(),
             self.message_limit,
+            self.metrics.clone(),
         )
     }
 }
@@ -129,6 +136,7 @@ pub struct PeerClient {
     client: Option<RaftServiceClient<Channel>>,
     formats: Arc<PeerFormats>,
     message_limit: usize,
+    metrics: Arc<Metrics>,
     /// The open AppendEntries stream, if any.
     append_stream: Option<AppendStream>,
     /// When the target last said it has no AppendEntries stream (a replica
@@ -174,6 +182,7 @@ impl PeerClient {
         tls: Option<Arc<TlsMaterial>>,
         formats: Arc<PeerFormats>,
         message_limit: usize,
+        metrics: Arc<Metrics>,
     ) -> Self {
         let client = Endpoint::from_shared(format!("http://{addr}"))
             .ok()
@@ -194,6 +203,7 @@ impl PeerClient {
             client,
             formats,
             message_limit,
+            metrics,
             append_stream: None,
             stream_refused_at: None,
         }
@@ -312,6 +322,8 @@ impl PeerClient {
             return Err(Status::unavailable("no client"));
         };
         let response = client.append_entries_stream(request).await?;
+        self.metrics
+            .raft_append(self.target, RaftAppend::StreamOpened);
         self.record_format(response.metadata());
         Ok(AppendStream {
             requests,
@@ -379,9 +391,7 @@ impl PeerClient {
         option: &RPCOption,
     ) -> Result<AppendEntriesResponse<u64>, RPCError<u64, BasicNode, RaftError<u64>>> {
         if !self.streaming_appends() {
-            return self
-                .call(Rpc::AppendEntries, rpc, rpc.entries.len(), option)
-                .await;
+            return self.unary_append(rpc, option).await;
         }
         self.client::<RaftError<u64>>()?;
         let data = self.encode_request(rpc, rpc.entries.len())?;
@@ -397,11 +407,22 @@ impl PeerClient {
                      sending AppendEntries as unary calls"
                 );
                 self.stream_refused_at = Some(Instant::now());
-                self.call(Rpc::AppendEntries, rpc, rpc.entries.len(), option)
-                    .await
+                self.unary_append(rpc, option).await
             }
             Err(status) => Err(self.status_error(&status)),
         }
+    }
+
+    /// Sends one AppendEntries as a unary call, to a target without the
+    /// stream.
+    async fn unary_append(
+        &mut self,
+        rpc: &AppendEntriesRequest<TypeConfig>,
+        option: &RPCOption,
+    ) -> Result<AppendEntriesResponse<u64>, RPCError<u64, BasicNode, RaftError<u64>>> {
+        self.metrics.raft_append(self.target, RaftAppend::Unary);
+        self.call(Rpc::AppendEntries, rpc, rpc.entries.len(), option)
+            .await
     }
 
     /// Sends `request` as a unary call; `entries` is the number of log
@@ -568,6 +589,7 @@ mod tests {
             None,
             Arc::default(),
             crate::raft::MAX_RAFT_MESSAGE_BYTES,
+            Arc::default(),
         )
     }
 
@@ -607,6 +629,8 @@ mod tests {
         }
         assert_eq!(follower.streams_opened.load(Ordering::SeqCst), 1);
         assert_eq!(follower.unary_calls.load(Ordering::SeqCst), 0);
+        assert_eq!(client.metrics.raft_appends(2, RaftAppend::StreamOpened), 1);
+        assert_eq!(client.metrics.raft_appends(2, RaftAppend::Unary), 0);
     }
 
     #[tokio::test]
@@ -676,6 +700,8 @@ mod tests {
             assert_eq!(answered_up_to(response), index);
         }
         assert_eq!(follower.unary_calls.load(Ordering::SeqCst), 3);
+        assert_eq!(client.metrics.raft_appends(2, RaftAppend::Unary), 3);
+        assert_eq!(client.metrics.raft_appends(2, RaftAppend::StreamOpened), 0);
         // Refused once, then not asked again for a while.
         assert!(client.stream_refused_at.is_some());
     }
@@ -692,6 +718,7 @@ mod tests {
             None,
             Arc::default(),
             crate::raft::MAX_RAFT_MESSAGE_BYTES,
+            Arc::default(),
         );
         let err = client
             .append_entries(append_after(1), RPCOption::new(GENEROUS))
