@@ -158,7 +158,9 @@ async fn concurrent_acquires_and_releases_share_entries_and_tokens_still_rise_pe
     // Replication went over AppendEntries streams, not unary calls.
     let metrics = &cluster.node(leader).ctx().metrics;
     for follower in (1..=3).filter(|id| *id != leader) {
-        assert!(metrics.raft_appends(follower, RaftAppend::StreamOpened) >= 1);
+        let opened = metrics.raft_appends(follower, RaftAppend::StreamOpened);
+        println!("AppendEntries streams opened to replica {follower}: {opened}");
+        assert!(opened >= 1);
         assert_eq!(metrics.raft_appends(follower, RaftAppend::Unary), 0);
     }
     for i in 0..40usize {

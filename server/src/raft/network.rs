@@ -75,7 +75,10 @@ fn fewer_entries(entries: usize, bytes: usize, limit: usize) -> Option<u64> {
     Some(fitting.clamp(1, entries as u64 - 1))
 }
 
-/// Creates one [`PeerClient`] per target replica.
+/// Creates [`PeerClient`]s. openraft asks for a new one per replication
+/// stream and, for every linearizable read, one per voter (the read's
+/// heartbeat round); they share one connection per address, kept here, so
+/// that a read does not open a TCP connection to each voter.
 #[derive(Clone, Default)]
 pub struct Network {
     /// Addresses that replace the membership's for some targets
@@ -89,6 +92,9 @@ pub struct Network {
     message_limit: usize,
     /// Where the clients count how they sent AppendEntries.
     metrics: Arc<Metrics>,
+    /// One lazily connected channel per address dialed. A tonic channel
+    /// reconnects on its own after a failure, and clones share it.
+    channels: Arc<Mutex<BTreeMap<String, Channel>>>,
 }
 
 impl Network {
@@ -109,7 +115,28 @@ impl Network {
             formats,
             message_limit,
             metrics,
+            channels: Arc::default(),
         }
+    }
+
+    /// The channel to `addr`, created on first use; None when `addr` is no
+    /// valid address.
+    fn channel(&self, addr: &str) -> Option<Channel> {
+        let mut channels = self.channels.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(channel) = channels.get(addr) {
+            return Some(channel.clone());
+        }
+        let endpoint = Endpoint::from_shared(format!("http://{addr}"))
+            .ok()?
+            .connect_timeout(Duration::from_secs(1))
+            .tcp_nodelay(true)
+            .http2_keep_alive_interval(Duration::from_secs(5));
+        let channel = match &self.tls {
+            Some(tls) => tether_tls::lazy_channel(endpoint, tls.clone(), Duration::from_secs(1)),
+            None => endpoint.connect_lazy(),
+        };
+        channels.insert(addr.to_string(), channel.clone());
+        Some(channel)
     }
 }
 
@@ -118,14 +145,16 @@ impl RaftNetworkFactory<TypeConfig> for Network {
 
     async fn new_client(&mut self, target: u64, node: &BasicNode) -> PeerClient {
         let addr = self.dial.get(&target).unwrap_or(&node.addr);
-        PeerClient::new(
+        PeerClient {
             target,
-            addr,
-            self.tls.clone(),
-            self.formats.clone(),
-            self.message_limit,
-            self.metrics.clone(),
-        )
+            addr: addr.to_string(),
+            client: self.channel(addr).map(RaftServiceClient::new),
+            formats: self.formats.clone(),
+            message_limit: self.message_limit,
+            metrics: self.metrics.clone(),
+            append_stream: None,
+            stream_refused_at: None,
+        }
     }
 }
 
@@ -176,39 +205,6 @@ enum Rpc {
 // must return; boxing it here would only be undone there.
 #[allow(clippy::result_large_err)]
 impl PeerClient {
-    fn new(
-        target: u64,
-        addr: &str,
-        tls: Option<Arc<TlsMaterial>>,
-        formats: Arc<PeerFormats>,
-        message_limit: usize,
-        metrics: Arc<Metrics>,
-    ) -> Self {
-        let client = Endpoint::from_shared(format!("http://{addr}"))
-            .ok()
-            .map(|e| {
-                let e = e
-                    .connect_timeout(Duration::from_secs(1))
-                    .tcp_nodelay(true)
-                    .http2_keep_alive_interval(Duration::from_secs(5));
-                match tls {
-                    Some(tls) => tether_tls::lazy_channel(e, tls, Duration::from_secs(1)),
-                    None => e.connect_lazy(),
-                }
-            })
-            .map(RaftServiceClient::new);
-        Self {
-            target,
-            addr: addr.to_string(),
-            client,
-            formats,
-            message_limit,
-            metrics,
-            append_stream: None,
-            stream_refused_at: None,
-        }
-    }
-
     /// The client, or why there is none.
     fn client<Err: std::error::Error>(
         &mut self,
@@ -312,10 +308,15 @@ impl PeerClient {
             .is_none_or(|at| at.elapsed() >= STREAM_RETRY_AFTER)
     }
 
-    /// Opens an AppendEntries stream to the target.
-    async fn open_append_stream(&mut self) -> Result<AppendStream, Status> {
+    /// Opens an AppendEntries stream to the target with `first` as its
+    /// first message: queued before the call, it goes out with the
+    /// stream's headers instead of a round trip later.
+    async fn open_append_stream(&mut self, first: RaftRequest) -> Result<AppendStream, Status> {
         // One request waits at most: the next is sent after its answer.
         let (requests, outgoing) = mpsc::channel(1);
+        requests
+            .try_send(first)
+            .map_err(|_| Status::internal("a new stream's queue is full"))?;
         let mut request = tonic::Request::new(ReceiverStream::new(outgoing));
         self.name_target(&mut request);
         let Some(client) = self.client.as_mut() else {
@@ -350,8 +351,10 @@ impl PeerClient {
             // The previous call was abandoned before its answer came.
             self.append_stream = None;
         }
+        let mut unsent = Some(RaftRequest { data });
         if self.append_stream.is_none() {
-            let opened = tokio::time::timeout_at(deadline, self.open_append_stream())
+            let first = unsent.take().unwrap_or_default();
+            let opened = tokio::time::timeout_at(deadline, self.open_append_stream(first))
                 .await
                 .map_err(|_| timed_out())??;
             self.append_stream = Some(opened);
@@ -361,11 +364,13 @@ impl PeerClient {
         };
         stream.awaiting_reply = true;
         let exchange = async {
-            stream
-                .requests
-                .send(RaftRequest { data })
-                .await
-                .map_err(|_| Status::unavailable("the AppendEntries stream is closed"))?;
+            if let Some(request) = unsent {
+                stream
+                    .requests
+                    .send(request)
+                    .await
+                    .map_err(|_| Status::unavailable("the AppendEntries stream is closed"))?;
+            }
             match stream.replies.message().await? {
                 Some(reply) => Ok(reply),
                 None => Err(Status::unavailable(
@@ -508,6 +513,26 @@ mod tests {
         delay_first: Duration,
         streams_opened: AtomicUsize,
         unary_calls: AtomicUsize,
+        /// The leader-side address of every stream and call.
+        callers: Mutex<Vec<std::net::SocketAddr>>,
+    }
+
+    impl FakeFollower {
+        fn new(has_stream: bool, delay_first: Duration) -> Arc<Self> {
+            Arc::new(FakeFollower {
+                has_stream,
+                delay_first,
+                streams_opened: AtomicUsize::new(0),
+                unary_calls: AtomicUsize::new(0),
+                callers: Mutex::default(),
+            })
+        }
+
+        fn note_caller<T>(&self, request: &tonic::Request<T>) {
+            if let Some(addr) = request.remote_addr() {
+                self.callers.lock().unwrap().push(addr);
+            }
+        }
     }
 
     fn answer(request: &RaftRequest) -> RaftReply {
@@ -528,6 +553,7 @@ mod tests {
             &self,
             request: tonic::Request<RaftRequest>,
         ) -> Result<tonic::Response<RaftReply>, Status> {
+            self.note_caller(&request);
             self.unary_calls.fetch_add(1, Ordering::SeqCst);
             Ok(tonic::Response::new(answer(request.get_ref())))
         }
@@ -536,6 +562,7 @@ mod tests {
             &self,
             request: tonic::Request<tonic::Streaming<RaftRequest>>,
         ) -> Result<tonic::Response<Self::AppendEntriesStreamStream>, Status> {
+            self.note_caller(&request);
             if !self.has_stream {
                 return Err(Status::unimplemented("no such method"));
             }
@@ -574,8 +601,8 @@ mod tests {
         }
     }
 
-    /// Serves `follower` on a loopback port; a client to it.
-    async fn serve(follower: Arc<FakeFollower>) -> PeerClient {
+    /// Serves `follower` on a loopback port; its address.
+    async fn serve_at(follower: Arc<FakeFollower>) -> String {
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
         let addr = listener.local_addr().unwrap();
         tokio::spawn(
@@ -583,14 +610,27 @@ mod tests {
                 .add_service(RaftServiceServer::from_arc(follower))
                 .serve_with_incoming(tokio_stream::wrappers::TcpListenerStream::new(listener)),
         );
-        PeerClient::new(
-            2,
-            &addr.to_string(),
+        addr.to_string()
+    }
+
+    fn network() -> Network {
+        Network::new(
+            PeerDial::default(),
             None,
             Arc::default(),
             crate::raft::MAX_RAFT_MESSAGE_BYTES,
             Arc::default(),
         )
+    }
+
+    /// A client of a new network to replica 2 at `addr`.
+    async fn client_to(addr: &str) -> PeerClient {
+        network().new_client(2, &BasicNode::new(addr)).await
+    }
+
+    /// Serves `follower` on a loopback port; a client to it.
+    async fn serve(follower: Arc<FakeFollower>) -> PeerClient {
+        client_to(&serve_at(follower).await).await
     }
 
     fn append_after(index: u64) -> AppendEntriesRequest<TypeConfig> {
@@ -613,12 +653,7 @@ mod tests {
 
     #[tokio::test]
     async fn appends_share_one_stream() {
-        let follower = Arc::new(FakeFollower {
-            has_stream: true,
-            delay_first: Duration::ZERO,
-            streams_opened: AtomicUsize::new(0),
-            unary_calls: AtomicUsize::new(0),
-        });
+        let follower = FakeFollower::new(true, Duration::ZERO);
         let mut client = serve(follower.clone()).await;
         for index in 1..=5 {
             let response = client
@@ -638,12 +673,7 @@ mod tests {
         // openraft times a call out by dropping it. The late answer to the
         // first request must not be taken as the second's: that one would
         // acknowledge entries the follower never matched.
-        let follower = Arc::new(FakeFollower {
-            has_stream: true,
-            delay_first: Duration::from_millis(500),
-            streams_opened: AtomicUsize::new(0),
-            unary_calls: AtomicUsize::new(0),
-        });
+        let follower = FakeFollower::new(true, Duration::from_millis(500));
         let mut client = serve(follower.clone()).await;
         let abandoned = tokio::time::timeout(
             Duration::from_millis(100),
@@ -661,12 +691,7 @@ mod tests {
 
     #[tokio::test]
     async fn a_call_timed_out_by_its_ttl_is_an_error_and_the_next_one_works() {
-        let follower = Arc::new(FakeFollower {
-            has_stream: true,
-            delay_first: Duration::from_millis(500),
-            streams_opened: AtomicUsize::new(0),
-            unary_calls: AtomicUsize::new(0),
-        });
+        let follower = FakeFollower::new(true, Duration::from_millis(500));
         let mut client = serve(follower.clone()).await;
         let err = client
             .append_entries(append_after(1), RPCOption::new(Duration::from_millis(100)))
@@ -685,12 +710,7 @@ mod tests {
 
     #[tokio::test]
     async fn a_replica_without_the_stream_gets_unary_appends() {
-        let follower = Arc::new(FakeFollower {
-            has_stream: false,
-            delay_first: Duration::ZERO,
-            streams_opened: AtomicUsize::new(0),
-            unary_calls: AtomicUsize::new(0),
-        });
+        let follower = FakeFollower::new(false, Duration::ZERO);
         let mut client = serve(follower.clone()).await;
         for index in 1..=3 {
             let response = client
@@ -707,19 +727,34 @@ mod tests {
     }
 
     #[tokio::test]
+    async fn clients_to_one_address_share_its_connection() {
+        // openraft asks for a new client per linearizable read and voter.
+        let follower = FakeFollower::new(true, Duration::ZERO);
+        let addr = serve_at(follower.clone()).await;
+        let mut network = network();
+        for index in 1..=3 {
+            let mut client = network.new_client(2, &BasicNode::new(&addr)).await;
+            let response = client
+                .append_entries(append_after(index), RPCOption::new(GENEROUS))
+                .await
+                .unwrap();
+            assert_eq!(answered_up_to(response), index);
+        }
+        let callers = follower.callers.lock().unwrap().clone();
+        assert_eq!(callers.len(), 3, "one stream per client");
+        assert!(
+            callers.iter().all(|addr| *addr == callers[0]),
+            "one connection: {callers:?}"
+        );
+    }
+
+    #[tokio::test]
     async fn an_unreachable_replica_is_reported_as_unreachable() {
         // A port nothing listens on.
         let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
         let addr = listener.local_addr().unwrap();
         drop(listener);
-        let mut client = PeerClient::new(
-            2,
-            &addr.to_string(),
-            None,
-            Arc::default(),
-            crate::raft::MAX_RAFT_MESSAGE_BYTES,
-            Arc::default(),
-        );
+        let mut client = client_to(&addr.to_string()).await;
         let err = client
             .append_entries(append_after(1), RPCOption::new(GENEROUS))
             .await
