@@ -26,8 +26,9 @@ pub mod pb {
     }
 }
 
-use pb::etcdserverpb::LeaseGrantRequest;
+use pb::etcdserverpb::kv_client::KvClient;
 use pb::etcdserverpb::lease_client::LeaseClient;
+use pb::etcdserverpb::{LeaseGrantRequest, RangeRequest};
 use pb::v3lockpb::lock_client::LockClient;
 use pb::v3lockpb::{LockRequest, UnlockRequest};
 
@@ -144,6 +145,42 @@ async fn unlock(channel: &Channel, key: Vec<u8>) -> Result<(), tonic::Status> {
         .unlock(UnlockRequest { key })
         .await?;
     Ok(())
+}
+
+/// `clients` workers reading one key in a loop for `duration`, each read
+/// linearizable (etcd's default: the member confirms with the leader's
+/// ReadIndex before answering). A completed read counts as a pair.
+pub async fn reads(channel: &Channel, clients: usize, duration: Duration, tag: &str) -> Run {
+    let started = Instant::now();
+    let deadline = started + duration;
+    let key = format!("{tag}-r").into_bytes();
+    let mut tasks = Vec::new();
+    for _ in 0..clients {
+        let (channel, key) = (channel.clone(), key.clone());
+        tasks.push(tokio::spawn(async move {
+            let mut run = Run::default();
+            let mut kv = KvClient::new(channel);
+            while Instant::now() < deadline {
+                let t0 = Instant::now();
+                let request = RangeRequest {
+                    key: key.clone(),
+                    serializable: false,
+                };
+                match kv.range(request).await {
+                    Ok(_) => {
+                        run.pairs += 1;
+                        run.pair_latency.push(t0.elapsed());
+                    }
+                    Err(status) => {
+                        run.errors += 1;
+                        run.first_error.get_or_insert(status.to_string());
+                    }
+                }
+            }
+            run
+        }));
+    }
+    Run::gather(tasks, started).await
 }
 
 /// `clients` workers on their own locks (each with its own lease).

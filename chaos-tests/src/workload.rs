@@ -96,6 +96,42 @@ pub async fn uncontended(client: &Client, clients: usize, duration: Duration, ta
     Run::gather(tasks, started).await
 }
 
+/// `clients` workers reading one lock's holder (`Holder`, a linearizable
+/// read: the leader confirms its leadership with a heartbeat round to the
+/// voters, ReadIndex, and answers from its applied state; nothing is
+/// written to the log) in a loop for `duration`. A completed read counts
+/// as a pair.
+pub async fn reads(client: &Client, clients: usize, duration: Duration, tag: &str) -> Run {
+    let started = Instant::now();
+    let deadline = started + duration;
+    let key = LockKey {
+        scope: "bench".into(),
+        name: format!("{tag}-r"),
+    };
+    let mut tasks = Vec::new();
+    for _ in 0..clients {
+        let (client, key) = (client.clone(), key.clone());
+        tasks.push(tokio::spawn(async move {
+            let mut run = Run::default();
+            while Instant::now() < deadline {
+                let t0 = Instant::now();
+                match client.holder(&key).await {
+                    Ok(_) => {
+                        run.pairs += 1;
+                        run.pair_latency.push(t0.elapsed());
+                    }
+                    Err(err) => {
+                        run.errors += 1;
+                        run.first_error.get_or_insert(err.to_string());
+                    }
+                }
+            }
+            run
+        }));
+    }
+    Run::gather(tasks, started).await
+}
+
 /// `clients` workers all on one lock, for `duration`: each waits its turn,
 /// releases at once, and queues again.
 pub async fn contended(client: &Client, clients: usize, duration: Duration, tag: &str) -> Run {

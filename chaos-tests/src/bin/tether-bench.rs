@@ -29,11 +29,16 @@
 //! and every scenario's rows say when it started (UTC, as in the logs), to
 //! find what a replica was doing during a slow run.
 //!
+//! After the lock scenarios, `--reads` clients read one lock's holder in a
+//! loop: linearizable reads, which touch neither the log nor the disk (etcd:
+//! a `Range` on one key, linearizable as by default).
+//!
 //! With `--charts DIR` it also draws the run as SVG: throughput against
 //! clients, and latency CDFs of each scenario (`chart.rs`).
 //!
 //! `cargo build --release -p tether-server -p tether-chaos && target/release/tether-bench`
 
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use clap::Parser;
@@ -41,7 +46,7 @@ use tether_chaos::chart::{Chart, PALETTE, Scale, Series, cdf_points};
 use tether_chaos::cluster::{ClusterSpec, ProcessCluster, sibling_binary};
 use tether_chaos::etcd::{self, EtcdCluster};
 use tether_chaos::stats::{Samples, ms};
-use tether_chaos::workload::{Run, contended, mixed, poisson_arrivals, uncontended};
+use tether_chaos::workload::{Run, contended, mixed, poisson_arrivals, reads, uncontended};
 
 #[derive(Parser)]
 #[command(
@@ -62,6 +67,12 @@ struct Args {
     /// as a Poisson process over --mixed-nodes node locks, each held 20 ms.
     #[arg(long, value_delimiter = ',', default_value = "100,400")]
     mixed_rates: Vec<f64>,
+    /// Client counts of the read scenario: each client reads one lock's
+    /// holder in a loop, linearizably (Tether `Holder`: ReadIndex, nothing
+    /// written to the log; etcd a `Range` on one key, its default
+    /// linearizable read). Empty to skip it.
+    #[arg(long, value_delimiter = ',', default_value = "1,64")]
+    reads: Vec<usize>,
     /// Nodes of the mixed scenario.
     #[arg(long, default_value_t = 1000)]
     mixed_nodes: usize,
@@ -504,6 +515,13 @@ async fn main() -> anyhow::Result<()> {
             args.mixed_nodes, args.seed
         );
     }
+    if !args.reads.is_empty() {
+        println!(
+            "reads: each client reads one lock's holder (Tether: Holder, etcd: Range on one key) in a loop, \
+             linearizable (ReadIndex: the leader confirms it still leads, nothing goes to the log); \
+             pairs/s = reads per second, latencies = one read"
+        );
+    }
     if args.rounds > 1 {
         print_summary(&results, args.rounds);
     }
@@ -570,32 +588,24 @@ async fn run_round(
             "uncontended"
         };
         let tag = format!("{name}-{clients}");
-        if args.logs.is_some() {
-            println!(
-                "        ({name} {clients} started {} UTC)",
-                utc_time_of_day()
-            );
-        }
-        let mut runs = Vec::new();
-        let mut cpu_used = Vec::new();
-        for (system, client) in tethers {
-            let probe = probe_of(cpu, system);
-            let before = probe.map(CpuProbe::sample);
-            let run = if is_contended {
-                contended(client, clients, args.duration, &tag).await
-            } else {
-                uncontended(client, clients, args.duration, &tag).await
-            };
-            if let (Some(probe), Some(before)) = (probe, before) {
-                cpu_used.push((*system, probe.used(&before, &probe.sample())));
+        note_start(args, name, clients);
+        let duration = args.duration;
+        let (mut runs, cpu_used) = run_tethers(tethers, cpu, |client| {
+            let tag = tag.clone();
+            async move {
+                if is_contended {
+                    contended(&client, clients, duration, &tag).await
+                } else {
+                    uncontended(&client, clients, duration, &tag).await
+                }
             }
-            runs.push((*system, run));
-        }
+        })
+        .await;
         if let Some(channel) = etcd {
             let run = if is_contended {
-                etcd::contended(channel, clients, args.duration, &tag).await
+                etcd::contended(channel, clients, duration, &tag).await
             } else {
-                etcd::uncontended(channel, clients, args.duration, &tag).await
+                etcd::uncontended(channel, clients, duration, &tag).await
             };
             runs.push((ETCD, run));
         }
@@ -604,21 +614,19 @@ async fn run_round(
     }
     for rate in &args.mixed_rates {
         // The same arrivals for every system.
-        let arrivals = poisson_arrivals(*rate, args.mixed_nodes, args.duration, args.seed);
+        let arrivals = Arc::new(poisson_arrivals(
+            *rate,
+            args.mixed_nodes,
+            args.duration,
+            args.seed,
+        ));
         let tag = format!("mixed-{rate}");
-        if args.logs.is_some() {
-            println!("        (mixed {rate} started {} UTC)", utc_time_of_day());
-        }
-        let mut runs = Vec::new();
-        let mut cpu_used = Vec::new();
-        for (system, client) in tethers {
-            let probe = probe_of(cpu, system);
-            let before = probe.map(CpuProbe::sample);
-            runs.push((*system, mixed(client, &arrivals, &tag).await));
-            if let (Some(probe), Some(before)) = (probe, before) {
-                cpu_used.push((*system, probe.used(&before, &probe.sample())));
-            }
-        }
+        note_start(args, "mixed", *rate as usize);
+        let (mut runs, cpu_used) = run_tethers(tethers, cpu, |client| {
+            let (tag, arrivals) = (tag.clone(), arrivals.clone());
+            async move { mixed(&client, &arrivals, &tag).await }
+        })
+        .await;
         if let Some(channel) = etcd {
             runs.push((ETCD, etcd::mixed(channel, &arrivals, &tag).await));
         }
@@ -631,7 +639,58 @@ async fn run_round(
             &cpu_used,
         ));
     }
+    for &clients in &args.reads {
+        let tag = format!("reads-{clients}");
+        note_start(args, "reads", clients);
+        let duration = args.duration;
+        let (mut runs, cpu_used) = run_tethers(tethers, cpu, |client| {
+            let tag = tag.clone();
+            async move { reads(&client, clients, duration, &tag).await }
+        })
+        .await;
+        if let Some(channel) = etcd {
+            runs.push((ETCD, etcd::reads(channel, clients, duration, &tag).await));
+        }
+        print_rows(&mut runs, "reads", clients, false);
+        results.extend(measure_with_cpu(runs, "reads", clients, cpu, &cpu_used));
+    }
     results
+}
+
+/// With `--logs`, prints when a scenario starts, to line it up with the
+/// replicas' logs.
+fn note_start(args: &Args, scenario: &str, clients: usize) {
+    if args.logs.is_some() {
+        println!(
+            "        ({scenario} {clients} started {} UTC)",
+            utc_time_of_day()
+        );
+    }
+}
+
+/// Runs `workload` against every Tether row in turn, sampling each probed
+/// row's CPU around its run: the runs and the CPU they used, by row.
+async fn run_tethers<F, Fut>(
+    tethers: &[(&'static str, tether_client::Client)],
+    cpu: &[(&'static str, CpuProbe)],
+    workload: F,
+) -> (Vec<(&'static str, Run)>, Vec<(&'static str, CpuUsed)>)
+where
+    F: Fn(tether_client::Client) -> Fut,
+    Fut: std::future::Future<Output = Run>,
+{
+    let mut runs = Vec::new();
+    let mut cpu_used = Vec::new();
+    for (system, client) in tethers {
+        let probe = probe_of(cpu, system);
+        let before = probe.map(CpuProbe::sample);
+        let run = workload(client.clone()).await;
+        if let (Some(probe), Some(before)) = (probe, before) {
+            cpu_used.push((*system, probe.used(&before, &probe.sample())));
+        }
+        runs.push((*system, run));
+    }
+    (runs, cpu_used)
 }
 
 /// The CPU probe of a row, if it has one.
