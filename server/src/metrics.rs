@@ -16,6 +16,10 @@ pub struct Metrics {
     write_entries: AtomicU64,
     /// Acquires and releases in those entries.
     write_commands: AtomicU64,
+    /// ReadIndex rounds run for linearizable reads.
+    read_rounds: AtomicU64,
+    /// Linearizable reads those rounds served.
+    linearizable_reads: AtomicU64,
     /// How this replica sent AppendEntries to each peer: streams opened,
     /// and messages sent as unary calls to peers without the stream.
     raft_appends: Mutex<BTreeMap<(u64, RaftAppend), u64>>,
@@ -57,6 +61,13 @@ impl Metrics {
         self.write_entries.fetch_add(1, Ordering::Relaxed);
         self.write_commands
             .fetch_add(commands as u64, Ordering::Relaxed);
+    }
+
+    /// Counts one ReadIndex round serving `reads` linearizable reads.
+    pub fn read_round(&self, reads: usize) {
+        self.read_rounds.fetch_add(1, Ordering::Relaxed);
+        self.linearizable_reads
+            .fetch_add(reads as u64, Ordering::Relaxed);
     }
 
     /// Counts one AppendEntries `event` towards `peer`.
@@ -109,6 +120,16 @@ impl Metrics {
                 "tether_write_commands_total",
                 "Acquires and releases in those entries; divided by the entries, the mean batch size.",
                 &self.write_commands,
+            ),
+            (
+                "tether_read_index_rounds_total",
+                "ReadIndex rounds (a heartbeat round to the voters, then waiting for apply) this replica ran for linearizable reads; reads arriving during a round share the next one.",
+                &self.read_rounds,
+            ),
+            (
+                "tether_linearizable_reads_total",
+                "Linearizable reads those rounds served; divided by the rounds, the reads per round.",
+                &self.linearizable_reads,
             ),
         ];
         for (name, help, value) in counters {

@@ -188,6 +188,7 @@ impl Node {
                 metrics.clone(),
             )
         });
+        let reads = crate::api::reads::ReadBarrier::new(raft.clone(), metrics.clone());
         let ctx = Arc::new(Ctx {
             id,
             addr: advertise.clone(),
@@ -202,6 +203,7 @@ impl Node {
             tls: tls.clone(),
             watchers: Default::default(),
             proposer,
+            reads,
         });
 
         if set.is_none() {

@@ -9,6 +9,7 @@ pub mod lock;
 pub mod node;
 pub mod pin;
 pub mod raft;
+pub mod reads;
 pub mod validate;
 pub mod watch;
 
@@ -60,6 +61,8 @@ pub struct Ctx {
     /// The batching queue for acquires and releases; None when batching is
     /// off (`--batch-max-commands 1`).
     pub proposer: Option<batching::Proposer>,
+    /// Shared ReadIndex rounds for linearizable reads.
+    pub reads: Arc<reads::ReadBarrier>,
 }
 
 /// Wall-clock time in ms since the epoch: only ever used to stamp entries
@@ -99,11 +102,7 @@ impl Ctx {
     /// Waits until this replica, as leader, has applied everything committed
     /// before the call (ReadIndex), so a following read is linearizable.
     pub async fn linearizable(&self) -> Result<()> {
-        self.raft
-            .ensure_linearizable()
-            .await
-            .map_err(from_raft_error)?;
-        Ok(())
+        self.reads.wait().await.map_err(from_raft_error)
     }
 
     /// Header for a response.
