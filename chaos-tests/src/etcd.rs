@@ -166,16 +166,7 @@ pub async fn reads(channel: &Channel, clients: usize, duration: Duration, tag: &
                     key: key.clone(),
                     serializable: false,
                 };
-                match kv.range(request).await {
-                    Ok(_) => {
-                        run.pairs += 1;
-                        run.pair_latency.push(t0.elapsed());
-                    }
-                    Err(status) => {
-                        run.errors += 1;
-                        run.first_error.get_or_insert(status.to_string());
-                    }
-                }
+                run.record(t0, kv.range(request).await);
             }
             run
         }));

@@ -43,6 +43,21 @@ impl Run {
         total
     }
 
+    /// Records one operation sent at `sent`: a completed pair with its
+    /// latency, or a failure (the first one's message kept).
+    pub fn record<T, E: std::fmt::Display>(&mut self, sent: Instant, result: Result<T, E>) {
+        match result {
+            Ok(_) => {
+                self.pairs += 1;
+                self.pair_latency.push(sent.elapsed());
+            }
+            Err(err) => {
+                self.errors += 1;
+                self.first_error.get_or_insert(err.to_string());
+            }
+        }
+    }
+
     /// Pairs per second.
     pub fn rate(&self) -> f64 {
         self.pairs as f64 / self.elapsed.as_secs_f64().max(1e-9)
@@ -79,16 +94,7 @@ pub async fn uncontended(client: &Client, clients: usize, duration: Duration, ta
                         .await?;
                     held.release(Outcome::Allocated).await
                 };
-                match done.await {
-                    Ok(_) => {
-                        run.pairs += 1;
-                        run.pair_latency.push(t0.elapsed());
-                    }
-                    Err(err) => {
-                        run.errors += 1;
-                        run.first_error.get_or_insert(err.to_string());
-                    }
-                }
+                run.record(t0, done.await);
             }
             run
         }));
@@ -115,16 +121,7 @@ pub async fn reads(client: &Client, clients: usize, duration: Duration, tag: &st
             let mut run = Run::default();
             while Instant::now() < deadline {
                 let t0 = Instant::now();
-                match client.holder(&key).await {
-                    Ok(_) => {
-                        run.pairs += 1;
-                        run.pair_latency.push(t0.elapsed());
-                    }
-                    Err(err) => {
-                        run.errors += 1;
-                        run.first_error.get_or_insert(err.to_string());
-                    }
-                }
+                run.record(t0, client.holder(&key).await);
             }
             run
         }));

@@ -351,14 +351,17 @@ impl PeerClient {
             // The previous call was abandoned before its answer came.
             self.append_stream = None;
         }
-        let mut unsent = Some(RaftRequest { data });
-        if self.append_stream.is_none() {
-            let first = unsent.take().unwrap_or_default();
+        // A new stream carries the message from the start.
+        let unsent = if self.append_stream.is_none() {
+            let first = RaftRequest { data };
             let opened = tokio::time::timeout_at(deadline, self.open_append_stream(first))
                 .await
                 .map_err(|_| timed_out())??;
             self.append_stream = Some(opened);
-        }
+            None
+        } else {
+            Some(RaftRequest { data })
+        };
         let Some(stream) = self.append_stream.as_mut() else {
             return Err(Status::internal("no AppendEntries stream"));
         };
