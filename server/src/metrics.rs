@@ -144,7 +144,7 @@ impl Metrics {
         let families = [
             (
                 "tether_raft_append_streams_opened_total",
-                "AppendEntries streams this replica opened to each peer while leading; each failed or timed-out message opens a new one, so a count that keeps rising means a troubled link.",
+                "AppendEntries streams this replica opened to each peer while leading: one per replication stream, one per ReadIndex round (openraft sends each round's heartbeat from a fresh client), and one after each failed or timed-out message; opened beyond tether_read_index_rounds_total means a troubled link.",
                 RaftAppend::StreamOpened,
             ),
             (

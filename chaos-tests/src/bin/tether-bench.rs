@@ -70,7 +70,7 @@ struct Args {
     /// Client counts of the read scenario: each client reads one lock's
     /// holder in a loop, linearizably (Tether `Holder`: ReadIndex, nothing
     /// written to the log; etcd a `Range` on one key, its default
-    /// linearizable read). Empty to skip it.
+    /// linearizable read).
     #[arg(long, value_delimiter = ',', default_value = "1,64")]
     reads: Vec<usize>,
     /// Nodes of the mixed scenario.

@@ -211,8 +211,12 @@ mod tests {
     async fn rounds_start_again_after_going_idle() {
         let (rounds, barrier, _) = gated();
         rounds.gate.add_permits(2);
-        assert!(barrier.wait().await.is_ok());
-        assert!(barrier.wait().await.is_err(), "a second, new round");
+        // Bounded, so that a barrier that never starts a round again fails
+        // here rather than hangs.
+        let wait = || tokio::time::timeout(Duration::from_secs(30), barrier.wait());
+        assert!(wait().await.expect("round 1 runs").is_ok());
+        let second = wait().await.expect("a new round starts after idling");
+        assert!(second.is_err(), "answered by round 2");
         assert_eq!(rounds.started.lock().unwrap().len(), 2);
     }
 }
