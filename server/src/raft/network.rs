@@ -75,6 +75,45 @@ fn fewer_entries(entries: usize, bytes: usize, limit: usize) -> Option<u64> {
     Some(fitting.clamp(1, entries as u64 - 1))
 }
 
+/// When each address last refused the AppendEntries stream (a replica of
+/// an older build, during a rolling upgrade). Shared by every client of a
+/// [`Network`]: openraft makes fresh clients for each read round's
+/// heartbeats, and each would otherwise ask for the stream again, a wasted
+/// round trip per read.
+#[derive(Debug, Default)]
+struct StreamRefusals {
+    refused_at: Mutex<BTreeMap<String, Instant>>,
+}
+
+/// How long AppendEntries stay unary after an address refused the stream.
+const STREAM_RETRY_AFTER: Duration = Duration::from_secs(60);
+
+impl StreamRefusals {
+    /// Whether AppendEntries to `addr` should try the stream: it has not
+    /// refused it within [`STREAM_RETRY_AFTER`].
+    fn may_stream(&self, addr: &str) -> bool {
+        let refused_at = self.refused_at.lock().unwrap_or_else(|p| p.into_inner());
+        refused_at
+            .get(addr)
+            .is_none_or(|at| at.elapsed() >= STREAM_RETRY_AFTER)
+    }
+
+    fn refused(&self, addr: &str) {
+        self.refused_at
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .insert(addr.to_string(), Instant::now());
+    }
+
+    /// `addr` served a stream (upgraded since it refused, perhaps).
+    fn accepted(&self, addr: &str) {
+        self.refused_at
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .remove(addr);
+    }
+}
+
 /// Creates [`PeerClient`]s. openraft asks for a new one per replication
 /// stream and, for every linearizable read, one per voter (the read's
 /// heartbeat round); they share one connection per address, kept here, so
@@ -95,6 +134,8 @@ pub struct Network {
     /// One lazily connected channel per address dialed. A tonic channel
     /// reconnects on its own after a failure, and clones share it.
     channels: Arc<Mutex<BTreeMap<String, Channel>>>,
+    /// Addresses that refused the AppendEntries stream lately.
+    stream_refusals: Arc<StreamRefusals>,
 }
 
 impl Network {
@@ -116,6 +157,7 @@ impl Network {
             message_limit,
             metrics,
             channels: Arc::default(),
+            stream_refusals: Arc::default(),
         }
     }
 
@@ -153,7 +195,7 @@ impl RaftNetworkFactory<TypeConfig> for Network {
             message_limit: self.message_limit,
             metrics: self.metrics.clone(),
             append_stream: None,
-            stream_refused_at: None,
+            stream_refusals: self.stream_refusals.clone(),
         }
     }
 }
@@ -168,14 +210,10 @@ pub struct PeerClient {
     metrics: Arc<Metrics>,
     /// The open AppendEntries stream, if any.
     append_stream: Option<AppendStream>,
-    /// When the target last said it has no AppendEntries stream (a replica
-    /// of an older build, during a rolling upgrade): AppendEntries then go
-    /// as unary calls until [`STREAM_RETRY_AFTER`] has passed.
-    stream_refused_at: Option<Instant>,
+    /// Addresses that said they have no AppendEntries stream: to them,
+    /// AppendEntries go as unary calls for a while.
+    stream_refusals: Arc<StreamRefusals>,
 }
-
-/// How long AppendEntries stay unary after a target refused the stream.
-const STREAM_RETRY_AFTER: Duration = Duration::from_secs(60);
 
 /// One AppendEntries stream to a follower. A request's answer is the next
 /// message on `replies`, so there is never more than one request without
@@ -301,13 +339,6 @@ impl PeerClient {
         })
     }
 
-    /// Whether AppendEntries should try the stream (the target has not
-    /// refused it lately).
-    fn streaming_appends(&self) -> bool {
-        self.stream_refused_at
-            .is_none_or(|at| at.elapsed() >= STREAM_RETRY_AFTER)
-    }
-
     /// Opens an AppendEntries stream to the target with `first` as its
     /// first message: queued before the call, it goes out with the
     /// stream's headers instead of a round trip later.
@@ -325,6 +356,7 @@ impl PeerClient {
         let response = client.append_entries_stream(request).await?;
         self.metrics
             .raft_append(self.target, RaftAppend::StreamOpened);
+        self.stream_refusals.accepted(&self.addr);
         self.record_format(response.metadata());
         Ok(AppendStream {
             requests,
@@ -398,23 +430,21 @@ impl PeerClient {
         rpc: &AppendEntriesRequest<TypeConfig>,
         option: &RPCOption,
     ) -> Result<AppendEntriesResponse<u64>, RPCError<u64, BasicNode, RaftError<u64>>> {
-        if !self.streaming_appends() {
+        // A client with its stream open needs not ask.
+        if self.append_stream.is_none() && !self.stream_refusals.may_stream(&self.addr) {
             return self.unary_append(rpc, option).await;
         }
         self.client::<RaftError<u64>>()?;
         let data = self.encode_request(rpc, rpc.entries.len())?;
         match self.exchange_on_stream(data, option.hard_ttl()).await {
-            Ok(reply) => {
-                self.stream_refused_at = None;
-                self.decode_reply(reply)
-            }
+            Ok(reply) => self.decode_reply(reply),
             Err(status) if status.code() == tonic::Code::Unimplemented => {
                 tracing::info!(
                     target = self.target,
                     "replica has no AppendEntries stream (an older build): \
                      sending AppendEntries as unary calls"
                 );
-                self.stream_refused_at = Some(Instant::now());
+                self.stream_refusals.refused(&self.addr);
                 self.unary_append(rpc, option).await
             }
             Err(status) => Err(self.status_error(&status)),
@@ -726,7 +756,57 @@ mod tests {
         assert_eq!(client.metrics.raft_appends(2, RaftAppend::Unary), 3);
         assert_eq!(client.metrics.raft_appends(2, RaftAppend::StreamOpened), 0);
         // Refused once, then not asked again for a while.
-        assert!(client.stream_refused_at.is_some());
+        assert_eq!(
+            follower.callers.lock().unwrap().len(),
+            4,
+            "one stream asked for"
+        );
+    }
+
+    #[tokio::test]
+    async fn every_client_of_a_network_remembers_a_refused_stream() {
+        // openraft makes fresh clients for each read round's heartbeats;
+        // during a rolling upgrade each would ask an older replica for the
+        // stream again, a wasted round trip per read.
+        let follower = FakeFollower::new(false, Duration::ZERO);
+        let addr = serve_at(follower.clone()).await;
+        let mut network = network();
+        for index in 1..=3 {
+            let mut client = network.new_client(2, &BasicNode::new(&addr)).await;
+            let response = client
+                .append_entries(append_after(index), RPCOption::new(GENEROUS))
+                .await
+                .unwrap();
+            assert_eq!(answered_up_to(response), index);
+        }
+        assert_eq!(follower.unary_calls.load(Ordering::SeqCst), 3);
+        assert_eq!(
+            follower.callers.lock().unwrap().len(),
+            4,
+            "the stream asked for by the first client only"
+        );
+    }
+
+    #[test]
+    fn a_refused_stream_is_asked_for_again_later_or_once_accepted() {
+        let refusals = StreamRefusals::default();
+        assert!(refusals.may_stream("a:1"));
+        refusals.refused("a:1");
+        assert!(!refusals.may_stream("a:1"));
+        assert!(refusals.may_stream("b:1"), "per address");
+        // Refused long ago: asked again (the replica may have been upgraded).
+        let long_ago = Instant::now().checked_sub(STREAM_RETRY_AFTER);
+        if let Some(long_ago) = long_ago {
+            refusals
+                .refused_at
+                .lock()
+                .unwrap()
+                .insert("a:1".to_string(), long_ago);
+            assert!(refusals.may_stream("a:1"));
+        }
+        refusals.refused("a:1");
+        refusals.accepted("a:1");
+        assert!(refusals.may_stream("a:1"));
     }
 
     #[tokio::test]
