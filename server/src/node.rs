@@ -155,16 +155,17 @@ impl Node {
         };
         let peer_formats = Arc::new(crate::raft::network::PeerFormats::default());
         let metrics = Arc::new(Metrics::default());
+        let network = Network::new(
+            config.peer_dial.clone(),
+            tls.clone(),
+            peer_formats.clone(),
+            config.raft_message_limit,
+            metrics.clone(),
+        );
         let raft = Raft::new(
             id,
             Arc::new(raft_config),
-            Network::new(
-                config.peer_dial.clone(),
-                tls.clone(),
-                peer_formats.clone(),
-                config.raft_message_limit,
-                metrics.clone(),
-            ),
+            network.clone(),
             log_store,
             sm_store,
         )
@@ -259,6 +260,11 @@ impl Node {
             http,
             ctx.clone(),
             wait_for(shutdown_rx.clone()),
+        )));
+        tasks.push(tokio::spawn(forget_departed_peers(
+            ctx.raft.clone(),
+            network,
+            shutdown_rx.clone(),
         )));
         tasks.push(tokio::spawn(sweeper(ctx.clone(), shutdown_rx)));
         if let Some(set) = set {
@@ -478,6 +484,31 @@ fn best_successor(ctx: &Ctx) -> Option<u64> {
                 .flatten()
                 .map_or(0, |l| l.index)
         })
+}
+
+/// How often the cached peer connections are checked against the
+/// membership.
+const FORGET_DEPARTED_EVERY: Duration = Duration::from_secs(30);
+
+/// Keeps the Raft network's cached connections to the membership's
+/// addresses: after a membership change, the connections to replicas that
+/// left (or moved) are dropped at the next check.
+async fn forget_departed_peers(raft: Raft, network: Network, mut shutdown: watch::Receiver<bool>) {
+    let mut tick = tokio::time::interval(FORGET_DEPARTED_EVERY);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    let mut checked = None;
+    loop {
+        tokio::select! {
+            _ = tick.tick() => {}
+            _ = shutdown.changed() => return,
+        }
+        let membership = raft.metrics().borrow().membership_config.clone();
+        if checked.as_ref() == Some(membership.log_id()) {
+            continue;
+        }
+        network.forget_departed(membership.membership().nodes());
+        checked = Some(*membership.log_id());
+    }
 }
 
 /// While this replica leads, proposes a [`Sweep`] whenever its applied state

@@ -161,6 +161,30 @@ impl Network {
         }
     }
 
+    /// The address dialed for replica `target`, whose membership address
+    /// is `addr`.
+    fn dialed<'a>(&'a self, target: u64, addr: &'a str) -> &'a str {
+        self.dial.get(&target).map_or(addr, String::as_str)
+    }
+
+    /// Drops the cached connections to addresses none of `members` (the
+    /// membership's nodes, learners included) is dialed at: replicas
+    /// removed, or moved to other addresses. Clients still holding such a
+    /// connection keep it until openraft drops them.
+    pub fn forget_departed<'a>(&self, members: impl IntoIterator<Item = (&'a u64, &'a BasicNode)>) {
+        let dialed: std::collections::BTreeSet<&str> = members
+            .into_iter()
+            .map(|(id, node)| self.dialed(*id, &node.addr))
+            .collect();
+        let mut channels = self.channels.lock().unwrap_or_else(|p| p.into_inner());
+        channels.retain(|addr, _| dialed.contains(addr.as_str()));
+        self.stream_refusals
+            .refused_at
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .retain(|addr, _| dialed.contains(addr.as_str()));
+    }
+
     /// The channel to `addr`, created on first use; None when `addr` is no
     /// valid address.
     fn channel(&self, addr: &str) -> Option<Channel> {
@@ -186,7 +210,7 @@ impl RaftNetworkFactory<TypeConfig> for Network {
     type Network = PeerClient;
 
     async fn new_client(&mut self, target: u64, node: &BasicNode) -> PeerClient {
-        let addr = self.dial.get(&target).unwrap_or(&node.addr);
+        let addr = self.dialed(target, &node.addr);
         PeerClient {
             target,
             addr: addr.to_string(),
@@ -785,6 +809,38 @@ mod tests {
             4,
             "the stream asked for by the first client only"
         );
+    }
+
+    #[tokio::test]
+    async fn connections_to_departed_addresses_are_forgotten() {
+        let mut network = Network {
+            dial: Arc::new(PeerDial::from([(3, "127.0.0.1:9003".to_string())])),
+            ..network()
+        };
+        let members = BTreeMap::from([
+            (2, BasicNode::new("127.0.0.1:8002")),
+            (3, BasicNode::new("unreachable-name:8003")),
+            (4, BasicNode::new("127.0.0.1:8004")),
+        ]);
+        for (id, node) in &members {
+            network.new_client(*id, node).await;
+        }
+        network.stream_refusals.refused("127.0.0.1:8004");
+        let cached = |network: &Network| -> Vec<String> {
+            network.channels.lock().unwrap().keys().cloned().collect()
+        };
+        assert_eq!(
+            cached(&network),
+            ["127.0.0.1:8002", "127.0.0.1:8004", "127.0.0.1:9003"]
+        );
+        // Replica 4 leaves; replica 2 moves to another port.
+        let members = BTreeMap::from([
+            (2, BasicNode::new("127.0.0.1:8102")),
+            (3, BasicNode::new("unreachable-name:8003")),
+        ]);
+        network.forget_departed(&members);
+        assert_eq!(cached(&network), ["127.0.0.1:9003"], "dialed, not listed");
+        assert!(network.stream_refusals.may_stream("127.0.0.1:8004"));
     }
 
     #[test]
