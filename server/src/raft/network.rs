@@ -708,6 +708,20 @@ mod tests {
 
     const GENEROUS: Duration = Duration::from_secs(30);
 
+    /// Sends `count` AppendEntries to replica 2 at `addr`, each from a new
+    /// client of one network, as openraft does for read rounds.
+    async fn appends_from_fresh_clients(addr: &str, count: u64) {
+        let mut network = network();
+        for index in 1..=count {
+            let mut client = network.new_client(2, &BasicNode::new(addr)).await;
+            let response = client
+                .append_entries(append_after(index), RPCOption::new(GENEROUS))
+                .await
+                .unwrap();
+            assert_eq!(answered_up_to(response), index);
+        }
+    }
+
     #[tokio::test]
     async fn appends_share_one_stream() {
         let follower = FakeFollower::new(true, Duration::ZERO);
@@ -794,15 +808,7 @@ mod tests {
         // stream again, a wasted round trip per read.
         let follower = FakeFollower::new(false, Duration::ZERO);
         let addr = serve_at(follower.clone()).await;
-        let mut network = network();
-        for index in 1..=3 {
-            let mut client = network.new_client(2, &BasicNode::new(&addr)).await;
-            let response = client
-                .append_entries(append_after(index), RPCOption::new(GENEROUS))
-                .await
-                .unwrap();
-            assert_eq!(answered_up_to(response), index);
-        }
+        appends_from_fresh_clients(&addr, 3).await;
         assert_eq!(follower.unary_calls.load(Ordering::SeqCst), 3);
         assert_eq!(
             follower.callers.lock().unwrap().len(),
@@ -870,15 +876,7 @@ mod tests {
         // openraft asks for a new client per linearizable read and voter.
         let follower = FakeFollower::new(true, Duration::ZERO);
         let addr = serve_at(follower.clone()).await;
-        let mut network = network();
-        for index in 1..=3 {
-            let mut client = network.new_client(2, &BasicNode::new(&addr)).await;
-            let response = client
-                .append_entries(append_after(index), RPCOption::new(GENEROUS))
-                .await
-                .unwrap();
-            assert_eq!(answered_up_to(response), index);
-        }
+        appends_from_fresh_clients(&addr, 3).await;
         let callers = follower.callers.lock().unwrap().clone();
         assert_eq!(callers.len(), 3, "one stream per client");
         assert!(
