@@ -156,13 +156,22 @@ impl Measured {
     }
 }
 
+/// What the lock scenarios' throughput counts.
+const PAIRS: &str = "acquire + release pairs";
+
 /// Tether solid, the others dashed.
 fn is_comparison(system: &str) -> bool {
     system != TETHER
 }
 
-/// Pairs/s against clients, one line per system.
-fn throughput_chart(results: &[Measured], scenario: &str, subtitle: &str) -> Option<Chart> {
+/// Operations per second against clients, one line per system; `what`
+/// names the operation ("acquire + release pairs", "reads").
+fn throughput_chart(
+    results: &[Measured],
+    scenario: &str,
+    what: &str,
+    subtitle: &str,
+) -> Option<Chart> {
     let rows: Vec<&Measured> = results.iter().filter(|m| m.scenario == scenario).collect();
     if rows.is_empty() {
         return None;
@@ -188,10 +197,10 @@ fn throughput_chart(results: &[Measured], scenario: &str, subtitle: &str) -> Opt
     clients.sort_by(f64::total_cmp);
     clients.dedup();
     Some(Chart {
-        title: format!("{scenario}: acquire + release pairs per second"),
+        title: format!("{scenario}: {what} per second"),
         subtitle: subtitle.to_string(),
         x_label: "clients (log scale)".into(),
-        y_label: "pairs/s".into(),
+        y_label: format!("{what}/s"),
         x: Scale::Log {
             min: clients[0].min(1.0),
             max: clients[clients.len() - 1].max(2.0),
@@ -258,11 +267,11 @@ fn write_charts(dir: &std::path::Path, results: &[Measured], subtitle: &str) -> 
     let charts = [
         (
             "throughput-uncontended.svg",
-            throughput_chart(results, "uncontended", subtitle),
+            throughput_chart(results, "uncontended", PAIRS, subtitle),
         ),
         (
             "throughput-contended.svg",
-            throughput_chart(results, "contended", subtitle),
+            throughput_chart(results, "contended", PAIRS, subtitle),
         ),
         (
             "latency-cdf-uncontended.svg",
@@ -275,6 +284,14 @@ fn write_charts(dir: &std::path::Path, results: &[Measured], subtitle: &str) -> 
         (
             "latency-cdf-mixed.svg",
             cdf_chart(results, "mixed", false, "bind", "binds/s", subtitle),
+        ),
+        (
+            "throughput-reads.svg",
+            throughput_chart(results, "reads", "reads", subtitle),
+        ),
+        (
+            "latency-cdf-reads.svg",
+            cdf_chart(results, "reads", false, "read", "clients", subtitle),
         ),
     ];
     for (file, chart) in charts {

@@ -167,10 +167,10 @@ impl Network {
         self.dial.get(&target).map_or(addr, String::as_str)
     }
 
-    /// Drops the cached connections to addresses none of `members` (the
-    /// membership's nodes, learners included) is dialed at: replicas
-    /// removed, or moved to other addresses. Clients still holding such a
-    /// connection keep it until openraft drops them.
+    /// Drops the cached connections, and stream refusals, of addresses at
+    /// which none of `members` (the membership's nodes, learners included)
+    /// is dialed: replicas removed, or moved to other addresses. Clients
+    /// still holding such a connection keep it until openraft drops them.
     pub fn forget_departed<'a>(&self, members: impl IntoIterator<Item = (&'a u64, &'a BasicNode)>) {
         let dialed: std::collections::BTreeSet<&str> = members
             .into_iter()
@@ -454,7 +454,7 @@ impl PeerClient {
         rpc: &AppendEntriesRequest<TypeConfig>,
         option: &RPCOption,
     ) -> Result<AppendEntriesResponse<u64>, RPCError<u64, BasicNode, RaftError<u64>>> {
-        // A client with its stream open needs not ask.
+        // A client with its stream open need not ask.
         if self.append_stream.is_none() && !self.stream_refusals.may_stream(&self.addr) {
             return self.unary_append(rpc, option).await;
         }
