@@ -73,6 +73,10 @@ struct Args {
     /// linearizable read).
     #[arg(long, value_delimiter = ',', default_value = "1,64")]
     reads: Vec<usize>,
+    /// Scenarios to leave out, e.g. `--skip mixed,reads` for the lock
+    /// scenarios alone.
+    #[arg(long, value_delimiter = ',')]
+    skip: Vec<Scenario>,
     /// Nodes of the mixed scenario.
     #[arg(long, default_value_t = 1000)]
     mixed_nodes: usize,
@@ -112,6 +116,30 @@ struct Args {
     /// (`<row>-tetherd-<id>.log`), and print each scenario's start time.
     #[arg(long)]
     logs: Option<std::path::PathBuf>,
+}
+
+/// A scenario, as `--skip` names it.
+#[derive(Clone, Copy, clap::ValueEnum)]
+enum Scenario {
+    Uncontended,
+    Contended,
+    Mixed,
+    Reads,
+}
+
+impl Args {
+    /// Empties the client counts (or rates) of the scenarios `--skip`
+    /// names: a scenario with none is not run.
+    fn drop_skipped(&mut self) {
+        for scenario in self.skip.clone() {
+            match scenario {
+                Scenario::Uncontended => self.uncontended.clear(),
+                Scenario::Contended => self.contended.clear(),
+                Scenario::Mixed => self.mixed_rates.clear(),
+                Scenario::Reads => self.reads.clear(),
+            }
+        }
+    }
 }
 
 /// Tether with its default settings.
@@ -404,7 +432,8 @@ fn row(
 
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
-    let args = Args::parse();
+    let mut args = Args::parse();
+    args.drop_skipped();
     let cores = std::thread::available_parallelism().map_or(0, |n| n.get());
     let mut floor = fsync_floor(1000)?;
     println!(
