@@ -153,12 +153,23 @@ pub struct Config {
 
     /// Most batch entries the leader has proposed and not yet committed;
     /// further acquires and releases queue and go out together in the next.
-    /// (A command on a lock the forming batch already has goes out alone at
-    /// once, outside this limit: commands on one lock cannot share an
-    /// entry.)
+    /// (While a member of an older build, which reads at most one command
+    /// per lock in an entry, remains, a command on a lock the forming batch
+    /// already has goes out alone at once, outside this limit.)
     #[arg(long, env = "TETHER_BATCH_IN_FLIGHT", default_value_t = 4,
           value_parser = clap::value_parser!(u32).range(1..=64))]
     pub batch_in_flight: u32,
+
+    /// Longest the leader holds back an acquire that will queue (another pod
+    /// holds its lock), so that it goes out in one entry with the lock's
+    /// next release instead of taking a log entry, an fsync per replica and
+    /// a replication round of its own. A held acquire goes out with the next
+    /// acquire or release of its lock, or when this time is up: it delays the
+    /// "queued" answer, and a grant only if the lock is freed otherwise
+    /// (forced release, expiry) meanwhile. Only once every member reads
+    /// entries that carry several commands on one lock. 0 turns it off.
+    #[arg(long, env = "TETHER_BATCH_HOLD_QUEUED", default_value = "2ms", value_parser = humantime::parse_duration)]
+    pub batch_hold_queued: Duration,
 
     /// Longest wait an acquire may ask for.
     #[arg(long, env = "TETHER_MAX_WAIT", default_value = "15m", value_parser = humantime::parse_duration)]

@@ -16,6 +16,10 @@ pub struct Metrics {
     write_entries: AtomicU64,
     /// Acquires and releases in those entries.
     write_commands: AtomicU64,
+    /// Held-back acquires that went out with another command on their lock.
+    held_joined: AtomicU64,
+    /// Held-back acquires whose time ran out before one came.
+    held_expired: AtomicU64,
     /// ReadIndex rounds run for linearizable reads.
     read_rounds: AtomicU64,
     /// Linearizable reads those rounds served.
@@ -61,6 +65,14 @@ impl Metrics {
         self.write_entries.fetch_add(1, Ordering::Relaxed);
         self.write_commands
             .fetch_add(commands as u64, Ordering::Relaxed);
+    }
+
+    /// Counts held-back acquires that went out with another command on
+    /// their lock (`joined`) or alone once their time was up (`expired`).
+    pub fn held_acquires(&self, joined: usize, expired: usize) {
+        self.held_joined.fetch_add(joined as u64, Ordering::Relaxed);
+        self.held_expired
+            .fetch_add(expired as u64, Ordering::Relaxed);
     }
 
     /// Counts one ReadIndex round serving `reads` linearizable reads.
@@ -120,6 +132,16 @@ impl Metrics {
                 "tether_write_commands_total",
                 "Acquires and releases in those entries; divided by the entries, the mean batch size.",
                 &self.write_commands,
+            ),
+            (
+                "tether_held_acquires_joined_total",
+                "Acquires that would queue behind another pod's hold, held back by the batching queue (--batch-hold-queued) and sent in one entry with a later command on their lock (its release, typically).",
+                &self.held_joined,
+            ),
+            (
+                "tether_held_acquires_expired_total",
+                "Such held-back acquires sent without one, when their hold-back time ran out.",
+                &self.held_expired,
             ),
             (
                 "tether_read_index_rounds_total",

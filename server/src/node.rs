@@ -180,11 +180,13 @@ impl Node {
                 // Keeps a batch entry well inside one Raft message.
                 max_payload_bytes: config.max_request_bytes,
                 in_flight: config.batch_in_flight as usize,
+                hold_queued: config.batch_hold_queued,
             };
             crate::api::batching::Proposer::start(
                 raft.clone(),
                 id,
                 peer_formats,
+                state.clone(),
                 limits,
                 metrics.clone(),
             )

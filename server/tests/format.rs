@@ -359,18 +359,76 @@ fn format_v3_log_entries_still_decode() {
     check_log_fixture(3, &v3_entries());
 }
 
+/// Format 4 lets a batch carry several commands on one lock: an acquire
+/// that queues, the holder's release handing over to it, and another
+/// acquire.
+fn v4_entries() -> Vec<Entry> {
+    let next = v1_entries().len() as u64 + v2_entries().len() as u64 + 2;
+    let item = |client: &str, command: Command| BatchItem {
+        request_id: Some(RequestId {
+            client_id: client.into(),
+            sequence: 9,
+            first_incomplete: 9,
+        }),
+        command,
+    };
+    let acquire = |uid: &str| {
+        Command::Acquire(Acquire {
+            key: key(),
+            pod: pod(uid),
+            payload: b"plan".to_vec(),
+            wait_ms: 30_000,
+            lease_id: 0,
+            client_id: "client-3".into(),
+            queue_limit: 1024,
+        })
+    };
+    vec![Entry {
+        log_id: log_id(3, next),
+        payload: EntryPayload::Normal(Request {
+            format_version: 4,
+            request_id: None,
+            leader_time_ms: 1_790_000_300_000,
+            command: Command::Batch(Batch {
+                items: vec![
+                    item("client-3", acquire("c")),
+                    item(
+                        "client-1",
+                        Command::Release(Release {
+                            key: key(),
+                            pod_uid: "b".into(),
+                            token: 5,
+                            outcome: Outcome::Allocated,
+                        }),
+                    ),
+                    item("client-4", acquire("d")),
+                ],
+            }),
+        }),
+    }]
+}
+
+#[test]
+fn format_v4_log_entries_still_decode() {
+    check_log_fixture(4, &v4_entries());
+}
+
 #[test]
 fn entries_are_written_in_the_oldest_format_that_expresses_them() {
-    // A replica of the previous build keeps reading single commands; only
-    // batch entries need this one. Snapshots have not changed shape.
+    // A replica of an older build keeps reading single commands, and
+    // batches with one command per lock; only batches that name a lock
+    // twice need this build's format. Snapshots have not changed shape.
     let single = Request::new(None, 1, v1_entries_command());
     assert_eq!(single.format_version, 2);
-    let EntryPayload::Normal(batch) = &v3_entries()[0].payload else {
-        unreachable!("a normal entry")
+    let rewritten = |entries: Vec<Entry>| {
+        let EntryPayload::Normal(batch) = &entries[0].payload else {
+            unreachable!("a normal entry")
+        };
+        Request::new(None, 1, batch.command.clone()).format_version
     };
-    let rewritten = Request::new(None, 1, batch.command.clone());
-    assert_eq!(rewritten.format_version, 3);
-    assert_eq!(FORMAT_VERSION, 3);
+    assert_eq!(rewritten(v3_entries()), 3);
+    assert_eq!(rewritten(v4_entries()), 4);
+    assert_eq!(FORMAT_VERSION, 4);
     assert_eq!(SNAPSHOT_FORMAT_VERSION, 2);
 }
 

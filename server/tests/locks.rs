@@ -175,6 +175,71 @@ async fn concurrent_acquires_and_releases_share_entries_and_tokens_still_rise_pe
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn queueing_acquires_wait_for_the_release_and_share_its_entry() {
+    // Held back for as long as it takes here: every acquire that would
+    // queue must go out with the next release of its lock, none alone.
+    let cluster = Cluster::start_with(3, |config| {
+        config.batch_hold_queued = Duration::from_secs(30);
+    })
+    .await;
+    let leader = cluster.wait_leader().await;
+    let client = Arc::new(common::client(&cluster));
+    let key = lock("node-contended");
+    let mut tasks = Vec::new();
+    for i in 0..3 {
+        let (client, key) = (client.clone(), key.clone());
+        tasks.push(tokio::spawn(async move {
+            let uid = format!("contender-{i}");
+            let mut tokens = Vec::new();
+            for _ in 0..10 {
+                let hold = client
+                    .acquire(&key, &pod(&uid), vec![], DEADLINE, 0)
+                    .await
+                    .unwrap();
+                tokens.push(hold.token);
+                client
+                    .release(&key, &uid, hold.token, Outcome::Allocated)
+                    .await
+                    .unwrap();
+            }
+            tokens
+        }));
+    }
+    let mut all_tokens = Vec::new();
+    for task in tasks {
+        let tokens = tokio::time::timeout(DEADLINE, task)
+            .await
+            .expect("a contender finished")
+            .unwrap();
+        assert!(
+            tokens.windows(2).all(|w| w[0] < w[1]),
+            "tokens {tokens:?} do not rise"
+        );
+        all_tokens.extend(tokens);
+    }
+    all_tokens.sort_unstable();
+    all_tokens.dedup();
+    assert_eq!(all_tokens.len(), 30, "two grants share a token");
+
+    let joined = leader_counter(&cluster, leader, "tether_held_acquires_joined_total");
+    let expired = leader_counter(&cluster, leader, "tether_held_acquires_expired_total");
+    let entries = leader_counter(&cluster, leader, "tether_write_entries_total");
+    let commands = leader_counter(&cluster, leader, "tether_write_commands_total");
+    println!(
+        "{commands} acquires and releases in {entries} entries; held acquires: {joined} went \
+         with a release, {expired} ran out"
+    );
+    assert!(joined > 0, "no acquire was held back");
+    assert_eq!(
+        expired, 0,
+        "a held acquire waited for a release that never came"
+    );
+    assert_eq!(commands, 60);
+    assert_eq!(client.holder(&key).await.unwrap(), None);
+    cluster.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn fifty_waiters_are_granted_in_fifo_order_exactly_once_with_increasing_tokens() {
     let cluster = Cluster::start(3).await;
     let client = Arc::new(common::client(&cluster));

@@ -16,17 +16,26 @@
 //! not answered since this replica started) commands go out one per entry,
 //! as before.
 //!
-//! A batch holds at most one command per lock (the entry's index is the
-//! fencing token of any grant in it, and tokens must rise per lock). A
-//! command on a lock already in the forming batch goes out at once in an
-//! entry of its own, outside the in-flight limit, as every command did
-//! before batching: a hot lock's commands keep pipelining instead of
-//! waiting for a permit and a batch of their own.
+//! In format 3 a batch holds at most one command per lock (the entry's index
+//! is the fencing token of any grant in it, and tokens must rise per lock),
+//! and a command on a lock already in the forming batch goes out at once in
+//! an entry of its own, outside the in-flight limit: a hot lock's commands
+//! keep pipelining instead of waiting for a permit and a batch of their own.
+//! Once every member reads format 4, commands on one lock share a batch (the
+//! state machine grants a lock at most once per entry), and an acquire that
+//! will queue behind another pod's hold is held back for up to
+//! `--batch-hold-queued`, so that it goes out with the lock's next release.
+//! On a contended lock each hand-over then takes one entry, not two: the
+//! release no longer waits behind the previous holder's queueing acquire for
+//! the leader's fsync and a replication round (openraft 0.9 replicates one
+//! entry after another).
 
-use std::collections::BTreeSet;
+use std::collections::{BTreeSet, VecDeque};
 use std::sync::Arc;
+use std::time::Duration;
 
 use tokio::sync::{Semaphore, mpsc, oneshot};
+use tokio::time::Instant;
 
 use super::wall_clock_ms;
 use crate::error::{ApiError, Result, from_raft_error};
@@ -35,8 +44,9 @@ use crate::raft::Raft;
 use crate::raft::network::PeerFormats;
 use crate::sm::{
     BATCH_FORMAT_VERSION, Batch, BatchItem, Command, LockKey, MAX_BATCH_ITEMS, Reply, Request,
-    RequestId, Response, batchable_lock,
+    RequestId, Response, SHARED_LOCK_BATCH_FORMAT_VERSION, batchable_lock,
 };
+use crate::store::StateHandle;
 
 /// How batches are formed.
 #[derive(Debug, Clone, Copy)]
@@ -48,6 +58,19 @@ pub struct BatchLimits {
     pub max_payload_bytes: usize,
     /// Most batch entries proposed and not yet answered.
     pub in_flight: usize,
+    /// Longest an acquire that will queue is held back to share the entry
+    /// of its lock's next release (zero: never).
+    pub hold_queued: Duration,
+}
+
+/// How a command may be batched, as the members' formats allow.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Batching {
+    /// Format 3: at most one command per lock in an entry.
+    OneCommandPerLock,
+    /// Format 4: several commands on one lock may share an entry, and an
+    /// acquire that will queue may wait for its lock's next release.
+    SharedLocks,
 }
 
 /// The queue in front of Raft for acquires and releases.
@@ -64,6 +87,11 @@ struct Proposal {
     request_id: Option<RequestId>,
     command: Command,
     reply: oneshot::Sender<Result<Response>>,
+    /// May join a batch that already has a command on its lock (and, if
+    /// it is an acquire that will queue, be held back).
+    shares_locks: bool,
+    /// Until when it is held back, once it is.
+    held_until: Option<Instant>,
 }
 
 impl Proposal {
@@ -86,11 +114,12 @@ impl Proposer {
         raft: Raft,
         id: u64,
         formats: Arc<PeerFormats>,
+        state: StateHandle,
         limits: BatchLimits,
         metrics: Arc<Metrics>,
     ) -> Self {
         let (queue, rx) = mpsc::channel(4 * MAX_BATCH_ITEMS);
-        tokio::spawn(form_batches(raft.clone(), rx, limits, metrics));
+        tokio::spawn(form_batches(raft.clone(), rx, limits, state, metrics));
         Self {
             queue,
             raft,
@@ -99,9 +128,10 @@ impl Proposer {
         }
     }
 
-    /// Whether batch entries may be written now: every other member, voter
-    /// or learner, has answered a Raft message saying it reads them.
-    pub fn may_batch(&self) -> bool {
+    /// How batch entries may be written now, if at all: as the oldest
+    /// format that every other member, voter or learner, has said (in its
+    /// answers to Raft messages) that it reads.
+    pub fn batching(&self) -> Option<Batching> {
         let metrics = self.raft.metrics();
         let metrics = metrics.borrow();
         let peers = metrics
@@ -110,7 +140,14 @@ impl Proposer {
             .nodes()
             .map(|(id, _)| *id)
             .filter(|id| *id != self.id);
-        self.formats.all_read(peers, BATCH_FORMAT_VERSION)
+        match self.formats.newest_all_read(peers) {
+            None => Some(Batching::SharedLocks),
+            Some(format) if format >= SHARED_LOCK_BATCH_FORMAT_VERSION => {
+                Some(Batching::SharedLocks)
+            }
+            Some(format) if format >= BATCH_FORMAT_VERSION => Some(Batching::OneCommandPerLock),
+            Some(_) => None,
+        }
     }
 
     /// Proposes an acquire or release and returns its entry's response for
@@ -119,6 +156,7 @@ impl Proposer {
         &self,
         request_id: Option<RequestId>,
         command: Command,
+        batching: Batching,
     ) -> Result<Response> {
         debug_assert!(batchable_lock(&command).is_some());
         let (reply, answer) = oneshot::channel();
@@ -129,6 +167,8 @@ impl Proposer {
                 request_id,
                 command,
                 reply,
+                shares_locks: batching == Batching::SharedLocks,
+                held_until: None,
             })
             .await
             .map_err(|_| stopped())?;
@@ -164,11 +204,12 @@ impl Forming {
     }
 
     /// Adds `proposal` if the batch has room for it and does not name its
-    /// lock yet. The first proposal always joins.
+    /// lock yet (or the proposal may share a lock). The first proposal
+    /// always joins.
     fn offer(&mut self, proposal: Proposal, limits: &BatchLimits) -> Offer {
         let bytes = proposal.payload_bytes();
         if !self.proposals.is_empty() {
-            if self.locks.contains(proposal.lock()) {
+            if !proposal.shares_locks && self.locks.contains(proposal.lock()) {
                 return Offer::SameLock(proposal);
             }
             if self.proposals.len() >= limits.max_commands
@@ -186,6 +227,172 @@ impl Forming {
     fn is_full(&self, limits: &BatchLimits) -> bool {
         self.proposals.len() >= limits.max_commands
     }
+
+    /// Adds the proposals held back on `lock`, after those already in;
+    /// those it has no room for stay held.
+    fn take_held(&mut self, lock: &LockKey, held: &mut HeldBack, limits: &BatchLimits) -> usize {
+        let mut joined = 0;
+        for proposal in held.take(lock) {
+            match self.offer(proposal, limits) {
+                Offer::Added => joined += 1,
+                Offer::SameLock(proposal) | Offer::NoRoom(proposal) => held.restore(proposal),
+            }
+        }
+        joined
+    }
+}
+
+/// Whether `proposal` is to be held back rather than go out now: it may be
+/// ([`HeldBack::may_hold`]), and it will queue, as far as the applied state
+/// tells: another pod holds the lock, and no release of it is on its way.
+/// While an apply holds the state, it goes out: waiting for the state would
+/// hold up every proposal behind it, for a guess.
+fn to_hold(
+    held: &HeldBack,
+    proposal: &Proposal,
+    state: &StateHandle,
+    releasing: &Releasing,
+) -> bool {
+    if !held.may_hold(proposal) {
+        return false;
+    }
+    let Command::Acquire(acquire) = &proposal.command else {
+        return false;
+    };
+    let Some(applied) = state.try_read() else {
+        return false;
+    };
+    let held_by_another = applied
+        .state
+        .locks
+        .get(&acquire.key)
+        .and_then(|lock| lock.holder.as_ref())
+        .is_some_and(|hold| hold.pod.uid != acquire.pod.uid);
+    drop(applied);
+    held_by_another && !releasing.has(&acquire.key)
+}
+
+/// Locks with a release proposed and not yet answered. An acquire on one
+/// of them is not held back: the holder the applied state shows is on its
+/// way out, and no later release may come to take the acquire along.
+#[derive(Default)]
+struct Releasing {
+    locks: std::sync::Mutex<std::collections::HashMap<LockKey, usize>>,
+}
+
+impl Releasing {
+    fn has(&self, lock: &LockKey) -> bool {
+        self.locks
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .contains_key(lock)
+    }
+
+    /// Notes the releases among `proposals`; returns their locks, for
+    /// [`Releasing::end`] once the entry is answered.
+    fn start(&self, proposals: &[Proposal]) -> Vec<LockKey> {
+        let released: Vec<LockKey> = proposals
+            .iter()
+            .filter_map(|p| match &p.command {
+                Command::Release(release) => Some(release.key.clone()),
+                _ => None,
+            })
+            .collect();
+        if !released.is_empty() {
+            let mut locks = self.locks.lock().unwrap_or_else(|p| p.into_inner());
+            for lock in &released {
+                *locks.entry(lock.clone()).or_default() += 1;
+            }
+        }
+        released
+    }
+
+    fn end(&self, released: Vec<LockKey>) {
+        if released.is_empty() {
+            return;
+        }
+        let mut locks = self.locks.lock().unwrap_or_else(|p| p.into_inner());
+        for lock in released {
+            if let std::collections::hash_map::Entry::Occupied(mut proposed) = locks.entry(lock) {
+                *proposed.get_mut() -= 1;
+                if *proposed.get() == 0 {
+                    proposed.remove();
+                }
+            }
+        }
+    }
+}
+
+/// Acquires held back until their lock's next command goes out, or their
+/// time is up, in the order they came.
+struct HeldBack {
+    proposals: VecDeque<Proposal>,
+    hold: Duration,
+}
+
+impl HeldBack {
+    fn new(hold: Duration) -> Self {
+        Self {
+            proposals: VecDeque::new(),
+            hold,
+        }
+    }
+
+    /// Whether `proposal` may be held back at all: an acquire that may share
+    /// an entry with other commands on its lock and would wait for it.
+    fn may_hold(&self, proposal: &Proposal) -> bool {
+        proposal.shares_locks
+            && !self.hold.is_zero()
+            && matches!(&proposal.command, Command::Acquire(acquire) if acquire.wait_ms > 0)
+    }
+
+    fn hold(&mut self, mut proposal: Proposal, now: Instant) {
+        proposal.held_until = Some(now + self.hold);
+        self.proposals.push_back(proposal);
+    }
+
+    /// When the longest-held proposal is due to go out.
+    fn next_due(&self) -> Option<Instant> {
+        self.proposals.front().and_then(|p| p.held_until)
+    }
+
+    /// The longest-held proposal, if its time is up by `now` (or `now` is
+    /// None: the queue closed, so everything goes out).
+    fn pop_due(&mut self, now: Option<Instant>) -> Option<Proposal> {
+        let due = match (now, self.next_due()) {
+            (None, _) => true,
+            (Some(now), Some(until)) => until <= now,
+            (Some(_), None) => false,
+        };
+        if due {
+            self.proposals.pop_front()
+        } else {
+            None
+        }
+    }
+
+    /// Every proposal held on `lock`, in the order they came.
+    fn take(&mut self, lock: &LockKey) -> Vec<Proposal> {
+        let mut taken = Vec::new();
+        let mut kept = VecDeque::with_capacity(self.proposals.len());
+        for proposal in self.proposals.drain(..) {
+            if proposal.lock() == lock {
+                taken.push(proposal);
+            } else {
+                kept.push_back(proposal);
+            }
+        }
+        self.proposals = kept;
+        taken
+    }
+
+    /// Holds a taken proposal again, in its place by its time.
+    fn restore(&mut self, proposal: Proposal) {
+        let at = self
+            .proposals
+            .partition_point(|p| p.held_until <= proposal.held_until);
+        self.proposals.insert(at, proposal);
+    }
 }
 
 /// Takes proposals off the queue, whatever is waiting each time an entry
@@ -194,32 +401,83 @@ async fn form_batches(
     raft: Raft,
     mut queue: mpsc::Receiver<Proposal>,
     limits: BatchLimits,
+    state: StateHandle,
     metrics: Arc<Metrics>,
 ) {
     let in_flight = Arc::new(Semaphore::new(limits.in_flight.max(1)));
     // A proposal the last batch had no room for: it starts the next one.
     let mut carried: Option<Proposal> = None;
+    let mut held = HeldBack::new(limits.hold_queued);
+    let releasing = Arc::new(Releasing::default());
+    let mut queue_open = true;
     loop {
         let permit = in_flight
             .clone()
             .acquire_owned()
             .await
             .expect("the semaphore is never closed");
-        let first = match carried.take() {
-            Some(proposal) => proposal,
-            None => match queue.recv().await {
-                Some(proposal) => proposal,
-                None => return,
-            },
+        // The next entry starts with a carried proposal, a held one whose
+        // time is up, or the next to arrive that is not held back.
+        let first = loop {
+            if let Some(proposal) = carried.take() {
+                break Some((proposal, false));
+            }
+            let now = queue_open.then(Instant::now);
+            if let Some(proposal) = held.pop_due(now) {
+                break Some((proposal, true));
+            }
+            if !queue_open {
+                break None;
+            }
+            let next = match held.next_due() {
+                Some(due) => tokio::select! {
+                    next = queue.recv() => next,
+                    _ = tokio::time::sleep_until(due) => continue,
+                },
+                None => queue.recv().await,
+            };
+            match next {
+                Some(proposal) if to_hold(&held, &proposal, &state, &releasing) => {
+                    held.hold(proposal, Instant::now())
+                }
+                Some(proposal) => break Some((proposal, false)),
+                None => queue_open = false,
+            }
         };
+        let Some((first, was_held)) = first else {
+            return;
+        };
+        // Held acquires on a lock go out right after the command that comes
+        // for it (a release, typically, which hands over to them).
+        // (Those taken along by a held one whose time is up met no other
+        // command either: they count as run out, like it.)
         let mut batch = Forming::new();
+        let first_lock = first.lock().clone();
+        let first_shares = first.shares_locks;
         batch.offer(first, &limits);
+        let (mut joined, mut expired) = (0, usize::from(was_held));
+        if first_shares {
+            let taken = batch.take_held(&first_lock, &mut held, &limits);
+            if was_held {
+                expired += taken;
+            } else {
+                joined += taken;
+            }
+        }
         let mut alone = Vec::new();
-        while !batch.is_full(&limits) {
+        while queue_open && !batch.is_full(&limits) {
             let Ok(proposal) = queue.try_recv() else {
                 break;
             };
+            if !batch.locks.contains(proposal.lock())
+                && to_hold(&held, &proposal, &state, &releasing)
+            {
+                held.hold(proposal, Instant::now());
+                continue;
+            }
+            let (lock, shares) = (proposal.lock().clone(), proposal.shares_locks);
             match batch.offer(proposal, &limits) {
+                Offer::Added if shares => joined += batch.take_held(&lock, &mut held, &limits),
                 Offer::Added => {}
                 Offer::SameLock(proposal) => alone.push(proposal),
                 Offer::NoRoom(proposal) => {
@@ -228,16 +486,25 @@ async fn form_batches(
                 }
             }
         }
+        metrics.held_acquires(joined, expired);
         metrics.proposed_entry(batch.proposals.len());
         let raft_for_batch = raft.clone();
+        let released = releasing.start(&batch.proposals);
+        let releasing_for_batch = releasing.clone();
         tokio::spawn(async move {
             propose(&raft_for_batch, batch.proposals).await;
+            releasing_for_batch.end(released);
             drop(permit);
         });
         for proposal in alone {
             metrics.proposed_entry(1);
             let raft = raft.clone();
-            tokio::spawn(async move { propose(&raft, vec![proposal]).await });
+            let released = releasing.start(std::slice::from_ref(&proposal));
+            let releasing = releasing.clone();
+            tokio::spawn(async move {
+                propose(&raft, vec![proposal]).await;
+                releasing.end(released);
+            });
         }
     }
 }
@@ -323,14 +590,119 @@ mod tests {
             request_id: None,
             command,
             reply: oneshot::channel().0,
+            shares_locks: false,
+            held_until: None,
         }
+    }
+
+    /// `proposal` as made once every member reads format 4.
+    fn sharing(mut proposal: Proposal) -> Proposal {
+        proposal.shares_locks = true;
+        proposal
+    }
+
+    fn waiting(lock: &str, payload_bytes: usize) -> Proposal {
+        let mut proposal = sharing(acquire(lock, payload_bytes));
+        if let Command::Acquire(acquire) = &mut proposal.command {
+            acquire.wait_ms = 1_000;
+        }
+        proposal
     }
 
     const LIMITS: BatchLimits = BatchLimits {
         max_commands: 3,
         max_payload_bytes: 100,
         in_flight: 1,
+        hold_queued: Duration::from_millis(2),
     };
+
+    fn locks_of(proposals: &[Proposal]) -> Vec<(String, bool)> {
+        proposals
+            .iter()
+            .map(|p| {
+                let is_release = matches!(p.command, Command::Release(_));
+                (p.lock().name.clone(), is_release)
+            })
+            .collect()
+    }
+
+    #[test]
+    fn with_shared_locks_commands_on_one_lock_share_the_batch() {
+        let mut batch = Forming::new();
+        assert!(added(batch.offer(sharing(acquire("a", 0)), &LIMITS)));
+        assert!(added(batch.offer(sharing(release("a")), &LIMITS)));
+        assert!(added(batch.offer(sharing(acquire("b", 0)), &LIMITS)));
+        assert_eq!(
+            locks_of(&batch.proposals),
+            [("a".into(), false), ("a".into(), true), ("b".into(), false)]
+        );
+        // The limits still hold.
+        assert!(matches!(
+            batch.offer(sharing(release("a")), &LIMITS),
+            Offer::NoRoom(_)
+        ));
+    }
+
+    #[test]
+    fn held_acquires_wait_in_order_and_leave_with_their_lock_or_when_due() {
+        let mut held = HeldBack::new(LIMITS.hold_queued);
+        assert!(held.may_hold(&waiting("a", 0)));
+        assert!(!held.may_hold(&sharing(acquire("a", 0))), "does not wait");
+        assert!(!held.may_hold(&sharing(release("a"))));
+        let mut one_per_lock = waiting("a", 0);
+        one_per_lock.shares_locks = false;
+        assert!(!held.may_hold(&one_per_lock), "format 3");
+        assert!(!HeldBack::new(Duration::ZERO).may_hold(&waiting("a", 0)));
+
+        let t0 = Instant::now();
+        let ms = Duration::from_millis;
+        held.hold(waiting("a", 1), t0);
+        held.hold(waiting("b", 2), t0 + ms(1));
+        held.hold(waiting("a", 3), t0 + ms(2));
+        assert_eq!(held.next_due(), Some(t0 + ms(2)));
+        assert!(held.pop_due(Some(t0 + ms(1))).is_none(), "not due yet");
+
+        // A command on lock a takes both of its held acquires, oldest first.
+        let taken = held.take(&LockKey::new("gpu-bind", "a"));
+        let bytes: Vec<usize> = taken.iter().map(Proposal::payload_bytes).collect();
+        assert_eq!(bytes, [1, 3]);
+        assert_eq!(held.next_due(), Some(t0 + ms(3)), "b is next");
+
+        // One put back goes to its place by time.
+        let mut taken = taken.into_iter();
+        held.restore(taken.next().unwrap());
+        assert_eq!(held.next_due(), Some(t0 + ms(2)));
+        assert_eq!(held.pop_due(Some(t0 + ms(2))).unwrap().payload_bytes(), 1);
+        assert!(held.pop_due(Some(t0 + ms(2))).is_none());
+        assert_eq!(held.pop_due(Some(t0 + ms(3))).unwrap().payload_bytes(), 2);
+        assert!(held.next_due().is_none());
+
+        // Once the queue has closed, everything held goes at once.
+        held.hold(waiting("c", 4), t0 + ms(10));
+        assert_eq!(held.pop_due(None).unwrap().payload_bytes(), 4);
+        assert!(held.pop_due(None).is_none());
+    }
+
+    #[test]
+    fn a_batch_takes_the_acquires_held_on_a_lock_it_names_while_it_has_room() {
+        let mut held = HeldBack::new(LIMITS.hold_queued);
+        let now = Instant::now();
+        for bytes in [1, 2, 3] {
+            held.hold(waiting("a", bytes), now);
+        }
+        held.hold(waiting("b", 0), now);
+        let mut batch = Forming::new();
+        assert!(added(batch.offer(sharing(release("a")), &LIMITS)));
+        let key = LockKey::new("gpu-bind", "a");
+        assert_eq!(batch.take_held(&key, &mut held, &LIMITS), 2, "room for two");
+        assert_eq!(
+            locks_of(&batch.proposals),
+            [("a".into(), true), ("a".into(), false), ("a".into(), false)]
+        );
+        // The third stays held, still ahead of b's.
+        assert_eq!(held.take(&key).len(), 1);
+        assert_eq!(held.proposals.len(), 1);
+    }
 
     fn added(offer: Offer) -> bool {
         matches!(offer, Offer::Added)

@@ -83,11 +83,15 @@ impl Ctx {
                 "leadership is being transferred; retry in a moment".into(),
             ));
         }
-        let response = match &self.proposer {
-            Some(proposer) if batchable_lock(&command).is_some() && proposer.may_batch() => {
-                proposer.propose(request_id, command).await?
+        let batching = match &self.proposer {
+            Some(proposer) if batchable_lock(&command).is_some() => {
+                proposer.batching().map(|batching| (proposer, batching))
             }
-            _ => {
+            _ => None,
+        };
+        let response = match batching {
+            Some((proposer, batching)) => proposer.propose(request_id, command, batching).await?,
+            None => {
                 let request = Request::new(request_id, wall_clock_ms(), command);
                 self.raft
                     .client_write(request)

@@ -54,10 +54,18 @@ impl PeerFormats {
     /// Whether every one of `peers` has answered since this replica started
     /// and reads `format`: only then may this leader write entries of it.
     pub fn all_read(&self, peers: impl IntoIterator<Item = u64>, format: u16) -> bool {
+        self.newest_all_read(peers)
+            .is_none_or(|newest| newest >= format)
+    }
+
+    /// The newest format every one of `peers` reads: None without peers,
+    /// and 0 if one of them has not answered since this replica started.
+    pub fn newest_all_read(&self, peers: impl IntoIterator<Item = u64>) -> Option<u16> {
         let formats = self.formats.lock().unwrap_or_else(|p| p.into_inner());
         peers
             .into_iter()
-            .all(|peer| formats.get(&peer).is_some_and(|f| *f >= format))
+            .map(|peer| formats.get(&peer).copied().unwrap_or(0))
+            .min()
     }
 }
 
@@ -946,5 +954,11 @@ mod tests {
         // Upgraded and restarted: it answers with the new format.
         formats.record(3, 3);
         assert!(formats.all_read([2, 3], 3));
+        // The newest format all of them read: the oldest answer, 0 for a
+        // peer that has not answered, none without peers.
+        formats.record(2, 4);
+        assert_eq!(formats.newest_all_read([2, 3]), Some(3));
+        assert_eq!(formats.newest_all_read([2, 3, 4]), Some(0));
+        assert_eq!(formats.newest_all_read([]), None);
     }
 }

@@ -29,7 +29,7 @@ use serde::{Deserialize, Serialize};
 
 pub use command::{
     BATCH_FORMAT_VERSION, Batch, BatchItem, Command, CommandError, MAX_BATCH_ITEMS, Reply,
-    batchable_lock,
+    SHARED_LOCK_BATCH_FORMAT_VERSION, batchable_lock,
 };
 pub use event::{Event, EventKind, Revision};
 pub use types::*;
@@ -37,13 +37,14 @@ pub use types::*;
 /// Format version of log entries and snapshots written by this build. A
 /// replica that meets a newer version stops instead of guessing.
 /// 1: the first; 2: adds `Command::Audit` and `EventKind::AdminAction`;
-/// 3: adds `Command::Batch`.
+/// 3: adds `Command::Batch`; 4: lets a batch carry several commands on one
+/// lock.
 ///
 /// An entry is written in the oldest format that can express it
 /// ([`Command::format_version`]) and snapshots in [`SNAPSHOT_FORMAT_VERSION`],
 /// so a replica of the previous build keeps following a leader of this one
 /// until the leader proposes a batch.
-pub const FORMAT_VERSION: u16 = 3;
+pub const FORMAT_VERSION: u16 = 4;
 
 /// Format version written in snapshots: the state has not changed shape
 /// since format 2 (a batch's reply is never kept in the dedupe table, since
@@ -324,13 +325,21 @@ pub fn apply(state: &mut State, index: u64, request: &Request) -> (Response, Vec
             let checked = if request.request_id.is_some() {
                 Err("a batch entry carries its items' request ids, not one of its own".into())
             } else {
-                batch.check()
+                batch.check(request.format_version)
             };
             let replies = match checked {
                 Ok(()) => batch
                     .items
                     .iter()
-                    .map(|item| apply_one(&mut txn, item.request_id.as_ref(), &item.command))
+                    .map(
+                        |item| match release_of_this_entrys_grant(&txn, &item.command) {
+                            Some(reason) => Response {
+                                result: Err(CommandError::InvalidBatch { reason }),
+                                deduplicated: false,
+                            },
+                            None => apply_one(&mut txn, item.request_id.as_ref(), &item.command),
+                        },
+                    )
                     .collect(),
                 Err(reason) => {
                     let refused = Response {
@@ -348,10 +357,32 @@ pub fn apply(state: &mut State, index: u64, request: &Request) -> (Response, Vec
         command => apply_one(&mut txn, request.request_id.as_ref(), command),
     };
     // Once per entry: a batch's items each touch only their own lock, so
-    // dropping idle locks after all of them equals dropping after each.
+    // dropping idle locks after all of them equals dropping after each (a
+    // lock freed and taken again by items of one format-4 entry keeps its
+    // `stuck_token`, which names an older hold and so changes nothing).
     txn.drop_idle_locks();
     let Txn { events, dirty, .. } = txn;
     (response, events, dirty)
+}
+
+/// Why a batch item may not apply, if it releases a hold that an earlier
+/// item of the same entry granted: its token is the entry's own index, which
+/// no client could have been told when the entry was proposed, and letting
+/// it through would let the lock be granted a second time under the same
+/// token. The item is refused without touching the dedupe table, so a retry
+/// in a later entry is applied as new.
+fn release_of_this_entrys_grant(txn: &Txn<'_>, command: &Command) -> Option<String> {
+    let Command::Release(release) = command else {
+        return None;
+    };
+    let hold = txn.state.locks.get(&release.key)?.holder.as_ref()?;
+    (hold.token == txn.index && release.token == txn.index).then(|| {
+        format!(
+            "the release of lock {} presents token {}, granted by this same entry: a token \
+             can be released only after its grant was applied",
+            release.key, release.token
+        )
+    })
 }
 
 /// Applies one client's command within `txn`, with the dedupe table.

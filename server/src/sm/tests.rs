@@ -32,8 +32,12 @@ impl Machine {
     }
 
     fn run_as(&mut self, id: Option<RequestId>, command: Command) -> Response {
+        self.run_request(Request::new(id, self.now, command))
+    }
+
+    /// Applies `request` as written, format version included.
+    fn run_request(&mut self, request: Request) -> Response {
         self.index += 1;
-        let request = Request::new(id, self.now, command);
         let (response, events, _) = apply(&mut self.state, self.index, &request);
         self.events.extend(events);
         self.log.push((self.index, request));
@@ -391,7 +395,11 @@ fn a_malformed_batch_is_refused_whole_and_changes_nothing() {
         };
         let before = crate::store::encode(&m.state);
         let events = m.events.len();
-        let replies = batch_replies(m.run_as(None, command));
+        // As a format-3 leader wrote them: that format allows one command
+        // per lock, and its entries must replay as they first applied.
+        let mut request = Request::new(None, m.now, command);
+        request.format_version = BATCH_FORMAT_VERSION;
+        let replies = batch_replies(m.run_request(request));
         assert_eq!(replies.len(), items, "{what}");
         for reply in &replies {
             assert!(
@@ -419,6 +427,71 @@ fn a_malformed_batch_is_refused_whole_and_changes_nothing() {
         Err(CommandError::InvalidBatch { .. })
     ));
     assert!(!m.state.locks.contains_key(&key("b")));
+}
+
+#[test]
+fn a_format_4_batch_carries_several_commands_on_one_lock_and_grants_it_once() {
+    let mut m = Machine::new();
+    granted(m.run(acquire("a", "u1", 0)));
+    // An acquire queueing behind the holder, the holder's release, and
+    // another acquire: one entry, written in format 4.
+    let command = batch(vec![
+        (Some(request_id("c2", 1)), acquire("a", "u2", 1000)),
+        (Some(request_id("c1", 1)), release("a", "u1", 1)),
+        (Some(request_id("c3", 1)), acquire("a", "u3", 1000)),
+    ]);
+    let request = Request::new(None, m.now, command);
+    assert_eq!(request.format_version, SHARED_LOCK_BATCH_FORMAT_VERSION);
+    let replies = batch_replies(m.run_request(request));
+    assert_eq!(replies[0].result, Ok(Reply::Queued { position: 1 }));
+    let Ok(Reply::Released {
+        next: Some(next), ..
+    }) = &replies[1].result
+    else {
+        panic!("the release hands over: {:?}", replies[1]);
+    };
+    assert_eq!((next.pod.uid.as_str(), next.token), ("u2", 2));
+    assert_eq!(replies[2].result, Ok(Reply::Queued { position: 1 }));
+
+    // A release of the hold granted earlier in the same entry (its token is
+    // the entry's index, which no client was told yet) is refused and not
+    // remembered: the lock is not granted a second time under one token.
+    let state = m.state.clone();
+    let replies = batch_replies(m.run_as(
+        None,
+        batch(vec![
+            (Some(request_id("c2", 2)), release("a", "u2", 2)),
+            (Some(request_id("c3", 2)), release("a", "u3", 3)),
+            (Some(request_id("c4", 1)), acquire("a", "u4", 1000)),
+        ]),
+    ));
+    assert!(matches!(
+        &replies[0].result,
+        Ok(Reply::Released { next: Some(hold), .. }) if hold.pod.uid == "u3" && hold.token == 3
+    ));
+    assert!(
+        matches!(&replies[1].result, Err(CommandError::InvalidBatch { reason }) if reason.contains("granted by this same entry")),
+        "{:?}",
+        replies[1]
+    );
+    assert_eq!(replies[2].result, Ok(Reply::Queued { position: 1 }));
+    let lock = &m.state.locks[&key("a")];
+    assert_eq!(lock.holder.as_ref().map(|h| h.token), Some(3));
+    assert_eq!(lock.last_token, 3);
+    assert!(
+        !m.state.sessions["c3"].responses.contains_key(&2),
+        "the refused item is not in the dedupe table"
+    );
+    assert_ne!(m.state, state);
+
+    // The same request id in a later entry applies as new: u3 holds token 3
+    // by then, and u4 is granted.
+    let retry = m.run_as(Some(request_id("c3", 2)), release("a", "u3", 3));
+    assert!(!retry.deduplicated);
+    assert!(matches!(
+        retry.result,
+        Ok(Reply::Released { next: Some(hold), .. }) if hold.pod.uid == "u4" && hold.token == 4
+    ));
 }
 
 #[test]
@@ -651,27 +724,45 @@ fn random_command(rng: &mut Rng, m: &Machine) -> Command {
     }
 }
 
-/// A batch of up to four random acquires and releases on distinct locks,
-/// each with its own request id half of the time; a single random command
-/// when none of the draws could go into a batch.
+/// A batch of up to four random acquires and releases, on distinct locks
+/// (format 3) or, one batch in three, on any (format 4), each with its own
+/// request id half of the time; a single random command when none of the
+/// draws could go into a batch. A format-4 batch sometimes follows an
+/// acquire with a release guessing the token the acquire would get (the
+/// entry's own index), which apply must refuse.
 fn random_batch(rng: &mut Rng, m: &Machine) -> Command {
-    let mut items = Vec::new();
+    let mut commands = Vec::new();
     let mut locks = std::collections::BTreeSet::new();
+    let shared_locks = rng.below(3) == 0;
     for _ in 0..1 + rng.below(4) {
         let command = random_command(rng, m);
         if let Some(lock) = batchable_lock(&command)
-            && locks.insert(lock.clone())
+            && (locks.insert(lock.clone()) || shared_locks)
         {
-            let request_id = (rng.below(2) == 0).then(|| RequestId {
-                client_id: format!("b{}", rng.below(3)),
-                sequence: (m.index + 1) * 8 + items.len() as u64,
-                first_incomplete: m.index * 8,
-            });
-            items.push(BatchItem {
-                request_id,
-                command,
-            });
+            let guess = match &command {
+                Command::Acquire(a) if shared_locks && rng.below(2) == 0 => Some(Release {
+                    key: a.key.clone(),
+                    pod_uid: a.pod.uid.clone(),
+                    token: m.index + 1,
+                    outcome: Outcome::Allocated,
+                }),
+                _ => None,
+            };
+            commands.push(command);
+            commands.extend(guess.map(Command::Release));
         }
+    }
+    let mut items = Vec::new();
+    for command in commands {
+        let request_id = (rng.below(2) == 0).then(|| RequestId {
+            client_id: format!("b{}", rng.below(3)),
+            sequence: (m.index + 1) * 8 + items.len() as u64,
+            first_incomplete: m.index * 8,
+        });
+        items.push(BatchItem {
+            request_id,
+            command,
+        });
     }
     if items.is_empty() {
         return random_command(rng, m);

@@ -67,6 +67,16 @@ impl StateHandle {
             .unwrap_or_else(|poisoned| poisoned.into_inner())
     }
 
+    /// Reads the applied state if no apply holds it right now: for callers
+    /// to whom a guess is better than a wait.
+    pub fn try_read(&self) -> Option<RwLockReadGuard<'_, AppliedState>> {
+        match self.inner.try_read() {
+            Ok(guard) => Some(guard),
+            Err(std::sync::TryLockError::Poisoned(poisoned)) => Some(poisoned.into_inner()),
+            Err(std::sync::TryLockError::WouldBlock) => None,
+        }
+    }
+
     /// Events applied from now on. Subscribe before proposing a command whose
     /// later events you wait for.
     pub fn subscribe(&self) -> broadcast::Receiver<Event> {

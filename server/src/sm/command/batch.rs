@@ -5,8 +5,15 @@
 //! for an entry of its own, and its own reply. Items apply in order, as if
 //! each were the next entry, except that they share the entry's index; that
 //! index is the fencing token of any grant an item makes. Tokens must rise
-//! strictly per lock, so a batch holds at most one command per lock, and only
-//! commands that touch just the lock they name (acquire and release).
+//! strictly per lock, so a lock may be granted at most once per entry. Only
+//! commands that touch just the lock they name (acquire and release) go in.
+//!
+//! In format 3 a batch holds at most one command per lock. Format 4 lets it
+//! hold several (a release and the acquires queueing behind it, say), and
+//! apply keeps the one-grant rule itself: a hold granted by an item cannot be
+//! released by a later item of the same entry (its token did not exist when
+//! the release was proposed), and only a release can end a hold within a
+//! batch, so no lock is granted twice.
 
 use std::collections::BTreeSet;
 
@@ -17,6 +24,10 @@ use crate::sm::types::{LockKey, RequestId};
 
 /// The log format that introduced batch entries.
 pub const BATCH_FORMAT_VERSION: u16 = 3;
+
+/// The log format whose batch entries may carry several commands on one
+/// lock.
+pub const SHARED_LOCK_BATCH_FORMAT_VERSION: u16 = 4;
 
 /// Most items one batch entry may carry.
 pub const MAX_BATCH_ITEMS: usize = 256;
@@ -38,11 +49,12 @@ pub struct BatchItem {
 }
 
 impl Batch {
-    /// Why this batch may not be applied, if it may not: no items, too many,
-    /// a command that is not an acquire or release, or two commands on one
-    /// lock. The leader forms batches that pass; apply checks again, so that
-    /// a malformed entry is refused the same way on every replica.
-    pub fn check(&self) -> Result<(), String> {
+    /// Why this batch may not be applied in an entry of `format_version`, if
+    /// it may not: no items, too many, a command that is not an acquire or
+    /// release, or (before [`SHARED_LOCK_BATCH_FORMAT_VERSION`]) two commands
+    /// on one lock. The leader forms batches that pass; apply checks again,
+    /// so that a malformed entry is refused the same way on every replica.
+    pub fn check(&self, format_version: u16) -> Result<(), String> {
         if self.items.is_empty() {
             return Err("a batch entry has no items".into());
         }
@@ -52,19 +64,31 @@ impl Batch {
                 self.items.len()
             ));
         }
+        let shared_locks = format_version >= SHARED_LOCK_BATCH_FORMAT_VERSION;
         let mut keys = BTreeSet::new();
         for item in &self.items {
             let Some(key) = batchable_lock(&item.command) else {
                 return Err("a batch entry may carry only acquires and releases".into());
             };
-            if !keys.insert(key) {
+            if !keys.insert(key) && !shared_locks {
                 return Err(format!(
-                    "a batch entry carries two commands on lock {key}; their grants would share \
-                     a fencing token"
+                    "a batch entry of format {format_version} carries two commands on lock \
+                     {key}; their grants would share a fencing token"
                 ));
             }
         }
         Ok(())
+    }
+
+    /// Whether two items name the same lock (which needs format
+    /// [`SHARED_LOCK_BATCH_FORMAT_VERSION`]).
+    pub fn shares_a_lock(&self) -> bool {
+        let mut keys = BTreeSet::new();
+        !self
+            .items
+            .iter()
+            .filter_map(|item| batchable_lock(&item.command))
+            .all(|key| keys.insert(key))
     }
 }
 

@@ -19,7 +19,10 @@ mod sweep;
 pub use acquire::Acquire;
 pub use assign::Assign;
 pub use audit::Audit;
-pub use batch::{BATCH_FORMAT_VERSION, Batch, BatchItem, MAX_BATCH_ITEMS, batchable_lock};
+pub use batch::{
+    BATCH_FORMAT_VERSION, Batch, BatchItem, MAX_BATCH_ITEMS, SHARED_LOCK_BATCH_FORMAT_VERSION,
+    batchable_lock,
+};
 pub use cancel_wait::{CancelOutcome, CancelWait};
 pub use force_release::ForceRelease;
 pub use lease::{GrantLease, KeepAliveLease, RevokeLease};
@@ -103,6 +106,7 @@ impl Command {
     /// need the newer format (see `FORMAT_VERSION`).
     pub fn format_version(&self) -> u16 {
         match self {
+            Command::Batch(batch) if batch.shares_a_lock() => SHARED_LOCK_BATCH_FORMAT_VERSION,
             Command::Batch(_) => BATCH_FORMAT_VERSION,
             _ => 2,
         }
