@@ -307,18 +307,28 @@ fn format_v2_log_entries_still_decode() {
     check_log_fixture(2, &v2_entries());
 }
 
+/// A batch item of `client` with its request id's (sequence,
+/// first incomplete).
+fn batch_item(
+    client: &str,
+    (sequence, first_incomplete): (u64, u64),
+    command: Command,
+) -> BatchItem {
+    BatchItem {
+        request_id: Some(RequestId {
+            client_id: client.into(),
+            sequence,
+            first_incomplete,
+        }),
+        command,
+    }
+}
+
 /// Format 3 added the `Batch` command (several clients' acquires and
 /// releases in one entry); single commands are still written as format 2.
 fn v3_entries() -> Vec<Entry> {
     let next = v1_entries().len() as u64 + v2_entries().len() as u64 + 1;
-    let item = |client: &str, command: Command| BatchItem {
-        request_id: Some(RequestId {
-            client_id: client.into(),
-            sequence: 7,
-            first_incomplete: 6,
-        }),
-        command,
-    };
+    let item = |client: &str, command: Command| batch_item(client, (7, 6), command);
     vec![Entry {
         log_id: log_id(3, next),
         payload: EntryPayload::Normal(Request {
@@ -364,14 +374,7 @@ fn format_v3_log_entries_still_decode() {
 /// acquire.
 fn v4_entries() -> Vec<Entry> {
     let next = v1_entries().len() as u64 + v2_entries().len() as u64 + 2;
-    let item = |client: &str, command: Command| BatchItem {
-        request_id: Some(RequestId {
-            client_id: client.into(),
-            sequence: 9,
-            first_incomplete: 9,
-        }),
-        command,
-    };
+    let item = |client: &str, command: Command| batch_item(client, (9, 9), command);
     let acquire = |uid: &str| {
         Command::Acquire(Acquire {
             key: key(),

@@ -42,8 +42,9 @@ pub use types::*;
 ///
 /// An entry is written in the oldest format that can express it
 /// ([`Command::format_version`]) and snapshots in [`SNAPSHOT_FORMAT_VERSION`],
-/// so a replica of the previous build keeps following a leader of this one
-/// until the leader proposes a batch.
+/// so a replica of an older build keeps following a leader of this one: the
+/// leader writes batches (3) and batches naming a lock twice (4) only once
+/// every member has said that it reads them.
 pub const FORMAT_VERSION: u16 = 4;
 
 /// Format version written in snapshots: the state has not changed shape
