@@ -358,8 +358,10 @@ async fn watch_resumes_without_gaps_across_a_leader_change() {
     )
     .unwrap();
     let (seen_tx, mut seen_rx) = tokio::sync::mpsc::unbounded_channel();
+    // The start revision is fixed here, before the first acquire: a watch
+    // opened inside the task could start after the first grant and miss it.
+    let mut watch = watch_client.watch(None, vec![], "lock/").await.unwrap();
     let watcher = tokio::spawn(async move {
-        let mut watch = watch_client.watch(None, vec![], "lock/").await.unwrap();
         loop {
             match watch.next().await {
                 Ok(WatchUpdate::Events(batch)) => {
