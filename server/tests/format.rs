@@ -324,44 +324,58 @@ fn batch_item(
     }
 }
 
+/// A term-3 entry at `index` carrying `items` as one batch, written in
+/// `format_version` by a leader at `leader_time_ms`.
+fn batch_entry(
+    index: u64,
+    format_version: u16,
+    leader_time_ms: u64,
+    items: Vec<BatchItem>,
+) -> Entry {
+    Entry {
+        log_id: log_id(3, index),
+        payload: EntryPayload::Normal(Request {
+            format_version,
+            request_id: None,
+            leader_time_ms,
+            command: Command::Batch(Batch { items }),
+        }),
+    }
+}
+
 /// Format 3 added the `Batch` command (several clients' acquires and
 /// releases in one entry); single commands are still written as format 2.
 fn v3_entries() -> Vec<Entry> {
     let next = v1_entries().len() as u64 + v2_entries().len() as u64 + 1;
     let item = |client: &str, command: Command| batch_item(client, (7, 6), command);
-    vec![Entry {
-        log_id: log_id(3, next),
-        payload: EntryPayload::Normal(Request {
-            format_version: 3,
-            request_id: None,
-            leader_time_ms: 1_790_000_200_000,
-            command: Command::Batch(Batch {
-                items: vec![
-                    item(
-                        "client-1",
-                        Command::Acquire(Acquire {
-                            key: LockKey::new("gpu-bind", "node-8"),
-                            pod: pod("b"),
-                            payload: b"plan".to_vec(),
-                            wait_ms: 30_000,
-                            lease_id: 0,
-                            client_id: "client-1".into(),
-                            queue_limit: 1024,
-                        }),
-                    ),
-                    item(
-                        "client-2",
-                        Command::Release(Release {
-                            key: key(),
-                            pod_uid: "a".into(),
-                            token: 3,
-                            outcome: Outcome::Allocated,
-                        }),
-                    ),
-                ],
-            }),
-        }),
-    }]
+    vec![batch_entry(
+        next,
+        3,
+        1_790_000_200_000,
+        vec![
+            item(
+                "client-1",
+                Command::Acquire(Acquire {
+                    key: LockKey::new("gpu-bind", "node-8"),
+                    pod: pod("b"),
+                    payload: b"plan".to_vec(),
+                    wait_ms: 30_000,
+                    lease_id: 0,
+                    client_id: "client-1".into(),
+                    queue_limit: 1024,
+                }),
+            ),
+            item(
+                "client-2",
+                Command::Release(Release {
+                    key: key(),
+                    pod_uid: "a".into(),
+                    token: 3,
+                    outcome: Outcome::Allocated,
+                }),
+            ),
+        ],
+    )]
 }
 
 #[test]
@@ -386,29 +400,24 @@ fn v4_entries() -> Vec<Entry> {
             queue_limit: 1024,
         })
     };
-    vec![Entry {
-        log_id: log_id(3, next),
-        payload: EntryPayload::Normal(Request {
-            format_version: 4,
-            request_id: None,
-            leader_time_ms: 1_790_000_300_000,
-            command: Command::Batch(Batch {
-                items: vec![
-                    item("client-3", acquire("c")),
-                    item(
-                        "client-1",
-                        Command::Release(Release {
-                            key: key(),
-                            pod_uid: "b".into(),
-                            token: 5,
-                            outcome: Outcome::Allocated,
-                        }),
-                    ),
-                    item("client-4", acquire("d")),
-                ],
-            }),
-        }),
-    }]
+    vec![batch_entry(
+        next,
+        4,
+        1_790_000_300_000,
+        vec![
+            item("client-3", acquire("c")),
+            item(
+                "client-1",
+                Command::Release(Release {
+                    key: key(),
+                    pod_uid: "b".into(),
+                    token: 5,
+                    outcome: Outcome::Allocated,
+                }),
+            ),
+            item("client-4", acquire("d")),
+        ],
+    )]
 }
 
 #[test]

@@ -373,6 +373,11 @@ impl HeldBack {
 
     /// Every proposal held on `lock`, in the order they came.
     fn take(&mut self, lock: &LockKey) -> Vec<Proposal> {
+        // Called for every command added to a batch: most find nothing, and
+        // must not rebuild the queue for it.
+        if !self.proposals.iter().any(|p| p.lock() == lock) {
+            return Vec::new();
+        }
         let mut taken = Vec::new();
         let mut kept = VecDeque::with_capacity(self.proposals.len());
         for proposal in self.proposals.drain(..) {
