@@ -106,8 +106,9 @@ pub struct Config {
     #[arg(long, env = "TETHER_HTTP_LISTEN", default_value = "127.0.0.1:7421")]
     pub http_listen: SocketAddr,
 
-    /// Hold timeout (backstop) of every scope without its own.
-    #[arg(long, env = "TETHER_HOLD_TIMEOUT", default_value = "5m", value_parser = humantime::parse_duration)]
+    /// Hold timeout (backstop) of every scope without its own. At least
+    /// 1ms: a hold is never ended by the entry that granted it.
+    #[arg(long, env = "TETHER_HOLD_TIMEOUT", default_value = "5m", value_parser = parse_hold_timeout)]
     pub hold_timeout: Duration,
 
     /// Per-scope hold timeouts, `SCOPE=DURATION,...` (e.g. `gpu-bind=2m`).
@@ -224,14 +225,27 @@ pub struct Config {
 /// Hold timeouts by scope.
 pub type ScopeTimeouts = BTreeMap<String, Duration>;
 
+/// A hold timeout: a duration of at least one millisecond. A zero timeout
+/// would make every hold due in the entry that grants it, so the sweep that
+/// granted a lock would also have to end that hold.
+fn parse_hold_timeout(text: &str) -> Result<Duration, String> {
+    let duration = humantime::parse_duration(text.trim()).map_err(|e| e.to_string())?;
+    if duration < Duration::from_millis(1) {
+        return Err(format!(
+            "a hold timeout must be at least 1ms, got {text:?}: a hold must be able to outlive              the entry that granted it"
+        ));
+    }
+    Ok(duration)
+}
+
 fn parse_scope_timeouts(text: &str) -> Result<ScopeTimeouts, String> {
     let mut out = BTreeMap::new();
     for part in text.split(',').map(str::trim).filter(|p| !p.is_empty()) {
         let (scope, duration) = part
             .split_once('=')
             .ok_or_else(|| format!("expected SCOPE=DURATION, got {part:?}"))?;
-        let duration = humantime::parse_duration(duration.trim())
-            .map_err(|e| format!("bad duration for scope {scope:?}: {e}"))?;
+        let duration = parse_hold_timeout(duration)
+            .map_err(|e| format!("bad hold timeout for scope {scope:?}: {e}"))?;
         out.insert(scope.trim().to_string(), duration);
     }
     Ok(out)
@@ -303,5 +317,30 @@ impl Config {
             .values()
             .copied()
             .fold(self.hold_timeout, Duration::max)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_zero_hold_timeout_is_refused_for_every_scope_and_the_default() {
+        assert_eq!(parse_hold_timeout("2s").unwrap(), Duration::from_secs(2));
+        assert_eq!(parse_hold_timeout("1ms").unwrap(), Duration::from_millis(1));
+        for zero in ["0s", "0ms", "500us"] {
+            let err = parse_hold_timeout(zero).unwrap_err();
+            assert!(err.contains("at least 1ms"), "{zero}: {err}");
+        }
+        let err = parse_scope_timeouts("gpu-bind=2m,npu-bind=0s").unwrap_err();
+        assert!(
+            err.contains("npu-bind") && err.contains("at least 1ms"),
+            "{err}"
+        );
+        let parsed = parse_scope_timeouts("gpu-bind=2m").unwrap();
+        assert_eq!(parsed["gpu-bind"], Duration::from_secs(120));
+        // Through clap too: the flag refuses it before the replica starts.
+        let err = Config::try_parse_from(["tetherd", "--hold-timeout", "0s"]).unwrap_err();
+        assert!(err.to_string().contains("at least 1ms"), "{err}");
     }
 }

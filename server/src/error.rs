@@ -103,6 +103,9 @@ impl From<ApiError> for Status {
                     | CommandError::NotHolder { .. }
                     | CommandError::StaleToken { .. }
                     | CommandError::SequenceTooOld { .. } => Code::FailedPrecondition,
+                    CommandError::HoldEnded { .. } | CommandError::WaitEnded { .. } => {
+                        Code::Aborted
+                    }
                     CommandError::InvalidBatch { .. } => Code::Internal,
                 };
                 Status::new(code, message)

@@ -274,7 +274,17 @@ fn next_command(c: &mut Choices<'_>, state: &State) -> Command {
             pod: pod(uid),
             payload: vec![uid; c.below(3) as usize],
             wait_ms: [0, 200, 5_000, 60_000][c.below(4) as usize],
-            lease_id: 0,
+            // Half of them on a live TTL lease, so that lease ends (several
+            // in one sweep) end holds and waits of several owners.
+            lease_id: match c.below(2) {
+                0 => 0,
+                _ => state
+                    .leases
+                    .keys()
+                    .nth(usize::from(c.byte()) % state.leases.len().max(1))
+                    .copied()
+                    .unwrap_or(0),
+            },
             client_id: format!("c{}", c.below(3)),
             queue_limit: 1 + u32::from(c.below(4)),
         }),
@@ -386,7 +396,8 @@ fn next_command(c: &mut Choices<'_>, state: &State) -> Command {
         }
         _ => Command::Sweep(Sweep {
             leader_tenure_ms: u64::from(c.byte()) * 100,
-            hold_timeout_ms: 3_000,
+            // Short timeouts too: holds due in the sweep that ends a lease.
+            hold_timeout_ms: [1, 50, 3_000][c.below(3) as usize],
             scope_hold_timeout_ms: BTreeMap::new(),
             session_idle_ms: 60_000,
             node_tombstone_ms: 60_000,
@@ -395,8 +406,11 @@ fn next_command(c: &mut Choices<'_>, state: &State) -> Command {
 }
 
 /// Lock invariants after an entry: a free lock has no waiters; no pod is
-/// both holder and waiter or waits twice; grants follow the order waiters
-/// queued in and carry a token above every earlier one of the lock.
+/// both holder and waiter or waits twice; the entry granted each lock at
+/// most once, and every hold it granted still stands at its end (so no
+/// client can be told "granted" for a hold the same entry ended); grants
+/// follow the order waiters queued in and carry a token above every earlier
+/// one of the lock.
 pub fn check_lock_invariants(
     state: &State,
     new_events: &[Event],
@@ -421,6 +435,23 @@ pub fn check_lock_invariants(
             total,
             "{context}: {key} has a pod twice among holder and waiters"
         );
+    }
+    let mut granted_here = std::collections::BTreeSet::new();
+    for event in new_events {
+        if let EventKind::LockGranted { key, hold } = &event.kind {
+            assert!(
+                granted_here.insert(key.clone()),
+                "{context}: {key} granted twice in one entry (the second time to {} with token {})",
+                hold.pod,
+                hold.token
+            );
+            assert!(
+                hold_stands(state, key, hold),
+                "{context}: {key} granted to {} with token {} by an entry that also ended that hold",
+                hold.pod,
+                hold.token
+            );
+        }
     }
     for event in new_events {
         match &event.kind {
@@ -456,6 +487,60 @@ pub fn check_lock_invariants(
     }
 }
 
+/// Whether `hold` is the current hold of `key` in `state`.
+fn hold_stands(state: &State, key: &LockKey, hold: &crate::sm::Hold) -> bool {
+    state
+        .locks
+        .get(key)
+        .and_then(|l| l.holder.as_ref())
+        .is_some_and(|h| h.token == hold.token && h.pod.uid == hold.pod.uid)
+}
+
+/// What a client is told it holds, it holds: a "granted" answer names a hold
+/// that stands at the end of the entry, when the entry granted that hold (its
+/// token is the entry's `index`) or answered nothing else. (A batch item may
+/// be told of an older hold that a later item of the same entry releases:
+/// in order, the hold stood when it was answered.)
+pub fn check_granted_replies(
+    state: &State,
+    index: u64,
+    command: &Command,
+    response: &crate::sm::Response,
+    context: &str,
+) {
+    let (answers, batched): (Vec<(&Command, &crate::sm::Response)>, bool) =
+        match (command, &response.result) {
+            (Command::Batch(batch), Ok(crate::sm::Reply::Batch(replies))) => (
+                batch
+                    .items
+                    .iter()
+                    .map(|i| &i.command)
+                    .zip(replies)
+                    .collect(),
+                true,
+            ),
+            _ => (vec![(command, response)], false),
+        };
+    for (command, response) in answers {
+        let (Command::Acquire(acquire), Ok(crate::sm::Reply::Granted(hold))) =
+            (command, &response.result)
+        else {
+            continue;
+        };
+        if batched && hold.token != index {
+            continue;
+        }
+        assert!(
+            hold_stands(state, &acquire.key, hold),
+            "{context}: an acquire of {} was answered granted with token {} (deduplicated: {}), \
+             but that hold does not stand",
+            acquire.key,
+            hold.token,
+            response.deduplicated
+        );
+    }
+}
+
 /// A command sequence through the state machine, with its invariants and
 /// replica agreement checked.
 pub fn commands(data: &[u8]) -> bool {
@@ -480,7 +565,14 @@ pub fn commands(data: &[u8]) -> bool {
         };
         let request = Request::new(request_id, now, command);
         let index = log.len() as u64 + 1;
-        let (_, events, _) = apply(&mut state, index, &request);
+        let (response, events, _) = apply(&mut state, index, &request);
+        check_granted_replies(
+            &state,
+            index,
+            &request.command,
+            &response,
+            &format!("entry {index}"),
+        );
         log.push(request);
         check_lock_invariants(
             &state,

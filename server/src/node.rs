@@ -33,7 +33,7 @@ use crate::config::{Config, parse_members};
 use crate::metrics::Metrics;
 use crate::raft::Raft;
 use crate::raft::network::Network;
-use crate::sm::command::{Sweep, sweep_due};
+use crate::sm::command::{DEFERRED_GRANTS_FORMAT_VERSION, Sweep, sweep_due};
 use crate::sm::{Command, Reply, Request};
 use crate::statefulset;
 use crate::store;
@@ -185,7 +185,7 @@ impl Node {
             crate::api::batching::Proposer::start(
                 raft.clone(),
                 id,
-                peer_formats,
+                peer_formats.clone(),
                 state.clone(),
                 limits,
                 metrics.clone(),
@@ -207,6 +207,7 @@ impl Node {
             watchers: Default::default(),
             proposer,
             reads,
+            peer_formats,
         });
 
         if set.is_none() {
@@ -553,7 +554,17 @@ async fn sweeper(ctx: Arc<Ctx>, mut shutdown: watch::Receiver<bool>) {
         if !sweep_due(&ctx.state.read().state, now, &sweep) {
             continue;
         }
-        let request = Request::new(None, now, Command::Sweep(sweep));
+        let mut request = Request::new(None, now, Command::Sweep(sweep));
+        // A sweep that grants only after all its ends needs format 5. While
+        // a member has said it reads only older formats (a rolling upgrade),
+        // sweeps go out, and apply, as before.
+        if ctx
+            .peer_formats
+            .oldest_member_known(&ctx.raft, ctx.id)
+            .is_some_and(|format| format < DEFERRED_GRANTS_FORMAT_VERSION)
+        {
+            request.format_version = 2;
+        }
         match ctx.raft.client_write(request).await {
             Ok(response) => {
                 if let Ok(Reply::Swept {

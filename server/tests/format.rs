@@ -425,11 +425,41 @@ fn format_v4_log_entries_still_decode() {
     check_log_fixture(4, &v4_entries());
 }
 
+/// Format 5: a sweep that ends everything due before it grants (the same
+/// bytes as a format-2 sweep; only the version differs, and with it how the
+/// entry applies).
+fn v5_entries() -> Vec<Entry> {
+    let next = v1_entries().len() as u64 + v2_entries().len() as u64 + 3;
+    let sweep = Command::Sweep(Sweep {
+        leader_tenure_ms: 600_000,
+        hold_timeout_ms: 300_000,
+        scope_hold_timeout_ms: BTreeMap::from([("gpu-bind".into(), 120_000)]),
+        session_idle_ms: 3_600_000,
+        node_tombstone_ms: 86_400_000,
+    });
+    vec![Entry {
+        log_id: log_id(3, next),
+        payload: EntryPayload::Normal(Request {
+            format_version: 5,
+            request_id: None,
+            leader_time_ms: 1_790_000_400_000,
+            command: sweep,
+        }),
+    }]
+}
+
+#[test]
+fn format_v5_log_entries_still_decode() {
+    check_log_fixture(5, &v5_entries());
+}
+
 #[test]
 fn entries_are_written_in_the_oldest_format_that_expresses_them() {
     // A replica of an older build keeps reading single commands, and
-    // batches with one command per lock; only batches that name a lock
-    // twice need this build's format. Snapshots have not changed shape.
+    // batches with one command per lock; batches that name a lock twice need
+    // format 4, and sweeps format 5 (the sweeper writes format 2 while a
+    // member is known to read only older formats). Snapshots have not
+    // changed shape.
     let single = Request::new(None, 1, v1_entries_command());
     assert_eq!(single.format_version, 2);
     let rewritten = |entries: Vec<Entry>| {
@@ -440,7 +470,8 @@ fn entries_are_written_in_the_oldest_format_that_expresses_them() {
     };
     assert_eq!(rewritten(v3_entries()), 3);
     assert_eq!(rewritten(v4_entries()), 4);
-    assert_eq!(FORMAT_VERSION, 4);
+    assert_eq!(rewritten(v5_entries()), 5);
+    assert_eq!(FORMAT_VERSION, 5);
     assert_eq!(SNAPSHOT_FORMAT_VERSION, 2);
 }
 

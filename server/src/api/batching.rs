@@ -132,15 +132,7 @@ impl Proposer {
     /// format that every other member, voter or learner, has said (in its
     /// answers to Raft messages) that it reads.
     pub fn batching(&self) -> Option<Batching> {
-        let metrics = self.raft.metrics();
-        let metrics = metrics.borrow();
-        let peers = metrics
-            .membership_config
-            .membership()
-            .nodes()
-            .map(|(id, _)| *id)
-            .filter(|id| *id != self.id);
-        match self.formats.newest_all_read(peers) {
+        match self.formats.newest_members_read(&self.raft, self.id) {
             None => Some(Batching::SharedLocks),
             Some(format) if format >= SHARED_LOCK_BATCH_FORMAT_VERSION => {
                 Some(Batching::SharedLocks)

@@ -63,6 +63,9 @@ pub struct Ctx {
     pub proposer: Option<batching::Proposer>,
     /// Shared ReadIndex rounds for linearizable reads.
     pub reads: Arc<reads::ReadBarrier>,
+    /// The log formats the other replicas read: entries of a newer format
+    /// are written only once every member reads it.
+    pub peer_formats: Arc<crate::raft::network::PeerFormats>,
 }
 
 /// Wall-clock time in ms since the epoch: only ever used to stamp entries

@@ -58,6 +58,40 @@ impl PeerFormats {
             .is_none_or(|newest| newest >= format)
     }
 
+    /// The other members (voters and learners) of `raft`'s current
+    /// membership, `id` being this replica.
+    fn other_members(raft: &crate::raft::Raft, id: u64) -> Vec<u64> {
+        let metrics = raft.metrics();
+        let metrics = metrics.borrow();
+        metrics
+            .membership_config
+            .membership()
+            .nodes()
+            .map(|(peer, _)| *peer)
+            .filter(|peer| *peer != id)
+            .collect()
+    }
+
+    /// [`PeerFormats::newest_all_read`] over the other members of `raft`.
+    pub fn newest_members_read(&self, raft: &crate::raft::Raft, id: u64) -> Option<u16> {
+        self.newest_all_read(Self::other_members(raft, id))
+    }
+
+    /// The oldest format that another member of `raft` has said it reads,
+    /// over the members that have answered since this replica started (None
+    /// if none has). Unlike [`PeerFormats::newest_members_read`], a member
+    /// that has not answered does not count: for a format whose entries fix
+    /// a safety bug, a member that is down must not hold the fix back (if it
+    /// turns out to be older, it stops with a clear error when it meets the
+    /// entry, rather than applying it wrongly).
+    pub fn oldest_member_known(&self, raft: &crate::raft::Raft, id: u64) -> Option<u16> {
+        let formats = self.formats.lock().unwrap_or_else(|p| p.into_inner());
+        Self::other_members(raft, id)
+            .into_iter()
+            .filter_map(|peer| formats.get(&peer).copied())
+            .min()
+    }
+
     /// The newest format every one of `peers` reads: None without peers,
     /// and 0 if one of them has not answered since this replica started.
     pub fn newest_all_read(&self, peers: impl IntoIterator<Item = u64>) -> Option<u16> {

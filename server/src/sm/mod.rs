@@ -28,8 +28,8 @@ use std::collections::{BTreeMap, BTreeSet};
 use serde::{Deserialize, Serialize};
 
 pub use command::{
-    BATCH_FORMAT_VERSION, Batch, BatchItem, Command, CommandError, MAX_BATCH_ITEMS, Reply,
-    SHARED_LOCK_BATCH_FORMAT_VERSION, batchable_lock,
+    BATCH_FORMAT_VERSION, Batch, BatchItem, Command, CommandError, DEFERRED_GRANTS_FORMAT_VERSION,
+    MAX_BATCH_ITEMS, Reply, SHARED_LOCK_BATCH_FORMAT_VERSION, batchable_lock,
 };
 pub use event::{Event, EventKind, Revision};
 pub use types::*;
@@ -38,14 +38,15 @@ pub use types::*;
 /// replica that meets a newer version stops instead of guessing.
 /// 1: the first; 2: adds `Command::Audit` and `EventKind::AdminAction`;
 /// 3: adds `Command::Batch`; 4: lets a batch carry several commands on one
-/// lock.
+/// lock; 5: a sweep ends everything that is due before it grants any freed
+/// lock, each at most once ([`DEFERRED_GRANTS_FORMAT_VERSION`]).
 ///
 /// An entry is written in the oldest format that can express it
 /// ([`Command::format_version`]) and snapshots in [`SNAPSHOT_FORMAT_VERSION`],
 /// so a replica of an older build keeps following a leader of this one: the
-/// leader writes batches (3) and batches naming a lock twice (4) only once
-/// every member has said that it reads them.
-pub const FORMAT_VERSION: u16 = 4;
+/// leader writes batches (3), batches naming a lock twice (4) and sweeps of
+/// format 5 only once every member has said that it reads them.
+pub const FORMAT_VERSION: u16 = 5;
 
 /// Format version written in snapshots: the state has not changed shape
 /// since format 2 (a batch's reply is never kept in the dedupe table, since
@@ -164,6 +165,12 @@ pub struct Txn<'a> {
     pub events: Vec<Event>,
     /// Keys changed so far.
     pub dirty: Dirty,
+    /// Format of the entry being applied: entries apply as they did when
+    /// their format was the newest, so old logs replay to the same state.
+    pub format_version: u16,
+    /// Locks whose hold a command ended with [`Txn::end_hold`] and that are
+    /// granted to their next waiter once that command is done.
+    freed: BTreeSet<LockKey>,
 }
 
 impl Txn<'_> {
@@ -218,13 +225,13 @@ impl Txn<'_> {
         Some(hold)
     }
 
-    /// Ends the current hold of `key` for `reason` and grants the next
-    /// waiter. Returns (released hold, next hold).
-    pub fn release_and_hand_over(
-        &mut self,
-        key: &LockKey,
-        reason: ReleaseReason,
-    ) -> (Option<Hold>, Option<Hold>) {
+    /// Ends the current hold of `key` for `reason` without granting the
+    /// lock: [`Txn::grant_freed`] grants it once the command has ended
+    /// everything it ends. A command that ends holds of several owners (a
+    /// sweep) must do it this way: granting as it goes could hand a lock to
+    /// a waiter whose own end comes later in the same entry, and then to the
+    /// next waiter under the same token.
+    pub fn end_hold(&mut self, key: &LockKey, reason: ReleaseReason) -> Option<Hold> {
         let released = self.lock_mut(key).holder.take();
         if let Some(hold) = &released {
             self.emit(EventKind::LockReleased {
@@ -233,7 +240,31 @@ impl Txn<'_> {
                 token: hold.token,
                 reason,
             });
+            self.freed.insert(key.clone());
         }
+        released
+    }
+
+    /// Grants every lock freed by [`Txn::end_hold`] to its next waiter, once
+    /// each, in key order. Returns the grants.
+    pub fn grant_freed(&mut self) -> Vec<(LockKey, Hold)> {
+        std::mem::take(&mut self.freed)
+            .into_iter()
+            .filter_map(|key| self.grant_next(&key).map(|hold| (key, hold)))
+            .collect()
+    }
+
+    /// Ends the current hold of `key` for `reason` and grants the next
+    /// waiter at once. Returns (released hold, next hold). Only for a
+    /// command whose later steps cannot end the hold it grants (one lock, or
+    /// one owner whose waits are all gone already).
+    pub fn release_and_hand_over(
+        &mut self,
+        key: &LockKey,
+        reason: ReleaseReason,
+    ) -> (Option<Hold>, Option<Hold>) {
+        let released = self.end_hold(key, reason);
+        self.freed.remove(key);
         let next = self.grant_next(key);
         (released, next)
     }
@@ -320,6 +351,8 @@ pub fn apply(state: &mut State, index: u64, request: &Request) -> (Response, Vec
         now_ms,
         events: Vec::new(),
         dirty: Dirty::default(),
+        format_version: request.format_version,
+        freed: BTreeSet::new(),
     };
     let response = match &request.command {
         Command::Batch(batch) => {
@@ -386,6 +419,44 @@ fn release_of_this_entrys_grant(txn: &Txn<'_>, command: &Command) -> Option<Stri
     })
 }
 
+/// The answer to a retry of `command`, whose first answer was `stored`. An
+/// acquire's answer says where the pod stands now, as of this entry: a
+/// "granted" answer only while that very hold stands (else `HoldEnded`), a
+/// "queued" one with the current position, or the hold the wait became, or
+/// `WaitEnded`. Other commands get their first answer again.
+fn current_answer(state: &State, command: &Command, stored: &CommandResult) -> CommandResult {
+    let Command::Acquire(acquire) = command else {
+        return stored.clone();
+    };
+    let lock = state.locks.get(&acquire.key);
+    let holder = lock
+        .and_then(|l| l.holder.as_ref())
+        .filter(|h| h.pod.uid == acquire.pod.uid);
+    match stored {
+        Ok(Reply::Granted(hold)) => match holder {
+            Some(current) if current.token == hold.token => stored.clone(),
+            _ => Err(CommandError::HoldEnded {
+                key: acquire.key.clone(),
+                pod_uid: acquire.pod.uid.clone(),
+                token: hold.token,
+            }),
+        },
+        Ok(Reply::Queued { .. }) => {
+            match (holder, lock.and_then(|l| l.position_of(&acquire.pod.uid))) {
+                (Some(current), _) => Ok(Reply::Granted(current.clone())),
+                (None, Some(position)) => Ok(Reply::Queued {
+                    position: position as u32,
+                }),
+                (None, None) => Err(CommandError::WaitEnded {
+                    key: acquire.key.clone(),
+                    pod_uid: acquire.pod.uid.clone(),
+                }),
+            }
+        }
+        _ => stored.clone(),
+    }
+}
+
 /// Applies one client's command within `txn`, with the dedupe table.
 fn apply_one(txn: &mut Txn<'_>, request_id: Option<&RequestId>, command: &Command) -> Response {
     if let Some(id) = request_id
@@ -393,7 +464,7 @@ fn apply_one(txn: &mut Txn<'_>, request_id: Option<&RequestId>, command: &Comman
     {
         if let Some(stored) = session.responses.get(&id.sequence) {
             return Response {
-                result: stored.clone(),
+                result: current_answer(txn.state, command, stored),
                 deduplicated: true,
             };
         }
@@ -411,6 +482,8 @@ fn apply_one(txn: &mut Txn<'_>, request_id: Option<&RequestId>, command: &Comman
     }
 
     let result = command.clone().apply(txn);
+    // What the command freed is granted now, before the next batch item.
+    txn.grant_freed();
 
     if let Some(id) = request_id {
         let now_ms = txn.now_ms;

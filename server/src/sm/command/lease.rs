@@ -79,12 +79,13 @@ impl RevokeLease {
                 lease_id: self.lease_id,
             });
         }
-        Ok(end_lease(txn, self.lease_id, false))
+        Ok(end_lease(txn, self.lease_id, false, true))
     }
 }
 
-/// Removes lease `lease_id` and everything attached to it.
-pub(crate) fn end_lease(txn: &mut Txn<'_>, lease_id: u64, expired: bool) -> Reply {
+/// Removes lease `lease_id` and everything attached to it; `grant_now` as
+/// for [`revoke_matching`].
+pub(crate) fn end_lease(txn: &mut Txn<'_>, lease_id: u64, expired: bool, grant_now: bool) -> Reply {
     txn.state.leases.remove(&lease_id);
     txn.dirty.leases.insert(lease_id);
     let release_reason = if expired {
@@ -97,6 +98,7 @@ pub(crate) fn end_lease(txn: &mut Txn<'_>, lease_id: u64, expired: bool) -> Repl
         |_, lease| lease == lease_id,
         release_reason,
         WaitEndReason::LeaseEnded { lease_id },
+        grant_now,
     );
     txn.emit(EventKind::LeaseEnded { lease_id, expired });
     Reply::Revoked {

@@ -31,7 +31,7 @@ pub use release_pin::ReleasePin;
 pub use report_node::ReportNode;
 pub use report_pod::ReportPod;
 pub use revoke_pod::RevokePod;
-pub use sweep::{Sweep, sweep_due};
+pub use sweep::{DEFERRED_GRANTS_FORMAT_VERSION, Sweep, sweep_due};
 
 use serde::{Deserialize, Serialize};
 
@@ -108,6 +108,7 @@ impl Command {
         match self {
             Command::Batch(batch) if batch.shares_a_lock() => SHARED_LOCK_BATCH_FORMAT_VERSION,
             Command::Batch(_) => BATCH_FORMAT_VERSION,
+            Command::Sweep(_) => DEFERRED_GRANTS_FORMAT_VERSION,
             _ => 2,
         }
     }
@@ -266,6 +267,33 @@ pub enum CommandError {
     InvalidBatch {
         /// What was wrong.
         reason: String,
+    },
+    /// A retried acquire whose hold has ended since it was granted: the
+    /// stored "granted" answer would name a hold that no longer stands.
+    /// Only answered to retries, never kept in the dedupe table.
+    #[error(
+        "the hold of lock {key} granted to pod uid {pod_uid} with token {token} by this request \
+         has ended since (released, revoked or expired); acquire again with a new request"
+    )]
+    HoldEnded {
+        /// The lock.
+        key: LockKey,
+        /// The pod the hold was granted to.
+        pod_uid: String,
+        /// The ended hold's token.
+        token: u64,
+    },
+    /// A retried acquire whose wait has ended since it was queued, without
+    /// a grant. Only answered to retries, never kept in the dedupe table.
+    #[error(
+        "the wait of pod uid {pod_uid} for lock {key} queued by this request has ended since \
+         (deadline passed, cancelled or pod revoked); acquire again with a new request"
+    )]
+    WaitEnded {
+        /// The lock.
+        key: LockKey,
+        /// The pod that waited.
+        pod_uid: String,
     },
 }
 

@@ -36,6 +36,7 @@ pub(crate) fn revoke_pod(txn: &mut Txn<'_>, pod_uid: &str, reason: &str) -> Repl
         WaitEndReason::PodRevoked {
             reason: reason.to_string(),
         },
+        true,
     );
     let pins_stopped = txn.set_pin_owner_state(pod_uid, OwnerState::Stopped);
     if !released.is_empty() || !dequeued.is_empty() || pins_stopped {
@@ -53,12 +54,16 @@ pub(crate) fn revoke_pod(txn: &mut Txn<'_>, pod_uid: &str, reason: &str) -> Repl
 
 /// Ends every hold and wait whose `(pod_uid, lease_id)` matches: waits first
 /// (so a released lock is not handed to another wait of the same owner), then
-/// holds, granting each freed lock to its next waiter.
+/// holds. With `grant_now`, each freed lock goes to its next waiter at once
+/// (safe: that waiter is not this owner, so nothing later in this call ends
+/// its hold) and the grants are returned; without, the locks are left to
+/// [`Txn::grant_freed`], for a caller that ends several owners' holds.
 pub(crate) fn revoke_matching(
     txn: &mut Txn<'_>,
     matches: impl Fn(&str, u64) -> bool,
     release_reason: ReleaseReason,
     wait_reason: WaitEndReason,
+    grant_now: bool,
 ) -> (Vec<LockKey>, Vec<LockKey>, Vec<(LockKey, Hold)>) {
     let mut held = Vec::new();
     let mut waiting = Vec::new();
@@ -83,6 +88,10 @@ pub(crate) fn revoke_matching(
     }
     let mut granted = Vec::new();
     for key in &held {
+        if !grant_now {
+            txn.end_hold(key, release_reason.clone());
+            continue;
+        }
         let (_, next) = txn.release_and_hand_over(key, release_reason.clone());
         if let Some(hold) = next {
             granted.push((key.clone(), hold));

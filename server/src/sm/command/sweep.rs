@@ -2,6 +2,15 @@
 //! committed time. What expires is decided here, from the entry's committed
 //! time, so every replica reaches the same result.
 //!
+//! One grant per lock per entry: a sweep may end holds and waits of many
+//! owners (several TTL leases due together, hold timeouts). From format 5
+//! ([`DEFERRED_GRANTS_FORMAT_VERSION`]) it ends everything that is due first
+//! and only then grants each freed lock to its next waiter, once. Entries of
+//! older formats granted as they went, which could grant a lock to a waiter
+//! whose lease ended later in the same sweep and then grant it again under
+//! the same token; they still apply that way, so old logs replay to the state
+//! they first produced.
+//!
 //! Lock-delay: a new leader's clock may run ahead of the old one's, so a hold,
 //! TTL lease or pin may expire only once the proposing leader has led for at
 //! least that hold's timeout, lease's TTL or pin's lifetime
@@ -20,6 +29,10 @@ use crate::sm::types::{
     WaitEndReason, Waiter,
 };
 use crate::sm::{State, Txn};
+
+/// The log format from which a sweep ends everything due before it grants
+/// (see the module doc).
+pub const DEFERRED_GRANTS_FORMAT_VERSION: u16 = 5;
 
 /// Expire what is due.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -96,6 +109,15 @@ impl Sweep {
     /// pins, reports stuck holds, evicts idle sessions and old tombstones.
     pub fn apply(self, txn: &mut Txn<'_>) -> Result<Reply, CommandError> {
         let now = txn.now_ms;
+        // Grants wait until every end is applied (format 5 on), or are made
+        // as each hold ends (older entries, replayed as they first applied).
+        let grant_as_ending = txn.format_version < DEFERRED_GRANTS_FORMAT_VERSION;
+        // A deliberate bug for the checkers' "can fail" tests: grant as each
+        // hold ends, whatever the format. Only with the `failpoints` feature
+        // and FAILPOINTS=sm-sweep-grant-per-end=return.
+        #[cfg(feature = "failpoints")]
+        let grant_as_ending =
+            grant_as_ending || fail::eval("sm-sweep-grant-per-end", |_| ()).is_some();
         let late_waits: Vec<(LockKey, usize)> = txn
             .state
             .locks
@@ -127,7 +149,7 @@ impl Sweep {
             .collect();
         let leases = due_leases.len() as u32;
         for lease_id in due_leases {
-            end_lease(txn, lease_id, true);
+            end_lease(txn, lease_id, true, grant_as_ending);
         }
 
         let mut holds = 0;
@@ -141,7 +163,12 @@ impl Sweep {
         for (key, verdict) in verdicts {
             match verdict {
                 HoldVerdict::Release(timeout_ms) => {
-                    txn.release_and_hand_over(&key, ReleaseReason::HoldTimeout { timeout_ms });
+                    let reason = ReleaseReason::HoldTimeout { timeout_ms };
+                    if grant_as_ending {
+                        txn.release_and_hand_over(&key, reason);
+                    } else {
+                        txn.end_hold(&key, reason);
+                    }
                     holds += 1;
                 }
                 HoldVerdict::Stuck => {
