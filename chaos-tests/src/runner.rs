@@ -27,6 +27,10 @@ pub struct RunConfig {
     pub try_workers: usize,
     /// Workers queueing on one lock.
     pub queue_workers: usize,
+    /// Lease workers (three pods each) on the lease lock.
+    pub lease_workers: usize,
+    /// TTL of the lease workers' leases: the replicas' shortest.
+    pub lease_ttl: Duration,
     /// Pins placed with one-per-node anti-affinity.
     pub pins: usize,
     /// Time budget of each linearizability search.
@@ -41,6 +45,10 @@ impl Default for RunConfig {
             try_locks: 2,
             try_workers: 3,
             queue_workers: 3,
+            lease_workers: 1,
+            // 3 x the chaos clusters' election timeout upper bound (2 x
+            // 300 ms), the shortest TTL a replica grants.
+            lease_ttl: Duration::from_millis(1800),
             pins: 6,
             search_budget: Duration::from_secs(10),
             converge_within: Duration::from_secs(60),
@@ -410,6 +418,7 @@ pub async fn run(
         .map(|n| shared.lock(&format!("t{n}")))
         .collect();
     let queue_lock = shared.lock("q");
+    let lease_lock = shared.lock("l");
 
     let watch_stop = Arc::new(AtomicBool::new(false));
     let watch_until = Arc::new(Mutex::new(None));
@@ -440,6 +449,18 @@ pub async fn run(
             queue_lock.clone(),
             rng.fork(process),
         )));
+    }
+    for _ in 0..config.lease_workers {
+        process += 1;
+        tasks.push(tokio::spawn(workers::lease_worker(
+            shared.clone(),
+            process,
+            lease_lock.clone(),
+            config.lease_ttl,
+            rng.fork(process),
+        )));
+        // Its three pods are processes `process` to `process + 2`.
+        process += 2;
     }
     process += 1;
     tasks.push(tokio::spawn(workers::revoker(
@@ -493,6 +514,7 @@ pub async fn run(
     // The log of every key the run touched.
     let mut keys: Vec<String> = try_locks.iter().map(workers::lock_event_key).collect();
     keys.push(workers::lock_event_key(&queue_lock));
+    keys.push(workers::lock_event_key(&lease_lock));
     for member in 0..config.pins {
         keys.push(format!("pin/{prefix}/{member}"));
     }

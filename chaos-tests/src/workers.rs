@@ -6,6 +6,9 @@
 //!   release; when an outcome is unknown they revoke their pod so the lock
 //!   is not left held;
 //! - **queue workers** wait in one lock's FIFO queue, hold briefly, release;
+//! - a **lease worker** holds and queues on TTL leases that it stops keeping
+//!   alive, two leases at a time, so that both end in one sweep with a third
+//!   pod queued behind them;
 //! - a **revoker** revokes pods that currently hold, as the bridge does when
 //!   a pod is deleted mid-bind;
 //! - a **pin assigner** places the run's pins with one-per-node
@@ -127,6 +130,19 @@ impl Shared {
     }
 
     async fn acquire(&self, process: u64, key: &pb::LockKey, uid: &str, wait: Duration) -> Outcome {
+        self.acquire_on_lease(process, key, uid, wait, 0).await
+    }
+
+    /// An acquire whose hold and wait belong to TTL lease `lease_id` (0 =
+    /// none).
+    async fn acquire_on_lease(
+        &self,
+        process: u64,
+        key: &pb::LockKey,
+        uid: &str,
+        wait: Duration,
+        lease_id: u64,
+    ) -> Outcome {
         let event_key = lock_event_key(key);
         let call = Call::Acquire {
             uid: uid.to_string(),
@@ -135,7 +151,7 @@ impl Shared {
         let invoked = self.history.invoke(process, &event_key, call);
         let result = self
             .client
-            .acquire(key, &self.pod(uid), Vec::new(), wait, 0)
+            .acquire(key, &self.pod(uid), Vec::new(), wait, lease_id)
             .await;
         let outcome = match result {
             Ok(held) => Outcome::Ok(Value::Granted(held.token())),
@@ -254,6 +270,108 @@ pub async fn queue_worker(shared: Arc<Shared>, process: u64, key: pb::LockKey, m
             Outcome::Ok(_) | Outcome::Fail(_) => {}
             Outcome::Unknown(_) | Outcome::Pending => {
                 shared.revoke(process, &uid).await;
+            }
+        }
+    }
+}
+
+/// Uses the shadow resource with `token`, then releases; an unknown release
+/// revokes the pod so nothing stays held.
+async fn use_and_release(
+    shared: &Shared,
+    process: u64,
+    key: &pb::LockKey,
+    uid: &str,
+    token: u64,
+    rng: &mut Rng,
+) {
+    let event_key = lock_event_key(key);
+    if let Some(read) = shared.shadow.read(&event_key, token) {
+        tokio::time::sleep(Duration::from_millis(rng.between(0, 4))).await;
+        shared.shadow.write(&event_key, token, read);
+    }
+    if !matches!(
+        shared.release(process, key, uid, token).await,
+        Outcome::Ok(_)
+    ) {
+        shared.revoke(process, uid).await;
+    }
+}
+
+/// TTL-lease holders that stop keeping alive, until stopped. Each round
+/// grants two leases of the same TTL at once; pod `a` takes the run's lease
+/// lock on the first, pod `b` queues behind it on the second, pod `c`
+/// queues behind both without a lease. Neither lease is kept alive (in one
+/// round of two, `a` keeps its lease alive once and releases instead), so
+/// both usually end in one sweep: the lock must then go to `c`, once, and
+/// `b` must be told its wait ended. Pods `a`, `b`, `c` are processes
+/// `process`, `process + 1`, `process + 2`.
+pub async fn lease_worker(
+    shared: Arc<Shared>,
+    process: u64,
+    key: pb::LockKey,
+    ttl: Duration,
+    mut rng: Rng,
+) {
+    let mut round = 0;
+    while !shared.stopped() {
+        round += 1;
+        let (first, second) = tokio::join!(
+            shared.client.grant_lease(ttl),
+            shared.client.grant_lease(ttl)
+        );
+        let (Ok(first), Ok(second)) = (first, second) else {
+            // An unknown grant: the lease ends at its TTL by itself.
+            tokio::time::sleep(Duration::from_millis(50)).await;
+            continue;
+        };
+        let uid = |who: &str| format!("{}-l{process}-{round}{who}", shared.prefix);
+        let (a, b, c) = (uid("a"), uid("b"), uid("c"));
+        let wait = ttl * 2;
+        let held = shared
+            .acquire_on_lease(process, &key, &a, Duration::ZERO, first)
+            .await;
+        let waiter_b = {
+            let (shared, key, b) = (shared.clone(), key.clone(), b.clone());
+            tokio::spawn(async move {
+                shared
+                    .acquire_on_lease(process + 1, &key, &b, wait, second)
+                    .await
+            })
+        };
+        // b first in the queue, then c (a fault may reorder them: the
+        // checkers judge whatever order the log shows).
+        tokio::time::sleep(Duration::from_millis(30)).await;
+        let waiter_c = {
+            let (shared, key, c) = (shared.clone(), key.clone(), c.clone());
+            tokio::spawn(async move { shared.acquire(process + 2, &key, &c, wait).await })
+        };
+        match held {
+            Outcome::Ok(Value::Granted(token)) if round % 2 == 0 => {
+                let _ = shared.client.keep_alive_once(first).await;
+                use_and_release(&shared, process, &key, &a, token, &mut rng).await;
+            }
+            Outcome::Ok(Value::Granted(token)) => {
+                // Abandoned: the lease's end releases it.
+                let event_key = lock_event_key(&key);
+                if let Some(read) = shared.shadow.read(&event_key, token) {
+                    shared.shadow.write(&event_key, token, read);
+                }
+            }
+            Outcome::Ok(_) | Outcome::Fail(_) => {}
+            Outcome::Unknown(_) | Outcome::Pending => {
+                shared.revoke(process, &a).await;
+            }
+        }
+        for (waiter, uid, process) in [(waiter_b, b, process + 1), (waiter_c, c, process + 2)] {
+            match waiter.await.expect("a lease waiter") {
+                Outcome::Ok(Value::Granted(token)) => {
+                    use_and_release(&shared, process, &key, &uid, token, &mut rng).await;
+                }
+                Outcome::Ok(_) | Outcome::Fail(_) => {}
+                Outcome::Unknown(_) | Outcome::Pending => {
+                    shared.revoke(process, &uid).await;
+                }
             }
         }
     }

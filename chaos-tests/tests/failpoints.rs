@@ -5,7 +5,10 @@
 //! - every crash point fires at least once and the run that crashed there
 //!   shows no violation (nothing acknowledged lost, no double holder, ...);
 //! - with `sm-acquire-ignore-holder` switched on, the state machine grants a
-//!   held lock: the checkers must say so, naming the seed.
+//!   held lock: the checkers must say so, naming the seed;
+//! - with `sm-sweep-grant-per-end` switched on, a sweep that ends two TTL
+//!   leases grants as each ends (the double grant log format 5 fixed): the
+//!   lease workload must reach it and the tokens checker must report it.
 
 use std::path::PathBuf;
 use std::time::Duration;
@@ -111,6 +114,40 @@ async fn a_build_that_grants_held_locks_is_caught_with_its_seed() {
     let seeds: Vec<u64> = summary.failing.iter().map(|(s, _)| *s).collect();
     assert!(
         seeds.iter().all(|s| (90_000..90_002).contains(s)),
+        "{seeds:?}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_build_that_grants_twice_in_one_sweep_is_caught_with_its_seed() {
+    let options = DriverOptions {
+        tetherd: tetherd_failpoints(),
+        replicas: 3,
+        schedules: 3,
+        duration: None,
+        seed: 91_000,
+        lanes: 1,
+        per_cluster: 25,
+        workload: Duration::from_millis(2500),
+        faults: FaultOptions {
+            failpoints: false,
+            membership: false,
+            only: Some("delay"),
+        },
+        failpoints_env: Some("sm-sweep-grant-per-end=return".into()),
+        run: RunConfig::default(),
+        verbose: false,
+    };
+    let summary = run_many(options.clone()).await.expect("the runs finish");
+    println!("{}", summary.line(&options));
+    for (seed, problem) in &summary.failing {
+        println!("seed {seed}: {problem}");
+    }
+    assert!(!summary.clean(), "the broken build went unnoticed");
+    assert!(summary.violations["tokens"] > 0, "{:?}", summary.violations);
+    let seeds: Vec<u64> = summary.failing.iter().map(|(s, _)| *s).collect();
+    assert!(
+        seeds.iter().all(|s| (91_000..91_003).contains(s)),
         "{seeds:?}"
     );
 }

@@ -4,6 +4,10 @@
 //! - in real time: when pod A's grant was answered before pod B's acquire
 //!   was sent, B's token is larger.
 //!
+//! - one grant per entry: a `LockReleased` never ends a hold in the entry
+//!   that granted it (the token is that entry's index), so no client was
+//!   told "granted" for a hold that did not outlive its grant.
+//!
 //! Proves: a later holder can always fence an earlier one. Does not cover
 //! grants whose answer was lost (unknown), beyond what the log shows.
 
@@ -26,6 +30,16 @@ pub fn check(evidence: &Evidence) -> Vec<String> {
                 ));
             }
             last = Some((event.token, uid_of(event).to_string()));
+        }
+        for event in events.iter().filter(|e| e.kind == "LockReleased") {
+            if event.revision.is_some_and(|r| r.index == event.token) {
+                out.push(format!(
+                    "{key}: the hold of {} with token {} ended at {}, in the entry that granted it",
+                    uid_of(event),
+                    event.token,
+                    rev(event)
+                ));
+            }
         }
     }
     let grants: Vec<(&str, &str, u64, u64, u64)> = evidence
@@ -81,5 +95,31 @@ mod tests {
         evidence.ops.push(granted(2, K, "c", 6, (40, 50)));
         // Once in the log, once against b's earlier answer (a's 5 is lower).
         assert_eq!(check(&evidence).len(), 2, "{:?}", check(&evidence));
+    }
+
+    #[test]
+    fn a_hold_ended_by_the_entry_that_granted_it_is_caught() {
+        let mut evidence = Evidence::default();
+        evidence.events.insert(
+            K.into(),
+            vec![
+                event("LockGranted", K, "a", 5, 5),
+                event("LockReleased", K, "a", 5, 9),
+                event("LockGranted", K, "b", 9, 9),
+            ],
+        );
+        assert!(check(&evidence).is_empty(), "{:?}", check(&evidence));
+        // The sweep at 9 granted b and, ending b's lease, ended it again.
+        evidence
+            .events
+            .get_mut(K)
+            .unwrap()
+            .push(event("LockReleased", K, "b", 9, 9));
+        let found = check(&evidence);
+        assert_eq!(found.len(), 1, "{found:?}");
+        assert!(
+            found[0].contains("in the entry that granted it"),
+            "{found:?}"
+        );
     }
 }
