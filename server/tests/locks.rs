@@ -490,18 +490,15 @@ async fn retried_request_after_a_leader_change_is_not_applied_twice() {
         .unwrap()
         .unwrap();
     let token = first.hold.unwrap().token;
-    client
-        .release(&key, "u1", token, Outcome::Allocated)
-        .await
-        .unwrap();
 
     cluster.stop(leader).await;
     let new_leader = cluster.wait_leader().await;
     let mut raw = LockServiceClient::connect(format!("http://{}", cluster.addrs[&new_leader]))
         .await
         .unwrap();
+    // While the hold stands, the retry gets it: the stored answer.
     let retry = raw
-        .acquire(request)
+        .acquire(request.clone())
         .await
         .unwrap()
         .into_inner()
@@ -513,6 +510,18 @@ async fn retried_request_after_a_leader_change_is_not_applied_twice() {
         retry.hold.unwrap().token,
         token,
         "the retry gets the stored answer"
+    );
+    client
+        .release(&key, "u1", token, Outcome::Allocated)
+        .await
+        .unwrap();
+    // Once the hold has ended, a retry is told so: it neither gets a stale
+    // "granted" nor takes the lock again.
+    let err = raw.acquire(request).await.unwrap_err();
+    assert_eq!(err.code(), tonic::Code::Aborted, "{err}");
+    assert!(
+        err.message().contains(&format!("token {token}")) && err.message().contains("has ended"),
+        "{err}"
     );
     assert_eq!(
         client.holder(&key).await.unwrap(),
