@@ -27,7 +27,7 @@ pub struct RunConfig {
     pub try_workers: usize,
     /// Workers queueing on one lock.
     pub queue_workers: usize,
-    /// Lease workers (three pods each) on the lease lock.
+    /// Lease workers (three pods each), each on a lease lock of its own.
     pub lease_workers: usize,
     /// TTL of the lease workers' leases: the replicas' shortest.
     pub lease_ttl: Duration,
@@ -418,7 +418,11 @@ pub async fn run(
         .map(|n| shared.lock(&format!("t{n}")))
         .collect();
     let queue_lock = shared.lock("q");
-    let lease_lock = shared.lock("l");
+    // One lease lock per lease worker: each worker's round is a scenario of
+    // its own.
+    let lease_locks: Vec<pb::LockKey> = (0..config.lease_workers)
+        .map(|n| shared.lock(&format!("l{n}")))
+        .collect();
 
     let watch_stop = Arc::new(AtomicBool::new(false));
     let watch_until = Arc::new(Mutex::new(None));
@@ -450,7 +454,7 @@ pub async fn run(
             rng.fork(process),
         )));
     }
-    for _ in 0..config.lease_workers {
+    for lease_lock in &lease_locks {
         process += 1;
         tasks.push(tokio::spawn(workers::lease_worker(
             shared.clone(),
@@ -514,7 +518,7 @@ pub async fn run(
     // The log of every key the run touched.
     let mut keys: Vec<String> = try_locks.iter().map(workers::lock_event_key).collect();
     keys.push(workers::lock_event_key(&queue_lock));
-    keys.push(workers::lock_event_key(&lease_lock));
+    keys.extend(lease_locks.iter().map(workers::lock_event_key));
     for member in 0..config.pins {
         keys.push(format!("pin/{prefix}/{member}"));
     }

@@ -143,15 +143,46 @@ impl Shared {
         wait: Duration,
         lease_id: u64,
     ) -> Outcome {
+        let (queued, _) = tokio::sync::oneshot::channel();
+        self.acquire_on_lease_noting_queued(process, key, uid, wait, lease_id, queued)
+            .await
+    }
+
+    /// [`Shared::acquire_on_lease`], sending on `queued` once the acquire is
+    /// told it waits in the queue (dropped unsent if it never is).
+    async fn acquire_on_lease_noting_queued(
+        &self,
+        process: u64,
+        key: &pb::LockKey,
+        uid: &str,
+        wait: Duration,
+        lease_id: u64,
+        queued: tokio::sync::oneshot::Sender<()>,
+    ) -> Outcome {
         let event_key = lock_event_key(key);
         let call = Call::Acquire {
             uid: uid.to_string(),
             wait_ms: wait.as_millis() as u64,
         };
         let invoked = self.history.invoke(process, &event_key, call);
+        let queued = Mutex::new(Some(queued));
         let result = self
             .client
-            .acquire(key, &self.pod(uid), Vec::new(), wait, lease_id)
+            .acquire_with_progress(
+                key,
+                &self.pod(uid),
+                Vec::new(),
+                wait,
+                lease_id,
+                |progress| {
+                    if matches!(progress, tether_client::AcquireProgress::Queued(_))
+                        && let Some(queued) =
+                            queued.lock().unwrap_or_else(|p| p.into_inner()).take()
+                    {
+                        let _ = queued.send(());
+                    }
+                },
+            )
             .await;
         let outcome = match result {
             Ok(held) => Outcome::Ok(Value::Granted(held.token())),
@@ -331,17 +362,19 @@ pub async fn lease_worker(
         let held = shared
             .acquire_on_lease(process, &key, &a, Duration::ZERO, first)
             .await;
+        let (queued_tx, queued_rx) = tokio::sync::oneshot::channel();
         let waiter_b = {
             let (shared, key, b) = (shared.clone(), key.clone(), b.clone());
             tokio::spawn(async move {
                 shared
-                    .acquire_on_lease(process + 1, &key, &b, wait, second)
+                    .acquire_on_lease_noting_queued(process + 1, &key, &b, wait, second, queued_tx)
                     .await
             })
         };
-        // b first in the queue, then c (a fault may reorder them: the
+        // b first in the queue, then c: c starts once b is told it queued,
+        // or gave up (a fault may still reorder them on a retry; the
         // checkers judge whatever order the log shows).
-        tokio::time::sleep(Duration::from_millis(30)).await;
+        let _ = queued_rx.await;
         let waiter_c = {
             let (shared, key, c) = (shared.clone(), key.clone(), c.clone());
             tokio::spawn(async move { shared.acquire(process + 2, &key, &c, wait).await })

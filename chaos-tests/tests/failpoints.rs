@@ -135,7 +135,12 @@ async fn a_build_that_grants_twice_in_one_sweep_is_caught_with_its_seed() {
             only: Some("delay"),
         },
         failpoints_env: Some("sm-sweep-grant-per-end=return".into()),
-        run: RunConfig::default(),
+        // Three lease scenarios side by side in each schedule: each reaches
+        // the double grant only when its two leases end in one sweep.
+        run: RunConfig {
+            lease_workers: 3,
+            ..RunConfig::default()
+        },
         verbose: false,
     };
     let summary = run_many(options.clone()).await.expect("the runs finish");

@@ -44,8 +44,9 @@ pub use types::*;
 /// An entry is written in the oldest format that can express it
 /// ([`Command::format_version`]) and snapshots in [`SNAPSHOT_FORMAT_VERSION`],
 /// so a replica of an older build keeps following a leader of this one: the
-/// leader writes batches (3), batches naming a lock twice (4) and sweeps of
-/// format 5 only once every member has said that it reads them.
+/// leader writes batches (3) and batches naming a lock twice (4) only once
+/// every member has said that it reads them, and sweeps of format 5 unless a
+/// member has said that it reads only an older format (`node::sweeper`).
 pub const FORMAT_VERSION: u16 = 5;
 
 /// Format version written in snapshots: the state has not changed shape
