@@ -130,11 +130,13 @@ impl Shared {
     }
 
     async fn acquire(&self, process: u64, key: &pb::LockKey, uid: &str, wait: Duration) -> Outcome {
-        self.acquire_on_lease(process, key, uid, wait, 0).await
+        self.acquire_on_lease(process, key, uid, wait, 0, None)
+            .await
     }
 
     /// An acquire whose hold and wait belong to TTL lease `lease_id` (0 =
-    /// none).
+    /// none); `queued`, if given, is sent on once the acquire is told it
+    /// waits in the queue (dropped unsent if it never is).
     async fn acquire_on_lease(
         &self,
         process: u64,
@@ -142,22 +144,7 @@ impl Shared {
         uid: &str,
         wait: Duration,
         lease_id: u64,
-    ) -> Outcome {
-        let (queued, _) = tokio::sync::oneshot::channel();
-        self.acquire_on_lease_noting_queued(process, key, uid, wait, lease_id, queued)
-            .await
-    }
-
-    /// [`Shared::acquire_on_lease`], sending on `queued` once the acquire is
-    /// told it waits in the queue (dropped unsent if it never is).
-    async fn acquire_on_lease_noting_queued(
-        &self,
-        process: u64,
-        key: &pb::LockKey,
-        uid: &str,
-        wait: Duration,
-        lease_id: u64,
-        queued: tokio::sync::oneshot::Sender<()>,
+        queued: Option<tokio::sync::oneshot::Sender<()>>,
     ) -> Outcome {
         let event_key = lock_event_key(key);
         let call = Call::Acquire {
@@ -165,7 +152,7 @@ impl Shared {
             wait_ms: wait.as_millis() as u64,
         };
         let invoked = self.history.invoke(process, &event_key, call);
-        let queued = Mutex::new(Some(queued));
+        let queued = Mutex::new(queued);
         let result = self
             .client
             .acquire_with_progress(
@@ -360,14 +347,14 @@ pub async fn lease_worker(
         let (a, b, c) = (uid("a"), uid("b"), uid("c"));
         let wait = ttl * 2;
         let held = shared
-            .acquire_on_lease(process, &key, &a, Duration::ZERO, first)
+            .acquire_on_lease(process, &key, &a, Duration::ZERO, first, None)
             .await;
         let (queued_tx, queued_rx) = tokio::sync::oneshot::channel();
         let waiter_b = {
             let (shared, key, b) = (shared.clone(), key.clone(), b.clone());
             tokio::spawn(async move {
                 shared
-                    .acquire_on_lease_noting_queued(process + 1, &key, &b, wait, second, queued_tx)
+                    .acquire_on_lease(process + 1, &key, &b, wait, second, Some(queued_tx))
                     .await
             })
         };

@@ -82,24 +82,32 @@ async fn every_crash_point_fires_and_the_histories_stay_clean() {
     }
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_build_that_grants_held_locks_is_caught_with_its_seed() {
+/// Runs `schedules` schedules from `seed` (delay faults only) against a
+/// build with `failpoint` switched on: they must fail, each with its seed.
+/// Returns the violation counts by checker.
+async fn planted_bug_runs(
+    failpoint: &str,
+    seed: u64,
+    schedules: u64,
+    workload: Duration,
+    run: RunConfig,
+) -> std::collections::BTreeMap<&'static str, u64> {
     let options = DriverOptions {
         tetherd: tetherd_failpoints(),
         replicas: 3,
-        schedules: 2,
+        schedules,
         duration: None,
-        seed: 90_000,
+        seed,
         lanes: 1,
         per_cluster: 25,
-        workload: Duration::from_millis(1500),
+        workload,
         faults: FaultOptions {
             failpoints: false,
             membership: false,
             only: Some("delay"),
         },
-        failpoints_env: Some("sm-acquire-ignore-holder=return".into()),
-        run: RunConfig::default(),
+        failpoints_env: Some(format!("{failpoint}=return")),
+        run,
         verbose: false,
     };
     let summary = run_many(options.clone()).await.expect("the runs finish");
@@ -107,52 +115,48 @@ async fn a_build_that_grants_held_locks_is_caught_with_its_seed() {
     for (seed, problem) in &summary.failing {
         println!("seed {seed}: {problem}");
     }
-    assert!(!summary.clean(), "the broken build went unnoticed");
-    assert!(summary.violations["mutual_exclusion"] > 0);
-    assert!(summary.violations["linearizability"] > 0);
+    assert!(
+        !summary.clean(),
+        "the broken build ({failpoint}) went unnoticed"
+    );
     // Each failing schedule is reported with its seed, to replay it.
     let seeds: Vec<u64> = summary.failing.iter().map(|(s, _)| *s).collect();
     assert!(
-        seeds.iter().all(|s| (90_000..90_002).contains(s)),
+        seeds.iter().all(|s| (seed..seed + schedules).contains(s)),
         "{seeds:?}"
     );
+    summary.violations
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_build_that_grants_held_locks_is_caught_with_its_seed() {
+    let violations = planted_bug_runs(
+        "sm-acquire-ignore-holder",
+        90_000,
+        2,
+        Duration::from_millis(1500),
+        RunConfig::default(),
+    )
+    .await;
+    assert!(violations["mutual_exclusion"] > 0, "{violations:?}");
+    assert!(violations["linearizability"] > 0, "{violations:?}");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_build_that_grants_twice_in_one_sweep_is_caught_with_its_seed() {
-    let options = DriverOptions {
-        tetherd: tetherd_failpoints(),
-        replicas: 3,
-        schedules: 3,
-        duration: None,
-        seed: 91_000,
-        lanes: 1,
-        per_cluster: 25,
-        workload: Duration::from_millis(2500),
-        faults: FaultOptions {
-            failpoints: false,
-            membership: false,
-            only: Some("delay"),
-        },
-        failpoints_env: Some("sm-sweep-grant-per-end=return".into()),
-        // Three lease scenarios side by side in each schedule: each reaches
-        // the double grant only when its two leases end in one sweep.
-        run: RunConfig {
-            lease_workers: 3,
-            ..RunConfig::default()
-        },
-        verbose: false,
+    // Three lease scenarios side by side in each schedule: each reaches the
+    // double grant only when its two leases end in one sweep.
+    let run = RunConfig {
+        lease_workers: 3,
+        ..RunConfig::default()
     };
-    let summary = run_many(options.clone()).await.expect("the runs finish");
-    println!("{}", summary.line(&options));
-    for (seed, problem) in &summary.failing {
-        println!("seed {seed}: {problem}");
-    }
-    assert!(!summary.clean(), "the broken build went unnoticed");
-    assert!(summary.violations["tokens"] > 0, "{:?}", summary.violations);
-    let seeds: Vec<u64> = summary.failing.iter().map(|(s, _)| *s).collect();
-    assert!(
-        seeds.iter().all(|s| (91_000..91_003).contains(s)),
-        "{seeds:?}"
-    );
+    let violations = planted_bug_runs(
+        "sm-sweep-grant-per-end",
+        91_000,
+        3,
+        Duration::from_millis(2500),
+        run,
+    )
+    .await;
+    assert!(violations["tokens"] > 0, "{violations:?}");
 }

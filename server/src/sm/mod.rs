@@ -247,12 +247,11 @@ impl Txn<'_> {
     }
 
     /// Grants every lock freed by [`Txn::end_hold`] to its next waiter, once
-    /// each, in key order. Returns the grants.
-    pub fn grant_freed(&mut self) -> Vec<(LockKey, Hold)> {
-        std::mem::take(&mut self.freed)
-            .into_iter()
-            .filter_map(|key| self.grant_next(&key).map(|hold| (key, hold)))
-            .collect()
+    /// each, in key order.
+    pub fn grant_freed(&mut self) {
+        for key in std::mem::take(&mut self.freed) {
+            self.grant_next(&key);
+        }
     }
 
     /// Ends the current hold of `key` for `reason` and grants the next

@@ -682,6 +682,19 @@ fn grants_of_entry(m: &Machine, index: u64) -> Vec<(LockKey, Hold)> {
         .collect()
 }
 
+/// Lease 1's pod `u1` holds lock `a`, lease 2's pod `u2` waits behind it,
+/// `u3` (no lease) waits behind that, and both leases are then past their
+/// TTL. Returns lease 2.
+fn two_leases_due_with_a_third_pod_queued(m: &mut Machine) -> u64 {
+    let first = grant_lease(m, 1_000);
+    let second = grant_lease(m, 1_000);
+    granted(m.run(acquire_on_lease("a", "u1", 0, first)));
+    m.run(acquire_on_lease("a", "u2", 60_000, second)).unwrap();
+    m.run(acquire("a", "u3", 60_000)).unwrap();
+    m.now += 2_000;
+    second
+}
+
 /// Lease 1's pod holds, lease 2's pod waits behind it, a third pod waits
 /// behind that; both leases come due in one sweep. Granting as each lease
 /// ended gave the lock to lease 2's pod and then, under the same token, to
@@ -689,12 +702,7 @@ fn grants_of_entry(m: &Machine, index: u64) -> Vec<(LockKey, Hold)> {
 #[test]
 fn two_ttl_leases_ending_in_one_sweep_grant_the_lock_once() {
     let mut m = Machine::new();
-    let first = grant_lease(&mut m, 1_000);
-    let second = grant_lease(&mut m, 1_000);
-    granted(m.run(acquire_on_lease("a", "u1", 0, first)));
-    m.run(acquire_on_lease("a", "u2", 60_000, second)).unwrap();
-    m.run(acquire("a", "u3", 60_000)).unwrap();
-    m.now += 2_000;
+    let second = two_leases_due_with_a_third_pod_queued(&mut m);
     let reply = m.run(sweep(1 << 40, 1 << 40)).unwrap();
     assert!(matches!(reply, Reply::Swept { leases: 2, .. }), "{reply:?}");
     let grants = grants_of_entry(&m, m.index);
@@ -735,12 +743,7 @@ fn a_hold_granted_by_a_sweep_is_not_timed_out_by_it() {
 #[test]
 fn a_format_2_sweep_replays_as_it_first_applied() {
     let mut m = Machine::new();
-    let first = grant_lease(&mut m, 1_000);
-    let second = grant_lease(&mut m, 1_000);
-    granted(m.run(acquire_on_lease("a", "u1", 0, first)));
-    m.run(acquire_on_lease("a", "u2", 60_000, second)).unwrap();
-    m.run(acquire("a", "u3", 60_000)).unwrap();
-    m.now += 2_000;
+    two_leases_due_with_a_third_pod_queued(&mut m);
     let mut request = Request::new(None, m.now, sweep(1 << 40, 1 << 40));
     assert_eq!(request.format_version, DEFERRED_GRANTS_FORMAT_VERSION);
     request.format_version = 2;
