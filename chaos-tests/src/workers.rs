@@ -322,8 +322,9 @@ async fn use_and_release(
 /// queues behind both without a lease. Neither lease is kept alive (in one
 /// round of two, `a` keeps its lease alive once and releases instead), so
 /// both usually end in one sweep: the lock must then go to `c`, once, and
-/// `b` must be told its wait ended. Pods `a`, `b`, `c` are processes
-/// `process`, `process + 1`, `process + 2`.
+/// `b` must be told its wait ended. The round ends by revoking both leases.
+/// Pods `a`, `b`, `c` are processes `process`, `process + 1`,
+/// `process + 2`.
 pub async fn lease_worker(
     shared: Arc<Shared>,
     process: u64,
@@ -393,6 +394,13 @@ pub async fn lease_worker(
                     shared.revoke(process, &uid).await;
                 }
             }
+        }
+        // Revoke both leases (those the round kept alive or that a fault
+        // kept from ending): a lease revoke ends what is still attached, as
+        // a lockctl session's end does. Already-ended leases answer not
+        // found.
+        for lease_id in [first, second] {
+            let _ = shared.client.revoke_lease(lease_id).await;
         }
     }
 }
