@@ -33,8 +33,8 @@ use crate::config::{Config, parse_members};
 use crate::metrics::Metrics;
 use crate::raft::Raft;
 use crate::raft::network::Network;
-use crate::sm::command::{DEFERRED_GRANTS_FORMAT_VERSION, Sweep, sweep_due};
-use crate::sm::{Command, Reply, Request};
+use crate::sm::command::{Sweep, sweep_due};
+use crate::sm::{Command, Reply};
 use crate::statefulset;
 use crate::store;
 
@@ -554,17 +554,9 @@ async fn sweeper(ctx: Arc<Ctx>, mut shutdown: watch::Receiver<bool>) {
         if !sweep_due(&ctx.state.read().state, now, &sweep) {
             continue;
         }
-        let mut request = Request::new(None, now, Command::Sweep(sweep));
-        // A sweep that grants only after all its ends needs format 5. While
-        // a member has said it reads only older formats (a rolling upgrade),
-        // sweeps go out, and apply, as before.
-        if ctx
-            .peer_formats
-            .oldest_member_known(&ctx.raft, ctx.id)
-            .is_some_and(|format| format < DEFERRED_GRANTS_FORMAT_VERSION)
-        {
-            request.format_version = 2;
-        }
+        // Format 5 (grants after all ends), or format 2 during a rolling
+        // upgrade: see `Ctx::request`.
+        let request = ctx.request(None, now, Command::Sweep(sweep));
         match ctx.raft.client_write(request).await {
             Ok(response) => {
                 if let Ok(Reply::Swept {

@@ -425,9 +425,10 @@ fn format_v4_log_entries_still_decode() {
     check_log_fixture(4, &v4_entries());
 }
 
-/// Format 5: a sweep that ends everything due before it grants (the same
-/// bytes as a format-2 sweep; only the version differs, and with it how the
-/// entry applies).
+/// Format 5: a sweep that ends everything due before it grants, and a node
+/// report that cannot bring a gone node back under its old UID (the same
+/// bytes as in format 2; only the version differs, and with it how the
+/// entries apply).
 fn v5_entries() -> Vec<Entry> {
     let next = v1_entries().len() as u64 + v2_entries().len() as u64 + 3;
     let sweep = Command::Sweep(Sweep {
@@ -437,15 +438,26 @@ fn v5_entries() -> Vec<Entry> {
         session_idle_ms: 3_600_000,
         node_tombstone_ms: 86_400_000,
     });
-    vec![Entry {
-        log_id: log_id(3, next),
-        payload: EntryPayload::Normal(Request {
-            format_version: 5,
-            request_id: None,
-            leader_time_ms: 1_790_000_400_000,
-            command: sweep,
-        }),
-    }]
+    let report = Command::ReportNode(ReportNode {
+        name: "node-7".into(),
+        uid: "n-uid-2".into(),
+        state: NodeState::Ready,
+        labels: Some(BTreeMap::from([("zone".into(), "a".into())])),
+        unschedulable: Some(false),
+    });
+    [sweep, report]
+        .into_iter()
+        .enumerate()
+        .map(|(i, command)| Entry {
+            log_id: log_id(3, next + i as u64),
+            payload: EntryPayload::Normal(Request {
+                format_version: 5,
+                request_id: None,
+                leader_time_ms: 1_790_000_400_000 + i as u64,
+                command,
+            }),
+        })
+        .collect()
 }
 
 #[test]
@@ -471,6 +483,12 @@ fn entries_are_written_in_the_oldest_format_that_expresses_them() {
     assert_eq!(rewritten(v3_entries()), 3);
     assert_eq!(rewritten(v4_entries()), 4);
     assert_eq!(rewritten(v5_entries()), 5);
+    assert!(
+        v5_entries().iter().all(|entry| matches!(&entry.payload,
+            EntryPayload::Normal(r) if r.command.has_format_2_form()
+                && Request::new(None, 1, r.command.clone()).format_version == 5)),
+        "both kinds of format-5 entry have a format-2 form"
+    );
     assert_eq!(FORMAT_VERSION, 5);
     assert_eq!(SNAPSHOT_FORMAT_VERSION, 2);
 }

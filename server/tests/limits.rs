@@ -491,6 +491,62 @@ async fn candidates_at_below_and_above_the_limit() {
     cluster.shutdown().await;
 }
 
+/// Affinity terms bound the work `choose` does inside apply (terms x pins):
+/// 32 together at most.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn affinity_terms_at_below_and_above_the_limit() {
+    let cluster = small_limits().await;
+    let client = common::client(&cluster);
+    client
+        .report_node(node_report("node-0", HashMap::new()))
+        .await
+        .unwrap();
+    let affinity = |terms: usize| pb::Affinity {
+        required_anti: (0..terms)
+            .map(|i| pb::AffinityTerm {
+                label_selector: Some(pb::LabelSelector {
+                    match_labels: HashMap::from([("app".to_string(), format!("other-{i}"))]),
+                    match_expressions: vec![],
+                }),
+                topology_key: "kubernetes.io/hostname".into(),
+            })
+            .collect(),
+        ..Default::default()
+    };
+    let key = |member: &str| pb::PinKey {
+        set: "slurm".into(),
+        member: member.into(),
+    };
+    for (member, terms) in [("t-below", 31), ("t-at", 32)] {
+        client
+            .assign(
+                &key(member),
+                vec!["node-0".into()],
+                "p",
+                Duration::ZERO,
+                HashMap::new(),
+                affinity(terms),
+            )
+            .await
+            .unwrap_or_else(|e| panic!("{terms} terms: {e}"));
+    }
+    refused_without_change(
+        &cluster,
+        "33 affinity terms",
+        client.assign(
+            &key("t-above"),
+            vec!["node-0".into()],
+            "p",
+            Duration::ZERO,
+            HashMap::new(),
+            affinity(33),
+        ),
+        too_large("33 affinity terms is over the limit of 32"),
+    )
+    .await;
+    cluster.shutdown().await;
+}
+
 /// `--max-request-bytes` is checked at start against what it must carry (a
 /// payload of `--max-payload-bytes`) and what must carry it (one Raft
 /// message holds any one entry): out of bounds, the replica does not start

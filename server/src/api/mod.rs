@@ -95,7 +95,7 @@ impl Ctx {
         let response = match batching {
             Some((proposer, batching)) => proposer.propose(request_id, command, batching).await?,
             None => {
-                let request = Request::new(request_id, wall_clock_ms(), command);
+                let request = self.request(request_id, wall_clock_ms(), command);
                 self.raft
                     .client_write(request)
                     .await
@@ -104,6 +104,31 @@ impl Ctx {
             }
         };
         Ok(response.result?)
+    }
+
+    /// The log entry for `command`, stamped `leader_time_ms`: in the oldest
+    /// format that expresses it, except that a command with a format-2 form
+    /// ([`Command::has_format_2_form`]) goes out in format 2 while another
+    /// member has said it reads only older formats (a rolling upgrade), and
+    /// then applies as that member's build applies it. A member that has not
+    /// answered does not count: if it turns out to be older, it stops with
+    /// a clear error at the entry rather than applying it wrongly.
+    pub fn request(
+        &self,
+        request_id: Option<RequestId>,
+        leader_time_ms: u64,
+        command: Command,
+    ) -> Request {
+        let mut request = Request::new(request_id, leader_time_ms, command);
+        if request.command.has_format_2_form()
+            && self
+                .peer_formats
+                .oldest_member_known(&self.raft, self.id)
+                .is_some_and(|format| format < request.format_version)
+        {
+            request.format_version = 2;
+        }
+        request
     }
 
     /// Waits until this replica, as leader, has applied everything committed

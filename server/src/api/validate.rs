@@ -150,6 +150,15 @@ pub const MAX_SELECTOR_LABELS: usize = 64;
 /// Most candidates one assignment may name.
 pub const MAX_CANDIDATES: usize = 1000;
 
+/// Most affinity terms (required, required-anti, preferred and
+/// preferred-anti together) one assignment may carry: apply checks each
+/// term against every pin of the set, inside the state machine.
+pub const MAX_AFFINITY_TERMS: usize = 32;
+
+/// Most `match_expressions` one selector may carry, and most values one
+/// expression may list.
+pub const MAX_SELECTOR_EXPRESSIONS: usize = 64;
+
 fn label_key_ok(key: &str) -> bool {
     !key.is_empty()
         && key.len() <= 253
@@ -254,6 +263,23 @@ fn selector(
         return Ok(LabelSelector::default());
     };
     let match_labels = labels("selector label", &sel.match_labels, MAX_SELECTOR_LABELS)?;
+    if sel.match_expressions.len() > MAX_SELECTOR_EXPRESSIONS {
+        return Err(ApiError::TooLarge(format!(
+            "{} selector expressions is over the limit of {MAX_SELECTOR_EXPRESSIONS}",
+            sel.match_expressions.len()
+        )));
+    }
+    if let Some(r) = sel
+        .match_expressions
+        .iter()
+        .find(|r| r.values.len() > MAX_SELECTOR_EXPRESSIONS)
+    {
+        return Err(ApiError::TooLarge(format!(
+            "selector on {:?} lists {} values, over the limit of {MAX_SELECTOR_EXPRESSIONS}",
+            r.key,
+            r.values.len()
+        )));
+    }
     let mut match_expressions = Vec::new();
     for r in &sel.match_expressions {
         if !label_key_ok(&r.key) {
@@ -345,6 +371,14 @@ pub fn affinity(
     let Some(a) = affinity else {
         return Ok(Default::default());
     };
+    let terms =
+        a.required.len() + a.required_anti.len() + a.preferred.len() + a.preferred_anti.len();
+    if terms > MAX_AFFINITY_TERMS {
+        return Err(ApiError::TooLarge(format!(
+            "{terms} affinity terms is over the limit of {MAX_AFFINITY_TERMS} (required, \
+             required-anti and preferred together); merge terms that share a topology key"
+        )));
+    }
     Ok(crate::sm::affinity::Affinity {
         required: a
             .required

@@ -81,9 +81,8 @@ impl PeerFormats {
     /// over the members that have answered since this replica started (None
     /// if none has). Unlike [`PeerFormats::newest_members_read`], a member
     /// that has not answered does not count: for a format whose entries fix
-    /// a safety bug, a member that is down must not hold the fix back (if it
-    /// turns out to be older, it stops with a clear error when it meets the
-    /// entry, rather than applying it wrongly).
+    /// a safety bug, a member that is down must not hold the fix back
+    /// (`Ctx::request`).
     pub fn oldest_member_known(&self, raft: &crate::raft::Raft, id: u64) -> Option<u16> {
         let formats = self.formats.lock().unwrap_or_else(|p| p.into_inner());
         Self::other_members(raft, id)

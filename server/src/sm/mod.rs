@@ -29,7 +29,8 @@ use serde::{Deserialize, Serialize};
 
 pub use command::{
     BATCH_FORMAT_VERSION, Batch, BatchItem, Command, CommandError, DEFERRED_GRANTS_FORMAT_VERSION,
-    MAX_BATCH_ITEMS, Reply, SHARED_LOCK_BATCH_FORMAT_VERSION, batchable_lock,
+    MAX_BATCH_ITEMS, NODE_UID_FORMAT_VERSION, Reply, SHARED_LOCK_BATCH_FORMAT_VERSION,
+    batchable_lock,
 };
 pub use event::{Event, EventKind, Revision};
 pub use types::*;
@@ -39,14 +40,16 @@ pub use types::*;
 /// 1: the first; 2: adds `Command::Audit` and `EventKind::AdminAction`;
 /// 3: adds `Command::Batch`; 4: lets a batch carry several commands on one
 /// lock; 5: a sweep ends everything that is due before it grants any freed
-/// lock, each at most once ([`DEFERRED_GRANTS_FORMAT_VERSION`]).
+/// lock, each at most once ([`DEFERRED_GRANTS_FORMAT_VERSION`]), and a gone
+/// node comes back only under a new UID ([`NODE_UID_FORMAT_VERSION`]).
 ///
 /// An entry is written in the oldest format that can express it
 /// ([`Command::format_version`]) and snapshots in [`SNAPSHOT_FORMAT_VERSION`],
 /// so a replica of an older build keeps following a leader of this one: the
 /// leader writes batches (3) and batches naming a lock twice (4) only once
-/// every member has said that it reads them, and sweeps of format 5 unless a
-/// member has said that it reads only an older format (`node::sweeper`).
+/// every member has said that it reads them, and sweeps and node reports of
+/// format 5 unless a member has said that it reads only an older format
+/// (then in format 2, [`Command::has_format_2_form`]).
 pub const FORMAT_VERSION: u16 = 5;
 
 /// Format version written in snapshots: the state has not changed shape

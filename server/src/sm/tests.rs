@@ -862,7 +862,13 @@ fn random_command(rng: &mut Rng, m: &Machine) -> Command {
                 NodeState::NotReady,
                 NodeState::Gone,
             ][rng.below(4) as usize];
-            report_node(&node, state)
+            // Two incarnations of each node name: a gone node comes back
+            // only under the other one's UID.
+            let mut command = report_node(&node, state);
+            if let Command::ReportNode(report) = &mut command {
+                report.uid = format!("uid-{node}-{}", rng.below(2));
+            }
+            command
         }
         14 => {
             let phase = [
@@ -1119,6 +1125,74 @@ fn node_reports_are_idempotent_and_emit_transitions_once() {
         })
         .collect();
     assert_eq!(kinds, ["joined", "ready", "not-ready"]);
+}
+
+/// A lagging reporter's Ready or NotReady for a deleted node, naming its UID
+/// or none, changes nothing; a new Node object (another UID) under the same
+/// name joins.
+#[test]
+fn a_stale_report_does_not_bring_a_gone_node_back() {
+    let mut m = Machine::new();
+    m.run(report_node("n1", NodeState::Ready)).unwrap();
+    m.run(report_node("n1", NodeState::Gone)).unwrap();
+    let joined = |m: &Machine| {
+        m.events
+            .iter()
+            .filter(|e| matches!(&e.kind, EventKind::NodeJoined { node, .. } if node == "n1"))
+            .count()
+    };
+    assert_eq!(joined(&m), 1);
+    for (state, uid) in [
+        (NodeState::Ready, "uid-n1"),
+        (NodeState::NotReady, "uid-n1"),
+        (NodeState::Joined, ""),
+        (NodeState::Ready, ""),
+    ] {
+        let mut command = report_node("n1", state);
+        if let Command::ReportNode(report) = &mut command {
+            report.uid = uid.into();
+        }
+        let reply = m.run(command).unwrap();
+        assert_eq!(
+            reply,
+            Reply::NodeReported {
+                changed: false,
+                pins_released: 0,
+                locks_released: 0
+            },
+            "{state:?} with uid {uid:?}"
+        );
+    }
+    assert_eq!(joined(&m), 1, "the deleted node stayed deleted");
+    assert!(m.state.nodes["n1"].gone_at_ms.is_some());
+    let mut recreated = report_node("n1", NodeState::Ready);
+    if let Command::ReportNode(report) = &mut recreated {
+        report.uid = "uid-n1-new".into();
+    }
+    assert!(matches!(
+        m.run(recreated).unwrap(),
+        Reply::NodeReported { changed: true, .. }
+    ));
+    assert_eq!(joined(&m), 2);
+    assert_eq!(m.state.nodes["n1"].uid, "uid-n1-new");
+    assert!(m.state.nodes["n1"].gone_at_ms.is_none());
+}
+
+/// Node reports of format 2 apply as they first did: a report for a
+/// tombstoned node brought it back.
+#[test]
+fn a_format_2_node_report_replays_as_it_first_applied() {
+    let mut m = Machine::new();
+    m.run(report_node("n1", NodeState::Ready)).unwrap();
+    m.run(report_node("n1", NodeState::Gone)).unwrap();
+    let mut request = Request::new(None, m.now, report_node("n1", NodeState::Ready));
+    assert_eq!(request.format_version, NODE_UID_FORMAT_VERSION);
+    request.format_version = 2;
+    assert!(matches!(
+        m.run_request(request).result,
+        Ok(Reply::NodeReported { changed: true, .. })
+    ));
+    assert!(m.state.nodes["n1"].gone_at_ms.is_none());
 }
 
 #[test]

@@ -198,7 +198,8 @@ enum NodeCmd {
         /// Node label KEY=VALUE (replaces all labels when given); repeatable.
         #[arg(long = "label")]
         labels: Vec<String>,
-        /// Node UID.
+        /// Node UID. A name reported gone comes back only under another
+        /// UID (a new Node object); other reports for it change nothing.
         #[arg(long, default_value = "")]
         uid: String,
         /// Mark cordoned (true) or schedulable (false).

@@ -28,7 +28,7 @@ pub use force_release::ForceRelease;
 pub use lease::{GrantLease, KeepAliveLease, RevokeLease};
 pub use release::Release;
 pub use release_pin::ReleasePin;
-pub use report_node::ReportNode;
+pub use report_node::{NODE_UID_FORMAT_VERSION, ReportNode};
 pub use report_pod::ReportPod;
 pub use revoke_pod::RevokePod;
 pub use sweep::{DEFERRED_GRANTS_FORMAT_VERSION, Sweep, sweep_due};
@@ -109,8 +109,18 @@ impl Command {
             Command::Batch(batch) if batch.shares_a_lock() => SHARED_LOCK_BATCH_FORMAT_VERSION,
             Command::Batch(_) => BATCH_FORMAT_VERSION,
             Command::Sweep(_) => DEFERRED_GRANTS_FORMAT_VERSION,
+            Command::ReportNode(_) => NODE_UID_FORMAT_VERSION,
             _ => 2,
         }
+    }
+
+    /// Whether this command, written in format 2, is read by replicas of
+    /// older builds and applies as they apply it: true of the commands that
+    /// format 5 changed only in how they apply (a sweep, a node report).
+    /// While a member is known to read only older formats, the leader writes
+    /// them so (`Ctx::request`).
+    pub fn has_format_2_form(&self) -> bool {
+        matches!(self, Command::Sweep(_) | Command::ReportNode(_))
     }
 }
 

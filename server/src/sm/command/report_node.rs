@@ -1,6 +1,13 @@
 //! `ReportNode`: the bridge reports a node joining, its readiness, labels and
 //! schedulability, or its deletion. Idempotent: a report that changes nothing
 //! emits nothing.
+//!
+//! A gone node stays gone: from format 5 ([`NODE_UID_FORMAT_VERSION`]) a
+//! report for a name whose node is a tombstone brings the name back only
+//! under another, non-empty node UID (a new Node object). A late report from
+//! a lagging reporter, naming the deleted node's UID or none, changes
+//! nothing; in older formats it brought the deleted node back with a
+//! `NodeJoined`, and entries of those formats still apply that way.
 
 use std::collections::BTreeMap;
 
@@ -12,6 +19,10 @@ use crate::sm::event::EventKind;
 use crate::sm::types::{
     NodeInfo, NodeState, PinKey, PinReleaseReason, ReleaseReason, WaitEndReason,
 };
+
+/// The log format from which a tombstoned node comes back only under a new
+/// UID (see the module doc).
+pub const NODE_UID_FORMAT_VERSION: u16 = 5;
 
 /// Report node `name`.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -53,6 +64,20 @@ impl ReportNode {
                 });
             }
             return Ok(node_gone(txn, &self.name, self.uid));
+        }
+        if txn.format_version >= NODE_UID_FORMAT_VERSION
+            && let Some(gone) = txn
+                .state
+                .nodes
+                .get(&self.name)
+                .filter(|n| n.gone_at_ms.is_some())
+            && (self.uid.is_empty() || self.uid == gone.uid)
+        {
+            return Ok(Reply::NodeReported {
+                changed: false,
+                pins_released: 0,
+                locks_released: 0,
+            });
         }
         let Some(mut info) = existing else {
             let info = NodeInfo {
