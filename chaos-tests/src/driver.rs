@@ -167,6 +167,12 @@ pub async fn chaos_cluster(
             // snapshots, which the snapshot failpoints need.
             "--snapshot-every=200".into(),
             "--keep-logs-after-snapshot=50".into(),
+            // The ender's hold-timeout scope.
+            format!(
+                "--scope-hold-timeouts={}={}ms",
+                crate::workers::HOLD_TIMEOUT_SCOPE,
+                crate::workers::HOLD_TIMEOUT.as_millis()
+            ),
         ],
         failpoints,
         log_filter: None,

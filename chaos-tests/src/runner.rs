@@ -29,6 +29,9 @@ pub struct RunConfig {
     pub queue_workers: usize,
     /// Lease workers (three pods each), each on a lease lock of its own.
     pub lease_workers: usize,
+    /// Enders (two pods each): holds ended by node-gone, force release and
+    /// hold timeout.
+    pub enders: usize,
     /// TTL of the lease workers' leases: the replicas' shortest.
     pub lease_ttl: Duration,
     /// Pins placed with one-per-node anti-affinity.
@@ -46,6 +49,7 @@ impl Default for RunConfig {
             try_workers: 3,
             queue_workers: 3,
             lease_workers: 1,
+            enders: 1,
             // 3 x the chaos clusters' election timeout upper bound (2 x
             // 300 ms), the shortest TTL a replica grants.
             lease_ttl: Duration::from_millis(1800),
@@ -412,6 +416,7 @@ pub async fn run(
         holding: Mutex::new(Vec::new()),
         stop: AtomicBool::new(false),
         prefix: prefix.to_string(),
+        extra_locks: Mutex::new(Vec::new()),
     });
     let mut rng = Rng::new(schedule.seed ^ 0x5EED);
     let try_locks: Vec<pb::LockKey> = (0..config.try_locks)
@@ -466,6 +471,16 @@ pub async fn run(
         // Its three pods are processes `process` to `process + 2`.
         process += 2;
     }
+    for _ in 0..config.enders {
+        process += 1;
+        tasks.push(tokio::spawn(workers::ender(
+            shared.clone(),
+            process,
+            rng.fork(process),
+        )));
+        // Its two pods are processes `process` and `process + 1`.
+        process += 1;
+    }
     process += 1;
     tasks.push(tokio::spawn(workers::revoker(
         shared.clone(),
@@ -519,6 +534,14 @@ pub async fn run(
     let mut keys: Vec<String> = try_locks.iter().map(workers::lock_event_key).collect();
     keys.push(workers::lock_event_key(&queue_lock));
     keys.extend(lease_locks.iter().map(workers::lock_event_key));
+    keys.extend(
+        shared
+            .extra_locks
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .iter()
+            .map(workers::lock_event_key),
+    );
     for member in 0..config.pins {
         keys.push(format!("pin/{prefix}/{member}"));
     }
@@ -536,7 +559,9 @@ pub async fn run(
     }
     let last_lock_event = events
         .iter()
-        .filter(|(k, _)| k.starts_with("lock/"))
+        // Only what the watcher follows (the hold-timeout scope is outside
+        // its prefix).
+        .filter(|(k, _)| k.starts_with(watch_prefix.as_str()))
         .flat_map(|(_, e)| e.iter().filter_map(|e| e.revision))
         .map(|r| (r.index, r.sub))
         .max();
@@ -588,6 +613,28 @@ pub async fn run(
         *report
             .outcomes
             .entry(format!("{call} {outcome}"))
+            .or_default() += 1;
+    }
+    // How the run's holds ended, from the log: shows that the workload
+    // drove each path that ends a hold (printed with -v).
+    for event in events.values().flatten() {
+        if event.kind != "LockReleased" {
+            continue;
+        }
+        let how = [
+            ("released", "released"),
+            ("force-released", "force release"),
+            ("pod revoked", "pod revoke"),
+            ("lease", "lease end"),
+            ("hold timeout", "hold timeout"),
+            ("node gone", "node gone"),
+        ]
+        .iter()
+        .find(|(prefix, _)| event.reason.starts_with(prefix))
+        .map_or("other", |(_, how)| how);
+        *report
+            .outcomes
+            .entry(format!("hold ended by {how}"))
             .or_default() += 1;
     }
     report.unknown = ops

@@ -9,6 +9,9 @@
 //! - a **lease worker** holds and queues on TTL leases that it stops keeping
 //!   alive, two leases at a time, so that both end in one sweep with a third
 //!   pod queued behind them;
+//! - an **ender** ends holds the other ways, each on a fresh lock with a
+//!   holder and a waiter: the lock's node reported gone, a force release,
+//!   and the hold timeout of scope [`HOLD_TIMEOUT_SCOPE`];
 //! - a **revoker** revokes pods that currently hold, as the bridge does when
 //!   a pod is deleted mid-bind;
 //! - a **pin assigner** places the run's pins with one-per-node
@@ -28,6 +31,13 @@ use crate::rng::Rng;
 
 /// The scope every chaos lock lives in.
 pub const SCOPE: &str = "chaos";
+
+/// The scope whose holds time out quickly on the chaos clusters
+/// (`--scope-hold-timeouts`, see [`HOLD_TIMEOUT`]).
+pub const HOLD_TIMEOUT_SCOPE: &str = "chaos-ht";
+
+/// The hold timeout of [`HOLD_TIMEOUT_SCOPE`].
+pub const HOLD_TIMEOUT: Duration = Duration::from_millis(500);
 
 /// Nodes the pin assigner places pins on (registered once per cluster).
 pub const PIN_NODES: [&str; 4] = [
@@ -106,6 +116,9 @@ pub struct Shared {
     pub stop: AtomicBool,
     /// Run prefix: every key and pod UID of the run starts with it.
     pub prefix: String,
+    /// Locks the workers made up as they went (the ender's), for the
+    /// runner to read their logs.
+    pub extra_locks: Mutex<Vec<pb::LockKey>>,
 }
 
 impl Shared {
@@ -401,6 +414,120 @@ pub async fn lease_worker(
         // found.
         for lease_id in [first, second] {
             let _ = shared.client.revoke_lease(lease_id).await;
+        }
+    }
+}
+
+/// How an ender round ends its holder's hold.
+#[derive(Debug, Clone, Copy)]
+enum Ending {
+    /// The node the lock is named after is reported gone (the waiter's
+    /// wait ends too).
+    NodeGone,
+    /// An operator force-releases it (the waiter is granted).
+    ForceRelease,
+    /// The holder never releases: the scope's hold timeout ends it.
+    HoldTimeout,
+}
+
+/// Ends holds the ways the other workers do not, until stopped. Each round
+/// takes a fresh lock: pod `h` takes it, pod `w` queues behind it, and the
+/// hold is ended by its node being reported gone, a force release, or the
+/// hold timeout of [`HOLD_TIMEOUT_SCOPE`], in turn. Then `w` uses and
+/// releases what it was granted, and `h` tries its release (refused, unless
+/// the end did not happen). Pods `h` and `w` are processes `process` and
+/// `process + 1`.
+pub async fn ender(shared: Arc<Shared>, process: u64, mut rng: Rng) {
+    let mut round = 0u64;
+    while !shared.stopped() {
+        round += 1;
+        let ending =
+            [Ending::NodeGone, Ending::ForceRelease, Ending::HoldTimeout][(round % 3) as usize];
+        let name = format!("{}-e{process}-{round}", shared.prefix);
+        let key = pb::LockKey {
+            scope: match ending {
+                Ending::HoldTimeout => HOLD_TIMEOUT_SCOPE.into(),
+                _ => SCOPE.into(),
+            },
+            name: name.clone(),
+        };
+        shared
+            .extra_locks
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .push(key.clone());
+        if matches!(ending, Ending::NodeGone) {
+            let joined = shared
+                .client
+                .report_node(pb::ReportNodeRequest {
+                    name: name.clone(),
+                    uid: format!("{name}-uid"),
+                    state: pb::NodeState::NodeReady as i32,
+                    ..Default::default()
+                })
+                .await;
+            if joined.is_err() {
+                continue;
+            }
+        }
+        let (h, w) = (format!("{name}h"), format!("{name}w"));
+        let Outcome::Ok(Value::Granted(token)) =
+            shared.acquire(process, &key, &h, Duration::ZERO).await
+        else {
+            shared.revoke(process, &h).await;
+            continue;
+        };
+        let (queued_tx, queued_rx) = tokio::sync::oneshot::channel();
+        let waiter = {
+            let (shared, key, w) = (shared.clone(), key.clone(), w.clone());
+            tokio::spawn(async move {
+                shared
+                    .acquire_on_lease(
+                        process + 1,
+                        &key,
+                        &w,
+                        Duration::from_secs(3),
+                        0,
+                        Some(queued_tx),
+                    )
+                    .await
+            })
+        };
+        let _ = queued_rx.await;
+        match ending {
+            Ending::NodeGone => {
+                let _ = shared
+                    .client
+                    .report_node(pb::ReportNodeRequest {
+                        name: name.clone(),
+                        uid: format!("{name}-uid"),
+                        state: pb::NodeState::NodeGone as i32,
+                        ..Default::default()
+                    })
+                    .await;
+            }
+            Ending::ForceRelease => {
+                let _ = shared
+                    .client
+                    .force_release(&key, "chaos", "chaos: force release")
+                    .await;
+            }
+            Ending::HoldTimeout => {}
+        }
+        match waiter.await.expect("an ender's waiter") {
+            Outcome::Ok(Value::Granted(next)) => {
+                use_and_release(&shared, process + 1, &key, &w, next, &mut rng).await;
+            }
+            Outcome::Ok(_) | Outcome::Fail(_) => {}
+            Outcome::Unknown(_) | Outcome::Pending => {
+                shared.revoke(process + 1, &w).await;
+            }
+        }
+        if !matches!(
+            shared.release(process, &key, &h, token).await,
+            Outcome::Ok(_)
+        ) {
+            shared.revoke(process, &h).await;
         }
     }
 }
