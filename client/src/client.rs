@@ -35,7 +35,12 @@ pub struct Options {
     /// How long a call keeps retrying on other replicas / the new leader
     /// before giving up with [`Error::Unavailable`].
     pub retry_timeout: Duration,
-    /// Client id for exactly-once dedupe; random per client when `None`.
+    /// Names this client's exactly-once session (default `client`). Each
+    /// [`Client`] adds a random incarnation to it (`{client_id}.{16 hex}`,
+    /// [`Client::client_id`]), so a restarted process, or a second client
+    /// with the same name, never meets an earlier one's kept answers: its
+    /// sequences start at 1 in a session of its own. At most
+    /// [`MAX_CLIENT_ID_PREFIX_LEN`] printable ASCII characters.
     pub client_id: Option<String>,
     /// Mutual TLS: this client's certificate (its role) and the CA the
     /// replicas' certificates must chain to. Needed when the replicas run
@@ -127,9 +132,14 @@ impl Drop for InFlight<'_> {
     }
 }
 
-/// A random-enough client id without a randomness dependency: std's
-/// per-process random hasher keys, the process id and the time.
-fn random_client_id() -> String {
+/// Longest [`Options::client_id`]: the server's limit on client ids (128)
+/// less the incarnation this client adds.
+pub const MAX_CLIENT_ID_PREFIX_LEN: usize = 128 - 17;
+
+/// `prefix` with a random-enough incarnation, without a randomness
+/// dependency: std's random hasher keys (fresh per process, and different
+/// for every `RandomState` made in it), the process id and the time.
+fn session_client_id(prefix: &str) -> String {
     let mut hasher = std::collections::hash_map::RandomState::new().build_hasher();
     hasher.write_u32(std::process::id());
     hasher.write_u128(
@@ -138,7 +148,7 @@ fn random_client_id() -> String {
             .unwrap_or_default()
             .as_nanos(),
     );
-    format!("client-{:016x}", hasher.finish())
+    format!("{prefix}.{:016x}", hasher.finish())
 }
 
 /// Whether a status means "this replica cannot serve the call now" (not the
@@ -207,7 +217,17 @@ impl Client {
         if endpoints.is_empty() {
             return Err(Error::InvalidArgument("no endpoints given".into()));
         }
-        let client_id = options.client_id.clone().unwrap_or_else(random_client_id);
+        let prefix = options.client_id.as_deref().unwrap_or("client");
+        if prefix.is_empty()
+            || prefix.len() > MAX_CLIENT_ID_PREFIX_LEN
+            || !prefix.bytes().all(|b| b.is_ascii_graphic())
+        {
+            return Err(Error::InvalidArgument(format!(
+                "client id {prefix:?} is not valid: use 1-{MAX_CLIENT_ID_PREFIX_LEN} printable \
+                 ASCII characters without spaces"
+            )));
+        }
+        let client_id = session_client_id(prefix);
         let authorization = match &options.bearer_token {
             Some(token) => Some(format!("Bearer {}", token.trim()).parse().map_err(|_| {
                 Error::InvalidArgument(
@@ -232,7 +252,9 @@ impl Client {
         })
     }
 
-    /// This client's id in request ids.
+    /// This client's id in request ids: [`Options::client_id`] and this
+    /// client's incarnation. (With authentication on, the server binds it to
+    /// the caller's identity too: holds show `{identity}/{this id}`.)
     pub fn client_id(&self) -> &str {
         &self.shared.client_id
     }

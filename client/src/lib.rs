@@ -43,7 +43,10 @@ pub mod security;
 pub mod selector;
 mod watch;
 
-pub use client::{AcquireProgress, Client, Conn, Credentials, InFlight, Options, parse_lock_key};
+pub use client::{
+    AcquireProgress, Client, Conn, Credentials, InFlight, MAX_CLIENT_ID_PREFIX_LEN, Options,
+    parse_lock_key,
+};
 pub use error::{Error, Result};
 pub use hold::Held;
 pub use security::SecurityArgs;

@@ -101,11 +101,11 @@ fn normalize(text: &str) -> String {
             line = format!("{}<port>{}", &line[..start], &line[end..]);
             from = start;
         }
-        // Random client ids.
-        if let Some(pos) = line.find("client-") {
+        // Client ids carry a random incarnation.
+        if let Some(pos) = line.find("client.") {
             let end = (pos + 7 + 16).min(line.len());
             if line[pos + 7..end].chars().all(|c| c.is_ascii_hexdigit()) {
-                line = format!("{}client-<id>{}", &line[..pos], &line[end..]);
+                line = format!("{}client.<id>{}", &line[..pos], &line[end..]);
             }
         }
         out.push_str(line.trim_end());

@@ -121,3 +121,60 @@ async fn a_retry_after_a_lost_answer_returns_the_original_answer_and_applies_onc
     );
     node.stop().await;
 }
+
+/// A process that restarts with the same configured client id must not meet
+/// its previous incarnation's session: its sequences start at 1 again, and
+/// the server would answer them from the old incarnation's kept answers
+/// (another lock's hold) or refuse them as too old.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_restarted_client_with_a_stable_id_gets_a_session_of_its_own() {
+    let dir = tempfile::tempdir().unwrap();
+    let node = tether_server::testing::single_node(dir.path()).await;
+    let options = || Options {
+        client_id: Some("extender-0".into()),
+        ..Options::default()
+    };
+    let key = |name: &str| tether_client::proto::LockKey {
+        scope: "gpu-bind".into(),
+        name: name.into(),
+    };
+    let pod = |uid: &str| tether_client::proto::Pod {
+        uid: uid.into(),
+        namespace: "ml".into(),
+        name: format!("train-{uid}"),
+    };
+    let first = Client::new([node.addr().to_string()], options()).unwrap();
+    let held = first
+        .acquire(&key("node-a"), &pod("a"), vec![], Duration::ZERO, 0)
+        .await
+        .unwrap();
+    // The "restart": a new client, same options, sequence 1 again.
+    let second = Client::new([node.addr().to_string()], options()).unwrap();
+    assert_ne!(first.client_id(), second.client_id());
+    assert!(second.client_id().starts_with("extender-0."));
+    let other = second
+        .acquire(&key("node-b"), &pod("b"), vec![], Duration::ZERO, 0)
+        .await
+        .expect("applied as a new request");
+    assert_eq!(other.pod.as_ref().unwrap().uid, "b");
+    assert_ne!(other.token, held.token);
+    let state = node.ctx().state.read();
+    assert!(
+        state
+            .state
+            .locks
+            .contains_key(&tether_server::sm::LockKey::new("gpu-bind", "node-b"))
+    );
+    assert_eq!(state.state.sessions.len(), 2, "one session per incarnation");
+    drop(state);
+    // A configured id the server could not take with the incarnation added
+    // is refused at once.
+    let long = Options {
+        client_id: Some("x".repeat(tether_client::MAX_CLIENT_ID_PREFIX_LEN + 1)),
+        ..Options::default()
+    };
+    assert!(matches!(
+        Client::new([node.addr().to_string()], long),
+        Err(tether_client::Error::InvalidArgument(_))
+    ));
+}

@@ -102,7 +102,8 @@ impl From<ApiError> for Status {
                     CommandError::LockHeld { .. }
                     | CommandError::NotHolder { .. }
                     | CommandError::StaleToken { .. }
-                    | CommandError::SequenceTooOld { .. } => Code::FailedPrecondition,
+                    | CommandError::SequenceTooOld { .. }
+                    | CommandError::RequestIdReused { .. } => Code::FailedPrecondition,
                     CommandError::HoldEnded { .. } | CommandError::WaitEnded { .. } => {
                         Code::Aborted
                     }

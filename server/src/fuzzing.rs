@@ -66,7 +66,7 @@ pub fn request(data: &[u8]) -> bool {
     let limit = 64 * 1024;
     match which % 25 {
         0 => decoded::<pb::AcquireRequest>(bytes, |r| {
-            let _ = validate::request_id(r.request_id.as_ref());
+            let _ = validate::request_id(&crate::auth::Caller::anonymous(), r.request_id.as_ref());
             let _ = validate::lock_key(r.key.as_ref());
             if let Some(pod) = &r.pod {
                 let _ = validate::pod(pod);
@@ -74,7 +74,7 @@ pub fn request(data: &[u8]) -> bool {
             let _ = validate::payload(&r.payload, limit);
         }),
         1 => decoded::<pb::ReleaseRequest>(bytes, |r| {
-            let _ = validate::request_id(r.request_id.as_ref());
+            let _ = validate::request_id(&crate::auth::Caller::anonymous(), r.request_id.as_ref());
             let _ = validate::lock_key(r.key.as_ref());
             let _ = validate::pod_uid(&r.pod_uid);
         }),

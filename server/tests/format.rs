@@ -223,13 +223,20 @@ fn v1_snapshot() -> SnapshotFile {
         last_seen_ms: 1_790_000_000_000,
         ..Default::default()
     };
-    session.responses.insert(3, Ok(Reply::Granted(hold)));
+    // Format 1 kept answers without fingerprints; they read back as such.
+    let answer = |result| StoredAnswer {
+        result,
+        fingerprint: None,
+    };
+    session
+        .responses
+        .insert(3, answer(Ok(Reply::Granted(hold))));
     session.responses.insert(
         4,
-        Err(CommandError::QueueFull {
+        answer(Err(CommandError::QueueFull {
             key: key(),
             limit: 1024,
-        }),
+        })),
     );
     state.sessions.insert("client-1".into(), session);
     state.now_ms = 1_790_000_000_002;
@@ -248,18 +255,9 @@ fn v1_snapshot() -> SnapshotFile {
 fn format_v1_log_entries_and_snapshot_still_decode() {
     let entries = v1_entries();
     let snapshot = v1_snapshot();
-    if std::env::var("TETHER_WRITE_FIXTURES").is_ok() {
-        std::fs::create_dir_all(fixture(1, "")).unwrap();
-        let encoded: Vec<Vec<u8>> = entries.iter().map(encode).collect();
-        std::fs::write(fixture(1, "log.bin"), encode(&encoded)).unwrap();
-        std::fs::write(fixture(1, "snapshot.bin"), encode(&snapshot)).unwrap();
-    }
-    let stored: Vec<Vec<u8>> = decode(&std::fs::read(fixture(1, "log.bin")).unwrap()).unwrap();
-    assert_eq!(stored.len(), entries.len());
-    for (bytes, expected) in stored.iter().zip(&entries) {
-        let entry = decode_entry(bytes).expect("a format-1 entry decodes");
-        assert_eq!(format!("{entry:?}"), format!("{expected:?}"));
-    }
+    // The format-1 files were written by a format-1 build; this build writes
+    // snapshots in another shape, so they are never rewritten.
+    check_log_fixture(1, &entries);
     let stored = SnapshotFile::decode(&std::fs::read(fixture(1, "snapshot.bin")).unwrap())
         .expect("a format-1 snapshot decodes");
     assert_eq!(stored, snapshot);
@@ -284,10 +282,17 @@ fn v2_entries() -> Vec<Entry> {
     }]
 }
 
+/// Whether to write `path` first: under `TETHER_WRITE_FIXTURES`, and only
+/// when it does not exist yet (an existing version's files are never
+/// rewritten).
+fn write_fixture(path: &std::path::Path) -> bool {
+    std::env::var("TETHER_WRITE_FIXTURES").is_ok() && !path.exists()
+}
+
 /// Checks that `format-v{version}/log.bin` decodes to `entries` (writing
-/// it first under `TETHER_WRITE_FIXTURES`).
+/// it first, see [`write_fixture`]).
 fn check_log_fixture(version: u16, entries: &[Entry]) {
-    if std::env::var("TETHER_WRITE_FIXTURES").is_ok() {
+    if write_fixture(&fixture(version, "log.bin")) {
         std::fs::create_dir_all(fixture(version, "")).unwrap();
         let encoded: Vec<Vec<u8>> = entries.iter().map(encode).collect();
         std::fs::write(fixture(version, "log.bin"), encode(&encoded)).unwrap();
@@ -465,32 +470,104 @@ fn format_v5_log_entries_still_decode() {
     check_log_fixture(5, &v5_entries());
 }
 
+/// Format 6: client requests whose kept answers carry their command's
+/// fingerprint (an acquire, and a batch, whose items carry request ids), and
+/// snapshots whose sessions keep the fingerprints.
+fn v6_entries() -> Vec<Entry> {
+    let next = v1_entries().len() as u64 + v2_entries().len() as u64 + 5;
+    let acquire = Command::Acquire(Acquire {
+        key: LockKey::new("gpu-bind", "node-9"),
+        pod: pod("e"),
+        payload: b"plan".to_vec(),
+        wait_ms: 30_000,
+        lease_id: 0,
+        client_id: "token:extender/client.00112233aabbccdd".into(),
+        queue_limit: 1024,
+    });
+    let single = Entry {
+        log_id: log_id(3, next),
+        payload: EntryPayload::Normal(Request {
+            format_version: 6,
+            request_id: Some(RequestId {
+                client_id: "token:extender/client.00112233aabbccdd".into(),
+                sequence: 11,
+                first_incomplete: 10,
+            }),
+            leader_time_ms: 1_790_000_500_000,
+            command: acquire,
+        }),
+    };
+    let release = Command::Release(Release {
+        key: LockKey::new("gpu-bind", "node-9"),
+        pod_uid: "e".into(),
+        token: next,
+        outcome: Outcome::Allocated,
+    });
+    let batch = batch_entry(
+        next + 1,
+        6,
+        1_790_000_500_001,
+        vec![batch_item(
+            "token:plugin/client.0123456789abcdef",
+            (2, 2),
+            release,
+        )],
+    );
+    vec![single, batch]
+}
+
+fn v6_snapshot() -> SnapshotFile {
+    let mut snapshot = v1_snapshot();
+    snapshot.format_version = 6;
+    let session = snapshot.state.sessions.get_mut("client-1").unwrap();
+    session.responses.get_mut(&3).unwrap().fingerprint = Some(0x0123_4567_89ab_cdef);
+    snapshot
+}
+
+#[test]
+fn format_v6_log_entries_and_snapshot_still_decode() {
+    check_log_fixture(6, &v6_entries());
+    let snapshot = v6_snapshot();
+    let path = fixture(6, "snapshot.bin");
+    if write_fixture(&path) {
+        std::fs::write(&path, encode(&snapshot)).unwrap();
+    }
+    let stored =
+        SnapshotFile::decode(&std::fs::read(&path).unwrap()).expect("a format-6 snapshot decodes");
+    assert_eq!(stored, snapshot);
+}
+
 #[test]
 fn entries_are_written_in_the_oldest_format_that_expresses_them() {
-    // A replica of an older build keeps reading single commands, and
-    // batches with one command per lock; batches that name a lock twice need
-    // format 4, and sweeps format 5 (the sweeper writes format 2 while a
-    // member is known to read only older formats). Snapshots have not
-    // changed shape.
+    // A replica of an older build keeps reading single commands without a
+    // request id (format 2); batches that name a lock twice need format 4,
+    // sweeps and node reports format 5, client requests and batches (whose
+    // items carry request ids) format 6.
     let single = Request::new(None, 1, v1_entries_command());
     assert_eq!(single.format_version, 2);
-    let rewritten = |entries: Vec<Entry>| {
-        let EntryPayload::Normal(batch) = &entries[0].payload else {
+    let newest = |entries: Vec<Entry>| {
+        let EntryPayload::Normal(request) = &entries[0].payload else {
             unreachable!("a normal entry")
         };
-        Request::new(None, 1, batch.command.clone()).format_version
+        Request::new(request.request_id.clone(), 1, request.command.clone())
     };
-    assert_eq!(rewritten(v3_entries()), 3);
-    assert_eq!(rewritten(v4_entries()), 4);
-    assert_eq!(rewritten(v5_entries()), 5);
-    assert!(
-        v5_entries().iter().all(|entry| matches!(&entry.payload,
-            EntryPayload::Normal(r) if r.command.has_format_2_form()
-                && Request::new(None, 1, r.command.clone()).format_version == 5)),
-        "both kinds of format-5 entry have a format-2 form"
-    );
-    assert_eq!(FORMAT_VERSION, 5);
-    assert_eq!(SNAPSHOT_FORMAT_VERSION, 2);
+    assert_eq!(newest(v3_entries()).format_version, 6);
+    assert_eq!(newest(v4_entries()).format_version, 6);
+    assert_eq!(newest(v5_entries()).format_version, 5);
+    assert_eq!(newest(v6_entries()).format_version, 6);
+    // While a member is known to read only format 5 (a rolling upgrade),
+    // each goes out in its oldest form, which that member's build applies
+    // as it always has; with no member known to be older, nothing changes.
+    let for_format_5 = |entries| newest(entries).for_members(Some(5)).format_version;
+    assert_eq!(for_format_5(v3_entries()), 3);
+    assert_eq!(for_format_5(v4_entries()), 4);
+    assert_eq!(for_format_5(v5_entries()), 5);
+    assert_eq!(newest(v5_entries()).for_members(Some(4)).format_version, 2);
+    assert_eq!(for_format_5(v6_entries()), 2);
+    assert_eq!(newest(v6_entries()).for_members(Some(6)).format_version, 6);
+    assert_eq!(newest(v6_entries()).for_members(None).format_version, 6);
+    assert_eq!(FORMAT_VERSION, 6);
+    assert_eq!(SNAPSHOT_FORMAT_VERSION, 6);
 }
 
 /// The command of the last format-1 entry.

@@ -391,28 +391,37 @@ async fn names_ids_and_text_at_below_and_above_their_bounds() {
         invalid("pod uid"),
     )
     .await;
-    // Client ids (request dedupe): up to 128.
+    // Client ids (request dedupe): the server takes up to 128 characters,
+    // sent here as they are; the client library takes a configured id of up
+    // to 128 less its incarnation (`.` and 16 hex digits).
     for len in [127, 128, 129] {
-        let with_id = Client::new(
-            cluster.endpoints(),
-            Options {
-                retry_timeout: DEADLINE,
-                client_id: Some("c".repeat(len)),
-                ..Options::default()
-            },
-        )
-        .unwrap();
-        let result = with_id
-            .acquire(
-                &lock(&format!("c{len}")),
-                &pod("p"),
-                vec![],
-                Duration::ZERO,
-                0,
-            )
+        let request = pb::ReleaseRequest {
+            request_id: Some(pb::RequestId {
+                client_id: "c".repeat(len),
+                sequence: 1,
+                first_incomplete: 1,
+            }),
+            key: Some(lock(&format!("c{len}"))),
+            pod_uid: "p".into(),
+            token: 1,
+            outcome: pb::Outcome::Allocated as i32,
+        };
+        let result = client
+            .with_leader(Duration::ZERO, |conn| {
+                let request = request.clone();
+                async move {
+                    pb::lock_service_client::LockServiceClient::new(conn)
+                        .release(request)
+                        .await
+                }
+            })
             .await;
         if len <= 128 {
-            result.unwrap_or_else(|e| panic!("client id of {len}: {e}"));
+            // Applied, and refused by the state machine: nobody holds it.
+            match result {
+                Err(Error::FailedPrecondition(m)) if m.contains("does not hold") => {}
+                other => panic!("client id of {len}: expected the release to apply, got {other:?}"),
+            }
         } else {
             refused_without_change(
                 &cluster,
@@ -421,6 +430,35 @@ async fn names_ids_and_text_at_below_and_above_their_bounds() {
                 invalid("client id"),
             )
             .await;
+        }
+    }
+    let max = tether_client::MAX_CLIENT_ID_PREFIX_LEN;
+    for len in [max - 1, max, max + 1] {
+        let made = Client::new(
+            cluster.endpoints(),
+            Options {
+                retry_timeout: DEADLINE,
+                client_id: Some("c".repeat(len)),
+                ..Options::default()
+            },
+        );
+        if len <= max {
+            made.unwrap()
+                .acquire(
+                    &lock(&format!("k{len}")),
+                    &pod("p"),
+                    vec![],
+                    Duration::ZERO,
+                    0,
+                )
+                .await
+                .unwrap_or_else(|e| panic!("configured client id of {len}: {e}"));
+        } else {
+            assert!(
+                matches!(&made, Err(Error::InvalidArgument(m)) if m.contains("client id")),
+                "a configured id of {len}: {:?}",
+                made.as_ref().err()
+            );
         }
     }
     // Free text (force-release reason): up to 1024 bytes.

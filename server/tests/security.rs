@@ -460,3 +460,100 @@ async fn development_bearer_tokens_give_roles_without_tls() {
     }
     cluster.shutdown().await;
 }
+
+/// A caller cannot reach another caller's exactly-once session by sending
+/// its client id (visible to every reader in `Hold.client_id`): the server
+/// binds each session to the caller's identity, so the forger neither gets
+/// the victim's kept answers nor moves the victim's sequences out of reach.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn one_callers_request_ids_cannot_reach_another_callers_session() {
+    use tether_client::proto::lock_service_client::LockServiceClient;
+    use tether_client::proto::{AcquireRequest, RequestId};
+
+    let root = tempfile::tempdir().unwrap();
+    let tokens = root.path().join("tokens");
+    std::fs::write(
+        &tokens,
+        "victim-0123456789abcdef scheduler sched-a\nforger-0123456789abcdef scheduler sched-b\n",
+    )
+    .unwrap();
+    let cluster = Cluster::start_with(1, move |config| {
+        config.auth_tokens = Some(tokens.clone());
+    })
+    .await;
+    let with_token = |token: &str| {
+        Client::new(
+            cluster.endpoints(),
+            Options {
+                retry_timeout: DEADLINE,
+                bearer_token: Some(token.to_string()),
+                ..Options::default()
+            },
+        )
+        .unwrap()
+    };
+    let victim = with_token("victim-0123456789abcdef");
+    let forger = with_token("forger-0123456789abcdef");
+    let held = victim
+        .acquire(&lock("node-a"), &pod("victim"), vec![], Duration::ZERO, 0)
+        .await
+        .unwrap();
+    assert_eq!(
+        held.client_id,
+        format!("token:sched-a/{}", victim.client_id()),
+        "holds name the caller and its client"
+    );
+    // The forger sends the victim's client id: its first request id, with
+    // another lock; then one claiming everything up to 2^62 is done.
+    let forged = |sequence: u64, node: &str| AcquireRequest {
+        request_id: Some(RequestId {
+            client_id: victim.client_id().to_string(),
+            sequence,
+            first_incomplete: sequence,
+        }),
+        key: Some(lock(node)),
+        pod: Some(pod("forger")),
+        payload: vec![],
+        wait_timeout_ms: 0,
+        lease_id: 0,
+    };
+    for (sequence, node) in [
+        (1, "node-b"),
+        (1 << 62, "node-c"),
+        ((1 << 62) + 1, "node-d"),
+    ] {
+        let request = forged(sequence, node);
+        let hold = forger
+            .with_leader(Duration::ZERO, |conn| {
+                let request = request.clone();
+                async move {
+                    let mut stream = LockServiceClient::new(conn)
+                        .acquire(request)
+                        .await?
+                        .into_inner();
+                    Ok(stream.message().await?.and_then(|m| m.hold))
+                }
+            })
+            .await
+            .unwrap()
+            .expect("a grant");
+        assert_eq!(
+            hold.pod.as_ref().unwrap().uid,
+            "forger",
+            "the forger's request applied in its own session, not answered from the victim's"
+        );
+        let holder = victim.holder(&lock(node)).await.unwrap().expect("held");
+        assert_eq!(holder.token, hold.token, "the forger holds {node}");
+        assert!(holder.client_id.starts_with("token:sched-b/"), "{holder:?}");
+    }
+    // The victim's next requests apply as usual.
+    victim
+        .release(&lock("node-a"), "victim", held.token, Outcome::Allocated)
+        .await
+        .expect("the victim's session is untouched");
+    victim
+        .acquire(&lock("node-e"), &pod("victim"), vec![], Duration::ZERO, 0)
+        .await
+        .expect("and so is its next sequence");
+    cluster.shutdown().await;
+}

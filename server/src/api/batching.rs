@@ -92,6 +92,9 @@ struct Proposal {
     shares_locks: bool,
     /// Until when it is held back, once it is.
     held_until: Option<Instant>,
+    /// The oldest format another member was known to read when it was
+    /// queued (`Request::for_members`).
+    oldest_member_known: Option<u16>,
 }
 
 impl Proposal {
@@ -161,6 +164,7 @@ impl Proposer {
                 reply,
                 shares_locks: batching == Batching::SharedLocks,
                 held_until: None,
+                oldest_member_known: self.formats.oldest_member_known(&self.raft, self.id),
             })
             .await
             .map_err(|_| stopped())?;
@@ -510,7 +514,8 @@ async fn form_batches(
 async fn propose(raft: &Raft, mut proposals: Vec<Proposal>) {
     if proposals.len() == 1 {
         let proposal = proposals.pop().expect("one proposal");
-        let request = Request::new(proposal.request_id, wall_clock_ms(), proposal.command);
+        let request = Request::new(proposal.request_id, wall_clock_ms(), proposal.command)
+            .for_members(proposal.oldest_member_known);
         let result = raft
             .client_write(request)
             .await
@@ -521,6 +526,7 @@ async fn propose(raft: &Raft, mut proposals: Vec<Proposal>) {
     }
     let mut replies = Vec::with_capacity(proposals.len());
     let mut items = Vec::with_capacity(proposals.len());
+    let oldest_member_known = proposals.iter().filter_map(|p| p.oldest_member_known).min();
     for proposal in proposals {
         replies.push(proposal.reply);
         items.push(BatchItem {
@@ -528,7 +534,8 @@ async fn propose(raft: &Raft, mut proposals: Vec<Proposal>) {
             command: proposal.command,
         });
     }
-    let request = Request::new(None, wall_clock_ms(), Command::Batch(Batch { items }));
+    let request = Request::new(None, wall_clock_ms(), Command::Batch(Batch { items }))
+        .for_members(oldest_member_known);
     let answers: Vec<Result<Response>> = match raft.client_write(request).await {
         Ok(written) => match written.data.result {
             Ok(Reply::Batch(responses)) if responses.len() == replies.len() => {
@@ -589,6 +596,7 @@ mod tests {
             reply: oneshot::channel().0,
             shares_locks: false,
             held_until: None,
+            oldest_member_known: None,
         }
     }
 

@@ -1,6 +1,6 @@
 //! `LeaseService`: pod revokes and TTL leases.
 
-use crate::auth::Action;
+use crate::auth::{Action, Caller};
 use std::pin::Pin;
 use std::sync::Arc;
 
@@ -45,8 +45,12 @@ async fn keep_alive(ctx: &Ctx, lease_id: u64) -> Result<pb::LeaseKeepAliveRespon
 }
 
 impl LeaseApi {
-    async fn do_revoke_pod(&self, req: pb::RevokePodRequest) -> Result<pb::RevokePodResponse> {
-        let request_id = validate::request_id(req.request_id.as_ref())?;
+    async fn do_revoke_pod(
+        &self,
+        caller: &Caller,
+        req: pb::RevokePodRequest,
+    ) -> Result<pb::RevokePodResponse> {
+        let request_id = validate::request_id(caller, req.request_id.as_ref())?;
         validate::pod_uid(&req.pod_uid)?;
         validate::text("reason", &req.reason, false)?;
         let reason = if req.reason.is_empty() {
@@ -81,8 +85,12 @@ impl LeaseApi {
         }
     }
 
-    async fn do_grant(&self, req: pb::LeaseGrantRequest) -> Result<pb::LeaseGrantResponse> {
-        let request_id = validate::request_id(req.request_id.as_ref())?;
+    async fn do_grant(
+        &self,
+        caller: &Caller,
+        req: pb::LeaseGrantRequest,
+    ) -> Result<pb::LeaseGrantResponse> {
+        let request_id = validate::request_id(caller, req.request_id.as_ref())?;
         let min = self.ctx.config.min_lease_ttl().as_millis() as u64;
         if req.ttl_ms < min {
             return Err(ApiError::InvalidArgument(format!(
@@ -108,8 +116,12 @@ impl LeaseApi {
         }
     }
 
-    async fn do_report_pod(&self, req: pb::ReportPodRequest) -> Result<pb::ReportPodResponse> {
-        let request_id = validate::request_id(req.request_id.as_ref())?;
+    async fn do_report_pod(
+        &self,
+        caller: &Caller,
+        req: pb::ReportPodRequest,
+    ) -> Result<pb::ReportPodResponse> {
+        let request_id = validate::request_id(caller, req.request_id.as_ref())?;
         validate::pod_uid(&req.pod_uid)?;
         let phase = match pb::PodPhase::try_from(req.phase) {
             Ok(pb::PodPhase::PodStarting) => PodPhase::Starting,
@@ -150,8 +162,12 @@ impl LeaseApi {
         }
     }
 
-    async fn do_revoke(&self, req: pb::LeaseRevokeRequest) -> Result<pb::LeaseRevokeResponse> {
-        let request_id = validate::request_id(req.request_id.as_ref())?;
+    async fn do_revoke(
+        &self,
+        caller: &Caller,
+        req: pb::LeaseRevokeRequest,
+    ) -> Result<pb::LeaseRevokeResponse> {
+        let request_id = validate::request_id(caller, req.request_id.as_ref())?;
         let command = Command::RevokeLease(RevokeLease {
             lease_id: req.lease_id,
         });
@@ -183,7 +199,7 @@ impl LeaseService for LeaseApi {
         request: Request<pb::RevokePodRequest>,
     ) -> Result<Response<pb::RevokePodResponse>, Status> {
         let result = match self.ctx.auth.check(&request, Action::RevokePod) {
-            Ok(_) => self.do_revoke_pod(request.into_inner()).await,
+            Ok(caller) => self.do_revoke_pod(&caller, request.into_inner()).await,
             Err(err) => Err(err),
         };
         self.ctx.finish("RevokePod", result).map(Response::new)
@@ -194,7 +210,7 @@ impl LeaseService for LeaseApi {
         request: Request<pb::LeaseGrantRequest>,
     ) -> Result<Response<pb::LeaseGrantResponse>, Status> {
         let result = match self.ctx.auth.check(&request, Action::Leases) {
-            Ok(_) => self.do_grant(request.into_inner()).await,
+            Ok(caller) => self.do_grant(&caller, request.into_inner()).await,
             Err(err) => Err(err),
         };
         self.ctx.finish("LeaseGrant", result).map(Response::new)
@@ -234,7 +250,7 @@ impl LeaseService for LeaseApi {
         request: Request<pb::ReportPodRequest>,
     ) -> Result<Response<pb::ReportPodResponse>, Status> {
         let result = match self.ctx.auth.check(&request, Action::Report) {
-            Ok(_) => self.do_report_pod(request.into_inner()).await,
+            Ok(caller) => self.do_report_pod(&caller, request.into_inner()).await,
             Err(err) => Err(err),
         };
         self.ctx.finish("ReportPod", result).map(Response::new)
@@ -245,7 +261,7 @@ impl LeaseService for LeaseApi {
         request: Request<pb::LeaseRevokeRequest>,
     ) -> Result<Response<pb::LeaseRevokeResponse>, Status> {
         let result = match self.ctx.auth.check(&request, Action::Leases) {
-            Ok(_) => self.do_revoke(request.into_inner()).await,
+            Ok(caller) => self.do_revoke(&caller, request.into_inner()).await,
             Err(err) => Err(err),
         };
         self.ctx.finish("LeaseRevoke", result).map(Response::new)

@@ -180,7 +180,7 @@ impl LockApi {
         req: pb::AcquireRequest,
     ) -> Result<ReceiverStream<AcquireItem>> {
         let ctx = &self.ctx;
-        let request_id = validate::request_id(req.request_id.as_ref())?;
+        let request_id = validate::request_id(caller, req.request_id.as_ref())?;
         let key = validate::lock_key(req.key.as_ref())?;
         caller.require(Action::Acquire(&key))?;
         let pod = req
@@ -240,7 +240,7 @@ impl LockApi {
         caller: &Caller,
         req: pb::ReleaseRequest,
     ) -> Result<pb::ReleaseResponse> {
-        let request_id = validate::request_id(req.request_id.as_ref())?;
+        let request_id = validate::request_id(caller, req.request_id.as_ref())?;
         let key = validate::lock_key(req.key.as_ref())?;
         caller.require(Action::Release(&key))?;
         validate::pod_uid(&req.pod_uid)?;
@@ -331,7 +331,7 @@ impl LockApi {
         caller: &Caller,
         req: pb::ForceReleaseRequest,
     ) -> Result<pb::ForceReleaseResponse> {
-        let request_id = validate::request_id(req.request_id.as_ref())?;
+        let request_id = validate::request_id(caller, req.request_id.as_ref())?;
         let key = validate::lock_key(req.key.as_ref())?;
         caller.require(Action::ForceRelease(&key))?;
         validate::text("operator", &req.operator, true)?;

@@ -107,28 +107,20 @@ impl Ctx {
     }
 
     /// The log entry for `command`, stamped `leader_time_ms`: in the oldest
-    /// format that expresses it, except that a command with a format-2 form
-    /// ([`Command::has_format_2_form`]) goes out in format 2 while another
-    /// member has said it reads only older formats (a rolling upgrade), and
-    /// then applies as that member's build applies it. A member that has not
-    /// answered does not count: if it turns out to be older, it stops with
-    /// a clear error at the entry rather than applying it wrongly.
+    /// format that expresses it with this build's rules, except that while
+    /// another member has said it reads only older formats (a rolling
+    /// upgrade) it goes out in its command's oldest form and then applies as
+    /// that member's build applies it ([`Request::for_members`]). A member
+    /// that has not answered does not count: if it turns out to be older, it
+    /// stops with a clear error at the entry rather than applying it wrongly.
     pub fn request(
         &self,
         request_id: Option<RequestId>,
         leader_time_ms: u64,
         command: Command,
     ) -> Request {
-        let mut request = Request::new(request_id, leader_time_ms, command);
-        if request.command.has_format_2_form()
-            && self
-                .peer_formats
-                .oldest_member_known(&self.raft, self.id)
-                .is_some_and(|format| format < request.format_version)
-        {
-            request.format_version = 2;
-        }
-        request
+        Request::new(request_id, leader_time_ms, command)
+            .for_members(self.peer_formats.oldest_member_known(&self.raft, self.id))
     }
 
     /// Waits until this replica, as leader, has applied everything committed

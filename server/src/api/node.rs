@@ -1,6 +1,6 @@
 //! `NodeService`: node reports (from the bridge) and the registry listing.
 
-use crate::auth::Action;
+use crate::auth::{Action, Caller};
 use std::sync::Arc;
 
 use tether_proto as pb;
@@ -24,8 +24,12 @@ impl NodeApi {
         Self { ctx }
     }
 
-    async fn do_report(&self, req: pb::ReportNodeRequest) -> Result<pb::ReportNodeResponse> {
-        let request_id = validate::request_id(req.request_id.as_ref())?;
+    async fn do_report(
+        &self,
+        caller: &Caller,
+        req: pb::ReportNodeRequest,
+    ) -> Result<pb::ReportNodeResponse> {
+        let request_id = validate::request_id(caller, req.request_id.as_ref())?;
         validate::dns1123_subdomain("node name", &req.name)?;
         validate::text("node uid", &req.uid, false)?;
         let state = match pb::NodeState::try_from(req.state) {
@@ -111,7 +115,7 @@ impl NodeService for NodeApi {
         request: Request<pb::ReportNodeRequest>,
     ) -> Result<Response<pb::ReportNodeResponse>, Status> {
         let result = match self.ctx.auth.check(&request, Action::Report) {
-            Ok(_) => self.do_report(request.into_inner()).await,
+            Ok(caller) => self.do_report(&caller, request.into_inner()).await,
             Err(err) => Err(err),
         };
         self.ctx.finish("ReportNode", result).map(Response::new)

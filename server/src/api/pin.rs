@@ -1,6 +1,6 @@
 //! `PinService`: assign, release, get, list pins.
 
-use crate::auth::Action;
+use crate::auth::{Action, Caller};
 use std::sync::Arc;
 
 use tether_proto as pb;
@@ -24,8 +24,12 @@ impl PinApi {
         Self { ctx }
     }
 
-    async fn do_assign(&self, req: pb::AssignRequest) -> Result<pb::AssignResponse> {
-        let request_id = validate::request_id(req.request_id.as_ref())?;
+    async fn do_assign(
+        &self,
+        caller: &Caller,
+        req: pb::AssignRequest,
+    ) -> Result<pb::AssignResponse> {
+        let request_id = validate::request_id(caller, req.request_id.as_ref())?;
         let key = validate::pin_key(req.key.as_ref())?;
         let candidates = validate::candidates(&req.candidates)?;
         if !req.pod_uid.is_empty() {
@@ -56,8 +60,12 @@ impl PinApi {
         }
     }
 
-    async fn do_release(&self, req: pb::ReleasePinRequest) -> Result<pb::ReleasePinResponse> {
-        let request_id = validate::request_id(req.request_id.as_ref())?;
+    async fn do_release(
+        &self,
+        caller: &Caller,
+        req: pb::ReleasePinRequest,
+    ) -> Result<pb::ReleasePinResponse> {
+        let request_id = validate::request_id(caller, req.request_id.as_ref())?;
         let key = validate::pin_key(req.key.as_ref())?;
         validate::text("reason", &req.reason, false)?;
         let reason = if req.reason.is_empty() {
@@ -130,7 +138,7 @@ impl PinService for PinApi {
         request: Request<pb::AssignRequest>,
     ) -> Result<Response<pb::AssignResponse>, Status> {
         let result = match self.ctx.auth.check(&request, Action::WritePins) {
-            Ok(_) => self.do_assign(request.into_inner()).await,
+            Ok(caller) => self.do_assign(&caller, request.into_inner()).await,
             Err(err) => Err(err),
         };
         self.ctx.finish("Assign", result).map(Response::new)
@@ -141,7 +149,7 @@ impl PinService for PinApi {
         request: Request<pb::ReleasePinRequest>,
     ) -> Result<Response<pb::ReleasePinResponse>, Status> {
         let result = match self.ctx.auth.check(&request, Action::WritePins) {
-            Ok(_) => self.do_release(request.into_inner()).await,
+            Ok(caller) => self.do_release(&caller, request.into_inner()).await,
             Err(err) => Err(err),
         };
         self.ctx.finish("ReleasePin", result).map(Response::new)

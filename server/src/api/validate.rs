@@ -1,6 +1,7 @@
 //! Input validation at the API edge: bad input is refused before it reaches
 //! the log, so it changes nothing.
 
+use crate::auth::Caller;
 use crate::error::{ApiError, Result};
 
 /// Longest client id accepted.
@@ -88,8 +89,19 @@ pub fn lock_key(key: Option<&tether_proto::LockKey>) -> Result<crate::sm::LockKe
     Ok(crate::sm::LockKey::new(&key.scope, &key.name))
 }
 
-/// A request id, if present: client id 1-128 printable ASCII, sequence > 0.
-pub fn request_id(id: Option<&tether_proto::RequestId>) -> Result<Option<crate::sm::RequestId>> {
+/// A request id, if present: client id 1-128 printable ASCII, sequence > 0,
+/// `first_incomplete` at most the sequence.
+///
+/// The session it names is bound to the caller: with authentication on, the
+/// server puts the caller's identity in front of the client id
+/// (`token:extender/client-1a2b...`), so a caller can neither read another
+/// caller's kept answers nor move another caller's session, whatever client
+/// id it sends. Without authentication (the development default) there are
+/// no identities to bind to: any caller may do anything there anyway.
+pub fn request_id(
+    caller: &Caller,
+    id: Option<&tether_proto::RequestId>,
+) -> Result<Option<crate::sm::RequestId>> {
     let Some(id) = id else { return Ok(None) };
     let ok_client = !id.client_id.is_empty()
         && id.client_id.len() <= MAX_CLIENT_ID_LEN
@@ -111,8 +123,13 @@ pub fn request_id(id: Option<&tether_proto::RequestId>) -> Result<Option<crate::
             id.first_incomplete, id.sequence
         )));
     }
+    let client_id = if caller.authenticated() {
+        format!("{}/{}", caller.identity, id.client_id)
+    } else {
+        id.client_id.clone()
+    };
     Ok(Some(crate::sm::RequestId {
-        client_id: id.client_id.clone(),
+        client_id,
         sequence: id.sequence,
         first_incomplete: id.first_incomplete,
     }))

@@ -246,7 +246,7 @@ pub struct RequestId {
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, Default)]
 pub struct ClientSession {
     /// Responses by sequence, from `acknowledged_below` on.
-    pub responses: BTreeMap<u64, crate::sm::CommandResult>,
+    pub responses: BTreeMap<u64, StoredAnswer>,
     /// Sequences below this are done (the client said so, or they fell out
     /// of the [`SESSION_MAX_RESPONSES`] bound): a request with one is refused
     /// rather than applied a second time.
@@ -258,6 +258,42 @@ pub struct ClientSession {
 /// Most responses kept per client: the bound on requests one client may have
 /// in flight (unacknowledged) at once.
 pub const SESSION_MAX_RESPONSES: usize = 4096;
+
+impl ClientSession {
+    /// The lowest sequence this session has neither answered nor put below
+    /// its floor: how far the client is known to have got.
+    pub fn next_unseen(&self) -> u64 {
+        self.responses
+            .last_key_value()
+            .map_or(self.acknowledged_below, |(sequence, _)| sequence + 1)
+            .max(self.acknowledged_below)
+    }
+}
+
+/// One kept answer of a client session.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct StoredAnswer {
+    /// What the command answered when it applied.
+    pub result: crate::sm::CommandResult,
+    /// [`command_fingerprint`] of the command that answered, so that a
+    /// request reusing the id for another command is refused rather than
+    /// given this answer. `None` for answers of entries older than format 6
+    /// ([`crate::sm::SESSION_BINDING_FORMAT_VERSION`]), which are answered
+    /// as they were then.
+    pub fingerprint: Option<u64>,
+}
+
+/// A command's fingerprint: the first 8 bytes of the SHA-256 of its log
+/// encoding. A collision-resistant hash, so not even a caller who chooses
+/// both commands can make two different ones share a fingerprint; 8 bytes
+/// because only commands under one request id are ever compared.
+pub fn command_fingerprint(command: &crate::sm::Command) -> u64 {
+    let bytes = postcard::to_stdvec(command).expect("a command always encodes");
+    let digest = ring::digest::digest(&ring::digest::SHA256, &bytes);
+    let mut first = [0u8; 8];
+    first.copy_from_slice(&digest.as_ref()[..8]);
+    u64::from_be_bytes(first)
+}
 
 /// A pin's name: `{set, member}`, e.g. `{slurm/nodeset-a, "3"}`. Members are
 /// strings and gaps are normal.

@@ -33,8 +33,12 @@ pub fn event_revision(key: &[u8]) -> Option<Revision> {
 pub const LOCK_PREFIX: &[u8] = b"l/";
 /// Prefix of TTL lease records in `sm`.
 pub const LEASE_PREFIX: &[u8] = b"t/";
-/// Prefix of dedupe session records in `sm`.
-pub const SESSION_PREFIX: &[u8] = b"s/";
+/// Prefix of dedupe session records in `sm` ([`crate::sm::ClientSession`]).
+pub const SESSION_PREFIX: &[u8] = b"c/";
+/// Prefix of dedupe session records written by builds of formats up to 5
+/// ([`crate::store::compat::ClientSessionV2`]): read, and moved under
+/// [`SESSION_PREFIX`], when a replica of this build opens the database.
+pub const SESSION_V2_PREFIX: &[u8] = b"s/";
 /// `sm` key of the last applied log id.
 pub const LAST_APPLIED: &[u8] = b"m/last_applied";
 /// `sm` key of the last applied membership.

@@ -21,6 +21,7 @@
 // return it too rather than converting back and forth.
 #![allow(clippy::result_large_err)]
 
+pub mod compat;
 pub mod keys;
 pub mod log_store;
 pub mod state_machine;

@@ -21,6 +21,7 @@ use super::waiters::{WaitRegistry, WaitTicket};
 use super::{CF_EVENTS, CF_META, CF_SM, SnapshotGate, decode, encode, err};
 use crate::raft::{Entry, LogId, StorageError, StoredMembership, TypeConfig};
 use crate::sm::{self, Dirty, Event, FORMAT_VERSION, Response, SNAPSHOT_FORMAT_VERSION, State};
+use crate::store::compat::{ClientSessionV2, StateV2};
 
 /// `meta` key of the current snapshot.
 const SNAPSHOT: &[u8] = b"snapshot";
@@ -116,17 +117,30 @@ pub struct SnapshotFile<S = State> {
 }
 
 impl SnapshotFile {
-    /// Decodes a snapshot, refusing one written by a newer format.
+    /// Decodes a snapshot, refusing one written by a newer format. A
+    /// snapshot of format 1 or 2 holds the state in its older shape
+    /// ([`StateV2`]), which is converted.
     pub fn decode(data: &[u8]) -> Result<SnapshotFile, StorageError> {
-        let file: SnapshotFile = decode(data).map_err(|e| {
+        let undecodable = |e: postcard::Error| {
             sm_read_err(std::io::Error::other(format!(
                 "cannot decode snapshot ({e}); it may come from a newer Tether: upgrade this replica"
             )))
-        })?;
-        if file.format_version > FORMAT_VERSION {
-            return Err(format_error("snapshot", file.format_version));
+        };
+        // The format comes first, so it can be read before the rest.
+        let (format_version, _) = postcard::take_from_bytes::<u16>(data).map_err(undecodable)?;
+        if format_version > FORMAT_VERSION {
+            return Err(format_error("snapshot", format_version));
         }
-        Ok(file)
+        if format_version < sm::SESSION_BINDING_FORMAT_VERSION {
+            let old: SnapshotFile<StateV2> = decode(data).map_err(undecodable)?;
+            return Ok(SnapshotFile {
+                format_version: old.format_version,
+                last_applied: old.last_applied,
+                membership: old.membership,
+                state: old.state.into(),
+            });
+        }
+        decode(data).map_err(undecodable)
     }
 }
 
@@ -223,6 +237,9 @@ impl StateMachineStore {
     pub fn load(db: Arc<DB>) -> Result<Self, StorageError> {
         let mut applied = AppliedState::default();
         let sm_cf = cf(&db, CF_SM);
+        // Sessions a build of format 5 or older wrote, to be rewritten in
+        // today's shape under today's prefix.
+        let mut sessions_to_move = Vec::new();
         for item in db.iterator_cf(sm_cf, IteratorMode::Start) {
             let (key, value) = item.map_err(sm_read_err)?;
             if let Some(rest) = key.strip_prefix(keys::LOCK_PREFIX) {
@@ -258,6 +275,11 @@ impl StateMachineStore {
                     .state
                     .sessions
                     .insert(client, decode(&value).map_err(sm_read_err)?);
+            } else if let Some(client) = key.strip_prefix(keys::SESSION_V2_PREFIX) {
+                let client = String::from_utf8_lossy(client).into_owned();
+                let old: ClientSessionV2 = decode(&value).map_err(sm_read_err)?;
+                applied.state.sessions.insert(client.clone(), old.into());
+                sessions_to_move.push(client);
             } else if &*key == LAST_APPLIED {
                 applied.last_applied = decode(&value).map_err(sm_read_err)?;
             } else if &*key == MEMBERSHIP {
@@ -265,6 +287,21 @@ impl StateMachineStore {
             } else if &*key == NOW {
                 applied.state.now_ms = decode(&value).map_err(sm_read_err)?;
             }
+        }
+        if !sessions_to_move.is_empty() {
+            let mut batch = WriteBatch::default();
+            for client in &sessions_to_move {
+                let mut old_key = keys::SESSION_V2_PREFIX.to_vec();
+                old_key.extend_from_slice(client.as_bytes());
+                batch.delete_cf(sm_cf, old_key);
+                let session = &applied.state.sessions[client];
+                batch.put_cf(sm_cf, keys::session_key(client), encode(session));
+            }
+            db.write_opt(batch, &synced()).map_err(sm_write_err)?;
+            tracing::info!(
+                sessions = sessions_to_move.len(),
+                "moved client sessions written by an older build to format 6"
+            );
         }
         let (events, _) = broadcast::channel(EVENT_CHANNEL_CAPACITY);
         let events_first = events_first_index(&db)?;

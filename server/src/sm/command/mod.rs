@@ -114,13 +114,18 @@ impl Command {
         }
     }
 
-    /// Whether this command, written in format 2, is read by replicas of
-    /// older builds and applies as they apply it: true of the commands that
-    /// format 5 changed only in how they apply (a sweep, a node report).
-    /// While a member is known to read only older formats, the leader writes
-    /// them so (`Ctx::request`).
-    pub fn has_format_2_form(&self) -> bool {
-        matches!(self, Command::Sweep(_) | Command::ReportNode(_))
+    /// The oldest format this command can be written in at all, applying as
+    /// a build of that format applies it: a batch needs 3 (4 when it names
+    /// a lock twice); every other command, a sweep and a node report
+    /// included, has a format-2 form. While a member is known to read only
+    /// older formats than an entry's, the leader writes the entry in this
+    /// one ([`crate::sm::Request::for_members`]).
+    pub fn oldest_form(&self) -> u16 {
+        match self {
+            Command::Batch(batch) if batch.shares_a_lock() => SHARED_LOCK_BATCH_FORMAT_VERSION,
+            Command::Batch(_) => BATCH_FORMAT_VERSION,
+            _ => 2,
+        }
     }
 }
 
@@ -304,6 +309,20 @@ pub enum CommandError {
         key: LockKey,
         /// The pod that waited.
         pod_uid: String,
+    },
+    /// A request whose id already answered a different command (format 6):
+    /// a retry must resend the same command, and a fresh command needs a
+    /// fresh sequence. Refused without applying anything; never kept in the
+    /// dedupe table.
+    #[error(
+        "request {client_id}#{sequence} was already used for a different command; a retry must \
+         resend the same command, and a new command needs a new sequence"
+    )]
+    RequestIdReused {
+        /// The client.
+        client_id: String,
+        /// The sequence presented.
+        sequence: u64,
     },
 }
 
