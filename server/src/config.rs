@@ -176,6 +176,15 @@ pub struct Config {
     #[arg(long, env = "TETHER_MAX_WAIT", default_value = "15m", value_parser = humantime::parse_duration)]
     pub max_wait: Duration,
 
+    /// How long a queued acquire whose caller went away keeps its place
+    /// before it is given up: a retry of the call (same request id, any
+    /// replica) within this time keeps the wait. Longer keeps waits of
+    /// callers behind slow networks; shorter frees locks sooner when a
+    /// caller really is gone (a grant to nobody holds the lock until the
+    /// hold timeout).
+    #[arg(long, env = "TETHER_ABANDONED_WAIT_GRACE", default_value = "3s", value_parser = humantime::parse_duration)]
+    pub abandoned_wait_grace: Duration,
+
     /// Raft heartbeat interval.
     #[arg(long, env = "TETHER_HEARTBEAT_INTERVAL", default_value = "100ms", value_parser = humantime::parse_duration)]
     pub heartbeat_interval: Duration,

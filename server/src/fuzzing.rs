@@ -306,9 +306,16 @@ fn next_command(c: &mut Choices<'_>, state: &State) -> Command {
             pod_uid: format!("p{uid}"),
             reason: "fuzz".into(),
         }),
-        7 => Command::CancelWait(CancelWait {
+        7 if c.below(2) == 0 => Command::CancelWait(CancelWait {
             key: lock,
             pod_uid: format!("p{uid}"),
+        }),
+        7 => Command::AbandonWait(AbandonWait {
+            key: lock,
+            pod_uid: format!("p{uid}"),
+            client_id: format!("c{}", c.below(3)),
+            sequence: u64::from(c.byte()),
+            answered_at: u64::from(c.byte()),
         }),
         8 => Command::ForceRelease(ForceRelease {
             key: lock,

@@ -27,6 +27,10 @@ pub struct Metrics {
     /// How this replica sent AppendEntries to each peer: streams opened,
     /// and messages sent as unary calls to peers without the stream.
     raft_appends: Mutex<BTreeMap<(u64, RaftAppend), u64>>,
+    /// Queued acquires whose caller went away, by what giving them up found
+    /// (`removed`, `taken_up` by a retry, `granted` before it applied,
+    /// `not_waiting`, `failed` before the wait's deadline).
+    abandoned_waits: Mutex<BTreeMap<&'static str, u64>>,
 }
 
 /// What [`Metrics::raft_append`] counts.
@@ -102,6 +106,26 @@ impl Metrics {
             .unwrap_or(0)
     }
 
+    /// Counts one queued acquire whose caller went away, by `outcome`.
+    pub fn abandoned_wait(&self, outcome: &'static str) {
+        *self
+            .abandoned_waits
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .entry(outcome)
+            .or_default() += 1;
+    }
+
+    /// How many abandoned waits ended with `outcome`.
+    pub fn abandoned_waits(&self, outcome: &'static str) -> u64 {
+        self.abandoned_waits
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .get(outcome)
+            .copied()
+            .unwrap_or(0)
+    }
+
     /// Renders the counters in Prometheus text format.
     pub fn render(&self, out: &mut String) {
         out.push_str("# HELP tether_requests_total gRPC calls by method and result.\n");
@@ -121,6 +145,19 @@ impl Metrics {
         out.push_str("# TYPE tether_expired_total counter\n");
         for (what, n) in self.sweeps.lock().unwrap_or_else(|p| p.into_inner()).iter() {
             let _ = writeln!(out, "tether_expired_total{{kind=\"{what}\"}} {n}");
+        }
+        out.push_str("# HELP tether_abandoned_waits_total Queued acquires served here whose caller went away, by what giving the wait up found: removed, taken_up (a retry of the request came back for it), granted (the grant won the race; the hold stays), not_waiting, failed (no leader took it before the wait's deadline).\n");
+        out.push_str("# TYPE tether_abandoned_waits_total counter\n");
+        for (outcome, n) in self
+            .abandoned_waits
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .iter()
+        {
+            let _ = writeln!(
+                out,
+                "tether_abandoned_waits_total{{outcome=\"{outcome}\"}} {n}"
+            );
         }
         let counters = [
             (

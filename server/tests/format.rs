@@ -227,6 +227,7 @@ fn v1_snapshot() -> SnapshotFile {
     let answer = |result| StoredAnswer {
         result,
         fingerprint: None,
+        answered_at: 0,
     };
     session
         .responses
@@ -471,8 +472,9 @@ fn format_v5_log_entries_still_decode() {
 }
 
 /// Format 6: client requests whose kept answers carry their command's
-/// fingerprint (an acquire, and a batch, whose items carry request ids), and
-/// snapshots whose sessions keep the fingerprints.
+/// fingerprint and the entry that last answered them (an acquire, and a
+/// batch, whose items carry request ids), the give-up of a wait whose caller
+/// went away, and snapshots whose sessions keep both.
 fn v6_entries() -> Vec<Entry> {
     let next = v1_entries().len() as u64 + v2_entries().len() as u64 + 5;
     let acquire = Command::Acquire(Acquire {
@@ -513,14 +515,31 @@ fn v6_entries() -> Vec<Entry> {
             release,
         )],
     );
-    vec![single, batch]
+    let abandon = Entry {
+        log_id: log_id(3, next + 2),
+        payload: EntryPayload::Normal(Request {
+            format_version: 6,
+            request_id: None,
+            leader_time_ms: 1_790_000_500_002,
+            command: Command::AbandonWait(AbandonWait {
+                key: LockKey::new("gpu-bind", "node-9"),
+                pod_uid: "f".into(),
+                client_id: "token:extender/client.00112233aabbccdd".into(),
+                sequence: 12,
+                answered_at: next - 1,
+            }),
+        }),
+    };
+    vec![single, batch, abandon]
 }
 
 fn v6_snapshot() -> SnapshotFile {
     let mut snapshot = v1_snapshot();
     snapshot.format_version = 6;
     let session = snapshot.state.sessions.get_mut("client-1").unwrap();
-    session.responses.get_mut(&3).unwrap().fingerprint = Some(0x0123_4567_89ab_cdef);
+    let answer = session.responses.get_mut(&3).unwrap();
+    answer.fingerprint = Some(0x0123_4567_89ab_cdef);
+    answer.answered_at = 11;
     snapshot
 }
 

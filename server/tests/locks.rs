@@ -615,3 +615,129 @@ async fn follower_answers_writes_with_unavailable_and_the_leader_address() {
     );
     cluster.shutdown().await;
 }
+
+/// Polls `done` every 20 ms until it holds or [`DEADLINE`] passes.
+async fn eventually(what: &str, mut done: impl FnMut() -> bool) {
+    let give_up = tokio::time::Instant::now() + DEADLINE;
+    while !done() {
+        assert!(
+            tokio::time::Instant::now() < give_up,
+            "{what} within {DEADLINE:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+/// A queued acquire under request id `client`#1 on lock `name`, waiting up
+/// to a minute.
+fn queued_acquire(client: &str, name: &str, uid: &str) -> pb::AcquireRequest {
+    pb::AcquireRequest {
+        request_id: Some(pb::RequestId {
+            client_id: client.into(),
+            sequence: 1,
+            first_incomplete: 1,
+        }),
+        key: Some(lock(name)),
+        pod: Some(pod(uid)),
+        payload: vec![],
+        wait_timeout_ms: 60_000,
+        lease_id: 0,
+    }
+}
+
+/// The caller of a queued acquire goes away after the replica that served
+/// it stopped leading: the give-up goes through the new leader, so the wait
+/// does not stay queued until its deadline (a minute here, up to 15 in
+/// production) to be granted to nobody.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_wait_whose_caller_went_away_is_given_up_through_the_new_leader() {
+    let cluster = Cluster::start_with(3, |config| {
+        config.abandoned_wait_grace = Duration::from_millis(300);
+    })
+    .await;
+    let client = common::client(&cluster);
+    let key = lock("node-abandon");
+    client
+        .acquire(&key, &pod("holder"), vec![], Duration::ZERO, 0)
+        .await
+        .unwrap();
+    let leader = cluster.wait_leader().await;
+    let mut raw = LockServiceClient::connect(format!("http://{}", cluster.addrs[&leader]))
+        .await
+        .unwrap();
+    let mut stream = raw
+        .acquire(queued_acquire("gone-caller", "node-abandon", "waiter"))
+        .await
+        .unwrap()
+        .into_inner();
+    let queued = stream.message().await.unwrap().unwrap();
+    assert_eq!(queued.queue_position, 1);
+    let target = (1..=3).find(|id| *id != leader).unwrap();
+    assert_eq!(client.transfer_leader(target).await.unwrap(), target);
+    drop(stream);
+    drop(raw);
+    let served = cluster.node(leader).ctx().clone();
+    eventually("the abandoned wait removed through the new leader", || {
+        served.metrics.abandoned_waits("removed") == 1
+    })
+    .await;
+    let state = client.get(&key).await.unwrap();
+    assert!(state.waiters.is_empty(), "{state:?}");
+    assert_eq!(state.holder.unwrap().pod.unwrap().uid, "holder");
+    cluster.shutdown().await;
+}
+
+/// A client whose queued acquire's connection resets retries it with the
+/// same request id: it gets where it stands (queued at its place), and the
+/// first stream's give-up, coming after the retry, keeps the wait; the
+/// release then grants the retried stream.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_queued_acquire_retried_after_a_reset_keeps_its_place() {
+    let cluster = Cluster::start_with(3, |config| {
+        config.abandoned_wait_grace = Duration::from_millis(300);
+    })
+    .await;
+    let client = common::client(&cluster);
+    let key = lock("node-reset");
+    let hold = client
+        .acquire(&key, &pod("holder"), vec![], Duration::ZERO, 0)
+        .await
+        .unwrap();
+    let leader = cluster.wait_leader().await;
+    let connect = || LockServiceClient::connect(format!("http://{}", cluster.addrs[&leader]));
+    let request = queued_acquire("resetting-caller", "node-reset", "waiter");
+    let mut first = connect().await.unwrap();
+    let mut stream = first.acquire(request.clone()).await.unwrap().into_inner();
+    assert_eq!(stream.message().await.unwrap().unwrap().queue_position, 1);
+    // The reset: the stream and its connection go; the retry comes at once.
+    drop(stream);
+    drop(first);
+    let mut second = connect().await.unwrap();
+    let mut retried = second.acquire(request).await.unwrap().into_inner();
+    let answer = retried.message().await.unwrap().unwrap();
+    assert_eq!(
+        (answer.state, answer.queue_position),
+        (pb::acquire_response::State::Queued as i32, 1),
+        "the retry is told where it stands"
+    );
+    let served = cluster.node(leader).ctx().clone();
+    eventually("the first stream's give-up applied", || {
+        served.metrics.abandoned_waits("taken_up") == 1
+    })
+    .await;
+    let state = client.get(&key).await.unwrap();
+    assert_eq!(state.waiters.len(), 1, "the wait kept its place: {state:?}");
+    client
+        .release(&key, "holder", hold.token, Outcome::Allocated)
+        .await
+        .unwrap();
+    let granted = tokio::time::timeout(DEADLINE, retried.message())
+        .await
+        .expect("the grant reaches the retried stream")
+        .unwrap()
+        .unwrap();
+    assert_eq!(granted.state, pb::acquire_response::State::Granted as i32);
+    assert_eq!(granted.hold.unwrap().pod.unwrap().uid, "waiter");
+    assert_eq!(served.metrics.abandoned_waits("removed"), 0);
+    cluster.shutdown().await;
+}

@@ -86,7 +86,8 @@ pub struct Proposer {
 struct Proposal {
     request_id: Option<RequestId>,
     command: Command,
-    reply: oneshot::Sender<Result<Response>>,
+    /// The entry's response for this command, and the entry's log index.
+    reply: oneshot::Sender<Result<(Response, u64)>>,
     /// May join a batch that already has a command on its lock (and, if
     /// it is an acquire that will queue, be held back).
     shares_locks: bool,
@@ -146,13 +147,13 @@ impl Proposer {
     }
 
     /// Proposes an acquire or release and returns its entry's response for
-    /// this command alone.
+    /// this command alone, and the entry's log index.
     pub async fn propose(
         &self,
         request_id: Option<RequestId>,
         command: Command,
         batching: Batching,
-    ) -> Result<Response> {
+    ) -> Result<(Response, u64)> {
         debug_assert!(batchable_lock(&command).is_some());
         let (reply, answer) = oneshot::channel();
         let stopped =
@@ -519,7 +520,7 @@ async fn propose(raft: &Raft, mut proposals: Vec<Proposal>) {
         let result = raft
             .client_write(request)
             .await
-            .map(|written| written.data)
+            .map(|written| (written.data, written.log_id.index))
             .map_err(from_raft_error);
         let _ = proposal.reply.send(result);
         return;
@@ -536,10 +537,11 @@ async fn propose(raft: &Raft, mut proposals: Vec<Proposal>) {
     }
     let request = Request::new(None, wall_clock_ms(), Command::Batch(Batch { items }))
         .for_members(oldest_member_known);
-    let answers: Vec<Result<Response>> = match raft.client_write(request).await {
+    let answers: Vec<Result<(Response, u64)>> = match raft.client_write(request).await {
         Ok(written) => match written.data.result {
             Ok(Reply::Batch(responses)) if responses.len() == replies.len() => {
-                responses.into_iter().map(Ok).collect()
+                let index = written.log_id.index;
+                responses.into_iter().map(|r| Ok((r, index))).collect()
             }
             other => {
                 let err = ApiError::Internal(format!(

@@ -14,8 +14,11 @@ use tonic::{Request, Response, Status};
 use super::convert::{hold_to, key_to, lock_to, outcome_from, pod_from};
 use super::{Ctx, unexpected, validate};
 use crate::error::{ApiError, Result};
-use crate::sm::command::{Acquire, CancelOutcome, CancelWait, ForceRelease, Release};
-use crate::sm::{Command, EventKind, Hold, LockKey, Reply, WaitEndReason};
+use crate::sm::command::{
+    ABANDON_WAIT_FORMAT_VERSION, AbandonWait, Acquire, CancelOutcome, CancelWait, ForceRelease,
+    Release,
+};
+use crate::sm::{Command, EventKind, Hold, LockKey, Reply, RequestId, WaitEndReason};
 use crate::store::waiters::{WaitSignal, WaitTicket};
 
 /// The `LockService` implementation.
@@ -59,14 +62,24 @@ fn granted(ctx: &Ctx, hold: &Hold) -> pb::AcquireResponse {
     }
 }
 
+/// The request that queued a wait, as the stream following it knows it: its
+/// id (with the server-side client id) and the log index of the entry whose
+/// answer the stream carries.
+struct Answered {
+    request_id: RequestId,
+    index: u64,
+}
+
 /// Follows a queued acquire until it is granted, its wait ends, its deadline
-/// passes (then it cancels the wait) or the caller goes away (then it cancels
-/// too, so an abandoned wait is never granted).
+/// passes (then it cancels the wait) or the caller goes away (then, unless a
+/// retry of the request comes back for it, the wait is given up, so an
+/// abandoned wait is not granted: [`give_up_wait`]).
 async fn follow_wait(
     ctx: Arc<Ctx>,
     key: LockKey,
     pod_uid: String,
     wait: Duration,
+    answered: Option<Answered>,
     mut ticket: WaitTicket,
     tx: mpsc::Sender<AcquireItem>,
 ) {
@@ -113,6 +126,10 @@ async fn follow_wait(
                             WaitEndReason::NodeGone => ApiError::Aborted(format!(
                                 "the wait of pod uid {pod_uid} for lock {key} ended: the node is gone"
                             )),
+                            WaitEndReason::Abandoned => ApiError::Aborted(format!(
+                                "the wait of pod uid {pod_uid} for lock {key} ended: its caller \
+                                 went away and no retry came back for it in time"
+                            )),
                             WaitEndReason::LeaseEnded { lease_id } => ApiError::Aborted(format!(
                                 "the wait of pod uid {pod_uid} for lock {key} ended: lease \
                                  {lease_id} expired or was revoked"
@@ -150,15 +167,133 @@ async fn follow_wait(
                 return;
             }
             _ = tx.closed() => {
-                // The caller is gone. Remove its wait so the lock is never
-                // handed to nobody; a hold that won the race stays (the same
-                // pod acquiring again gets it back).
-                if let Err(err) = cancel_wait(&ctx, &key, &pod_uid).await {
-                    tracing::debug!(%key, pod_uid, %err, "could not cancel an abandoned wait");
-                }
+                tokio::spawn(give_up_wait(ctx, key, pod_uid, answered, deadline));
                 return;
             }
         }
+    }
+}
+
+/// Gives up the wait of a caller that went away, so the lock is not handed
+/// to nobody. The caller's client retries a call whose connection reset with
+/// the same request id, on this replica or another (the client library
+/// within 20-500 ms, then with back-off), so first it waits
+/// `--abandoned-wait-grace`; then it sends, through whichever
+/// replica leads then (this one may not any more: [`end_wait`]), an
+/// `AbandonWait` that removes the wait only if no retry of its request has
+/// been answered since; while a member is not known to read format 6, a
+/// plain `CancelWait`. Retries until the wait's own deadline, after which
+/// the leader's sweep removes it anyway. A hold that won the race stays (the
+/// same pod acquiring again gets it back).
+async fn give_up_wait(
+    ctx: Arc<Ctx>,
+    key: LockKey,
+    pod_uid: String,
+    answered: Option<Answered>,
+    deadline: tokio::time::Instant,
+) {
+    tokio::select! {
+        _ = tokio::time::sleep(ctx.config.abandoned_wait_grace) => {}
+        _ = ctx.shutting_down() => return,
+    }
+    let every_member_reads_6 = ctx
+        .peer_formats
+        .newest_members_read(&ctx.raft, ctx.id)
+        .is_none_or(|format| format >= ABANDON_WAIT_FORMAT_VERSION);
+    let command = match answered {
+        Some(answered) if every_member_reads_6 => Command::AbandonWait(AbandonWait {
+            key: key.clone(),
+            pod_uid: pod_uid.clone(),
+            client_id: answered.request_id.client_id,
+            sequence: answered.request_id.sequence,
+            answered_at: answered.index,
+        }),
+        _ => Command::CancelWait(CancelWait {
+            key: key.clone(),
+            pod_uid: pod_uid.clone(),
+        }),
+    };
+    let mut backoff = Duration::from_millis(50);
+    loop {
+        let err = match end_wait(&ctx, command.clone()).await {
+            Ok(outcome) => {
+                tracing::debug!(%key, pod_uid, ?outcome, "ended the wait of a caller that went away");
+                ctx.metrics.abandoned_wait(match outcome {
+                    CancelOutcome::Removed => "removed",
+                    CancelOutcome::TakenUp => "taken_up",
+                    CancelOutcome::AlreadyGranted(_) => "granted",
+                    CancelOutcome::NotWaiting => "not_waiting",
+                });
+                return;
+            }
+            Err(err) => err,
+        };
+        if tokio::time::Instant::now() + backoff >= deadline {
+            ctx.metrics.abandoned_wait("failed");
+            tracing::warn!(
+                %key, pod_uid, %err,
+                "could not give up the wait of a caller that went away before its deadline; \
+                 the leader's sweep removes it then"
+            );
+            return;
+        }
+        tracing::debug!(%key, pod_uid, %err, "giving up an abandoned wait: retrying");
+        tokio::select! {
+            _ = tokio::time::sleep(backoff) => {}
+            _ = ctx.shutting_down() => return,
+        }
+        backoff = (backoff * 2).min(Duration::from_secs(2));
+    }
+}
+
+/// Applies `command` (a `CancelWait` or `AbandonWait`) through the leader:
+/// here when this replica leads, else by the leader's `RaftService.EndWait`
+/// (dialed as Raft messages are, with this replica's credentials).
+async fn end_wait(ctx: &Ctx, command: Command) -> Result<CancelOutcome> {
+    let (leader_id, leader_addr) = match ctx.write(None, command.clone()).await {
+        Ok(Reply::WaitCancelled(outcome)) => return Ok(outcome),
+        Ok(other) => return Err(unexpected(other)),
+        Err(ApiError::NotLeader {
+            leader_id: Some(id),
+            leader_addr: Some(addr),
+        }) if id != ctx.id => (id, addr),
+        Err(err) => return Err(err),
+    };
+    let dial = ctx
+        .config
+        .peer_dial
+        .get(&leader_id)
+        .map_or(leader_addr.as_str(), String::as_str);
+    let unreachable = |e: &dyn std::fmt::Display| {
+        ApiError::Unavailable(format!("leader {leader_id} at {dial}: {e}"))
+    };
+    let endpoint = tonic::transport::Endpoint::from_shared(format!("http://{dial}"))
+        .map_err(|e| unreachable(&e))?
+        .connect_timeout(Duration::from_secs(1))
+        .timeout(Duration::from_secs(5));
+    let channel = match &ctx.tls {
+        Some(tls) => tether_tls::lazy_channel(endpoint, tls.clone(), Duration::from_secs(1)),
+        None => endpoint.connect_lazy(),
+    };
+    let mut request = tonic::Request::new(pb::RaftRequest {
+        data: crate::store::encode(&command),
+    });
+    if let Ok(id) = leader_id.to_string().parse() {
+        request
+            .metadata_mut()
+            .insert(crate::api::raft::TARGET_METADATA, id);
+    }
+    let reply = pb::raft_service_client::RaftServiceClient::new(channel)
+        .end_wait(request)
+        .await
+        .map_err(|status| unreachable(&status.message()))?
+        .into_inner();
+    match crate::store::decode(&reply.data) {
+        Ok(Reply::WaitCancelled(outcome)) => Ok(outcome),
+        Ok(other) => Err(unexpected(other)),
+        Err(e) => Err(ApiError::Internal(format!(
+            "undecodable EndWait reply: {e}"
+        ))),
     }
 }
 
@@ -213,7 +348,7 @@ impl LockApi {
         // Register before proposing so the grant cannot slip between the
         // apply and the registration.
         let ticket = ctx.state.register_wait(&key, &pod.uid);
-        let reply = ctx.write(request_id, command).await?;
+        let (reply, index) = ctx.write_at(request_id.clone(), command).await?;
         let (tx, rx) = mpsc::channel(2);
         match reply {
             Reply::Granted(hold) => {
@@ -228,7 +363,16 @@ impl LockApi {
                 };
                 let _ = tx.send(Ok(queued)).await;
                 let pod_uid = pod.uid.clone();
-                tokio::spawn(follow_wait(ctx.clone(), key, pod_uid, wait, ticket, tx));
+                let answered = request_id.map(|request_id| Answered { request_id, index });
+                tokio::spawn(follow_wait(
+                    ctx.clone(),
+                    key,
+                    pod_uid,
+                    wait,
+                    answered,
+                    ticket,
+                    tx,
+                ));
             }
             other => return Err(unexpected(other)),
         }

@@ -81,6 +81,17 @@ impl Ctx {
     /// Proposes a command through Raft (leader only) and returns its reply.
     /// Refusals of the state machine come back as [`ApiError::Command`].
     pub async fn write(&self, request_id: Option<RequestId>, command: Command) -> Result<Reply> {
+        self.write_at(request_id, command)
+            .await
+            .map(|(reply, _)| reply)
+    }
+
+    /// [`Ctx::write`], with the log index of the entry that answered.
+    pub async fn write_at(
+        &self,
+        request_id: Option<RequestId>,
+        command: Command,
+    ) -> Result<(Reply, u64)> {
         if self.transferring.load(std::sync::atomic::Ordering::SeqCst) {
             return Err(ApiError::Unavailable(
                 "leadership is being transferred; retry in a moment".into(),
@@ -92,18 +103,19 @@ impl Ctx {
             }
             _ => None,
         };
-        let response = match batching {
+        let (response, index) = match batching {
             Some((proposer, batching)) => proposer.propose(request_id, command, batching).await?,
             None => {
                 let request = self.request(request_id, wall_clock_ms(), command);
-                self.raft
+                let written = self
+                    .raft
                     .client_write(request)
                     .await
-                    .map_err(from_raft_error)?
-                    .data
+                    .map_err(from_raft_error)?;
+                (written.data, written.log_id.index)
             }
         };
-        Ok(response.result?)
+        Ok((response.result?, index))
     }
 
     /// The log entry for `command`, stamped `leader_time_ms`: in the oldest

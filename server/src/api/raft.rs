@@ -13,7 +13,7 @@ use tether_proto::{RaftReply, RaftRequest};
 use tonic::{Request, Response, Status, Streaming};
 
 use super::Ctx;
-use crate::sm::FORMAT_VERSION;
+use crate::sm::{Command, FORMAT_VERSION};
 use crate::store::{decode, encode};
 
 /// The `RaftService` implementation.
@@ -180,5 +180,20 @@ impl RaftService for RaftApi {
             .await
             .map_err(|e| e.to_string());
         reply(result)
+    }
+
+    async fn end_wait(&self, request: Request<RaftRequest>) -> Result<Response<RaftReply>, Status> {
+        self.check_target(&request)?;
+        let command: Command = decode_request(request)?;
+        if !matches!(command, Command::CancelWait(_) | Command::AbandonWait(_)) {
+            return Err(Status::invalid_argument(
+                "EndWait carries only CancelWait or AbandonWait",
+            ));
+        }
+        let reply = self.ctx.write(None, command).await.map_err(Status::from)?;
+        Ok(Response::new(RaftReply {
+            data: encode(&reply),
+            error: Vec::new(),
+        }))
     }
 }

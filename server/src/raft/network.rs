@@ -697,6 +697,13 @@ mod tests {
         ) -> Result<tonic::Response<RaftReply>, Status> {
             Err(Status::unimplemented("not in this test"))
         }
+
+        async fn end_wait(
+            &self,
+            _: tonic::Request<RaftRequest>,
+        ) -> Result<tonic::Response<RaftReply>, Status> {
+            Err(Status::unimplemented("not in this test"))
+        }
     }
 
     /// Serves `follower` on a loopback port; its address.

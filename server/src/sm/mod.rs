@@ -519,8 +519,26 @@ fn apply_one(txn: &mut Txn<'_>, request_id: Option<&RequestId>, command: &Comman
                     deduplicated: false,
                 };
             }
+            let result = current_answer(txn.state, command, &stored.result);
+            if bound {
+                // A retry takes the request up again: a queued acquire is
+                // not given up for a caller that left before it
+                // (`AbandonWait`).
+                let index = txn.index;
+                let session = txn
+                    .state
+                    .sessions
+                    .get_mut(&id.client_id)
+                    .expect("found above");
+                session
+                    .responses
+                    .get_mut(&id.sequence)
+                    .expect("found above")
+                    .answered_at = index;
+                txn.dirty.sessions.insert(id.client_id.clone());
+            }
             return Response {
-                result: current_answer(txn.state, command, &stored.result),
+                result,
                 deduplicated: true,
             };
         }
@@ -558,6 +576,9 @@ fn apply_one(txn: &mut Txn<'_>, request_id: Option<&RequestId>, command: &Comman
             StoredAnswer {
                 result: result.clone(),
                 fingerprint,
+                // Kept as the fingerprint is, from format 6: an older entry
+                // keeps what an older build kept.
+                answered_at: if bound { txn.index } else { 0 },
             },
         );
         session.acknowledged_below = session.acknowledged_below.max(done_below);

@@ -638,6 +638,69 @@ fn one_request_cannot_put_a_clients_next_sequences_below_its_floor() {
     granted(m.run_as(id("fresh", 1, 1), acquire("f", "u1", 0)).result);
 }
 
+fn abandon(name: &str, uid: &str, id: &RequestId, answered_at: u64) -> Command {
+    Command::AbandonWait(AbandonWait {
+        key: key(name),
+        pod_uid: uid.into(),
+        client_id: id.client_id.clone(),
+        sequence: id.sequence,
+        answered_at,
+    })
+}
+
+#[test]
+fn an_abandoned_wait_is_removed_unless_a_retry_answered_it_since() {
+    let mut m = Machine::new();
+    granted(m.run(acquire("a", "holder", 0)));
+    // Queued by request c#1 (entry 2); its caller goes away and nothing
+    // comes back for it: the wait is removed.
+    let first = request_id("c", 1);
+    let queued = m.run_as(Some(first.clone()), acquire("a", "u1", 60_000));
+    assert_eq!(queued.result, Ok(Reply::Queued { position: 1 }));
+    let queued_at = m.index;
+    assert_eq!(
+        m.run(abandon("a", "u1", &first, queued_at)),
+        Ok(Reply::WaitCancelled(CancelOutcome::Removed))
+    );
+    assert!(matches!(
+        &m.events.last().unwrap().kind,
+        EventKind::WaitEnded {
+            reason: WaitEndReason::Abandoned,
+            ..
+        }
+    ));
+    // Queued by c#2; the connection resets and the client retries c#2 at
+    // once (a later entry answers it): the first stream's give-up, arriving
+    // after the retry, keeps the wait.
+    let second = request_id("c", 2);
+    m.run_as(Some(second.clone()), acquire("a", "u2", 60_000));
+    let stream_at = m.index;
+    let retry = m.run_as(Some(second.clone()), acquire("a", "u2", 60_000));
+    assert!(retry.deduplicated);
+    assert_eq!(retry.result, Ok(Reply::Queued { position: 1 }));
+    let retry_at = m.index;
+    assert_eq!(
+        m.run(abandon("a", "u2", &second, stream_at)),
+        Ok(Reply::WaitCancelled(CancelOutcome::TakenUp))
+    );
+    assert_eq!(m.state.locks[&key("a")].position_of("u2"), Some(1));
+    // The retry's own stream going away too ends it; a grant that won the
+    // race is reported and kept.
+    assert_eq!(
+        m.run(abandon("a", "u2", &second, retry_at)),
+        Ok(Reply::WaitCancelled(CancelOutcome::Removed))
+    );
+    let third = request_id("c", 3);
+    m.run_as(Some(third.clone()), acquire("a", "u3", 60_000));
+    let third_at = m.index;
+    m.run(release("a", "holder", 1))
+        .expect("the holder releases");
+    assert!(matches!(
+        m.run(abandon("a", "u3", &third, third_at)),
+        Ok(Reply::WaitCancelled(CancelOutcome::AlreadyGranted(hold))) if hold.pod.uid == "u3"
+    ));
+}
+
 #[test]
 fn sweep_drops_waits_past_their_deadline() {
     let mut m = Machine::new();
@@ -992,10 +1055,54 @@ fn random_command(rng: &mut Rng, m: &Machine) -> Command {
             pod_uid: uid,
             reason: "test".into(),
         }),
-        7 => Command::CancelWait(CancelWait {
+        // A wait's deadline on its replica, or its caller gone: the give-up
+        // names a recent request, answered at or before a recent entry.
+        7 if rng.below(2) == 0 => Command::CancelWait(CancelWait {
             key: key(&lock),
             pod_uid: uid,
         }),
+        7 => {
+            // Mostly a pod that waits, and a kept answer given at, or just
+            // after, the entry the abandoning stream names.
+            let waiting: Vec<(LockKey, String)> = m
+                .state
+                .locks
+                .iter()
+                .flat_map(|(k, l)| {
+                    l.waiters
+                        .iter()
+                        .map(move |w| (k.clone(), w.pod.uid.clone()))
+                })
+                .collect();
+            let answers: Vec<(String, u64, u64)> = m
+                .state
+                .sessions
+                .iter()
+                .flat_map(|(c, s)| {
+                    s.responses
+                        .iter()
+                        .map(move |(q, a)| (c.clone(), *q, a.answered_at))
+                })
+                .collect();
+            let (key, pod_uid) = match waiting.len() {
+                0 => (key(&lock), uid),
+                n => waiting[rng.below(n as u64) as usize].clone(),
+            };
+            let (client_id, sequence, answered_at) = match answers.len() {
+                0 => ("c0".to_string(), m.index, m.index),
+                n => {
+                    let (c, q, at) = answers[rng.below(n as u64) as usize].clone();
+                    (c, q, at.saturating_sub(rng.below(2)))
+                }
+            };
+            Command::AbandonWait(AbandonWait {
+                key,
+                pod_uid,
+                client_id,
+                sequence,
+                answered_at,
+            })
+        }
         8 => Command::ForceRelease(ForceRelease {
             key: key(&lock),
             operator: "op".into(),
@@ -1444,6 +1551,9 @@ struct Reached {
     retries: u32,
     /// Ids sent again with another command, id still kept.
     reused_ids: u32,
+    /// Abandoned waits removed, and kept because a retry answered later.
+    abandons_removed: u32,
+    abandons_taken_up: u32,
 }
 
 /// A request under a kept `id`, first sent with `first`, now with `command`:
@@ -1550,6 +1660,17 @@ fn property_rounds(base_seed: u64, rounds: u64) -> Reached {
                 })
             });
             let response = m.run_as(id.clone(), command.clone());
+            if matches!(command, Command::AbandonWait(_)) {
+                match &response.result {
+                    Ok(Reply::WaitCancelled(CancelOutcome::Removed)) => {
+                        reached.abandons_removed += 1
+                    }
+                    Ok(Reply::WaitCancelled(CancelOutcome::TakenUp)) => {
+                        reached.abandons_taken_up += 1
+                    }
+                    _ => {}
+                }
+            }
             if let (Some(id), Some(first)) = (&id, &earlier)
                 && remembered
             {
@@ -1663,7 +1784,9 @@ fn random_sequences_keep_mutual_exclusion_fifo_and_increasing_tokens() {
             && reached.hold_timeouts > 50
             && reached.sweeps_ending_a_hold_and_a_lease_wait > 10
             && reached.retries > 100
-            && reached.reused_ids > 100,
+            && reached.reused_ids > 100
+            && reached.abandons_removed > 10
+            && reached.abandons_taken_up > 10,
         "{reached:?}"
     );
 }

@@ -226,6 +226,9 @@ pub enum WaitEndReason {
     },
     /// The node the lock is named after is gone.
     NodeGone,
+    /// The caller that queued it went away and did not come back for it
+    /// (format 6, [`crate::sm::command::AbandonWait`]).
+    Abandoned,
 }
 
 /// The identity of one client request, for exactly-once application.
@@ -281,6 +284,11 @@ pub struct StoredAnswer {
     /// ([`crate::sm::SESSION_BINDING_FORMAT_VERSION`]), which are answered
     /// as they were then.
     pub fingerprint: Option<u64>,
+    /// Log index of the latest entry that answered this request: its first
+    /// application, or a retry of it (from format 6; 0 in answers kept
+    /// before). A queued acquire whose caller went away is given up only if
+    /// no retry has answered it since ([`crate::sm::command::AbandonWait`]).
+    pub answered_at: u64,
 }
 
 /// A command's fingerprint: the first 8 bytes of the SHA-256 of its log

@@ -38,6 +38,7 @@ impl From<ClientSessionV2> for ClientSession {
                     let answer = StoredAnswer {
                         result,
                         fingerprint: None,
+                        answered_at: 0,
                     };
                     (sequence, answer)
                 })
@@ -155,7 +156,8 @@ mod tests {
             session.responses[&3],
             StoredAnswer {
                 result: Ok(Reply::Queued { position: 2 }),
-                fingerprint: None
+                fingerprint: None,
+                answered_at: 0,
             }
         );
     }

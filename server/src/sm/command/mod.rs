@@ -23,7 +23,7 @@ pub use batch::{
     BATCH_FORMAT_VERSION, Batch, BatchItem, MAX_BATCH_ITEMS, SHARED_LOCK_BATCH_FORMAT_VERSION,
     batchable_lock,
 };
-pub use cancel_wait::{CancelOutcome, CancelWait};
+pub use cancel_wait::{ABANDON_WAIT_FORMAT_VERSION, AbandonWait, CancelOutcome, CancelWait};
 pub use force_release::ForceRelease;
 pub use lease::{GrantLease, KeepAliveLease, RevokeLease};
 pub use release::Release;
@@ -73,6 +73,9 @@ pub enum Command {
     Audit(Audit),
     /// Several clients' acquires and releases in one entry (format 3).
     Batch(Batch),
+    /// Leave a queue whose caller went away, unless a retry took it up
+    /// (format 6).
+    AbandonWait(AbandonWait),
 }
 
 impl Command {
@@ -93,6 +96,7 @@ impl Command {
             Command::ReportNode(c) => c.apply(txn),
             Command::ReportPod(c) => c.apply(txn),
             Command::Audit(c) => c.apply(txn),
+            Command::AbandonWait(c) => c.apply(txn),
             // `sm::apply` applies a batch item by item; a batch can only get
             // here as an item of another, which `Batch::check` refuses.
             Command::Batch(_) => Err(CommandError::InvalidBatch {
@@ -110,20 +114,23 @@ impl Command {
             Command::Batch(_) => BATCH_FORMAT_VERSION,
             Command::Sweep(_) => DEFERRED_GRANTS_FORMAT_VERSION,
             Command::ReportNode(_) => NODE_UID_FORMAT_VERSION,
+            Command::AbandonWait(_) => ABANDON_WAIT_FORMAT_VERSION,
             _ => 2,
         }
     }
 
     /// The oldest format this command can be written in at all, applying as
     /// a build of that format applies it: a batch needs 3 (4 when it names
-    /// a lock twice); every other command, a sweep and a node report
-    /// included, has a format-2 form. While a member is known to read only
+    /// a lock twice), an abandoned wait 6 (it is sent only once every member
+    /// reads 6); every other command, a sweep and a node report included,
+    /// has a format-2 form. While a member is known to read only
     /// older formats than an entry's, the leader writes the entry in this
     /// one ([`crate::sm::Request::for_members`]).
     pub fn oldest_form(&self) -> u16 {
         match self {
             Command::Batch(batch) if batch.shares_a_lock() => SHARED_LOCK_BATCH_FORMAT_VERSION,
             Command::Batch(_) => BATCH_FORMAT_VERSION,
+            Command::AbandonWait(_) => ABANDON_WAIT_FORMAT_VERSION,
             _ => 2,
         }
     }
