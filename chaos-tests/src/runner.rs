@@ -240,6 +240,26 @@ async fn inject(
             }
             damage.armed.insert(id);
         }
+        Fault::ClockSkew { offset_ms } => {
+            let Some(id) = pick_target(Target::Follower(lasts.as_millis() as u64), leader, &voters)
+            else {
+                return Ok(false);
+            };
+            cluster.restart(id, Some(&format!("clock-offset-ms=return({offset_ms})")))?;
+            // Restarted with a true clock when the fault ends, like an armed
+            // replica (it does not crash, so nothing counts as fired).
+            damage.armed.insert(id);
+            // Lead it once it has caught up, so its clock stamps entries:
+            // committed time jumps 10 s ahead, or stands still while it
+            // leads 10 s behind. Refused transfers are normal.
+            if cluster
+                .wait_caught_up(id, Duration::from_secs(30))
+                .await
+                .is_ok()
+            {
+                let _ = control.transfer_leader(id).await;
+            }
+        }
         Fault::CrashInMembershipChange => {
             let followers: Vec<u64> = voters
                 .iter()

@@ -65,6 +65,14 @@ pub enum Fault {
     /// final configuration and must come back into the new one. Needs a
     /// `failpoints` build.
     CrashInMembershipChange,
+    /// A follower restarted with its clock moved by `offset_ms` (ahead or
+    /// behind) and handed the lead, so its clock stamps the entries; it is
+    /// restarted with a true clock when the fault ends. Needs a `failpoints`
+    /// build (`clock-offset-ms`).
+    ClockSkew {
+        /// How far its clock is off, ms.
+        offset_ms: i64,
+    },
 }
 
 impl Fault {
@@ -82,6 +90,7 @@ impl Fault {
             Fault::Replace => "replace-member",
             Fault::Crash { .. } => "failpoint-crash",
             Fault::CrashInMembershipChange => "membership-crash",
+            Fault::ClockSkew { .. } => "clock-skew",
         }
     }
 }
@@ -131,7 +140,7 @@ pub struct FaultOptions {
 }
 
 /// Every fault kind's name.
-pub const KINDS: [&str; 11] = [
+pub const KINDS: [&str; 12] = [
     "partition",
     "isolate-leader",
     "one-way",
@@ -143,6 +152,7 @@ pub const KINDS: [&str; 11] = [
     "replace-member",
     "failpoint-crash",
     "membership-crash",
+    "clock-skew",
 ];
 
 impl Schedule {
@@ -184,7 +194,7 @@ fn target(rng: &mut Rng) -> Target {
 
 fn draw(rng: &mut Rng, options: FaultOptions) -> Fault {
     loop {
-        let fault = match rng.below(13) {
+        let fault = match rng.below(14) {
             0 | 1 => Fault::Partition {
                 pick: rng.next_u64(),
             },
@@ -208,6 +218,10 @@ fn draw(rng: &mut Rng, options: FaultOptions) -> Fault {
                 Fault::Crash { point, lag_first }
             }
             12 if options.failpoints && options.membership => Fault::CrashInMembershipChange,
+            // The case: a leader whose clock is 10 s off.
+            13 if options.failpoints => Fault::ClockSkew {
+                offset_ms: if rng.percent(50) { 10_000 } else { -10_000 },
+            },
             _ => continue,
         };
         if options.only.is_some_and(|only| only != fault.kind()) {

@@ -8,7 +8,9 @@
 //!   held lock: the checkers must say so, naming the seed;
 //! - with `sm-sweep-grant-per-end` switched on, a sweep that ends two TTL
 //!   leases grants as each ends (the double grant log format 5 fixed): the
-//!   lease workload must reach it and the tokens checker must report it.
+//!   lease workload must reach it and the tokens checker must report it;
+//! - a leader whose clock runs 10 s ahead (`clock-offset-ms`) evicts no
+//!   session before it has led for the idle time.
 
 use std::path::PathBuf;
 use std::time::Duration;
@@ -159,4 +161,127 @@ async fn a_build_that_grants_twice_in_one_sweep_is_caught_with_its_seed() {
     )
     .await;
     assert!(violations["tokens"] > 0, "{violations:?}");
+}
+
+/// A leader whose clock runs 10 s ahead takes over: committed time jumps
+/// with its first entry, and an idle session is then past `--session-idle`
+/// by committed time. It must not be evicted before that leader has led for
+/// the idle time (the lock-delay), or a late retry of a request the session
+/// answered would be applied a second time. The test watches for the moment
+/// a retry stops being answered from the table (it then grants a second
+/// lease): without the lock-delay that is the new leader's first sweep,
+/// a fraction of a second after it takes over.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_leader_whose_clock_runs_ahead_does_not_evict_a_session_early() {
+    use tether_chaos::cluster::{ClusterSpec, ProcessCluster};
+    use tether_client::proto as pb;
+    use tether_client::proto::lease_service_client::LeaseServiceClient;
+
+    let idle = Duration::from_secs(6);
+    let mut cluster = ProcessCluster::start_spec(ClusterSpec {
+        tetherd: tetherd_failpoints(),
+        voters: 3,
+        slots: 3,
+        proxied: false,
+        extra_args: vec![
+            "--heartbeat-interval=50ms".into(),
+            "--election-timeout=300ms".into(),
+            format!("--session-idle={}s", idle.as_secs()),
+        ],
+        failpoints: None,
+        log_filter: None,
+    })
+    .await
+    .expect("a cluster");
+    let client = cluster.client_with(Duration::from_secs(30));
+    let leader = cluster
+        .wait_converged(Duration::from_secs(60))
+        .await
+        .unwrap()
+        .node_id;
+    // One request of a session that then goes quiet: a lease grant.
+    let grant = pb::LeaseGrantRequest {
+        request_id: Some(pb::RequestId {
+            client_id: "quiet-client".into(),
+            sequence: 1,
+            first_incomplete: 1,
+        }),
+        ttl_ms: 600_000,
+    };
+    let send = |request: pb::LeaseGrantRequest| {
+        let client = client.clone();
+        async move {
+            client
+                .with_leader(Duration::ZERO, |channel| {
+                    let request = request.clone();
+                    async move {
+                        Ok(LeaseServiceClient::new(channel)
+                            .grant(request)
+                            .await?
+                            .into_inner()
+                            .lease_id)
+                    }
+                })
+                .await
+                .expect("a lease grant")
+        }
+    };
+    let first = send(grant.clone()).await;
+    // A follower comes back with its clock 10 s ahead and takes the lead.
+    let skewed = cluster
+        .running()
+        .into_iter()
+        .find(|id| *id != leader)
+        .unwrap();
+    cluster
+        .restart(skewed, Some("clock-offset-ms=return(10000)"))
+        .unwrap();
+    cluster
+        .wait_caught_up(skewed, Duration::from_secs(60))
+        .await
+        .unwrap();
+    assert_eq!(client.transfer_leader(skewed).await.unwrap(), skewed);
+    let took_over = std::time::Instant::now();
+    // Its clock stamps entries: an event it writes is 10 s in the future.
+    let key = pb::LockKey {
+        scope: "skew".into(),
+        name: "n1".into(),
+    };
+    let pod = pb::Pod {
+        uid: "skew-pod".into(),
+        namespace: "t".into(),
+        name: "t".into(),
+    };
+    client
+        .acquire(&key, &pod, vec![], Duration::ZERO, 0)
+        .await
+        .unwrap();
+    let history = client.history("lock/skew/n1", 0, 10).await.unwrap();
+    let stamped = history.events.last().expect("the grant's event").time_ms;
+    let wall = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_millis() as u64;
+    assert!(
+        stamped > wall + 8_000,
+        "the new leader's clock runs ahead: event at {stamped}, wall clock {wall}"
+    );
+    // Retry until the session is forgotten (the retry then grants anew).
+    let forgotten_after = loop {
+        let answer = send(grant.clone()).await;
+        if answer != first {
+            break took_over.elapsed();
+        }
+        assert!(
+            took_over.elapsed() < Duration::from_secs(60),
+            "the idle session was never evicted"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    };
+    println!("session forgotten {forgotten_after:?} after the skewed leader took over");
+    assert!(
+        forgotten_after >= idle / 2,
+        "evicted {forgotten_after:?} after a leader 10 s ahead took over: before it had led for \
+         the idle time ({idle:?})"
+    );
 }

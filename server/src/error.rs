@@ -95,9 +95,9 @@ impl From<ApiError> for Status {
             ApiError::TooLarge(_) => Status::resource_exhausted(message),
             ApiError::Command(cmd) => {
                 let code = match *cmd {
-                    CommandError::QueueFull { .. } | CommandError::NoCandidateFits { .. } => {
-                        Code::ResourceExhausted
-                    }
+                    CommandError::QueueFull { .. }
+                    | CommandError::NoCandidateFits { .. }
+                    | CommandError::TooManySessions { .. } => Code::ResourceExhausted,
                     CommandError::LeaseNotFound { .. } => Code::NotFound,
                     CommandError::LockHeld { .. }
                     | CommandError::NotHolder { .. }

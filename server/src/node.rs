@@ -551,12 +551,23 @@ async fn sweeper(ctx: Arc<Ctx>, mut shutdown: watch::Receiver<bool>) {
             node_tombstone_ms: ctx.config.node_tombstone.as_millis() as u64,
         };
         let now = wall_clock_ms();
-        if !sweep_due(&ctx.state.read().state, now, &sweep) {
+        // Format 6 (grants after all ends, forgets unreferenced pods), or
+        // an older one during a rolling upgrade: see `Ctx::request`.
+        let request = ctx.request(None, now, Command::Sweep(sweep));
+        let Command::Sweep(sweep) = &request.command else {
+            unreachable!("a sweep was built")
+        };
+        // Due on committed time, as apply will judge it: the entry applies
+        // at the later of this leader's clock and the committed time (which
+        // stays ahead while an earlier leader's clock ran ahead of this one).
+        let due = {
+            let applied = ctx.state.read();
+            let at = now.max(applied.state.now_ms);
+            sweep_due(&applied.state, at, sweep, request.format_version)
+        };
+        if !due {
             continue;
         }
-        // Format 5 (grants after all ends), or format 2 during a rolling
-        // upgrade: see `Ctx::request`.
-        let request = ctx.request(None, now, Command::Sweep(sweep));
         match ctx.raft.client_write(request).await {
             Ok(response) => {
                 if let Ok(Reply::Swept {

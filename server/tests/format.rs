@@ -229,10 +229,8 @@ fn v1_snapshot() -> SnapshotFile {
         fingerprint: None,
         answered_at: 0,
     };
-    session
-        .responses
-        .insert(3, answer(Ok(Reply::Granted(hold))));
-    session.responses.insert(
+    session.keep(3, answer(Ok(Reply::Granted(hold))));
+    session.keep(
         4,
         answer(Err(CommandError::QueueFull {
             key: key(),
@@ -560,8 +558,8 @@ fn format_v6_log_entries_and_snapshot_still_decode() {
 fn entries_are_written_in_the_oldest_format_that_expresses_them() {
     // A replica of an older build keeps reading single commands without a
     // request id (format 2); batches that name a lock twice need format 4,
-    // sweeps and node reports format 5, client requests and batches (whose
-    // items carry request ids) format 6.
+    // node reports format 5, sweeps (their clock rules and pod cleanup),
+    // client requests and batches (whose items carry request ids) format 6.
     let single = Request::new(None, 1, v1_entries_command());
     assert_eq!(single.format_version, 2);
     let newest = |entries: Vec<Entry>| {
@@ -572,17 +570,28 @@ fn entries_are_written_in_the_oldest_format_that_expresses_them() {
     };
     assert_eq!(newest(v3_entries()).format_version, 6);
     assert_eq!(newest(v4_entries()).format_version, 6);
-    assert_eq!(newest(v5_entries()).format_version, 5);
+    assert_eq!(
+        newest(v5_entries()).format_version,
+        6,
+        "a sweep forgets pods from 6"
+    );
     assert_eq!(newest(v6_entries()).format_version, 6);
     // While a member is known to read only format 5 (a rolling upgrade),
-    // each goes out in its oldest form, which that member's build applies
-    // as it always has; with no member known to be older, nothing changes.
-    let for_format_5 = |entries| newest(entries).for_members(Some(5)).format_version;
-    assert_eq!(for_format_5(v3_entries()), 3);
-    assert_eq!(for_format_5(v4_entries()), 4);
-    assert_eq!(for_format_5(v5_entries()), 5);
-    assert_eq!(newest(v5_entries()).for_members(Some(4)).format_version, 2);
-    assert_eq!(for_format_5(v6_entries()), 2);
+    // each goes out in format 5 (no older than its oldest form), which that
+    // member's build applies as it always has; with no member known to be
+    // older, nothing changes.
+    let for_format = |entries, format| newest(entries).for_members(Some(format)).format_version;
+    assert_eq!(for_format(v3_entries(), 5), 5);
+    assert_eq!(for_format(v4_entries(), 5), 5);
+    assert_eq!(for_format(v5_entries(), 5), 5);
+    assert_eq!(for_format(v6_entries(), 5), 5);
+    assert_eq!(for_format(v5_entries(), 4), 4);
+    assert_eq!(for_format(v6_entries(), 2), 2);
+    assert_eq!(
+        for_format(v4_entries(), 2),
+        4,
+        "a batch naming a lock twice needs 4"
+    );
     assert_eq!(newest(v6_entries()).for_members(Some(6)).format_version, 6);
     assert_eq!(newest(v6_entries()).for_members(None).format_version, 6);
     assert_eq!(FORMAT_VERSION, 6);

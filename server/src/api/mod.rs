@@ -69,12 +69,26 @@ pub struct Ctx {
 }
 
 /// Wall-clock time in ms since the epoch: only ever used to stamp entries
-/// this replica proposes as leader, never inside apply.
+/// this replica proposes as leader (and to judge what its sweep will find
+/// due), never inside apply.
+///
+/// With the `failpoints` feature, `FAILPOINTS=clock-offset-ms=return(N)`
+/// moves this replica's clock by N ms (negative: behind), as a host whose
+/// clock is off would: the chaos harness's clock-skew fault.
 pub fn wall_clock_ms() -> u64 {
-    SystemTime::now()
+    let now = SystemTime::now()
         .duration_since(UNIX_EPOCH)
         .map(|d| d.as_millis() as u64)
-        .unwrap_or(0)
+        .unwrap_or(0);
+    #[cfg(feature = "failpoints")]
+    if let Some(offset) = fail::eval("clock-offset-ms", |arg| {
+        arg.and_then(|a| a.trim().parse::<i64>().ok())
+    })
+    .flatten()
+    {
+        return now.saturating_add_signed(offset);
+    }
+    now
 }
 
 impl Ctx {
@@ -121,8 +135,9 @@ impl Ctx {
     /// The log entry for `command`, stamped `leader_time_ms`: in the oldest
     /// format that expresses it with this build's rules, except that while
     /// another member has said it reads only older formats (a rolling
-    /// upgrade) it goes out in its command's oldest form and then applies as
-    /// that member's build applies it ([`Request::for_members`]). A member
+    /// upgrade) it goes out in the format that member reads (or the
+    /// command's oldest form, if newer) and then applies as that member's
+    /// build applies it ([`Request::for_members`]). A member
     /// that has not answered does not count: if it turns out to be older, it
     /// stops with a clear error at the entry rather than applying it wrongly.
     pub fn request(

@@ -44,8 +44,11 @@ pub use types::*;
 /// node comes back only under a new UID ([`NODE_UID_FORMAT_VERSION`]); 6:
 /// a client session keeps each answer with its command's fingerprint and
 /// its floor moves only over sequences it has seen
-/// ([`SESSION_BINDING_FORMAT_VERSION`]), and snapshots keep the
-/// fingerprints ([`SNAPSHOT_FORMAT_VERSION`]).
+/// ([`SESSION_BINDING_FORMAT_VERSION`]), a sweep forgets the phases of pods
+/// nothing names ([`command::POD_CLEANUP_FORMAT_VERSION`]), a caller's
+/// abandoned wait is given up unless a retry came back for it
+/// (`AbandonWait`), and snapshots keep what sessions gained
+/// ([`SNAPSHOT_FORMAT_VERSION`]).
 ///
 /// An entry is written in the oldest format that can express it
 /// ([`Command::format_version`]) and snapshots in [`SNAPSHOT_FORMAT_VERSION`],
@@ -103,14 +106,16 @@ impl Request {
     }
 
     /// This request as the leader writes it while another member is known
-    /// to read only formats up to `oldest_known` (a rolling upgrade): in its
-    /// command's oldest form ([`Command::oldest_form`]) when its own format
-    /// is newer, so that member reads it and applies it as its build does.
-    /// Unchanged when no member is known to be older. (Batches go out only
-    /// once every member reads their format, `Proposer::batching`.)
+    /// to read only formats up to `oldest_known` (a rolling upgrade): in that
+    /// format, or its command's oldest form ([`Command::oldest_form`]) if
+    /// that is newer, so the member reads it and applies it as its build
+    /// does (every rule of a format applies from that format on, so a
+    /// format-5 entry applies alike in builds of format 5 and 6). Unchanged
+    /// when no member is known to be older. (Batches go out only once every
+    /// member reads their format, `Proposer::batching`.)
     pub fn for_members(mut self, oldest_known: Option<u16>) -> Self {
-        if oldest_known.is_some_and(|format| format < self.format_version) {
-            self.format_version = self.command.oldest_form();
+        if let Some(format) = oldest_known.filter(|format| *format < self.format_version) {
+            self.format_version = format.max(self.command.oldest_form());
         }
         self
     }
@@ -555,6 +560,20 @@ fn apply_one(txn: &mut Txn<'_>, request_id: Option<&RequestId>, command: &Comman
         }
     }
 
+    if let Some(id) = request_id
+        && bound
+        && !txn.state.sessions.contains_key(&id.client_id)
+        && txn.state.sessions.len() >= MAX_SESSIONS
+    {
+        let err = CommandError::TooManySessions {
+            limit: MAX_SESSIONS as u32,
+        };
+        return Response {
+            result: Err(err),
+            deduplicated: false,
+        };
+    }
+
     let result = command.clone().apply(txn);
     // What the command freed is granted now, before the next batch item.
     txn.grant_freed();
@@ -571,7 +590,7 @@ fn apply_one(txn: &mut Txn<'_>, request_id: Option<&RequestId>, command: &Comman
         if bound {
             done_below = done_below.min(session.next_unseen());
         }
-        session.responses.insert(
+        session.keep(
             id.sequence,
             StoredAnswer {
                 result: result.clone(),
@@ -581,12 +600,11 @@ fn apply_one(txn: &mut Txn<'_>, request_id: Option<&RequestId>, command: &Comman
                 answered_at: if bound { txn.index } else { 0 },
             },
         );
-        session.acknowledged_below = session.acknowledged_below.max(done_below);
-        session.responses = session.responses.split_off(&session.acknowledged_below);
-        while session.responses.len() > SESSION_MAX_RESPONSES {
-            let (oldest, _) = session.responses.pop_first().expect("non-empty");
-            session.acknowledged_below = oldest + 1;
-        }
+        session.forget_below(done_below);
+        session.bound(
+            SESSION_MAX_RESPONSES,
+            bound.then_some(SESSION_MAX_ANSWER_BYTES),
+        );
         session.last_seen_ms = now_ms;
         txn.dirty.sessions.insert(id.client_id.clone());
     }

@@ -702,14 +702,198 @@ fn an_abandoned_wait_is_removed_unless_a_retry_answered_it_since() {
 }
 
 #[test]
+fn a_sweep_forgets_the_phases_of_pods_nothing_names() {
+    let mut m = Machine::new();
+    let report = |uid: &str, phase| {
+        Command::ReportPod(ReportPod {
+            pod_uid: uid.into(),
+            phase,
+        })
+    };
+    let held = granted(m.run(acquire("a", "holder", 0)));
+    m.run(acquire("a", "waiter", 60_000)).unwrap();
+    m.run(report("holder", PodPhase::Starting)).unwrap();
+    m.run(report("waiter", PodPhase::Running)).unwrap();
+    m.run(report("unnamed", PodPhase::Running)).unwrap();
+    let settings = sweep_settings(0, 1 << 40);
+    assert!(sweep_due(&m.state, m.now, &settings, FORMAT_VERSION));
+    // A format-5 sweep (a rolling upgrade) keeps them, as format 5 did, and
+    // is not due for them.
+    assert!(!sweep_due(&m.state, m.now, &settings, 5));
+    m.run_request(Request {
+        format_version: 5,
+        request_id: None,
+        leader_time_ms: m.now,
+        command: Command::Sweep(settings.clone()),
+    });
+    assert!(m.state.pods.contains_key("unnamed"));
+    m.run(Command::Sweep(settings.clone())).unwrap();
+    assert_eq!(
+        m.state.pods.keys().collect::<Vec<_>>(),
+        vec!["holder", "waiter"],
+        "only the pod nothing names is forgotten"
+    );
+    // The holder releases (the waiter is granted): the holder is forgotten
+    // at the next sweep, the new holder is not.
+    m.run(release("a", "holder", held.token)).unwrap();
+    m.run(Command::Sweep(settings.clone())).unwrap();
+    assert_eq!(m.state.pods.keys().collect::<Vec<_>>(), vec!["waiter"]);
+    assert!(!sweep_due(&m.state, m.now, &settings, FORMAT_VERSION));
+}
+
+#[test]
+fn a_clients_kept_answers_are_bounded_by_bytes() {
+    let mut m = Machine::new();
+    // A client that never says it has seen an answer, with 60 KiB payloads
+    // (each "granted" answer carries its hold's payload).
+    let payload_acquire = |n: u64| {
+        let mut command = acquire(&format!("lock-{n}"), "u1", 0);
+        if let Command::Acquire(a) = &mut command {
+            a.payload = vec![7; 60 << 10];
+        }
+        command
+    };
+    let id = |sequence| {
+        Some(RequestId {
+            client_id: "hoarder".into(),
+            sequence,
+            first_incomplete: 0,
+        })
+    };
+    for n in 1..=100 {
+        granted(m.run_as(id(n), payload_acquire(n)).result);
+    }
+    let session = &m.state.sessions["hoarder"];
+    let kept: u64 = session.responses.values().map(answer_size).sum();
+    assert_eq!(session.answer_bytes, kept);
+    assert!(kept <= SESSION_MAX_ANSWER_BYTES, "{kept}");
+    assert!(session.responses.len() < 100);
+    let oldest_kept = session.acknowledged_below;
+    assert!(oldest_kept > 1);
+    // A retry of a forgotten one is refused, not applied again.
+    let late = m.run_as(id(1), payload_acquire(1));
+    assert!(matches!(
+        late.result,
+        Err(CommandError::SequenceTooOld { sequence: 1, .. })
+    ));
+    // One answer over the bound on its own is still kept (the request
+    // applied; its client must be able to learn the answer).
+    let mut huge = payload_acquire(1000);
+    if let Command::Acquire(a) = &mut huge {
+        a.payload = vec![7; (SESSION_MAX_ANSWER_BYTES + 1) as usize];
+    }
+    granted(m.run_as(id(1000), huge).result);
+    assert_eq!(
+        m.state.sessions["hoarder"]
+            .responses
+            .keys()
+            .collect::<Vec<_>>(),
+        vec![&1000]
+    );
+}
+
+#[test]
+fn a_request_opening_a_session_past_the_limit_is_refused_and_changes_nothing() {
+    let mut m = Machine::new();
+    for n in 0..MAX_SESSIONS {
+        m.state
+            .sessions
+            .insert(format!("client-{n}"), ClientSession::default());
+    }
+    let before = m.state.clone();
+    let refused = m.run_as(Some(request_id("one-more", 1)), acquire("a", "u1", 0));
+    assert_eq!(
+        refused.result,
+        Err(CommandError::TooManySessions {
+            limit: MAX_SESSIONS as u32
+        })
+    );
+    assert_eq!(m.state.locks, before.locks);
+    assert_eq!(m.state.sessions.len(), MAX_SESSIONS);
+    // A client that has a session goes on.
+    granted(
+        m.run_as(Some(request_id("client-7", 1)), acquire("a", "u1", 0))
+            .result,
+    );
+}
+
+#[test]
+fn waits_sessions_and_tombstones_end_only_after_the_lock_delay() {
+    let mut m = Machine::new();
+    granted(m.run(acquire("a", "holder", 0)));
+    m.run_as(Some(request_id("c", 1)), acquire("a", "waiter", 1_000))
+        .result
+        .unwrap();
+    m.run(report_node("n5", NodeState::Ready)).unwrap();
+    m.run(report_node("n5", NodeState::Gone)).unwrap();
+    // Everything is due on committed time, a minute on.
+    m.now += 60_000;
+    let sweep = |tenure_ms| Sweep {
+        leader_tenure_ms: tenure_ms,
+        hold_timeout_ms: 1 << 40,
+        scope_hold_timeout_ms: BTreeMap::new(),
+        session_idle_ms: 30_000,
+        node_tombstone_ms: 20_000,
+    };
+    // A leader of 500 ms (its clock may run ahead of the last one's) ends
+    // none of them, and is not asked to.
+    assert!(!sweep_due(&m.state, m.now, &sweep(500), FORMAT_VERSION));
+    m.run(Command::Sweep(sweep(500))).unwrap();
+    assert_eq!(m.state.locks[&key("a")].waiters.len(), 1);
+    assert!(m.state.sessions.contains_key("c"));
+    assert!(m.state.nodes.contains_key("n5"));
+    // Once it has led for the wait's length (1 s) the wait ends; for the
+    // tombstone time (20 s) the tombstone goes; for the idle time (30 s)
+    // the session.
+    m.run(Command::Sweep(sweep(1_000))).unwrap();
+    assert!(m.state.locks[&key("a")].waiters.is_empty());
+    assert!(m.state.nodes.contains_key("n5"));
+    m.run(Command::Sweep(sweep(20_000))).unwrap();
+    assert!(!m.state.nodes.contains_key("n5"));
+    assert!(m.state.sessions.contains_key("c"));
+    m.run(Command::Sweep(sweep(30_000))).unwrap();
+    assert!(!m.state.sessions.contains_key("c"));
+}
+
+#[test]
+fn a_format_5_sweep_ends_waits_sessions_and_tombstones_as_format_5_did() {
+    let mut m = Machine::new();
+    m.run_as(Some(request_id("c", 1)), acquire("a", "u1", 0))
+        .result
+        .unwrap();
+    m.now += 60_000;
+    let sweep = Sweep {
+        leader_tenure_ms: 1,
+        hold_timeout_ms: 1 << 40,
+        scope_hold_timeout_ms: BTreeMap::new(),
+        session_idle_ms: 30_000,
+        node_tombstone_ms: 20_000,
+    };
+    assert!(sweep_due(&m.state, m.now, &sweep, 5));
+    m.run_request(Request {
+        format_version: 5,
+        request_id: None,
+        leader_time_ms: m.now,
+        command: Command::Sweep(sweep),
+    });
+    assert!(!m.state.sessions.contains_key("c"));
+}
+
+#[test]
 fn sweep_drops_waits_past_their_deadline() {
     let mut m = Machine::new();
     granted(m.run(acquire("a", "u1", 0)));
     m.run(acquire("a", "u2", 500)).unwrap();
     m.run(acquire("a", "u3", 5000)).unwrap();
     m.now += 1000;
-    assert!(sweep_due(&m.state, m.now, &sweep_settings(0, 1 << 40)));
-    let reply = m.run(sweep(0, 1 << 40)).unwrap();
+    // A leader that has led for longer than the waits (the lock-delay).
+    assert!(sweep_due(
+        &m.state,
+        m.now,
+        &sweep_settings(5_000, 1 << 40),
+        FORMAT_VERSION
+    ));
+    let reply = m.run(sweep(5_000, 1 << 40)).unwrap();
     assert!(matches!(
         reply,
         Reply::Swept {
@@ -890,7 +1074,7 @@ fn a_format_2_sweep_replays_as_it_first_applied() {
     let mut m = Machine::new();
     two_leases_due_with_a_third_pod_queued(&mut m);
     let mut request = Request::new(None, m.now, sweep(1 << 40, 1 << 40));
-    assert_eq!(request.format_version, DEFERRED_GRANTS_FORMAT_VERSION);
+    assert_eq!(request.format_version, POD_CLEANUP_FORMAT_VERSION);
     request.format_version = 2;
     m.run_request(request);
     let granted_to: Vec<String> = grants_of_entry(&m, m.index)
@@ -1404,7 +1588,12 @@ fn a_hold_whose_pod_has_not_started_is_kept_past_the_timeout_and_reported_once()
         }
     ));
     assert!(
-        !sweep_due(&m.state, m.now, &sweep_settings(1 << 40, 5_000)),
+        !sweep_due(
+            &m.state,
+            m.now,
+            &sweep_settings(1 << 40, 5_000),
+            FORMAT_VERSION
+        ),
         "reported once, not at every sweep"
     );
     assert_eq!(
@@ -1693,6 +1882,15 @@ fn property_rounds(base_seed: u64, rounds: u64) -> Reached {
                 &format!("seed {seed} entry {}", m.index),
             );
             if matches!(command, Command::Sweep(_)) {
+                // One that applied (not a retry answered from the table, nor
+                // a refused reuse of an id).
+                if !response.deduplicated && matches!(response.result, Ok(Reply::Swept { .. })) {
+                    assert_eq!(
+                        unreferenced_pods(&m.state),
+                        Vec::<String>::new(),
+                        "seed {seed}: a sweep left phases of pods nothing names"
+                    );
+                }
                 let entry = &m.events[before..];
                 let chained = entry.iter().any(|ended| {
                     let EventKind::LockReleased { key, .. } = &ended.kind else {
@@ -1705,6 +1903,14 @@ fn property_rounds(base_seed: u64, rounds: u64) -> Reached {
                 reached.sweeps_ending_a_hold_and_a_lease_wait += u32::from(chained);
             }
             check_pin_invariants(&m.state, seed);
+            for (client, session) in &m.state.sessions {
+                let kept: u64 = session.responses.values().map(answer_size).sum();
+                assert_eq!(
+                    session.answer_bytes, kept,
+                    "seed {seed}: session {client} miscounts its answers' bytes"
+                );
+                assert!(session.responses.len() <= SESSION_MAX_RESPONSES);
+            }
             check_invariants(
                 &m.state,
                 &m.events[before..],

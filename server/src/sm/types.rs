@@ -256,13 +256,70 @@ pub struct ClientSession {
     pub acknowledged_below: u64,
     /// Committed time of the client's last request, for eviction.
     pub last_seen_ms: u64,
+    /// Bytes the kept answers count for ([`answer_size`]), held within
+    /// [`SESSION_MAX_ANSWER_BYTES`] from format 6.
+    pub answer_bytes: u64,
 }
 
 /// Most responses kept per client: the bound on requests one client may have
 /// in flight (unacknowledged) at once.
 pub const SESSION_MAX_RESPONSES: usize = 4096;
 
+/// Most bytes of answers kept per client (format 6): an answer can carry a
+/// 64 KiB payload, so 4,096 of them could otherwise hold 256 MiB for one
+/// client. Past it the oldest answers are dropped, as past the count bound:
+/// a retry of one is then refused as too old, never applied twice.
+pub const SESSION_MAX_ANSWER_BYTES: u64 = 4 << 20;
+
+/// Most client sessions kept (format 6). A request that would open one more
+/// is refused with `RESOURCE_EXHAUSTED` and applies nothing; idle sessions
+/// are evicted by the sweep (`--session-idle`). Each `Client` is one session,
+/// so this is far above any real deployment (a device plugin per node, a few
+/// schedulers and bridges) and stops only a caller that opens one per
+/// request.
+pub const MAX_SESSIONS: usize = 65_536;
+
+/// Bytes one kept answer counts for: its result's encoding and a fixed 24
+/// for the rest (sequence, fingerprint, index), which do not change while it
+/// is kept.
+pub fn answer_size(answer: &StoredAnswer) -> u64 {
+    let result =
+        postcard::serialize_with_flavor(&answer.result, postcard::ser_flavors::Size::default())
+            .expect("an answer always encodes");
+    result as u64 + 24
+}
+
 impl ClientSession {
+    /// Keeps `answer` for `sequence`.
+    pub fn keep(&mut self, sequence: u64, answer: StoredAnswer) {
+        self.answer_bytes += answer_size(&answer);
+        if let Some(replaced) = self.responses.insert(sequence, answer) {
+            self.answer_bytes -= answer_size(&replaced);
+        }
+    }
+
+    /// Raises the floor to `floor` (if higher) and forgets the answers below.
+    pub fn forget_below(&mut self, floor: u64) {
+        self.acknowledged_below = self.acknowledged_below.max(floor);
+        let kept = self.responses.split_off(&self.acknowledged_below);
+        for forgotten in std::mem::replace(&mut self.responses, kept).values() {
+            self.answer_bytes -= answer_size(forgotten);
+        }
+    }
+
+    /// Forgets the oldest answers, raising the floor past them, while more
+    /// than `max_count` are kept, or (with `max_bytes`) while they count for
+    /// more than `max_bytes` and more than one is kept.
+    pub fn bound(&mut self, max_count: usize, max_bytes: Option<u64>) {
+        while self.responses.len() > max_count
+            || max_bytes.is_some_and(|max| self.answer_bytes > max && self.responses.len() > 1)
+        {
+            let (oldest, forgotten) = self.responses.pop_first().expect("non-empty");
+            self.answer_bytes -= answer_size(&forgotten);
+            self.acknowledged_below = oldest + 1;
+        }
+    }
+
     /// The lowest sequence this session has neither answered nor put below
     /// its floor: how far the client is known to have got.
     pub fn next_unseen(&self) -> u64 {

@@ -12,7 +12,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::sm::{
     ClientSession, CommandResult, Lock, LockKey, NodeInfo, Pin, PinKey, PodPhase, State,
-    StoredAnswer, TtlLease,
+    StoredAnswer, TtlLease, answer_size,
 };
 
 /// A client session as formats 1-5 stored it: answers without fingerprints.
@@ -30,7 +30,7 @@ impl From<ClientSessionV2> for ClientSession {
     /// Kept answers carry no fingerprint, so a retry of one is answered as
     /// formats up to 5 answered it.
     fn from(old: ClientSessionV2) -> Self {
-        ClientSession {
+        let mut session = ClientSession {
             responses: old
                 .responses
                 .into_iter()
@@ -45,7 +45,10 @@ impl From<ClientSessionV2> for ClientSession {
                 .collect(),
             acknowledged_below: old.acknowledged_below,
             last_seen_ms: old.last_seen_ms,
-        }
+            answer_bytes: 0,
+        };
+        session.answer_bytes = session.responses.values().map(answer_size).sum();
+        session
     }
 }
 

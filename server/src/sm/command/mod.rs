@@ -31,7 +31,9 @@ pub use release_pin::ReleasePin;
 pub use report_node::{NODE_UID_FORMAT_VERSION, ReportNode};
 pub use report_pod::ReportPod;
 pub use revoke_pod::RevokePod;
-pub use sweep::{DEFERRED_GRANTS_FORMAT_VERSION, Sweep, sweep_due};
+pub use sweep::{
+    DEFERRED_GRANTS_FORMAT_VERSION, POD_CLEANUP_FORMAT_VERSION, Sweep, sweep_due, unreferenced_pods,
+};
 
 use serde::{Deserialize, Serialize};
 
@@ -112,7 +114,7 @@ impl Command {
         match self {
             Command::Batch(batch) if batch.shares_a_lock() => SHARED_LOCK_BATCH_FORMAT_VERSION,
             Command::Batch(_) => BATCH_FORMAT_VERSION,
-            Command::Sweep(_) => DEFERRED_GRANTS_FORMAT_VERSION,
+            Command::Sweep(_) => POD_CLEANUP_FORMAT_VERSION,
             Command::ReportNode(_) => NODE_UID_FORMAT_VERSION,
             Command::AbandonWait(_) => ABANDON_WAIT_FORMAT_VERSION,
             _ => 2,
@@ -330,6 +332,17 @@ pub enum CommandError {
         client_id: String,
         /// The sequence presented.
         sequence: u64,
+    },
+    /// A request that would open one client session more than the dedupe
+    /// table keeps (format 6). Applies nothing; never kept.
+    #[error(
+        "the dedupe table holds its limit of {limit} client sessions; idle ones are evicted \
+         after tetherd --session-idle. A caller that makes a new client per request should \
+         reuse one"
+    )]
+    TooManySessions {
+        /// The limit.
+        limit: u32,
     },
 }
 

@@ -15,7 +15,14 @@
 //! TTL lease or pin may expire only once the proposing leader has led for at
 //! least that hold's timeout, lease's TTL or pin's lifetime
 //! (`leader_tenure_ms`, stamped in the entry). Anything still alive would have
-//! been refreshed or released through this leader within that window.
+//! been refreshed or released through this leader within that window. From
+//! format 6 ([`CLOCK_RULES_FORMAT_VERSION`]) the same holds for a wait's
+//! deadline, an idle session's eviction and a node tombstone's removal.
+//!
+//! What is due is decided on committed time (the highest leader stamp
+//! applied, `State::now_ms`), never on a replica's own clock: the leader
+//! asks [`sweep_due`] at the time its sweep will apply at, the later of its
+//! clock and committed time.
 
 use std::collections::BTreeMap;
 
@@ -25,14 +32,50 @@ use super::lease::end_lease;
 use super::{CommandError, Reply};
 use crate::sm::event::EventKind;
 use crate::sm::types::{
-    Lock, LockKey, OwnerState, Pin, PinKey, PinReleaseReason, PodPhase, ReleaseReason, TtlLease,
-    WaitEndReason, Waiter,
+    ClientSession, Lock, LockKey, NodeInfo, OwnerState, Pin, PinKey, PinReleaseReason, PodPhase,
+    ReleaseReason, TtlLease, WaitEndReason, Waiter,
 };
 use crate::sm::{State, Txn};
 
 /// The log format from which a sweep ends everything due before it grants
 /// (see the module doc).
 pub const DEFERRED_GRANTS_FORMAT_VERSION: u16 = 5;
+
+/// The log format from which a sweep also forgets the reported phases of
+/// pods that nothing refers to any more (no hold, wait or pin names them):
+/// a pod reported running that then released its hold would otherwise stay
+/// in every snapshot for ever. A phase matters only for a pod's holds (the
+/// stuck-hold rule) and for a pin it is given; the bridge reports the pods
+/// that hold or wait, after they do.
+pub const POD_CLEANUP_FORMAT_VERSION: u16 = 6;
+
+/// The log format from which every time-based end of a sweep waits out the
+/// lock-delay, as holds, TTL leases and pins always have: a wait ends at its
+/// deadline, an idle session is evicted and a node tombstone dropped only
+/// once the proposing leader has led for at least the wait's length, the
+/// idle time or the tombstone time. A new leader whose clock runs ahead
+/// would otherwise evict a session early (and a late retry of a request it
+/// answered would then apply twice) or end waits early.
+pub const CLOCK_RULES_FORMAT_VERSION: u16 = 6;
+
+/// Pod UIDs with a reported phase that no hold, wait or pin names.
+pub fn unreferenced_pods(state: &State) -> Vec<String> {
+    if state.pods.is_empty() {
+        return Vec::new();
+    }
+    let mut named: std::collections::BTreeSet<&str> = std::collections::BTreeSet::new();
+    for lock in state.locks.values() {
+        named.extend(lock.holder.iter().map(|h| h.pod.uid.as_str()));
+        named.extend(lock.waiters.iter().map(|w| w.pod.uid.as_str()));
+    }
+    named.extend(state.pins.values().map(|p| p.pod_uid.as_str()));
+    state
+        .pods
+        .keys()
+        .filter(|uid| !named.contains(uid.as_str()))
+        .cloned()
+        .collect()
+}
 
 /// Expire what is due.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -77,8 +120,31 @@ impl Sweep {
         lease.expires_at_ms <= now_ms && lease.ttl_ms <= self.leader_tenure_ms
     }
 
-    fn wait_due(waiter: &Waiter, now_ms: u64) -> bool {
-        waiter.deadline_ms != 0 && waiter.deadline_ms <= now_ms
+    /// Whether the proposing leader has led for `length_ms` (always true
+    /// for entries older than [`CLOCK_RULES_FORMAT_VERSION`], which ended
+    /// waits, sessions and tombstones without it).
+    fn led_for(&self, length_ms: u64, format_version: u16) -> bool {
+        format_version < CLOCK_RULES_FORMAT_VERSION || length_ms <= self.leader_tenure_ms
+    }
+
+    fn wait_due(&self, waiter: &Waiter, now_ms: u64, format_version: u16) -> bool {
+        waiter.deadline_ms != 0
+            && waiter.deadline_ms <= now_ms
+            && self.led_for(
+                waiter.deadline_ms.saturating_sub(waiter.queued_at_ms),
+                format_version,
+            )
+    }
+
+    fn session_due(&self, session: &ClientSession, now_ms: u64, format_version: u16) -> bool {
+        session.last_seen_ms.saturating_add(self.session_idle_ms) <= now_ms
+            && self.led_for(self.session_idle_ms, format_version)
+    }
+
+    fn tombstone_due(&self, node: &NodeInfo, now_ms: u64, format_version: u16) -> bool {
+        node.gone_at_ms
+            .is_some_and(|t| t.saturating_add(self.node_tombstone_ms) <= now_ms)
+            && self.led_for(self.node_tombstone_ms, format_version)
     }
 
     fn pin_due(&self, pin: &Pin, now_ms: u64) -> bool {
@@ -109,6 +175,7 @@ impl Sweep {
     /// pins, reports stuck holds, evicts idle sessions and old tombstones.
     pub fn apply(self, txn: &mut Txn<'_>) -> Result<Reply, CommandError> {
         let now = txn.now_ms;
+        let format = txn.format_version;
         // Grants wait until every end is applied (format 5 on), or are made
         // as each hold ends (older entries, replayed as they first applied).
         let grant_as_ending = txn.format_version < DEFERRED_GRANTS_FORMAT_VERSION;
@@ -125,7 +192,10 @@ impl Sweep {
             .map(|(k, l)| {
                 (
                     k.clone(),
-                    l.waiters.iter().filter(|w| Self::wait_due(w, now)).count(),
+                    l.waiters
+                        .iter()
+                        .filter(|w| self.wait_due(w, now, format))
+                        .count(),
                 )
             })
             .filter(|(_, n)| *n > 0)
@@ -134,7 +204,7 @@ impl Sweep {
         for (key, count) in &late_waits {
             txn.remove_waiters(
                 key,
-                |w| Self::wait_due(w, now),
+                |w| self.wait_due(w, now, format),
                 WaitEndReason::DeadlineExceeded,
             );
             waits += *count as u32;
@@ -204,7 +274,7 @@ impl Sweep {
             .state
             .sessions
             .iter()
-            .filter(|(_, s)| s.last_seen_ms.saturating_add(self.session_idle_ms) <= now)
+            .filter(|(_, s)| self.session_due(s, now, format))
             .map(|(c, _)| c.clone())
             .collect();
         let sessions = idle.len() as u32;
@@ -217,15 +287,21 @@ impl Sweep {
             .state
             .nodes
             .iter()
-            .filter(|(_, n)| {
-                n.gone_at_ms
-                    .is_some_and(|t| t.saturating_add(self.node_tombstone_ms) <= now)
-            })
+            .filter(|(_, n)| self.tombstone_due(n, now, format))
             .map(|(name, _)| name.clone())
             .collect();
         for name in old_tombstones {
             txn.state.nodes.remove(&name);
             txn.dirty.nodes.insert(name);
+        }
+
+        if txn.format_version >= POD_CLEANUP_FORMAT_VERSION {
+            // After the ends above (a waiter about to be granted still waits,
+            // so it is still named).
+            for uid in unreferenced_pods(txn.state) {
+                txn.state.pods.remove(&uid);
+                txn.dirty.pods.insert(uid);
+            }
         }
         Ok(Reply::Swept {
             waits,
@@ -238,15 +314,15 @@ impl Sweep {
     }
 }
 
-/// Whether a [`Sweep`] would change anything at committed time `now_ms`: the
-/// leader asks this of its applied state before proposing, so an idle cluster
-/// writes no sweep entries.
-pub fn sweep_due(state: &State, now_ms: u64, sweep: &Sweep) -> bool {
+/// Whether a [`Sweep`] written in `format_version` would change anything at
+/// committed time `now_ms`: the leader asks this of its applied state before
+/// proposing, so an idle cluster writes no sweep entries.
+pub fn sweep_due(state: &State, now_ms: u64, sweep: &Sweep, format_version: u16) -> bool {
     let waits = state
         .locks
         .values()
         .flat_map(|l| l.waiters.iter())
-        .any(|w| Sweep::wait_due(w, now_ms));
+        .any(|w| sweep.wait_due(w, now_ms, format_version));
     let leases = state.leases.values().any(|l| sweep.lease_due(l, now_ms));
     let holds = state.locks.iter().any(|(k, l)| {
         matches!(
@@ -258,10 +334,11 @@ pub fn sweep_due(state: &State, now_ms: u64, sweep: &Sweep) -> bool {
     let sessions = state
         .sessions
         .values()
-        .any(|s| s.last_seen_ms.saturating_add(sweep.session_idle_ms) <= now_ms);
-    let tombstones = state.nodes.values().any(|n| {
-        n.gone_at_ms
-            .is_some_and(|t| t.saturating_add(sweep.node_tombstone_ms) <= now_ms)
-    });
-    waits || leases || holds || pins || sessions || tombstones
+        .any(|s| sweep.session_due(s, now_ms, format_version));
+    let tombstones = state
+        .nodes
+        .values()
+        .any(|n| sweep.tombstone_due(n, now_ms, format_version));
+    let pods = format_version >= POD_CLEANUP_FORMAT_VERSION && !unreferenced_pods(state).is_empty();
+    waits || leases || holds || pins || sessions || tombstones || pods
 }
