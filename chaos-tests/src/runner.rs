@@ -36,6 +36,8 @@ pub struct RunConfig {
     pub lease_ttl: Duration,
     /// Pins placed with one-per-node anti-affinity.
     pub pins: usize,
+    /// Rounds of the pin lifetime worker (assign, stop the owner, expire).
+    pub pin_lifetime_rounds: usize,
     /// Time budget of each linearizability search.
     pub search_budget: Duration,
     /// How long faults may take to heal and the cluster to converge.
@@ -54,6 +56,7 @@ impl Default for RunConfig {
             // 300 ms), the shortest TTL a replica grants.
             lease_ttl: Duration::from_millis(1800),
             pins: 6,
+            pin_lifetime_rounds: 3,
             search_budget: Duration::from_secs(10),
             converge_within: Duration::from_secs(60),
         }
@@ -514,6 +517,13 @@ pub async fn run(
         config.pins,
         rng.fork(process),
     )));
+    process += 1;
+    tasks.push(tokio::spawn(workers::pin_lifetimes(
+        shared.clone(),
+        process,
+        config.pin_lifetime_rounds,
+        rng.fork(process),
+    )));
 
     // Faults, in order, on the workload's clock.
     let mut report = Report {
@@ -564,6 +574,9 @@ pub async fn run(
     );
     for member in 0..config.pins {
         keys.push(format!("pin/{prefix}/{member}"));
+    }
+    if config.pin_lifetime_rounds > 0 {
+        keys.push(workers::pin_lifetime_event_key(prefix));
     }
     let events = run_events(cluster, &control, &keys, start).await?;
     let events_complete = events.is_some();

@@ -14,6 +14,9 @@
 //!   and the hold timeout of scope [`HOLD_TIMEOUT_SCOPE`];
 //! - a **revoker** revokes pods that currently hold, as the bridge does when
 //!   a pod is deleted mid-bind;
+//! - a **pin lifetime worker** assigns a pin with a 600 ms lifetime, reports
+//!   its pod terminal and waits for the pin to expire, then again for a new
+//!   pod;
 //! - a **pin assigner** places the run's pins with one-per-node
 //!   anti-affinity, racing itself;
 //! - a **watcher** follows the run's lock events through every fault.
@@ -603,6 +606,103 @@ pub async fn pin_assigner(shared: Arc<Shared>, process: u64, members: usize, mut
             if definite {
                 break;
             }
+        }
+    }
+}
+
+/// Lifetime of the pins of [`pin_lifetimes`].
+pub const PIN_LIFETIME: Duration = Duration::from_millis(600);
+
+/// The event key of the pin [`pin_lifetimes`] assigns in a run of `prefix`.
+pub fn pin_lifetime_event_key(prefix: &str) -> String {
+    format!("pin/{prefix}-life/0")
+}
+
+/// Pins with a lifetime, one member of set `{prefix}-life`, `rounds` times:
+/// assign it for a new pod (one per node, like the run's other pins, among
+/// the pins of this set), report that pod terminal as the bridge would, and
+/// wait for the pin to expire ([`PIN_LIFETIME`] after its owner stopped, on
+/// committed time, once the leader has led that long). The next round's
+/// assignment may land on another node. The pins checker checks from the
+/// log that no pin expired before its lifetime.
+pub async fn pin_lifetimes(shared: Arc<Shared>, process: u64, rounds: usize, mut rng: Rng) {
+    let set = format!("{}-life", shared.prefix);
+    let selector = pb::LabelSelector {
+        match_labels: HashMap::from([("life".to_string(), shared.prefix.clone())]),
+        match_expressions: vec![],
+    };
+    let affinity = pb::Affinity {
+        required_anti: vec![pb::AffinityTerm {
+            label_selector: Some(selector),
+            topology_key: "kubernetes.io/hostname".into(),
+        }],
+        ..Default::default()
+    };
+    let key = pb::PinKey {
+        set: set.clone(),
+        member: "0".into(),
+    };
+    let event_key = pin_lifetime_event_key(&shared.prefix);
+    for round in 0..rounds {
+        if shared.stopped() {
+            return;
+        }
+        let uid = format!("{}-life{round}", shared.prefix);
+        let mut candidates: Vec<String> = PIN_NODES.iter().map(|n| n.to_string()).collect();
+        for i in (1..candidates.len()).rev() {
+            candidates.swap(i, rng.below(i as u64 + 1) as usize);
+        }
+        let invoked = shared
+            .history
+            .invoke(process, &event_key, Call::Assign { uid: uid.clone() });
+        let result = shared
+            .client
+            .assign(
+                &key,
+                candidates,
+                &uid,
+                PIN_LIFETIME,
+                HashMap::from([("life".to_string(), shared.prefix.clone())]),
+                affinity.clone(),
+            )
+            .await;
+        let outcome = match &result {
+            Ok(response) => Outcome::Ok(Value::Assigned(
+                response
+                    .pin
+                    .as_ref()
+                    .map(|p| p.node.clone())
+                    .unwrap_or_default(),
+            )),
+            Err(Error::FailedPrecondition(_)) => Outcome::Ok(Value::Unsatisfiable),
+            Err(err) => error_outcome(err),
+        };
+        shared.history.complete(invoked, outcome);
+        // The owner stops (reported again until it is known to be): the
+        // countdown starts. Then until the pin expires. A round that cannot
+        // see its pin gone in time ends the worker, so the next assignment
+        // never takes over a pin that still stands.
+        let give_up = tokio::time::Instant::now() + Duration::from_secs(15);
+        let mut reported = false;
+        loop {
+            if shared.stopped() || tokio::time::Instant::now() >= give_up {
+                return;
+            }
+            if !reported {
+                reported = shared
+                    .client
+                    .report_pod(&uid, pb::PodPhase::PodTerminal)
+                    .await
+                    .is_ok();
+            } else {
+                match shared.client.get_pin(&key).await {
+                    Ok(Some(pin)) if pin.pod_uid == uid => {}
+                    Ok(Some(_)) => return,
+                    Ok(None) => break,
+                    Err(_) => {}
+                }
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
         }
     }
 }

@@ -9,6 +9,9 @@
 //! - with `sm-sweep-grant-per-end` switched on, a sweep that ends two TTL
 //!   leases grants as each ends (the double grant log format 5 fixed): the
 //!   lease workload must reach it and the tokens checker must report it;
+//! - with `sm-force-release-reuses-token` or `sm-hold-timeout-reuses-token`
+//!   switched on, the grant after that end reuses the ended hold's token:
+//!   the ender workload must reach it and the tokens checker report it;
 //! - a leader whose clock runs 10 s ahead (`clock-offset-ms`) evicts no
 //!   session before it has led for the idle time.
 
@@ -284,4 +287,24 @@ async fn a_leader_whose_clock_runs_ahead_does_not_evict_a_session_early() {
         "evicted {forgotten_after:?} after a leader 10 s ahead took over: before it had led for \
          the idle time ({idle:?})"
     );
+}
+
+/// Builds whose grant after a force release, or after a hold timeout,
+/// reuses the ended hold's token: the ender workload (a force release and a
+/// 500 ms hold timeout, each with a waiter, in every schedule) must reach
+/// them and the tokens checker must report them.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn builds_that_reuse_a_token_after_a_force_release_or_hold_timeout_are_caught() {
+    let run = RunConfig {
+        enders: 2,
+        ..RunConfig::default()
+    };
+    for (failpoint, seed) in [
+        ("sm-force-release-reuses-token", 92_000),
+        ("sm-hold-timeout-reuses-token", 93_000),
+    ] {
+        let violations =
+            planted_bug_runs(failpoint, seed, 2, Duration::from_millis(3000), run.clone()).await;
+        assert!(violations["tokens"] > 0, "{failpoint}: {violations:?}");
+    }
 }

@@ -36,11 +36,13 @@ pub fn check(evidence: &Evidence) -> Vec<String> {
                 .find(|key| !logged(key, "LockReleased", uid, None))
                 .map(|key| format!("revoke of {uid} releasing {key}")),
             (Call::Assign { uid }, Some(Value::Assigned(node))) => {
+                // A new pin, or an existing one taken over by this pod (an
+                // assignment answered with the pin that stands).
                 let found = evidence.events.get(&op.key).is_some_and(|events| {
                     events.iter().any(|e| {
-                        e.kind == "PinAssigned"
-                            && e.node == *node
-                            && e.attributes.get("pod_uid") == Some(uid)
+                        e.attributes.get("pod_uid") == Some(uid)
+                            && ((e.kind == "PinAssigned" && e.node == *node)
+                                || e.kind == "PinOwnerChanged")
                     })
                 });
                 (!found).then(|| format!("pin assignment to {node} for {uid}"))

@@ -213,6 +213,10 @@ pub struct Txn<'a> {
     /// Locks whose hold a command ended with [`Txn::end_hold`] and that are
     /// granted to their next waiter once that command is done.
     freed: BTreeSet<LockKey>,
+    /// Planted bugs only (`failpoints` feature): locks whose next grant
+    /// reuses the token of the hold just ended (see [`Txn::end_hold`]).
+    #[cfg(feature = "failpoints")]
+    reused_tokens: BTreeMap<LockKey, u64>,
 }
 
 impl Txn<'_> {
@@ -252,6 +256,11 @@ impl Txn<'_> {
     /// someone waits. The token is this entry's index.
     pub fn grant_next(&mut self, key: &LockKey) -> Option<Hold> {
         let (index, now) = (self.index, self.now_ms);
+        #[cfg(feature = "failpoints")]
+        let index = match self.lock_mut(key).waiters.is_empty() {
+            true => index,
+            false => self.reused_tokens.remove(key).unwrap_or(index),
+        };
         let lock = self.lock_mut(key);
         if lock.holder.is_some() {
             return None;
@@ -275,6 +284,22 @@ impl Txn<'_> {
     /// next waiter under the same token.
     pub fn end_hold(&mut self, key: &LockKey, reason: ReleaseReason) -> Option<Hold> {
         let released = self.lock_mut(key).holder.take();
+        // Deliberate bugs for the checkers' "can fail" tests: the next grant
+        // after a force release, or a hold timeout, reuses the ended hold's
+        // token. Only with the `failpoints` feature and
+        // FAILPOINTS=sm-force-release-reuses-token=return (or
+        // sm-hold-timeout-reuses-token).
+        #[cfg(feature = "failpoints")]
+        if let Some(hold) = &released {
+            let planted = match &reason {
+                ReleaseReason::Forced { .. } => "sm-force-release-reuses-token",
+                ReleaseReason::HoldTimeout { .. } => "sm-hold-timeout-reuses-token",
+                _ => "",
+            };
+            if !planted.is_empty() && fail::eval(planted, |_| ()).is_some() {
+                self.reused_tokens.insert(key.clone(), hold.token);
+            }
+        }
         if let Some(hold) = &released {
             self.emit(EventKind::LockReleased {
                 key: key.clone(),
@@ -394,6 +419,8 @@ pub fn apply(state: &mut State, index: u64, request: &Request) -> (Response, Vec
         dirty: Dirty::default(),
         format_version: request.format_version,
         freed: BTreeSet::new(),
+        #[cfg(feature = "failpoints")]
+        reused_tokens: BTreeMap::new(),
     };
     let response = match &request.command {
         Command::Batch(batch) => {

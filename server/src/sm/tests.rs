@@ -1997,57 +1997,65 @@ fn random_sequences_keep_mutual_exclusion_fifo_and_increasing_tokens() {
     );
 }
 
-/// The checker can fail: with a retry answered from the dedupe table
-/// whatever command it carries (the forged-answer bug that format 6 fixed,
-/// put back by a failpoint), the property test must report it. Run alone,
-/// like the other planted bugs.
+/// The property test run with `failpoint` (a deliberate bug) switched on:
+/// the message of the violation it reports. Panics if it reports none. The
+/// failpoints are process-wide, so these tests run alone (`./dev test` runs
+/// `planted_` with one thread and `--features failpoints`).
 #[cfg(feature = "failpoints")]
-#[test]
-fn planted_dedupe_ignoring_the_command_is_caught_by_the_property_test() {
+fn caught_by_the_property_test(failpoint: &str) -> String {
     let scenario = fail::FailScenario::setup();
-    fail::cfg("sm-dedupe-ignore-command", "return").unwrap();
+    fail::cfg(failpoint, "return").unwrap();
     let caught = std::panic::catch_unwind(|| property_rounds(0x5eed, 40));
-    fail::remove("sm-dedupe-ignore-command");
+    fail::remove(failpoint);
     scenario.teardown();
     let message = match caught {
-        Ok(reached) => panic!("the planted forged answer went unnoticed: {reached:?}"),
+        Ok(reached) => panic!("the planted bug {failpoint} went unnoticed: {reached:?}"),
         Err(payload) => payload
             .downcast_ref::<String>()
             .cloned()
             .unwrap_or_default(),
     };
-    println!("caught: {message}");
+    println!("{failpoint} caught: {message}");
+    message
+}
+
+/// A retry answered from the dedupe table whatever command it carries (the
+/// forged-answer bug that format 6 fixed).
+#[cfg(feature = "failpoints")]
+#[test]
+fn planted_dedupe_ignoring_the_command_is_caught_by_the_property_test() {
+    let message = caught_by_the_property_test("sm-dedupe-ignore-command");
     assert!(
         message.contains("the answer to another command was given"),
         "{message}"
     );
 }
 
-/// The checker can fail: with the sweep granting as each end applies (the
-/// double grant that format 5 fixed, put back by a failpoint), the property
-/// test must report a violation. Run alone (`./dev test` does, with
-/// `--features failpoints`): the failpoint is process-wide.
+/// The sweep granting as each end applies (the double grant that format 5
+/// fixed).
 #[cfg(feature = "failpoints")]
 #[test]
 fn planted_sweep_double_grant_is_caught_by_the_property_test() {
-    let scenario = fail::FailScenario::setup();
-    fail::cfg("sm-sweep-grant-per-end", "return").unwrap();
-    let caught = std::panic::catch_unwind(|| property_rounds(0x5eed, 40));
-    fail::remove("sm-sweep-grant-per-end");
-    scenario.teardown();
-    let message = match caught {
-        Ok(reached) => panic!("the planted double grant went unnoticed: {reached:?}"),
-        Err(payload) => payload
-            .downcast_ref::<String>()
-            .cloned()
-            .unwrap_or_default(),
-    };
-    println!("caught: {message}");
+    let message = caught_by_the_property_test("sm-sweep-grant-per-end");
     assert!(
         message.contains("granted twice in one entry")
             || message.contains("by an entry that also ended that hold"),
         "{message}"
     );
+}
+
+/// The grant after a force release, or after a hold timeout, reusing the
+/// ended hold's token.
+#[cfg(feature = "failpoints")]
+#[test]
+fn planted_token_reuse_after_a_force_release_or_hold_timeout_is_caught_by_the_property_test() {
+    for failpoint in [
+        "sm-force-release-reuses-token",
+        "sm-hold-timeout-reuses-token",
+    ] {
+        let message = caught_by_the_property_test(failpoint);
+        assert!(message.contains("token"), "{failpoint}: {message}");
+    }
 }
 
 #[test]

@@ -476,10 +476,24 @@ impl RaftSnapshotBuilder<TypeConfig> for SnapshotBuilder {
             meta: meta.clone(),
             data,
         };
-        self.db
-            .put_cf_opt(cf(&self.db, CF_META), SNAPSHOT, encode(&stored), &synced())
-            .map_err(|e| err::write_snapshot(Some(meta.signature()), &e))?;
-        self.gate.stored(last_applied.map_or(0, |l| l.index));
+        {
+            // Not over a newer snapshot installed while this one was built.
+            let _storing = self.gate.storing();
+            let index = last_applied.map_or(0, |l| l.index);
+            let covered = self.gate.covered();
+            if covered > index {
+                tracing::info!(
+                    index,
+                    installed = covered,
+                    "a newer snapshot was installed while this one was built; it stays the stored one"
+                );
+            } else {
+                self.db
+                    .put_cf_opt(cf(&self.db, CF_META), SNAPSHOT, encode(&stored), &synced())
+                    .map_err(|e| err::write_snapshot(Some(meta.signature()), &e))?;
+                self.gate.stored(index);
+            }
+        }
         // Snapshots are the moment of housekeeping: events older than the
         // retention window are deleted (history beyond it is not kept).
         let applied = last_applied.map_or(0, |l| l.index);
@@ -635,9 +649,13 @@ impl StateMachineStore {
             meta: meta.clone(),
             data,
         };
-        self.db
-            .put_cf_opt(cf(&self.db, CF_META), SNAPSHOT, encode(&stored), &synced())
-            .map_err(|e| err::write_snapshot(Some(meta.signature()), &e))?;
+        {
+            let _storing = self.gate.storing();
+            self.db
+                .put_cf_opt(cf(&self.db, CF_META), SNAPSHOT, encode(&stored), &synced())
+                .map_err(|e| err::write_snapshot(Some(meta.signature()), &e))?;
+            self.gate.stored(covered);
+        }
         fail::fail_point!("sm-install-snapshot-after");
         tracing::info!(
             index = covered,
