@@ -550,19 +550,35 @@ pub async fn revoker(shared: Arc<Shared>, process: u64, mut rng: Rng) {
     }
 }
 
-/// Pins of the run: `members` pins of set `prefix`, one per node at most.
-pub async fn pin_assigner(shared: Arc<Shared>, process: u64, members: usize, mut rng: Rng) {
+/// Required anti-affinity "one per node" against the pins labelled
+/// `label=value`.
+fn one_per_node(label: &str, value: &str) -> pb::Affinity {
     let selector = pb::LabelSelector {
-        match_labels: HashMap::from([("run".to_string(), shared.prefix.clone())]),
+        match_labels: HashMap::from([(label.to_string(), value.to_string())]),
         match_expressions: vec![],
     };
-    let affinity = pb::Affinity {
+    pb::Affinity {
         required_anti: vec![pb::AffinityTerm {
             label_selector: Some(selector),
             topology_key: "kubernetes.io/hostname".into(),
         }],
         ..Default::default()
-    };
+    }
+}
+
+/// [`PIN_NODES`] in a seeded order, so assignment races differ per
+/// schedule.
+fn shuffled_pin_nodes(rng: &mut Rng) -> Vec<String> {
+    let mut candidates: Vec<String> = PIN_NODES.iter().map(|n| n.to_string()).collect();
+    for i in (1..candidates.len()).rev() {
+        candidates.swap(i, rng.below(i as u64 + 1) as usize);
+    }
+    candidates
+}
+
+/// Pins of the run: `members` pins of set `prefix`, one per node at most.
+pub async fn pin_assigner(shared: Arc<Shared>, process: u64, members: usize, mut rng: Rng) {
+    let affinity = one_per_node("run", &shared.prefix);
     for member in 0..members {
         if shared.stopped() {
             return;
@@ -573,11 +589,7 @@ pub async fn pin_assigner(shared: Arc<Shared>, process: u64, members: usize, mut
         };
         let event_key = format!("pin/{}/{}", key.set, key.member);
         let uid = format!("{}-pin{member}", shared.prefix);
-        let mut candidates: Vec<String> = PIN_NODES.iter().map(|n| n.to_string()).collect();
-        // A seeded shuffle so races differ per schedule.
-        for i in (1..candidates.len()).rev() {
-            candidates.swap(i, rng.below(i as u64 + 1) as usize);
-        }
+        let candidates = shuffled_pin_nodes(&mut rng);
         for _ in 0..3 {
             let invoked =
                 shared
@@ -627,17 +639,7 @@ pub fn pin_lifetime_event_key(prefix: &str) -> String {
 /// log that no pin expired before its lifetime.
 pub async fn pin_lifetimes(shared: Arc<Shared>, process: u64, rounds: usize, mut rng: Rng) {
     let set = format!("{}-life", shared.prefix);
-    let selector = pb::LabelSelector {
-        match_labels: HashMap::from([("life".to_string(), shared.prefix.clone())]),
-        match_expressions: vec![],
-    };
-    let affinity = pb::Affinity {
-        required_anti: vec![pb::AffinityTerm {
-            label_selector: Some(selector),
-            topology_key: "kubernetes.io/hostname".into(),
-        }],
-        ..Default::default()
-    };
+    let affinity = one_per_node("life", &shared.prefix);
     let key = pb::PinKey {
         set: set.clone(),
         member: "0".into(),
@@ -648,10 +650,7 @@ pub async fn pin_lifetimes(shared: Arc<Shared>, process: u64, rounds: usize, mut
             return;
         }
         let uid = format!("{}-life{round}", shared.prefix);
-        let mut candidates: Vec<String> = PIN_NODES.iter().map(|n| n.to_string()).collect();
-        for i in (1..candidates.len()).rev() {
-            candidates.swap(i, rng.below(i as u64 + 1) as usize);
-        }
+        let candidates = shuffled_pin_nodes(&mut rng);
         let invoked = shared
             .history
             .invoke(process, &event_key, Call::Assign { uid: uid.clone() });
