@@ -459,19 +459,12 @@ pub async fn ender(shared: Arc<Shared>, process: u64, mut rng: Rng) {
             .lock()
             .unwrap_or_else(|p| p.into_inner())
             .push(key.clone());
-        if matches!(ending, Ending::NodeGone) {
-            let joined = shared
-                .client
-                .report_node(pb::ReportNodeRequest {
-                    name: name.clone(),
-                    uid: format!("{name}-uid"),
-                    state: pb::NodeState::NodeReady as i32,
-                    ..Default::default()
-                })
-                .await;
-            if joined.is_err() {
-                continue;
-            }
+        if matches!(ending, Ending::NodeGone)
+            && report_ender_node(&shared, &name, pb::NodeState::NodeReady)
+                .await
+                .is_err()
+        {
+            continue;
         }
         let (h, w) = (format!("{name}h"), format!("{name}w"));
         let Outcome::Ok(Value::Granted(token)) =
@@ -499,15 +492,7 @@ pub async fn ender(shared: Arc<Shared>, process: u64, mut rng: Rng) {
         let _ = queued_rx.await;
         match ending {
             Ending::NodeGone => {
-                let _ = shared
-                    .client
-                    .report_node(pb::ReportNodeRequest {
-                        name: name.clone(),
-                        uid: format!("{name}-uid"),
-                        state: pb::NodeState::NodeGone as i32,
-                        ..Default::default()
-                    })
-                    .await;
+                let _ = report_ender_node(&shared, &name, pb::NodeState::NodeGone).await;
             }
             Ending::ForceRelease => {
                 let _ = shared
@@ -533,6 +518,25 @@ pub async fn ender(shared: Arc<Shared>, process: u64, mut rng: Rng) {
             shared.revoke(process, &h).await;
         }
     }
+}
+
+/// Reports the node an ender round's lock is named after (one UID per
+/// round's node).
+async fn report_ender_node(
+    shared: &Shared,
+    name: &str,
+    state: pb::NodeState,
+) -> tether_client::Result<()> {
+    shared
+        .client
+        .report_node(pb::ReportNodeRequest {
+            name: name.to_string(),
+            uid: format!("{name}-uid"),
+            state: state as i32,
+            ..Default::default()
+        })
+        .await
+        .map(|_| ())
 }
 
 /// Revokes a random current holder now and then, like a pod deleted

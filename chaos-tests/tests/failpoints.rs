@@ -308,3 +308,25 @@ async fn builds_that_reuse_a_token_after_a_force_release_or_hold_timeout_are_cau
         assert!(violations["tokens"] > 0, "{failpoint}: {violations:?}");
     }
 }
+
+/// A build whose node-gone report releases the holder before it empties the
+/// queue, granting the first waiter a lock on a node that is gone: the
+/// ender's node-gone rounds (a holder and a waiter on a lock named after a
+/// node that is then reported gone) must reach it and the ends checker must
+/// report it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_build_that_hands_a_gone_nodes_lock_to_its_waiter_is_caught() {
+    let run = RunConfig {
+        enders: 2,
+        ..RunConfig::default()
+    };
+    let violations = planted_bug_runs(
+        "sm-node-gone-hands-over",
+        94_000,
+        2,
+        Duration::from_millis(3000),
+        run,
+    )
+    .await;
+    assert!(violations["ends"] > 0, "{violations:?}");
+}

@@ -444,7 +444,29 @@ pub fn check_lock_invariants(
         );
     }
     let mut granted_here = std::collections::BTreeSet::new();
+    // Locks released because their node is gone, until that node's
+    // `NodeGone` (emitted last): a grant in between hands a lock on a gone
+    // node to a pod that must be scheduled elsewhere. (A later batch item
+    // may take the lock again, for the node's next incarnation.)
+    let mut released_as_gone = std::collections::BTreeSet::new();
     for event in new_events {
+        match &event.kind {
+            EventKind::LockReleased {
+                key,
+                reason: crate::sm::ReleaseReason::NodeGone,
+                ..
+            } => {
+                released_as_gone.insert(key.clone());
+            }
+            EventKind::NodeGone { node } => released_as_gone.retain(|k| &k.name != node),
+            EventKind::LockGranted { key, hold } => assert!(
+                !released_as_gone.contains(key),
+                "{context}: {key} granted to {} with token {} by the entry that released it because its node is gone",
+                hold.pod,
+                hold.token
+            ),
+            _ => {}
+        }
         if let EventKind::LockGranted { key, hold } = &event.kind {
             assert!(
                 granted_here.insert(key.clone()),

@@ -12,8 +12,10 @@
 //! | `watch` | watch streams are in order, without gaps or repeats |
 //! | `linearizability` | try-acquire / release / revoke match a sequential lock |
 //! | `pins` | pins never break their anti-affinity rule |
+//! | `ends` | a gone node's lock and a revoked pod are granted nothing by the entry that ended them |
 
 pub mod durability;
+pub mod ends;
 pub mod fencing;
 pub mod fifo;
 pub mod linearizability;
@@ -54,7 +56,7 @@ pub struct Evidence {
 }
 
 /// Names of every checker, in report order.
-pub const CHECKERS: [&str; 8] = [
+pub const CHECKERS: [&str; 9] = [
     "mutual_exclusion",
     "fencing",
     "tokens",
@@ -63,6 +65,7 @@ pub const CHECKERS: [&str; 8] = [
     "watch",
     "linearizability",
     "pins",
+    "ends",
 ];
 
 /// Runs every checker: violations by checker name, and the locks whose
@@ -81,6 +84,7 @@ pub fn check_all(
     let (violations, undecided) = linearizability::check(evidence, budget);
     out.insert("linearizability", violations);
     out.insert("pins", pins::check(evidence));
+    out.insert("ends", ends::check(evidence));
     (out, undecided)
 }
 

@@ -2058,6 +2058,15 @@ fn planted_token_reuse_after_a_force_release_or_hold_timeout_is_caught_by_the_pr
     }
 }
 
+/// Node-gone releasing the holder before it empties the queue, so the
+/// first waiter is granted a lock on a node that is gone.
+#[cfg(feature = "failpoints")]
+#[test]
+fn planted_node_gone_hand_over_is_caught_by_the_property_test() {
+    let message = caught_by_the_property_test("sm-node-gone-hands-over");
+    assert!(message.contains("because its node is gone"), "{message}");
+}
+
 #[test]
 fn replay_is_deterministic() {
     let run = |seed: u64| {

@@ -176,6 +176,15 @@ fn node_gone(txn: &mut Txn<'_>, name: &str, uid: String) -> Reply {
         .collect();
     let mut locks_released = 0;
     for key in &locks {
+        // Deliberate bug for the checkers' "can fail" tests: the holder is
+        // released before the queue is emptied, so the first waiter is
+        // granted a lock on a node that is gone. Only with the `failpoints`
+        // feature and FAILPOINTS=sm-node-gone-hands-over=return.
+        #[cfg(feature = "failpoints")]
+        if fail::eval("sm-node-gone-hands-over", |_| ()).is_some() {
+            let (released, _) = txn.release_and_hand_over(key, ReleaseReason::NodeGone);
+            locks_released += u32::from(released.is_some());
+        }
         txn.remove_waiters(key, |_| true, WaitEndReason::NodeGone);
         let (released, _) = txn.release_and_hand_over(key, ReleaseReason::NodeGone);
         locks_released += u32::from(released.is_some());
