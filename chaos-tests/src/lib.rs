@@ -7,6 +7,8 @@
 //! - `proxy.rs` — the fault-injecting TCP proxy of one directed link.
 //! - `schedule.rs` — seeded fault schedules.
 //! - `workers.rs` — the chaos workload's clients and the fenced shadow resource.
+//! - `storm.rs` — the retry storm: duplicates, reconnects and a forging
+//!   caller under one client session.
 //! - `history.rs` — operations as invoke / ok / fail / unknown.
 //! - `checkers/` — one checker per file (see its module doc for the table).
 //! - `runner.rs` — one schedule: workload, faults, heal, collect, check.
@@ -29,6 +31,7 @@ pub mod rng;
 pub mod runner;
 pub mod schedule;
 pub mod stats;
+pub mod storm;
 #[cfg(feature = "trace")]
 pub mod trace;
 pub mod workers;

@@ -32,6 +32,9 @@ pub struct RunConfig {
     /// Enders (two pods each): holds ended by node-gone, force release and
     /// hold timeout.
     pub enders: usize,
+    /// Retry storms (a stormer and a forger each), each on a lock of its
+    /// own.
+    pub storms: usize,
     /// TTL of the lease workers' leases: the replicas' shortest.
     pub lease_ttl: Duration,
     /// Pins placed with one-per-node anti-affinity.
@@ -52,6 +55,7 @@ impl Default for RunConfig {
             queue_workers: 3,
             lease_workers: 1,
             enders: 1,
+            storms: 1,
             // 3 x the chaos clusters' election timeout upper bound (2 x
             // 300 ms), the shortest TTL a replica grants.
             lease_ttl: Duration::from_millis(1800),
@@ -451,6 +455,9 @@ pub async fn run(
     let lease_locks: Vec<pb::LockKey> = (0..config.lease_workers)
         .map(|n| shared.lock(&format!("l{n}")))
         .collect();
+    let storm_locks: Vec<pb::LockKey> = (0..config.storms)
+        .map(|n| shared.lock(&format!("rs{n}")))
+        .collect();
 
     let watch_stop = Arc::new(AtomicBool::new(false));
     let watch_until = Arc::new(Mutex::new(None));
@@ -502,6 +509,17 @@ pub async fn run(
             rng.fork(process),
         )));
         // Its two pods are processes `process` and `process + 1`.
+        process += 1;
+    }
+    for storm_lock in &storm_locks {
+        process += 1;
+        tasks.push(tokio::spawn(crate::storm::retry_storm(
+            shared.clone(),
+            process,
+            storm_lock.clone(),
+            rng.fork(process),
+        )));
+        // Its forger is process `process + 1`.
         process += 1;
     }
     process += 1;
@@ -564,6 +582,7 @@ pub async fn run(
     let mut keys: Vec<String> = try_locks.iter().map(workers::lock_event_key).collect();
     keys.push(workers::lock_event_key(&queue_lock));
     keys.extend(lease_locks.iter().map(workers::lock_event_key));
+    keys.extend(storm_locks.iter().map(workers::lock_event_key));
     keys.extend(
         shared
             .extra_locks

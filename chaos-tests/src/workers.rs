@@ -19,7 +19,9 @@
 //!   pod;
 //! - a **pin assigner** places the run's pins with one-per-node
 //!   anti-affinity, racing itself;
-//! - a **watcher** follows the run's lock events through every fault.
+//! - a **watcher** follows the run's lock events through every fault;
+//! - the **retry storm** (duplicates, reconnects and a forging caller under
+//!   one client session) is in `storm.rs`.
 
 use std::collections::{BTreeMap, HashMap};
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -125,11 +127,11 @@ pub struct Shared {
 }
 
 impl Shared {
-    fn stopped(&self) -> bool {
+    pub(crate) fn stopped(&self) -> bool {
         self.stop.load(Ordering::SeqCst)
     }
 
-    fn pod(&self, uid: &str) -> pb::Pod {
+    pub(crate) fn pod(&self, uid: &str) -> pb::Pod {
         pb::Pod {
             uid: uid.to_string(),
             namespace: "chaos".into(),
@@ -197,7 +199,13 @@ impl Shared {
         outcome
     }
 
-    async fn release(&self, process: u64, key: &pb::LockKey, uid: &str, token: u64) -> Outcome {
+    pub(crate) async fn release(
+        &self,
+        process: u64,
+        key: &pb::LockKey,
+        uid: &str,
+        token: u64,
+    ) -> Outcome {
         let call = Call::Release {
             uid: uid.to_string(),
             token,
@@ -216,7 +224,7 @@ impl Shared {
         outcome
     }
 
-    async fn revoke(&self, process: u64, uid: &str) -> Outcome {
+    pub(crate) async fn revoke(&self, process: u64, uid: &str) -> Outcome {
         let call = Call::RevokePod {
             uid: uid.to_string(),
         };

@@ -330,3 +330,37 @@ async fn a_build_that_hands_a_gone_nodes_lock_to_its_waiter_is_caught() {
     .await;
     assert!(violations["ends"] > 0, "{violations:?}");
 }
+
+/// Builds without exactly-once answers: one that applies every retry again
+/// (no dedupe table), and one that answers any command under a kept id from
+/// the table (the forged-answer bug format 6 fixed). The retry storm (copies
+/// on fresh connections, late copies, a forger under the stormer's id)
+/// must reach both.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn builds_that_apply_a_retry_twice_or_answer_another_command_are_caught() {
+    let run = RunConfig {
+        storms: 2,
+        ..RunConfig::default()
+    };
+    let violations = planted_bug_runs(
+        "sm-dedupe-skip",
+        95_000,
+        2,
+        Duration::from_millis(2500),
+        run.clone(),
+    )
+    .await;
+    assert!(violations["answers"] > 0, "{violations:?}");
+    let violations = planted_bug_runs(
+        "sm-dedupe-ignore-command",
+        96_000,
+        2,
+        Duration::from_millis(2500),
+        run,
+    )
+    .await;
+    assert!(
+        violations["answers"] + violations["durability"] > 0,
+        "{violations:?}"
+    );
+}

@@ -12,8 +12,10 @@
 //! | `watch` | watch streams are in order, without gaps or repeats |
 //! | `linearizability` | try-acquire / release / revoke match a sequential lock |
 //! | `pins` | pins never break their anti-affinity rule |
+//! | `answers` | each pod is granted each lock at most once; a "granted" answer is the pod's own grant |
 //! | `ends` | a gone node's lock and a revoked pod are granted nothing by the entry that ended them |
 
+pub mod answers;
 pub mod durability;
 pub mod ends;
 pub mod fencing;
@@ -56,7 +58,7 @@ pub struct Evidence {
 }
 
 /// Names of every checker, in report order.
-pub const CHECKERS: [&str; 9] = [
+pub const CHECKERS: [&str; 10] = [
     "mutual_exclusion",
     "fencing",
     "tokens",
@@ -66,6 +68,7 @@ pub const CHECKERS: [&str; 9] = [
     "linearizability",
     "pins",
     "ends",
+    "answers",
 ];
 
 /// Runs every checker: violations by checker name, and the locks whose
@@ -85,6 +88,7 @@ pub fn check_all(
     out.insert("linearizability", violations);
     out.insert("pins", pins::check(evidence));
     out.insert("ends", ends::check(evidence));
+    out.insert("answers", answers::check(evidence));
     (out, undecided)
 }
 

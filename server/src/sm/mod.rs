@@ -527,6 +527,11 @@ fn current_answer(state: &State, command: &Command, stored: &CommandResult) -> C
 
 /// Applies one client's command within `txn`, with the dedupe table.
 fn apply_one(txn: &mut Txn<'_>, request_id: Option<&RequestId>, command: &Command) -> Response {
+    // A deliberate bug for the checkers' "can fail" tests: no dedupe table
+    // at all, so every retry and late copy of a request is applied again.
+    // Only with the `failpoints` feature and FAILPOINTS=sm-dedupe-skip=return.
+    #[cfg(feature = "failpoints")]
+    let request_id = request_id.filter(|_| fail::eval("sm-dedupe-skip", |_| ()).is_none());
     let bound = txn.format_version >= SESSION_BINDING_FORMAT_VERSION;
     let fingerprint = (bound && request_id.is_some()).then(|| command_fingerprint(command));
     // A deliberate bug for the checkers' "can fail" tests: answer any command
