@@ -167,6 +167,11 @@ pub async fn chaos_cluster(
             // snapshots, which the snapshot failpoints need.
             "--snapshot-every=200".into(),
             "--keep-logs-after-snapshot=50".into(),
+            // The abandoner's rounds wait out the grace within a workload.
+            format!(
+                "--abandoned-wait-grace={}ms",
+                crate::abandon::ABANDONED_WAIT_GRACE.as_millis()
+            ),
             // The ender's hold-timeout scope.
             format!(
                 "--scope-hold-timeouts={}={}ms",

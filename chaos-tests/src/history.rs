@@ -60,6 +60,9 @@ pub enum Value {
     Assigned(String),
     /// No node satisfied the pin's rules: nothing changed.
     Unsatisfiable,
+    /// The wait ended because its caller went away, told to a caller that
+    /// was there to hear it (the `ends` checker reports every one).
+    Abandoned,
 }
 
 /// How an operation ended.

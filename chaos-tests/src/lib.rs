@@ -7,6 +7,8 @@
 //! - `proxy.rs` — the fault-injecting TCP proxy of one directed link.
 //! - `schedule.rs` — seeded fault schedules.
 //! - `workers.rs` — the chaos workload's clients and the fenced shadow resource.
+//! - `abandon.rs` — queued acquires whose caller goes away, and callers
+//!   that come back for their wait.
 //! - `storm.rs` — the retry storm: duplicates, reconnects and a forging
 //!   caller under one client session.
 //! - `history.rs` — operations as invoke / ok / fail / unknown.
@@ -20,6 +22,7 @@
 //! - `bin/tether-chaos.rs`, `bin/tether-bench.rs`, `bin/tether-scale.rs` —
 //!   the chaos program, the benchmark and the scale run.
 
+pub mod abandon;
 pub mod chart;
 pub mod checkers;
 pub mod cluster;

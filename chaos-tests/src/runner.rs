@@ -35,6 +35,9 @@ pub struct RunConfig {
     /// Retry storms (a stormer and a forger each), each on a lock of its
     /// own.
     pub storms: usize,
+    /// Abandoners (three pods each): queued callers that go away, and come
+    /// back.
+    pub abandoners: usize,
     /// TTL of the lease workers' leases: the replicas' shortest.
     pub lease_ttl: Duration,
     /// Pins placed with one-per-node anti-affinity.
@@ -56,6 +59,7 @@ impl Default for RunConfig {
             lease_workers: 1,
             enders: 1,
             storms: 1,
+            abandoners: 1,
             // 3 x the chaos clusters' election timeout upper bound (2 x
             // 300 ms), the shortest TTL a replica grants.
             lease_ttl: Duration::from_millis(1800),
@@ -522,6 +526,16 @@ pub async fn run(
         // Its forger is process `process + 1`.
         process += 1;
     }
+    for _ in 0..config.abandoners {
+        process += 1;
+        tasks.push(tokio::spawn(crate::abandon::abandoner(
+            shared.clone(),
+            process,
+            rng.fork(process),
+        )));
+        // Its three pods are processes `process` to `process + 2`.
+        process += 2;
+    }
     process += 1;
     tasks.push(tokio::spawn(workers::revoker(
         shared.clone(),
@@ -667,9 +681,22 @@ pub async fn run(
             .entry(format!("{call} {outcome}"))
             .or_default() += 1;
     }
-    // How the run's holds ended, from the log: shows that the workload
-    // drove each path that ends a hold (printed with -v).
+    // How the run's holds and waits ended, from the log: shows that the
+    // workload drove each path that ends one (printed with -v).
     for event in events.values().flatten() {
+        if event.kind == "WaitEnded" {
+            // `WaitEndReason`'s debug form: its variant name first.
+            let how: String = event
+                .reason
+                .chars()
+                .take_while(|c| c.is_alphanumeric())
+                .collect();
+            *report
+                .outcomes
+                .entry(format!("wait ended by {how}"))
+                .or_default() += 1;
+            continue;
+        }
         if event.kind != "LockReleased" {
             continue;
         }

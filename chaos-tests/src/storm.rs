@@ -58,16 +58,16 @@ enum Answer {
 }
 
 /// The stormer's session: its client id and the next sequence.
-struct Session {
-    client_id: String,
+pub(crate) struct Session {
+    pub(crate) client_id: String,
     /// The last sequence handed out (the forger reads it).
-    last: Arc<AtomicU64>,
+    pub(crate) last: Arc<AtomicU64>,
 }
 
 impl Session {
     /// A fresh id claiming every earlier sequence answered (the stormer
     /// works one command at a time, and gives up unknown ones).
-    fn next(&self) -> pb::RequestId {
+    pub(crate) fn next(&self) -> pb::RequestId {
         let sequence = self.last.fetch_add(1, Ordering::SeqCst) + 1;
         pb::RequestId {
             client_id: self.client_id.clone(),
@@ -78,7 +78,7 @@ impl Session {
 }
 
 /// A client with connections of its own (a reconnect), short budgets.
-fn fresh_client(shared: &Shared) -> Client {
+pub(crate) fn fresh_client(shared: &Shared) -> Client {
     let options = Options {
         call_timeout: Duration::from_millis(600),
         retry_timeout: COPY_RETRY,

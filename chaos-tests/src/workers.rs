@@ -21,7 +21,8 @@
 //!   anti-affinity, racing itself;
 //! - a **watcher** follows the run's lock events through every fault;
 //! - the **retry storm** (duplicates, reconnects and a forging caller under
-//!   one client session) is in `storm.rs`.
+//!   one client session) is in `storm.rs`, the **abandoner** (queued callers
+//!   that go away, and come back) in `abandon.rs`.
 
 use std::collections::{BTreeMap, HashMap};
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -147,7 +148,13 @@ impl Shared {
         }
     }
 
-    async fn acquire(&self, process: u64, key: &pb::LockKey, uid: &str, wait: Duration) -> Outcome {
+    pub(crate) async fn acquire(
+        &self,
+        process: u64,
+        key: &pb::LockKey,
+        uid: &str,
+        wait: Duration,
+    ) -> Outcome {
         self.acquire_on_lease(process, key, uid, wait, 0, None)
             .await
     }
@@ -192,6 +199,9 @@ impl Shared {
         let outcome = match result {
             Ok(held) => Outcome::Ok(Value::Granted(held.token())),
             Err(Error::FailedPrecondition(_)) if wait.is_zero() => Outcome::Ok(Value::Busy),
+            Err(Error::Aborted(message)) if message.contains(crate::abandon::ABANDONED_MESSAGE) => {
+                Outcome::Ok(Value::Abandoned)
+            }
             Err(Error::Aborted(_)) => Outcome::Ok(Value::Busy),
             Err(err) => error_outcome(&err),
         };
@@ -319,7 +329,7 @@ pub async fn queue_worker(shared: Arc<Shared>, process: u64, key: pb::LockKey, m
 
 /// Uses the shadow resource with `token`, then releases; an unknown release
 /// revokes the pod so nothing stays held.
-async fn use_and_release(
+pub(crate) async fn use_and_release(
     shared: &Shared,
     process: u64,
     key: &pb::LockKey,

@@ -364,3 +364,24 @@ async fn builds_that_apply_a_retry_twice_or_answer_another_command_are_caught() 
         "{violations:?}"
     );
 }
+
+/// A build whose `AbandonWait` gives a wait up although its caller came
+/// back for it (a retry of the same request answered after the abandoning
+/// stream's answer): the abandoner's returning callers must be told their
+/// caller went away, and the ends checker must report it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_build_that_abandons_a_wait_its_caller_came_back_for_is_caught() {
+    let run = RunConfig {
+        abandoners: 2,
+        ..RunConfig::default()
+    };
+    let violations = planted_bug_runs(
+        "sm-abandon-ignores-retry",
+        97_000,
+        2,
+        Duration::from_millis(3000),
+        run,
+    )
+    .await;
+    assert!(violations["ends"] > 0, "{violations:?}");
+}

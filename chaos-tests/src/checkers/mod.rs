@@ -13,7 +13,7 @@
 //! | `linearizability` | try-acquire / release / revoke match a sequential lock |
 //! | `pins` | pins never break their anti-affinity rule |
 //! | `answers` | each pod is granted each lock at most once; a "granted" answer is the pod's own grant |
-//! | `ends` | a gone node's lock and a revoked pod are granted nothing by the entry that ended them |
+//! | `ends` | a gone node's lock and a revoked pod are granted nothing by the entry that ended them; an ended wait never comes back; no present caller is told it went away |
 
 pub mod answers;
 pub mod durability;

@@ -126,6 +126,8 @@ async fn follow_wait(
                             WaitEndReason::NodeGone => ApiError::Aborted(format!(
                                 "the wait of pod uid {pod_uid} for lock {key} ended: the node is gone"
                             )),
+                            // The chaos checkers recognise this answer by
+                            // "its caller went away" (chaos-tests/src/abandon.rs).
                             WaitEndReason::Abandoned => ApiError::Aborted(format!(
                                 "the wait of pod uid {pod_uid} for lock {key} ended: its caller \
                                  went away and no retry came back for it in time"

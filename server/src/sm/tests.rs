@@ -1848,7 +1848,28 @@ fn property_rounds(base_seed: u64, rounds: u64) -> Reached {
                         || session.responses.contains_key(&id.sequence)
                 })
             });
+            // A wait that a retry answered after the abandoning stream's
+            // answer must be kept.
+            let taken_up = match &command {
+                Command::AbandonWait(abandon) => m
+                    .state
+                    .sessions
+                    .get(&abandon.client_id)
+                    .and_then(|session| session.responses.get(&abandon.sequence))
+                    .is_some_and(|answer| answer.answered_at > abandon.answered_at),
+                _ => false,
+            };
             let response = m.run_as(id.clone(), command.clone());
+            if taken_up {
+                let ended = m.events[before..]
+                    .iter()
+                    .find(|e| matches!(e.kind, EventKind::WaitEnded { .. }));
+                assert!(
+                    ended.is_none(),
+                    "seed {seed} entry {}: a wait a retry came back for was given up: {ended:?}",
+                    m.index
+                );
+            }
             if matches!(command, Command::AbandonWait(_)) {
                 match &response.result {
                     Ok(Reply::WaitCancelled(CancelOutcome::Removed)) => {
@@ -2065,6 +2086,17 @@ fn planted_token_reuse_after_a_force_release_or_hold_timeout_is_caught_by_the_pr
 fn planted_node_gone_hand_over_is_caught_by_the_property_test() {
     let message = caught_by_the_property_test("sm-node-gone-hands-over");
     assert!(message.contains("because its node is gone"), "{message}");
+}
+
+/// `AbandonWait` giving a wait up although a retry came back for it.
+#[cfg(feature = "failpoints")]
+#[test]
+fn planted_abandon_ignoring_a_retry_is_caught_by_the_property_test() {
+    let message = caught_by_the_property_test("sm-abandon-ignores-retry");
+    assert!(
+        message.contains("a wait a retry came back for was given up"),
+        "{message}"
+    );
 }
 
 #[test]

@@ -66,6 +66,12 @@ impl AbandonWait {
             .get(&self.client_id)
             .and_then(|session| session.responses.get(&self.sequence))
             .is_some_and(|answer| answer.answered_at > self.answered_at);
+        // A deliberate bug for the checkers' "can fail" tests: give the wait
+        // up even when a retry came back for it. Only with the `failpoints`
+        // feature and FAILPOINTS=sm-abandon-ignores-retry=return.
+        #[cfg(feature = "failpoints")]
+        let retried_since =
+            retried_since && fail::eval("sm-abandon-ignores-retry", |_| ()).is_none();
         if retried_since {
             return Ok(Reply::WaitCancelled(CancelOutcome::TakenUp));
         }

@@ -1,0 +1,198 @@
+//! The abandoner: queued acquires whose caller goes away, and callers that
+//! come back for their wait.
+//!
+//! Each round takes a fresh lock: pod `h` takes it, pod `w` queues behind it
+//! under a request id of the abandoner's own session, and pod `x` queues
+//! behind `w`. Then `w`'s caller goes away (its stream is dropped). In one
+//! round of two it comes back within half of the chaos clusters'
+//! [`ABANDONED_WAIT_GRACE`] with the same request id, on a fresh connection,
+//! and follows its wait to the end: the wait must have been kept, in its
+//! place. In the other it stays away, and the replica that served it gives
+//! the wait up through the leader (`AbandonWait`). `h` holds past the grace,
+//! then releases: the lock goes to `w` if it came back, else to `x` (or to
+//! `w` if a fault kept the wait from being given up in time; it is then
+//! revoked, as the bridge would revoke a pod that went away).
+//!
+//! What the checkers see: a client that came back, and is then told its
+//! wait was given up because its caller went away, is a violation
+//! (`Value::Abandoned`, reported by `ends`); a wait that ended is never
+//! granted or queued again afterwards (`ends`); and `fifo`,
+//! `mutual_exclusion`, `tokens` and `answers` read the same log.
+
+use std::sync::Arc;
+use std::sync::atomic::AtomicU64;
+use std::time::Duration;
+
+use tether_client::Error;
+use tether_client::proto as pb;
+use tether_client::proto::lock_service_client::LockServiceClient;
+use tonic::Status;
+
+use crate::history::{Call, Outcome, Value, error_outcome};
+use crate::rng::Rng;
+use crate::storm::{Session, fresh_client};
+use crate::workers::{Shared, lock_event_key, use_and_release};
+
+/// `--abandoned-wait-grace` of the chaos clusters.
+pub const ABANDONED_WAIT_GRACE: Duration = Duration::from_millis(400);
+
+/// How long `w` and `x` may wait.
+const WAIT: Duration = Duration::from_secs(3);
+
+/// The phrase of the server's answer to a stream whose wait was given up
+/// because its caller went away (`server/src/api/lock.rs`).
+pub const ABANDONED_MESSAGE: &str = "its caller went away";
+
+/// How a followed acquire ended, as the history records it.
+fn acquire_outcome(result: Result<Option<pb::Hold>, Error>) -> Outcome {
+    match result {
+        Ok(Some(hold)) => Outcome::Ok(Value::Granted(hold.token)),
+        Ok(None) => Outcome::Unknown("the stream ended without an answer".into()),
+        Err(Error::Aborted(message)) if message.contains(ABANDONED_MESSAGE) => {
+            Outcome::Ok(Value::Abandoned)
+        }
+        Err(Error::FailedPrecondition(_) | Error::Aborted(_) | Error::DeadlineExceeded(_)) => {
+            Outcome::Ok(Value::Busy)
+        }
+        Err(err) => error_outcome(&err),
+    }
+}
+
+/// Follows `stream` to its grant or its end.
+async fn follow(
+    mut stream: tonic::Streaming<pb::AcquireResponse>,
+) -> Result<Option<pb::Hold>, Status> {
+    while let Some(message) = stream.message().await? {
+        if message.hold.is_some() {
+            return Ok(message.hold);
+        }
+    }
+    Ok(None)
+}
+
+/// The abandoner's rounds (pods `h`, `w`, `x` are processes `process` to
+/// `process + 2`), until stopped.
+pub async fn abandoner(shared: Arc<Shared>, process: u64, mut rng: Rng) {
+    let session = Session {
+        client_id: format!("{}-abandon{process}", shared.prefix),
+        last: Arc::new(AtomicU64::new(0)),
+    };
+    let mut round = 0u64;
+    while !shared.stopped() {
+        round += 1;
+        let comes_back = round % 2 == 0;
+        let key = shared.lock(&format!("a{process}-{round}"));
+        shared
+            .extra_locks
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .push(key.clone());
+        let name = key.name.clone();
+        let (h, w, x) = (format!("{name}h"), format!("{name}w"), format!("{name}x"));
+        let Outcome::Ok(Value::Granted(token)) =
+            shared.acquire(process, &key, &h, Duration::ZERO).await
+        else {
+            shared.revoke(process, &h).await;
+            continue;
+        };
+        // w queues under an id of the abandoner's session, on a connection
+        // of its own; the stream is dropped once w is told it queued.
+        let id = session.next();
+        let request = pb::AcquireRequest {
+            request_id: Some(id),
+            key: Some(key.clone()),
+            pod: Some(shared.pod(&w)),
+            payload: Vec::new(),
+            wait_timeout_ms: WAIT.as_millis() as u64,
+            lease_id: 0,
+        };
+        let call = Call::Acquire {
+            uid: w.clone(),
+            wait_ms: WAIT.as_millis() as u64,
+        };
+        let invoked = shared
+            .history
+            .invoke(process + 1, &lock_event_key(&key), call.clone());
+        let first = fresh_client(&shared)
+            .with_leader(Duration::ZERO, |conn| {
+                let request = request.clone();
+                async move {
+                    let mut stream = LockServiceClient::new(conn)
+                        .acquire(request)
+                        .await?
+                        .into_inner();
+                    // Queued first (h holds), or granted if h's hold ended.
+                    Ok(stream.message().await?.and_then(|m| m.hold))
+                }
+            })
+            .await;
+        let queued = matches!(first, Ok(None));
+        // Dropped: the stream (and its connection) is gone with the client.
+        let first = match first {
+            Ok(None) => Outcome::Unknown("the caller went away while queued".into()),
+            other => acquire_outcome(other),
+        };
+        shared.history.complete(invoked, first.clone());
+        let waiter_x = {
+            let (shared, key, x) = (shared.clone(), key.clone(), x.clone());
+            tokio::spawn(async move { shared.acquire(process + 2, &key, &x, WAIT).await })
+        };
+        let back = queued && comes_back;
+        let returned = back.then(|| {
+            let (shared, request, call) = (shared.clone(), request.clone(), call.clone());
+            let delay =
+                Duration::from_millis(rng.between(0, ABANDONED_WAIT_GRACE.as_millis() as u64 / 2));
+            tokio::spawn(async move {
+                tokio::time::sleep(delay).await;
+                let invoked = shared.history.invoke(
+                    process + 1,
+                    &lock_event_key(request.key.as_ref().expect("a key")),
+                    call,
+                );
+                let result = fresh_client(&shared)
+                    .with_leader(WAIT, |conn| {
+                        let request = request.clone();
+                        async move {
+                            let stream = LockServiceClient::new(conn)
+                                .acquire(request)
+                                .await?
+                                .into_inner();
+                            follow(stream).await
+                        }
+                    })
+                    .await;
+                let outcome = acquire_outcome(result);
+                shared.history.complete(invoked, outcome.clone());
+                outcome
+            })
+        });
+        // h holds past the grace (and the leader's round trip), then
+        // releases.
+        tokio::time::sleep(ABANDONED_WAIT_GRACE + Duration::from_millis(rng.between(200, 400)))
+            .await;
+        use_and_release(&shared, process, &key, &h, token, &mut rng).await;
+        let w_outcome = match returned {
+            Some(task) => task.await.expect("the returning caller"),
+            None => first,
+        };
+        match w_outcome {
+            Outcome::Ok(Value::Granted(next)) if back => {
+                use_and_release(&shared, process + 1, &key, &w, next, &mut rng).await;
+            }
+            _ => {
+                // Gone for good (or unknown): whatever w still holds or
+                // waits for ends, as the bridge would end it.
+                shared.revoke(process + 1, &w).await;
+            }
+        }
+        match waiter_x.await.expect("x") {
+            Outcome::Ok(Value::Granted(next)) => {
+                use_and_release(&shared, process + 2, &key, &x, next, &mut rng).await;
+            }
+            Outcome::Ok(_) | Outcome::Fail(_) => {}
+            Outcome::Unknown(_) | Outcome::Pending => {
+                shared.revoke(process + 2, &x).await;
+            }
+        }
+    }
+}
