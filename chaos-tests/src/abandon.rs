@@ -80,7 +80,7 @@ pub async fn abandoner(shared: Arc<Shared>, process: u64, mut rng: Rng) {
     let mut round = 0u64;
     while !shared.stopped() {
         round += 1;
-        let comes_back = round % 2 == 0;
+        let comes_back = round.is_multiple_of(2);
         let key = shared.lock(&format!("a{process}-{round}"));
         shared
             .extra_locks
