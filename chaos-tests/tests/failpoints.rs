@@ -385,3 +385,19 @@ async fn a_build_that_abandons_a_wait_its_caller_came_back_for_is_caught() {
     .await;
     assert!(violations["ends"] > 0, "{violations:?}");
 }
+
+/// A build whose pins expire when half their lifetime has passed: the pin
+/// lifetime worker (600 ms pins whose owner is reported terminal at once)
+/// must reach it and the pins checker must report it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_build_that_expires_pins_early_is_caught() {
+    let violations = planted_bug_runs(
+        "sm-pin-expires-early",
+        98_000,
+        2,
+        Duration::from_millis(2500),
+        RunConfig::default(),
+    )
+    .await;
+    assert!(violations["pins"] > 0, "{violations:?}");
+}

@@ -1688,6 +1688,26 @@ fn spread_assign(member: &str, pod_uid: &str, lifetime_ms: u64) -> Command {
     })
 }
 
+/// A pin expires only once its owner has stopped and its whole lifetime
+/// has passed since it last ran, by the entry's committed time.
+fn check_pin_expiries(before: &BTreeMap<PinKey, Pin>, entry: &[Event], now_ms: u64, seed: u64) {
+    for event in entry {
+        let EventKind::PinReleased {
+            key,
+            reason: PinReleaseReason::Expired { .. },
+            ..
+        } = &event.kind
+        else {
+            continue;
+        };
+        let pin = before.get(key).expect("an expired pin existed");
+        assert!(
+            pin.owner == OwnerState::Stopped && pin.last_running_at_ms + pin.lifetime_ms <= now_ms,
+            "seed {seed}: pin {key} expired at {now_ms} before its lifetime passed: {pin:?}"
+        );
+    }
+}
+
 /// No pin on a gone node; no two `spread` pins in one zone.
 fn check_pin_invariants(state: &State, seed: u64) {
     let mut zones = BTreeMap::new();
@@ -1728,6 +1748,7 @@ fn check_invariants(
 #[derive(Debug, Default)]
 struct Reached {
     pins_assigned: u32,
+    pin_expiries: u32,
     nodes_gone: u32,
     grants: u32,
     batches: u32,
@@ -1859,7 +1880,9 @@ fn property_rounds(base_seed: u64, rounds: u64) -> Reached {
                     .is_some_and(|answer| answer.answered_at > abandon.answered_at),
                 _ => false,
             };
+            let pins_before = m.state.pins.clone();
             let response = m.run_as(id.clone(), command.clone());
+            check_pin_expiries(&pins_before, &m.events[before..], m.state.now_ms, seed);
             if taken_up {
                 let ended = m.events[before..]
                     .iter()
@@ -1984,6 +2007,10 @@ fn property_rounds(base_seed: u64, rounds: u64) -> Reached {
                     ..
                 } => reached.hold_timeouts += 1,
                 EventKind::PinAssigned { .. } => reached.pins_assigned += 1,
+                EventKind::PinReleased {
+                    reason: PinReleaseReason::Expired { .. },
+                    ..
+                } => reached.pin_expiries += 1,
                 EventKind::NodeGone { .. } => reached.nodes_gone += 1,
                 EventKind::LockGranted { .. } => reached.grants += 1,
                 _ => {}
@@ -2004,6 +2031,7 @@ fn random_sequences_keep_mutual_exclusion_fifo_and_increasing_tokens() {
     // The generator must exercise what the invariants are about.
     assert!(
         reached.pins_assigned > 100
+            && reached.pin_expiries > 5
             && reached.nodes_gone > 20
             && reached.grants > 100
             && reached.batches > 100
@@ -2097,6 +2125,14 @@ fn planted_abandon_ignoring_a_retry_is_caught_by_the_property_test() {
         message.contains("a wait a retry came back for was given up"),
         "{message}"
     );
+}
+
+/// Pins expiring when half their lifetime has passed.
+#[cfg(feature = "failpoints")]
+#[test]
+fn planted_early_pin_expiry_is_caught_by_the_property_test() {
+    let message = caught_by_the_property_test("sm-pin-expires-early");
+    assert!(message.contains("before its lifetime passed"), "{message}");
 }
 
 #[test]

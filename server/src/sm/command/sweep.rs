@@ -148,6 +148,17 @@ impl Sweep {
     }
 
     fn pin_due(&self, pin: &Pin, now_ms: u64) -> bool {
+        // A deliberate bug for the checkers' "can fail" tests: a pin expires
+        // when half its lifetime has passed. Only with the `failpoints`
+        // feature and FAILPOINTS=sm-pin-expires-early=return.
+        #[cfg(feature = "failpoints")]
+        let pin = &Pin {
+            lifetime_ms: match fail::eval("sm-pin-expires-early", |_| ()) {
+                Some(()) => pin.lifetime_ms / 2,
+                None => pin.lifetime_ms,
+            },
+            ..pin.clone()
+        };
         pin.lifetime_ms > 0
             && pin.owner == OwnerState::Stopped
             && pin.last_running_at_ms.saturating_add(pin.lifetime_ms) <= now_ms
