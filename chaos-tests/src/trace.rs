@@ -29,8 +29,11 @@ use tether_client::{Client, proto as pb};
 use tether_k8s_bridge::bridge::send_report;
 use tether_k8s_bridge::interest::Interest;
 use tether_k8s_bridge::mapping::{node_change, pod_change};
-use tether_k8s_bridge::model::{Command, NodeReport, NodeView, Phase, PodView};
-use tether_k8s_bridge::orphans::{LiveView, TetherView, orphans};
+use tether_k8s_bridge::model::{Command, NodeView, Phase, PodReport, PodView};
+use tether_k8s_bridge::orphans::{
+    LiveView, Lookup, TetherView, confirm_node, confirm_pod, missing_joins, node_candidates,
+    pod_candidates,
+};
 use tether_k8s_bridge::tombstones::{Tombstones, late_interest};
 
 use crate::checkers::{self, Evidence};
@@ -193,6 +196,26 @@ struct Objects {
     removed: BTreeMap<usize, (PodView, String)>,
 }
 
+impl Objects {
+    /// What the bridge's GET of a node would answer.
+    fn node_lookup(&self, name: &str) -> Lookup<NodeView> {
+        self.nodes
+            .get(name)
+            .cloned()
+            .map_or(Lookup::NotFound, Lookup::Found)
+    }
+
+    /// What the bridge's GET of a pod (namespace/name) would answer.
+    fn pod_lookup(&self, namespace: &str, name: &str) -> Lookup<PodView> {
+        self.pods
+            .values()
+            .map(|(view, _)| view)
+            .find(|v| v.namespace == namespace && v.name == name)
+            .cloned()
+            .map_or(Lookup::NotFound, Lookup::Found)
+    }
+}
+
 fn pod_view(trace: &Trace, pod: usize) -> PodView {
     PodView {
         uid: format!("{}-uid{pod}", trace.prefix),
@@ -202,6 +225,9 @@ fn pod_view(trace: &Trace, pod: usize) -> PodView {
         deleting: false,
         grace_zero: false,
         started: false,
+        // The trace does not model the bind's nodeName update: its pods
+        // are reported when they start.
+        bound: false,
     }
 }
 
@@ -222,16 +248,12 @@ async fn send_all(
 ) -> Result<(), tether_client::Error> {
     for command in commands {
         let command = match command {
-            Command::ConfirmNodeGone { name } if !objects.nodes.contains_key(&name) => {
-                Command::Node {
-                    name,
-                    uid: String::new(),
-                    report: NodeReport::Gone,
-                    labels: None,
-                    unschedulable: None,
+            Command::ConfirmNodeGone { name, uid } => {
+                match confirm_node(&name, &uid, objects.node_lookup(&name)) {
+                    Some(gone) => gone,
+                    None => continue,
                 }
             }
-            Command::ConfirmNodeGone { .. } => continue,
             other => other,
         };
         send_report(client, &command).await?;
@@ -472,29 +494,45 @@ pub async fn replay(client: &Client, trace: &Trace) -> Result<Outcome, tether_cl
     let pins = client.list_pins(&workers_set, "").await?;
     let interest = Interest::from_state(&locks, &pins);
     let live = LiveView {
-        pod_uids: objects
-            .pods
-            .values()
-            .filter(|(v, _)| !v.phase.is_terminal())
-            .map(|(v, _)| v.uid.clone())
-            .collect(),
+        pod_uids: objects.pods.values().map(|(v, _)| v.uid.clone()).collect(),
         nodes: objects.nodes.clone(),
     };
-    let registry: BTreeSet<String> = client
+    let registry: BTreeMap<String, String> = client
         .list_nodes(false)
         .await?
         .into_iter()
-        .map(|n| n.name)
-        .filter(|n| n.starts_with(&trace.prefix))
+        .filter(|n| n.name.starts_with(&trace.prefix))
+        .map(|n| (n.name, n.uid))
         .collect();
     let tether = TetherView {
         pod_uids: interest.uids().clone(),
         nodes: registry,
     };
-    send_all(client, orphans(&tether, &live), &objects, &mut outcome).await?;
+    // Candidates confirmed as the bridge confirms them: seen deleted, or a
+    // GET of the name (here: the simulated objects).
+    let mut commands = missing_joins(&tether, &live);
+    for uid in pod_candidates(&tether, &live) {
+        if tombstones.contains(&uid) {
+            commands.push(Command::Pod {
+                uid,
+                report: PodReport::Gone,
+            });
+        } else if let Some((namespace, name)) = interest.name_of(&uid) {
+            commands.extend(confirm_pod(&uid, objects.pod_lookup(namespace, name)));
+        }
+    }
+    for (name, uid) in node_candidates(&tether, &live) {
+        commands.extend(confirm_node(&name, &uid, objects.node_lookup(&name)));
+    }
+    send_all(client, commands, &objects, &mut outcome).await?;
 
-    // Synced: nothing refers to what is gone.
-    let live_uids = live.pod_uids;
+    // Synced: nothing refers to what is gone or terminal.
+    let live_uids: BTreeSet<String> = objects
+        .pods
+        .values()
+        .filter(|(v, _)| !v.phase.is_terminal())
+        .map(|(v, _)| v.uid.clone())
+        .collect();
     for lock in client.list(BIND_SCOPE).await? {
         let Some(key) = lock
             .key

@@ -18,7 +18,10 @@ use tether_client::{Client, WatchUpdate};
 use crate::interest::Interest;
 use crate::mapping::{node_change, pod_change};
 use crate::model::{Command, NodeReport, NodeView, PodReport, PodView};
-use crate::orphans::{LiveView, TetherView, orphans};
+use crate::orphans::{
+    LiveView, Lookup, TetherView, confirm_node, confirm_pod, missing_joins, node_candidates,
+    pod_candidates,
+};
 use crate::tombstones::{Tombstones, late_interest};
 
 /// Tether events that make a pod UID interesting.
@@ -38,8 +41,11 @@ pub struct Metrics {
     pub commands_sent: AtomicU64,
     /// Commands that failed (retried by the next resync if still needed).
     pub command_errors: AtomicU64,
-    /// Orphans found by lists and resyncs.
+    /// Orphans found by lists and resyncs (confirmed, reported).
     pub orphans_found: AtomicU64,
+    /// Candidates a resync could not confirm gone (alive, GET failed, or
+    /// name unknown): left alone.
+    pub unconfirmed: AtomicU64,
     /// Sum and count of Kubernetes-event-to-Tether-commit latencies, µs.
     pub lag_us_sum: AtomicU64,
     /// See `lag_us_sum`.
@@ -107,9 +113,9 @@ pub async fn send_report(tether: &Client, command: &Command) -> Result<(), tethe
             };
             tether.report_node(request).await.map(|_| ())
         }
-        Command::ConfirmNodeGone { name } => Err(tether_client::Error::InvalidArgument(format!(
-            "node {name}: a delete event must be confirmed against the API server first"
-        ))),
+        Command::ConfirmNodeGone { name, .. } => Err(tether_client::Error::InvalidArgument(
+            format!("node {name}: a delete event must be confirmed against the API server first"),
+        )),
     }
 }
 
@@ -192,6 +198,8 @@ impl Bridge {
              # TYPE tether_bridge_command_errors_total counter\ntether_bridge_command_errors_total {}\n\
              # HELP tether_bridge_orphans_total Objects Tether still held for, found missing by a list or resync.\n\
              # TYPE tether_bridge_orphans_total counter\ntether_bridge_orphans_total {}\n\
+             # HELP tether_bridge_unconfirmed_total Resync candidates not confirmed gone (alive, GET failed or name unknown), left alone.\n\
+             # TYPE tether_bridge_unconfirmed_total counter\ntether_bridge_unconfirmed_total {}\n\
              # HELP tether_bridge_lag_seconds Kubernetes event to Tether commit.\n\
              # TYPE tether_bridge_lag_seconds summary\ntether_bridge_lag_seconds_sum {}\ntether_bridge_lag_seconds_count {}\n\
              # HELP tether_bridge_interesting_pods Pod UIDs Tether holds, queues or pins for.\n\
@@ -200,6 +208,7 @@ impl Bridge {
             get(&m.commands_sent),
             get(&m.command_errors),
             get(&m.orphans_found),
+            get(&m.unconfirmed),
             get(&m.lag_us_sum) as f64 / 1e6,
             get(&m.lag_count),
             interesting,
@@ -242,25 +251,12 @@ impl Bridge {
     async fn send(&self, command: Command, seen_at: Instant) {
         let result = match &command {
             Command::Pod { .. } | Command::Node { .. } => send_report(&self.tether, &command).await,
-            Command::ConfirmNodeGone { name } => {
-                let nodes: kube::Api<Node> = kube::Api::all(self.kube.clone());
-                match nodes.get_opt(name).await {
-                    Ok(None) => {
-                        let gone = Command::Node {
-                            name: name.clone(),
-                            uid: String::new(),
-                            report: NodeReport::Gone,
-                            labels: None,
-                            unschedulable: None,
-                        };
-                        return Box::pin(self.send(gone, seen_at)).await;
-                    }
-                    Ok(Some(_)) => return, // recreated under the same name: not gone
-                    Err(err) => {
-                        // A transient error never unpins: the next list decides.
-                        tracing::warn!(node = name, %err, "cannot confirm the node is gone; leaving it to the next list");
-                        return;
-                    }
+            Command::ConfirmNodeGone { name, uid } => {
+                match confirm_node(name, uid, self.lookup_node(name).await) {
+                    Some(gone) => return Box::pin(self.send(gone, seen_at)).await,
+                    // Recreated under the same name, or the GET failed: a
+                    // failed GET never unpins, the next resync decides.
+                    None => return,
                 }
             }
         };
@@ -277,7 +273,7 @@ impl Bridge {
                     Command::Node { name, report, .. } => {
                         tracing::info!(node = %name, ?report, lag_us = lag, "node reported to Tether")
                     }
-                    Command::ConfirmNodeGone { name } => {
+                    Command::ConfirmNodeGone { name, .. } => {
                         tracing::info!(node = %name, "node gone confirmed")
                     }
                 }
@@ -286,11 +282,37 @@ impl Bridge {
                 self.metrics.command_errors.fetch_add(1, Ordering::Relaxed);
                 let (pod_uid, node) = match &command {
                     Command::Pod { uid, .. } => (uid.as_str(), ""),
-                    Command::Node { name, .. } | Command::ConfirmNodeGone { name } => {
+                    Command::Node { name, .. } | Command::ConfirmNodeGone { name, .. } => {
                         ("", name.as_str())
                     }
                 };
                 tracing::warn!(pod_uid, node, ?command, %err, "command not applied; the next resync repeats what is still needed");
+            }
+        }
+    }
+
+    /// GET of a pod by namespace and name.
+    async fn lookup_pod(&self, namespace: &str, name: &str) -> Lookup<PodView> {
+        let pods: kube::Api<Pod> = kube::Api::namespaced(self.kube.clone(), namespace);
+        match pods.get_opt(name).await {
+            Ok(None) => Lookup::NotFound,
+            Ok(Some(pod)) => PodView::from_pod(&pod).map_or(Lookup::Failed, Lookup::Found),
+            Err(err) => {
+                tracing::warn!(namespace, name, %err, "cannot read the pod; leaving it to the next resync");
+                Lookup::Failed
+            }
+        }
+    }
+
+    /// GET of a node by name.
+    async fn lookup_node(&self, name: &str) -> Lookup<NodeView> {
+        let nodes: kube::Api<Node> = kube::Api::all(self.kube.clone());
+        match nodes.get_opt(name).await {
+            Ok(None) => Lookup::NotFound,
+            Ok(Some(node)) => NodeView::from_node(&node).map_or(Lookup::Failed, Lookup::Found),
+            Err(err) => {
+                tracing::warn!(node = name, %err, "cannot read the node; leaving it to the next resync");
+                Lookup::Failed
             }
         }
     }
@@ -490,7 +512,9 @@ impl Bridge {
         }
     }
 
-    /// Pod orphans: interesting UIDs that no live (non-terminal) pod has.
+    /// Pod orphans: interesting UIDs the pod cache lacks, each reported gone
+    /// only when known gone (seen deleted, or a GET of its name answers 404
+    /// or another UID); a candidate found alive is reported as it is.
     async fn resync_pods(&self, seen_at: Instant) {
         if !self.pods_listed.load(Ordering::Relaxed) {
             return;
@@ -500,9 +524,8 @@ impl Bridge {
                 .pods
                 .lock()
                 .unwrap_or_else(|p| p.into_inner())
-                .values()
-                .filter(|p| !p.phase.is_terminal())
-                .map(|p| p.uid.clone())
+                .keys()
+                .cloned()
                 .collect(),
             nodes: BTreeMap::new(),
         };
@@ -513,18 +536,49 @@ impl Bridge {
                 .unwrap_or_else(|p| p.into_inner())
                 .uids()
                 .clone(),
-            nodes: BTreeSet::new(),
+            nodes: BTreeMap::new(),
         };
-        self.send_orphans(orphans(&tether, &live), seen_at).await;
+        let mut commands = Vec::new();
+        for uid in pod_candidates(&tether, &live) {
+            if self.knows_deleted(&uid) {
+                commands.push(Command::Pod {
+                    uid,
+                    report: PodReport::Gone,
+                });
+                continue;
+            }
+            let name = self
+                .interest
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .name_of(&uid)
+                .cloned();
+            let Some((namespace, name)) = name else {
+                // A pin's owner this bridge has never seen: nothing proves
+                // it gone (its node going away still ends the pin).
+                self.metrics.unconfirmed.fetch_add(1, Ordering::Relaxed);
+                tracing::debug!(pod_uid = %uid, "a pod Tether names is not in the cache and its name is unknown; not reported");
+                continue;
+            };
+            match confirm_pod(&uid, self.lookup_pod(&namespace, &name).await) {
+                Some(command) => commands.push(command),
+                None => {
+                    self.metrics.unconfirmed.fetch_add(1, Ordering::Relaxed);
+                }
+            }
+        }
+        self.send_orphans(commands, seen_at).await;
     }
 
-    /// Node orphans: registry nodes not listed (gone), listed nodes Tether lacks.
+    /// Node orphans: registry nodes the cache lacks, each reported gone
+    /// only when a GET shows that node object gone; listed nodes the
+    /// registry lacks are reported joined.
     async fn resync_nodes(&self, seen_at: Instant) {
         if !self.nodes_listed.load(Ordering::Relaxed) {
             return;
         }
         let registry = match self.tether.list_nodes(false).await {
-            Ok(nodes) => nodes.into_iter().map(|n| n.name).collect(),
+            Ok(nodes) => nodes.into_iter().map(|n| (n.name, n.uid)).collect(),
             Err(err) => {
                 tracing::warn!(%err, "cannot read Tether's node registry; the next resync will retry");
                 return;
@@ -534,17 +588,20 @@ impl Bridge {
             pod_uids: BTreeSet::new(),
             nodes: self.nodes.lock().unwrap_or_else(|p| p.into_inner()).clone(),
         };
-        self.send_orphans(
-            orphans(
-                &TetherView {
-                    pod_uids: BTreeSet::new(),
-                    nodes: registry,
-                },
-                &live,
-            ),
-            seen_at,
-        )
-        .await;
+        let tether = TetherView {
+            pod_uids: BTreeSet::new(),
+            nodes: registry,
+        };
+        let mut commands = missing_joins(&tether, &live);
+        for (name, uid) in node_candidates(&tether, &live) {
+            match confirm_node(&name, &uid, self.lookup_node(&name).await) {
+                Some(gone) => commands.push(gone),
+                None => {
+                    self.metrics.unconfirmed.fetch_add(1, Ordering::Relaxed);
+                }
+            }
+        }
+        self.send_orphans(commands, seen_at).await;
     }
 
     async fn send_orphans(&self, commands: Vec<Command>, seen_at: Instant) {

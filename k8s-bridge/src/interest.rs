@@ -10,6 +10,10 @@ use tether_client::proto as pb;
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct Interest {
     uids: BTreeSet<String>,
+    /// Namespace and name of the interesting pods Tether names (holders and
+    /// waiters; a pin names only its owner's UID), for the GET that
+    /// confirms a pod gone.
+    names: BTreeMap<String, (String, String)>,
     /// UIDs learned from events, by the log index of their event, kept until
     /// a state read at or past that index includes them: a rebuild from a
     /// replica that had not applied them yet must not drop them.
@@ -19,24 +23,31 @@ pub struct Interest {
 impl Interest {
     /// From a full read of Tether's locks and pins.
     pub fn from_state(locks: &[pb::LockState], pins: &[pb::Pin]) -> Interest {
-        let mut uids = BTreeSet::new();
+        let mut interest = Interest::default();
         for lock in locks {
-            if let Some(pod) = lock.holder.as_ref().and_then(|h| h.pod.as_ref()) {
-                uids.insert(pod.uid.clone());
-            }
-            for waiter in &lock.waiters {
-                if let Some(pod) = &waiter.pod {
-                    uids.insert(pod.uid.clone());
-                }
+            let holder = lock.holder.as_ref().and_then(|h| h.pod.as_ref());
+            let waiters = lock.waiters.iter().filter_map(|w| w.pod.as_ref());
+            for pod in holder.into_iter().chain(waiters) {
+                interest.add_pod(pod);
             }
         }
         for pin in pins.iter().filter(|p| !p.pod_uid.is_empty()) {
-            uids.insert(pin.pod_uid.clone());
+            interest.uids.insert(pin.pod_uid.clone());
         }
-        Interest {
-            uids,
-            recent: BTreeMap::new(),
+        interest
+    }
+
+    fn add_pod(&mut self, pod: &pb::Pod) {
+        if !pod.name.is_empty() {
+            self.names
+                .insert(pod.uid.clone(), (pod.namespace.clone(), pod.name.clone()));
         }
+        self.uids.insert(pod.uid.clone());
+    }
+
+    /// Namespace and name of an interesting pod, if Tether named them.
+    pub fn name_of(&self, uid: &str) -> Option<&(String, String)> {
+        self.names.get(uid)
     }
 
     /// Replaces the set with a state read made at log index `applied`,
@@ -47,7 +58,14 @@ impl Interest {
         for uids in self.recent.values() {
             fresh.uids.extend(uids.iter().cloned());
         }
+        // Names learned from events stay while their UID does.
+        for (uid, name) in std::mem::take(&mut self.names) {
+            if fresh.uids.contains(&uid) {
+                fresh.names.entry(uid).or_insert(name);
+            }
+        }
         self.uids = fresh.uids;
+        self.names = fresh.names;
     }
 
     /// Whether Tether cares about this pod.
@@ -67,7 +85,14 @@ impl Interest {
     /// not interesting before.
     pub fn apply(&mut self, event: &pb::Event) -> Option<String> {
         let uid = match event.kind.as_str() {
-            "LockGranted" | "LockQueued" => event.pod.as_ref().map(|p| p.uid.clone()),
+            "LockGranted" | "LockQueued" => {
+                let pod = event.pod.as_ref()?;
+                if !pod.name.is_empty() {
+                    self.names
+                        .insert(pod.uid.clone(), (pod.namespace.clone(), pod.name.clone()));
+                }
+                Some(pod.uid.clone())
+            }
             "PinAssigned" | "PinOwnerChanged" => event
                 .attributes
                 .get("pod_uid")
@@ -89,7 +114,8 @@ mod tests {
     fn pod(uid: &str) -> Option<pb::Pod> {
         Some(pb::Pod {
             uid: uid.into(),
-            ..Default::default()
+            namespace: "ml".into(),
+            name: format!("pod-{uid}"),
         })
     }
 
@@ -112,6 +138,15 @@ mod tests {
         };
         let mut interest = Interest::from_state(&[lock], &[pin]);
         assert!(interest.contains("h") && interest.contains("w") && interest.contains("p"));
+        assert_eq!(
+            interest.name_of("h"),
+            Some(&("ml".to_string(), "pod-h".to_string()))
+        );
+        assert_eq!(
+            interest.name_of("p"),
+            None,
+            "a pin names only its owner's UID"
+        );
         assert!(!interest.contains("bystander"));
         let event = pb::Event {
             kind: "LockQueued".into(),

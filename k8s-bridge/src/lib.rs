@@ -1,9 +1,11 @@
 //! `tether-k8s-bridge`: Kubernetes reality into Tether commands.
 //!
 //! The bridge watches Pods and Nodes and tells Tether what it must know: a
-//! pod that holds, waits for or is pinned by something was deleted, went
-//! terminal or started its containers; a node joined, changed readiness,
-//! labels or schedulability, or is gone. Its decisions are pure functions,
+//! pod that holds, waits for or is pinned by something is bound and
+//! starting, running, terminal or gone; a node joined, changed readiness,
+//! labels or schedulability, or is gone. Nothing is reported gone from the
+//! bridge's cache alone: only on a delete event, a terminal phase or a GET
+//! that answers 404 or another UID (`orphans.rs`). Its decisions are pure functions,
 //! tested directly; the Kubernetes and Tether I/O around them is thin.
 //!
 //! Every command it sends is idempotent (a repeated report changes nothing),
@@ -14,8 +16,9 @@
 //! - `model.rs` — the parts of Pods and Nodes the bridge looks at, and the
 //!   commands it sends.
 //! - `mapping.rs` — one watch event (old and new object) → commands.
-//! - `orphans.rs` — after a (re)list: what Tether knows that Kubernetes no
-//!   longer has (deletes missed while the bridge was down or the watch broke).
+//! - `orphans.rs` — after a (re)list and on resync: what Tether knows that
+//!   the bridge's cache lacks (deletes missed while the bridge was down or
+//!   the watch broke), as candidates confirmed by GET before any report.
 //! - `interest.rs` — the pod UIDs Tether cares about, from its state and
 //!   event stream; pods outside it produce nothing.
 //! - `tombstones.rs` — recently deleted pods, so a bind that lands after its

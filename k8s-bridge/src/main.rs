@@ -63,10 +63,26 @@ async fn main() -> anyhow::Result<()> {
         }
     });
     tokio::spawn(serve(http, handler, std::future::pending()));
-    bridge
-        .run(args.resync, async {
-            let _ = tokio::signal::ctrl_c().await;
-        })
-        .await;
+    bridge.run(args.resync, shutdown_signal()).await;
+    tracing::info!("tether-bridge stopped");
     Ok(())
+}
+
+/// SIGTERM (Kubernetes stopping the pod; as PID 1 the default action is
+/// ignored, so without this every stop waits out the grace period) or
+/// Ctrl-C.
+async fn shutdown_signal() {
+    let mut terminate =
+        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+            Ok(signal) => signal,
+            Err(err) => {
+                tracing::warn!(%err, "cannot listen for SIGTERM; stopping on Ctrl-C only");
+                let _ = tokio::signal::ctrl_c().await;
+                return;
+            }
+        };
+    tokio::select! {
+        _ = terminate.recv() => tracing::info!("SIGTERM: stopping"),
+        _ = tokio::signal::ctrl_c() => tracing::info!("interrupted: stopping"),
+    }
 }

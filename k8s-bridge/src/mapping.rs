@@ -6,43 +6,42 @@ use crate::model::{Command, NodeReport, NodeView, PodReport, PodView};
 
 /// What Tether should hear about one pod, given its previous view (`None` if
 /// first seen) and its new one (`None` if deleted). `interesting` is whether
-/// the pod UID holds, waits or is pinned in Tether.
+/// the pod UID holds, waits or is pinned in Tether. A pod is reported each
+/// time its [`PodState`] changes to one Tether hears of, and when first
+/// seen in one: so a bound pod that has not started is reported `Starting`
+/// (its holds outlive the hold timeout) from the moment it is bound.
 pub fn pod_change(old: Option<&PodView>, new: Option<&PodView>, interesting: bool) -> Vec<Command> {
     if !interesting {
         return Vec::new();
     }
-    let report = |uid: &str, report| {
-        vec![Command::Pod {
-            uid: uid.to_string(),
-            report,
-        }]
-    };
     let Some(new) = new else {
         return match old {
-            Some(old) => report(&old.uid, PodReport::Gone),
+            Some(old) => vec![pod_report(&old.uid, PodReport::Gone)],
             None => Vec::new(),
         };
     };
-    let was = old.map(classify);
-    let now = classify(new);
-    if was == Some(now) {
+    let now = new.state();
+    if old.map(PodView::state) == Some(now) {
         return Vec::new();
     }
-    report(&new.uid, now)
+    now.report()
+        .map(|report| pod_report(&new.uid, report))
+        .into_iter()
+        .collect()
 }
 
-/// The report a pod's current view calls for.
-fn classify(pod: &PodView) -> PodReport {
-    if pod.deleting && (pod.grace_zero || !pod.started) {
-        // Force-deleted, or deleted before it ever started: it will never
-        // need its devices, whatever the phase says.
-        PodReport::Gone
-    } else if pod.phase.is_terminal() {
-        PodReport::Terminal
-    } else if pod.started {
-        PodReport::Running
-    } else {
-        PodReport::Starting
+/// What Tether must hear of a pod that has just become interesting (a bind
+/// or a pin named it), from the bridge's view of it: its current state.
+pub fn pod_now(pod: &PodView) -> Option<Command> {
+    pod.state()
+        .report()
+        .map(|report| pod_report(&pod.uid, report))
+}
+
+fn pod_report(uid: &str, report: PodReport) -> Command {
+    Command::Pod {
+        uid: uid.to_string(),
+        report,
     }
 }
 
@@ -53,6 +52,7 @@ pub fn node_change(old: Option<&NodeView>, new: Option<&NodeView>) -> Vec<Comman
         return match old {
             Some(old) => vec![Command::ConfirmNodeGone {
                 name: old.name.clone(),
+                uid: old.uid.clone(),
             }],
             None => Vec::new(),
         };
@@ -92,7 +92,7 @@ mod tests {
     use std::collections::BTreeMap;
 
     use super::*;
-    use crate::model::Phase;
+    use crate::model::{Phase, PodState};
 
     fn pod(phase: Phase, started: bool) -> PodView {
         PodView {
@@ -103,6 +103,7 @@ mod tests {
             deleting: false,
             grace_zero: false,
             started,
+            bound: true,
         }
     }
 
@@ -116,81 +117,159 @@ mod tests {
             .collect()
     }
 
+    /// Every lifecycle shape a pod that holds or waits goes through, and
+    /// what Tether hears of each: on first sight (a relist, or the bridge
+    /// starting) and on the transition from the shape before it.
     #[test]
-    fn every_phase_and_deletion_shape_maps_to_one_report_on_change() {
-        let pending = pod(Phase::Pending, false);
+    fn every_lifecycle_shape_yields_its_report() {
+        let unbound = PodView {
+            bound: false,
+            ..pod(Phase::Pending, false)
+        };
+        let bound = pod(Phase::Pending, false);
         let running = pod(Phase::Running, true);
         let succeeded = pod(Phase::Succeeded, false);
         let failed = pod(Phase::Failed, false);
-        let unknown = pod(Phase::Unknown, true);
-        assert_eq!(
-            reports(pod_change(None, Some(&pending), true)),
-            [PodReport::Starting]
-        );
-        assert_eq!(
-            reports(pod_change(Some(&pending), Some(&pending), true)),
-            []
-        );
-        assert_eq!(
-            reports(pod_change(Some(&pending), Some(&running), true)),
-            [PodReport::Running]
-        );
-        assert_eq!(
-            reports(pod_change(Some(&running), Some(&running), true)),
-            []
-        );
-        assert_eq!(
-            reports(pod_change(Some(&running), Some(&succeeded), true)),
-            [PodReport::Terminal]
-        );
-        assert_eq!(
-            reports(pod_change(Some(&running), Some(&failed), true)),
-            [PodReport::Terminal]
-        );
-        assert_eq!(reports(pod_change(Some(&failed), Some(&failed), true)), []);
-        assert_eq!(
-            reports(pod_change(Some(&running), Some(&unknown), true)),
-            [],
-            "unknown phase but started: still running"
-        );
-        // Deleted (the watch's Delete event).
-        assert_eq!(
-            reports(pod_change(Some(&running), None, true)),
-            [PodReport::Gone]
-        );
-        // Graceful deletion of a running pod: not gone until it is.
+        // Evicted: the kubelet fails the pod (reason Evicted).
+        let evicted = pod(Phase::Failed, true);
+        // Graceful deletion of a running pod: its containers are stopping.
         let terminating = PodView {
             deleting: true,
             ..running.clone()
         };
-        assert_eq!(
-            reports(pod_change(Some(&running), Some(&terminating), true)),
-            []
-        );
-        // Force deletion (grace period 0).
-        let forced = PodView {
+        let force_deleted = PodView {
             deleting: true,
             grace_zero: true,
             ..running.clone()
         };
-        assert_eq!(
-            reports(pod_change(Some(&running), Some(&forced), true)),
-            [PodReport::Gone]
-        );
-        // Deleted before it started: it will never need its devices.
-        let doomed = PodView {
+        // Deleted while bound and not started (Allocate never finished).
+        let deleted_before_start = PodView {
             deleting: true,
-            ..pending.clone()
+            ..bound.clone()
         };
-        assert_eq!(
-            reports(pod_change(Some(&pending), Some(&doomed), true)),
-            [PodReport::Gone]
+        // The phase is unknown (node unreachable) but a container ran.
+        let unknown = pod(Phase::Unknown, true);
+        // (shape, view before, view now, state now, report on the change)
+        type Case<'a> = (
+            &'a str,
+            Option<&'a PodView>,
+            &'a PodView,
+            PodState,
+            Option<PodReport>,
         );
-        // Already started, first seen by a (re)list: say so.
-        assert_eq!(
-            reports(pod_change(None, Some(&running), true)),
-            [PodReport::Running]
-        );
+        let cases: [Case; 12] = [
+            (
+                "pending, not bound",
+                None,
+                &unbound,
+                PodState::Unbound,
+                None,
+            ),
+            (
+                "bound, not started (first sight)",
+                None,
+                &bound,
+                PodState::Starting,
+                Some(PodReport::Starting),
+            ),
+            (
+                "the bind",
+                Some(&unbound),
+                &bound,
+                PodState::Starting,
+                Some(PodReport::Starting),
+            ),
+            (
+                "started",
+                Some(&bound),
+                &running,
+                PodState::Running,
+                Some(PodReport::Running),
+            ),
+            (
+                "running (first sight)",
+                None,
+                &running,
+                PodState::Running,
+                Some(PodReport::Running),
+            ),
+            (
+                "succeeded",
+                Some(&running),
+                &succeeded,
+                PodState::Terminal,
+                Some(PodReport::Terminal),
+            ),
+            (
+                "failed",
+                Some(&running),
+                &failed,
+                PodState::Terminal,
+                Some(PodReport::Terminal),
+            ),
+            (
+                "evicted",
+                Some(&running),
+                &evicted,
+                PodState::Terminal,
+                Some(PodReport::Terminal),
+            ),
+            (
+                "deletionTimestamp set while running",
+                Some(&running),
+                &terminating,
+                PodState::Running,
+                None,
+            ),
+            (
+                "force-deleted",
+                Some(&running),
+                &force_deleted,
+                PodState::Gone,
+                Some(PodReport::Gone),
+            ),
+            (
+                "deleted before it started",
+                Some(&bound),
+                &deleted_before_start,
+                PodState::Gone,
+                Some(PodReport::Gone),
+            ),
+            (
+                "phase unknown, started",
+                Some(&running),
+                &unknown,
+                PodState::Running,
+                None,
+            ),
+        ];
+        for (shape, old, new, state, report) in cases {
+            assert_eq!(new.state(), state, "{shape}");
+            assert_eq!(
+                reports(pod_change(old, Some(new), true)),
+                report.into_iter().collect::<Vec<_>>(),
+                "{shape}"
+            );
+            // Unchanged: nothing again.
+            assert_eq!(
+                reports(pod_change(Some(new), Some(new), true)),
+                [],
+                "{shape} (again)"
+            );
+            // Becoming interesting in this shape: its state, as on first sight.
+            assert_eq!(
+                pod_now(new).into_iter().collect::<Vec<_>>(),
+                pod_change(None, Some(new), true),
+                "{shape} (newly interesting)"
+            );
+        }
+        // The watch's Delete event, from any shape.
+        for old in [&unbound, &bound, &running, &terminating] {
+            assert_eq!(
+                reports(pod_change(Some(old), None, true)),
+                [PodReport::Gone]
+            );
+        }
     }
 
     #[test]
@@ -276,7 +355,10 @@ mod tests {
         ));
         assert_eq!(
             node_change(Some(&node(true, "a")), None),
-            [Command::ConfirmNodeGone { name: "n1".into() }]
+            [Command::ConfirmNodeGone {
+                name: "n1".into(),
+                uid: "nu1".into()
+            }]
         );
     }
 }

@@ -43,6 +43,8 @@ pub struct PodView {
     pub grace_zero: bool,
     /// Some container has started (so `Allocate` has happened).
     pub started: bool,
+    /// `spec.nodeName` is set: the scheduler's bind has happened.
+    pub bound: bool,
 }
 
 impl PodView {
@@ -74,6 +76,11 @@ impl PodView {
             deleting: meta.deletion_timestamp.is_some(),
             grace_zero: meta.deletion_grace_period_seconds == Some(0),
             started,
+            bound: pod
+                .spec
+                .as_ref()
+                .and_then(|s| s.node_name.as_deref())
+                .is_some_and(|n| !n.is_empty()),
         })
     }
 }
@@ -113,6 +120,55 @@ impl NodeView {
                 .and_then(|s| s.unschedulable)
                 .unwrap_or(false),
         })
+    }
+}
+
+/// Where a pod is in its lifecycle, as far as Tether must know.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum PodState {
+    /// Not bound to a node yet: the scheduler's bind has not happened, so
+    /// Tether hears nothing and the hold timeout applies to its holds (a
+    /// bind that never comes must not keep the node's lock).
+    Unbound,
+    /// Bound, no container started: the kubelet is admitting it (its
+    /// `Allocate` may be slow). Its holds outlive the hold timeout.
+    Starting,
+    /// Some container started.
+    Running,
+    /// Succeeded or Failed (evicted pods are Failed).
+    Terminal,
+    /// Being force-deleted, or deleted before it ever started: it will
+    /// never use its devices.
+    Gone,
+}
+
+impl PodState {
+    /// What to tell Tether of a pod in this state (nothing while unbound).
+    pub fn report(self) -> Option<PodReport> {
+        match self {
+            PodState::Unbound => None,
+            PodState::Starting => Some(PodReport::Starting),
+            PodState::Running => Some(PodReport::Running),
+            PodState::Terminal => Some(PodReport::Terminal),
+            PodState::Gone => Some(PodReport::Gone),
+        }
+    }
+}
+
+impl PodView {
+    /// The pod's lifecycle state.
+    pub fn state(&self) -> PodState {
+        if self.deleting && (self.grace_zero || !self.started) {
+            PodState::Gone
+        } else if self.phase.is_terminal() {
+            PodState::Terminal
+        } else if self.started {
+            PodState::Running
+        } else if self.bound {
+            PodState::Starting
+        } else {
+            PodState::Unbound
+        }
     }
 }
 
@@ -165,11 +221,14 @@ pub enum Command {
         /// Schedulability to set, if this report carries it.
         unschedulable: Option<bool>,
     },
-    /// A node delete event: check with a GET (NotFound → report gone); a
-    /// delete event alone is a hint.
+    /// A node delete event: check with a GET (NotFound, or another node
+    /// under the name → report this node gone); a delete event alone is a
+    /// hint.
     ConfirmNodeGone {
         /// Node name.
         name: String,
+        /// UID of the node object the event was about.
+        uid: String,
     },
 }
 

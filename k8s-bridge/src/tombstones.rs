@@ -11,6 +11,7 @@
 
 use std::collections::{HashSet, VecDeque};
 
+use crate::mapping::pod_now;
 use crate::model::{Command, PodReport, PodView};
 
 /// UIDs of pods seen deleted, the most recent `capacity` of them.
@@ -61,24 +62,23 @@ impl Tombstones {
 }
 
 /// What Tether must hear when `uid` has just become interesting: gone if
-/// its pod was seen deleted, terminal if the cached pod is; nothing when the
-/// pod is alive or unknown.
+/// its pod was seen deleted, else the cached pod's state (`Starting` for a
+/// bound pod that has not started, so its hold outlives the hold timeout);
+/// nothing when the pod is unknown (maybe created a moment ago) or not
+/// bound yet.
 pub fn late_interest(
     uid: &str,
     cached: Option<&PodView>,
     tombstones: &Tombstones,
 ) -> Option<Command> {
-    let report = if tombstones.contains(uid) && cached.is_none() {
-        PodReport::Gone
-    } else if cached.is_some_and(|pod| pod.phase.is_terminal()) {
-        PodReport::Terminal
-    } else {
-        return None;
-    };
-    Some(Command::Pod {
-        uid: uid.to_string(),
-        report,
-    })
+    match cached {
+        Some(pod) => pod_now(pod),
+        None if tombstones.contains(uid) => Some(Command::Pod {
+            uid: uid.to_string(),
+            report: PodReport::Gone,
+        }),
+        None => None,
+    }
 }
 
 #[cfg(test)]
@@ -95,6 +95,7 @@ mod tests {
             deleting: false,
             grace_zero: false,
             started: false,
+            bound: false,
         }
     }
 
@@ -112,7 +113,7 @@ mod tests {
     }
 
     #[test]
-    fn a_terminal_pod_is_reported_terminal_and_live_or_unknown_ones_are_left() {
+    fn a_newly_interesting_pod_is_reported_as_it_is_and_unknown_ones_are_left() {
         let tombstones = Tombstones::new(10);
         let failed = pod("u2", Phase::Failed);
         assert_eq!(
@@ -122,10 +123,23 @@ mod tests {
                 report: PodReport::Terminal
             })
         );
-        let running = pod("u3", Phase::Running);
-        assert_eq!(late_interest("u3", Some(&running), &tombstones), None);
+        // Bound by the scheduler before the bridge heard of the hold.
+        let bound = PodView {
+            bound: true,
+            ..pod("u3", Phase::Pending)
+        };
+        assert_eq!(
+            late_interest("u3", Some(&bound), &tombstones),
+            Some(Command::Pod {
+                uid: "u3".into(),
+                report: PodReport::Starting
+            })
+        );
+        // Not bound yet: the bind's own event will say Starting.
+        let unbound = pod("u4", Phase::Pending);
+        assert_eq!(late_interest("u4", Some(&unbound), &tombstones), None);
         // Never seen: maybe created a moment ago; not ours to revoke.
-        assert_eq!(late_interest("u4", None, &tombstones), None);
+        assert_eq!(late_interest("u5", None, &tombstones), None);
     }
 
     #[test]

@@ -2,16 +2,29 @@
 //! which the real `kube::Client` (and kube-runtime's watcher) talks to over
 //! HTTP.
 //!
-//! What it implements: `GET /api/v1/{pods,nodes}` lists with a collection
-//! `resourceVersion`; `?watch=true&resourceVersion=N` streams (chunked JSON
-//! lines) replaying every change after N, then live changes, with BOOKMARK
-//! events; a resourceVersion older than the compaction point gets the API
-//! server's answer, an `ERROR` event with a `410 Gone` Status; `GET
-//! /api/v1/nodes/{name}` (404 Status when absent).
+//! What it implements, after the API server's own behaviour
+//! (`k8s.io/apiserver`'s list and watch handlers, and etcd3's storage):
+//! - `GET /api/v1/{pods,nodes}` lists with a collection `resourceVersion`,
+//!   paginated as the API server paginates: `limit=N` gives at most N items
+//!   and a `continue` token; the next pages, asked for with `continue`, come
+//!   from the same snapshot as the first (the storage serves them at the
+//!   first page's revision), so an object created or deleted between pages
+//!   shows up only in the next list. kube-runtime's watcher asks for 500 a
+//!   page. [`FakeApi::set_list_delay`] makes each page slow.
+//! - `?watch=true&resourceVersion=N` streams (chunked JSON lines) replaying
+//!   every change after N, then live changes, with BOOKMARK events; a
+//!   resourceVersion older than the compaction point gets the API server's
+//!   answer, an `ERROR` event with a `410 Gone` Status.
+//! - `GET /api/v1/nodes/{name}` and `GET /api/v1/namespaces/{ns}/pods/{name}`
+//!   (404 Status when absent).
+//! - Outages ([`FakeApi::outage`]): every open watch is cut and, until the
+//!   outage ends, every request's connection is closed without an answer
+//!   (no 410): what a client sees while the API server or the network to it
+//!   is down.
 //!
-//! What it does not: label/field selectors, pagination (`limit` is ignored:
-//! one page), namespaced list paths, writes through the API (tests change
-//! objects with methods), authentication, protobuf, server-side apply.
+//! What it does not: label/field selectors, namespaced list paths, writes
+//! through the API (tests change objects with methods), authentication,
+//! protobuf, server-side apply, expiry of continue tokens.
 
 #![allow(dead_code)]
 
@@ -39,6 +52,10 @@ struct Store {
     objects: BTreeMap<(&'static str, String), Value>,
     log: Vec<Change>,
     compacted_below: u64,
+    /// Paginated lists in progress: continue token → (kind, revision of the
+    /// snapshot, the items not sent yet).
+    pages: BTreeMap<String, (&'static str, u64, Vec<Value>)>,
+    next_token: u64,
 }
 
 /// The fake API server.
@@ -47,6 +64,12 @@ pub struct FakeApi {
     changes: broadcast::Sender<()>,
     /// Bumped to end every open watch stream.
     generation: Mutex<u64>,
+    /// Until when requests are dropped unanswered (an outage).
+    down_until: Mutex<Option<tokio::time::Instant>>,
+    /// How long each list page takes.
+    list_delay: Mutex<Duration>,
+    /// Requests served, by kind ("list", "watch", "get"), for tests.
+    pub requests: Mutex<BTreeMap<&'static str, u64>>,
     /// The URL to give `kube::Config::new`.
     pub url: String,
 }
@@ -61,6 +84,9 @@ impl FakeApi {
             store: Mutex::default(),
             changes,
             generation: Mutex::new(0),
+            down_until: Mutex::new(None),
+            list_delay: Mutex::new(Duration::ZERO),
+            requests: Mutex::default(),
             url,
         });
         let server = api.clone();
@@ -192,11 +218,37 @@ impl FakeApi {
         let _ = self.changes.send(());
     }
 
+    /// Cuts every watch and drops every request for `duration`.
+    pub fn outage(&self, duration: Duration) {
+        *self.down_until.lock().unwrap() = Some(tokio::time::Instant::now() + duration);
+        self.break_watches();
+    }
+
+    /// Each list page takes `delay` from now on.
+    pub fn set_list_delay(&self, delay: Duration) {
+        *self.list_delay.lock().unwrap() = delay;
+    }
+
+    fn down(&self) -> bool {
+        self.down_until
+            .lock()
+            .unwrap()
+            .is_some_and(|until| tokio::time::Instant::now() < until)
+    }
+
+    fn count(&self, what: &'static str) {
+        *self.requests.lock().unwrap().entry(what).or_default() += 1;
+    }
+
     async fn connection(&self, mut stream: TcpStream) -> std::io::Result<()> {
         loop {
             let Some((method, target)) = read_head(&mut stream).await? else {
                 return Ok(());
             };
+            if self.down() {
+                // No answer at all: the connection just ends.
+                return Ok(());
+            }
             let (path, query) = target.split_once('?').unwrap_or((&target, ""));
             let params: BTreeMap<&str, &str> = query
                 .split('&')
@@ -226,25 +278,36 @@ impl FakeApi {
                         .await;
                 }
                 ("GET", Some(resource)) => {
-                    let body = self.list(resource);
+                    self.count("list");
+                    let delay = *self.list_delay.lock().unwrap();
+                    tokio::time::sleep(delay).await;
+                    let limit = params.get("limit").and_then(|l| l.parse().ok());
+                    let token = params.get("continue").map(|t| t.to_string());
+                    let body = self.list(resource, limit, token);
                     respond(&mut stream, "200 OK", &body).await?;
                 }
-                ("GET", None) if path.starts_with("/api/v1/nodes/") => {
-                    let name = &path["/api/v1/nodes/".len()..];
+                ("GET", None) if object_path(path).is_some() => {
+                    self.count("get");
+                    let (resource, key) = object_path(path).expect("checked");
                     let found = self
                         .store
                         .lock()
                         .unwrap()
                         .objects
-                        .get(&("nodes", name.to_string()))
+                        .get(&(resource, key.clone()))
                         .cloned();
                     match found {
-                        Some(node) => respond(&mut stream, "200 OK", &node).await?,
+                        Some(object) => respond(&mut stream, "200 OK", &object).await?,
                         None => {
+                            let name = key.rsplit('/').next().unwrap_or_default();
                             respond(
                                 &mut stream,
                                 "404 Not Found",
-                                &status(404, "NotFound", &format!("nodes \"{name}\" not found")),
+                                &status(
+                                    404,
+                                    "NotFound",
+                                    &format!("{resource} \"{name}\" not found"),
+                                ),
                             )
                             .await?
                         }
@@ -262,20 +325,36 @@ impl FakeApi {
         }
     }
 
-    fn list(&self, resource: &'static str) -> Value {
-        let store = self.store.lock().unwrap();
-        let items: Vec<Value> = store
-            .objects
-            .iter()
-            .filter(|((r, _), _)| *r == resource)
-            .map(|(_, v)| v.clone())
-            .collect();
+    /// One page of a list: the first (`token` None) snapshots the
+    /// collection; later ones continue that snapshot.
+    fn list(&self, resource: &'static str, limit: Option<usize>, token: Option<String>) -> Value {
+        let mut store = self.store.lock().unwrap();
+        let (rv, mut items) = match token.and_then(|t| store.pages.remove(&t)) {
+            Some((_, rv, rest)) => (rv, rest),
+            None => {
+                let items: Vec<Value> = store
+                    .objects
+                    .iter()
+                    .filter(|((r, _), _)| *r == resource)
+                    .map(|(_, v)| v.clone())
+                    .collect();
+                (store.rv, items)
+            }
+        };
+        let mut metadata = json!({"resourceVersion": rv.to_string()});
+        if let Some(limit) = limit.filter(|l| *l > 0 && *l < items.len()) {
+            let rest = items.split_off(limit);
+            store.next_token += 1;
+            let token = format!("page-{}", store.next_token);
+            store.pages.insert(token.clone(), (resource, rv, rest));
+            metadata["continue"] = json!(token);
+        }
         let kind = if resource == "pods" {
             "PodList"
         } else {
             "NodeList"
         };
-        json!({"apiVersion": "v1", "kind": kind, "metadata": {"resourceVersion": store.rv.to_string()}, "items": items})
+        json!({"apiVersion": "v1", "kind": kind, "metadata": metadata, "items": items})
     }
 
     async fn watch(
@@ -285,6 +364,7 @@ impl FakeApi {
         from: u64,
         timeout: Duration,
     ) -> std::io::Result<()> {
+        self.count("watch");
         let head = "HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nTransfer-Encoding: chunked\r\n\r\n";
         stream.write_all(head.as_bytes()).await?;
         let mut wake = self.changes.subscribe();
@@ -346,6 +426,18 @@ impl FakeApi {
     }
 }
 
+/// `(resource, key)` of a single-object path: `/api/v1/nodes/{name}` or
+/// `/api/v1/namespaces/{ns}/pods/{name}`.
+fn object_path(path: &str) -> Option<(&'static str, String)> {
+    if let Some(name) = path.strip_prefix("/api/v1/nodes/") {
+        return (!name.is_empty() && !name.contains('/')).then(|| ("nodes", name.to_string()));
+    }
+    let rest = path.strip_prefix("/api/v1/namespaces/")?;
+    let (namespace, rest) = rest.split_once('/')?;
+    let name = rest.strip_prefix("pods/")?;
+    (!name.is_empty() && !name.contains('/')).then(|| ("pods", format!("{namespace}/{name}")))
+}
+
 fn status(code: u16, reason: &str, message: &str) -> Value {
     json!({"apiVersion": "v1", "kind": "Status", "metadata": {}, "status": "Failure", "message": message, "reason": reason, "code": code})
 }
@@ -404,10 +496,23 @@ pub fn pod(name: &str, uid: &str, phase: &str, started: bool) -> Value {
            "status": {"phase": phase, "containerStatuses": statuses}})
 }
 
-/// A node object.
+/// A pod object bound to `node` (`spec.nodeName` set, as the scheduler's
+/// bind sets it).
+pub fn bound_pod(name: &str, uid: &str, node: &str, phase: &str, started: bool) -> Value {
+    let mut pod = pod(name, uid, phase, started);
+    pod["spec"]["nodeName"] = json!(node);
+    pod
+}
+
+/// A node object with the UID `uid-{name}`.
 pub fn node(name: &str, ready: bool, zone: &str) -> Value {
+    node_with_uid(name, &format!("uid-{name}"), ready, zone)
+}
+
+/// A node object.
+pub fn node_with_uid(name: &str, uid: &str, ready: bool, zone: &str) -> Value {
     json!({"apiVersion": "v1", "kind": "Node",
-           "metadata": {"name": name, "uid": format!("uid-{name}"), "labels": {"topology.kubernetes.io/zone": zone}},
+           "metadata": {"name": name, "uid": uid, "labels": {"topology.kubernetes.io/zone": zone}},
            "spec": {},
            "status": {"conditions": [{"type": "Ready", "status": if ready { "True" } else { "False" }}]}})
 }

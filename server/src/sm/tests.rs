@@ -1437,6 +1437,46 @@ fn permanent_pins_survive_pod_restarts_and_stops() {
 }
 
 #[test]
+fn a_gone_report_about_an_older_node_object_leaves_the_node_that_has_the_name() {
+    let mut m = Machine::new();
+    // The node was deleted and recreated under its name (new UID) before a
+    // lagging reporter sent the old object's delete.
+    let mut recreated = report_node("n1", NodeState::Ready);
+    if let Command::ReportNode(report) = &mut recreated {
+        report.uid = "uid-n1-new".into();
+    }
+    m.run(recreated).unwrap();
+    pinned(m.run(plain_assign("0", "pod-a", &["n1"], 0)));
+    granted(m.run(acquire("n1", "pod-x", 0)));
+    let before = m.state.clone();
+    let reply = m.run(report_node("n1", NodeState::Gone)).unwrap();
+    assert_eq!(
+        reply,
+        Reply::NodeReported {
+            changed: false,
+            pins_released: 0,
+            locks_released: 0
+        }
+    );
+    assert_eq!(m.state.pins, before.pins);
+    assert_eq!(m.state.locks, before.locks);
+    // The delete of the object that has the name ends it.
+    let mut current = report_node("n1", NodeState::Gone);
+    if let Command::ReportNode(report) = &mut current {
+        report.uid = "uid-n1-new".into();
+    }
+    let reply = m.run(current).unwrap();
+    assert!(matches!(
+        reply,
+        Reply::NodeReported {
+            changed: true,
+            pins_released: 1,
+            locks_released: 1
+        }
+    ));
+}
+
+#[test]
 fn node_gone_releases_its_pins_and_locks_and_blocks_new_pins_there() {
     let mut m = Machine::new();
     for node in ["n1", "n2"] {

@@ -28,7 +28,7 @@ pub use force_release::ForceRelease;
 pub use lease::{GrantLease, KeepAliveLease, RevokeLease};
 pub use release::Release;
 pub use release_pin::ReleasePin;
-pub use report_node::{NODE_UID_FORMAT_VERSION, ReportNode};
+pub use report_node::{NODE_GONE_UID_FORMAT_VERSION, NODE_UID_FORMAT_VERSION, ReportNode};
 pub use report_pod::ReportPod;
 pub use revoke_pod::RevokePod;
 pub use sweep::{
@@ -38,7 +38,7 @@ pub use sweep::{
 use serde::{Deserialize, Serialize};
 
 use super::Txn;
-use super::types::{Hold, LockKey, Pin, PinKey, Pod};
+use super::types::{Hold, LockKey, NodeState, Pin, PinKey, Pod};
 
 /// A command in the log. Variants are only appended (on-disk format).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -115,6 +115,9 @@ impl Command {
             Command::Batch(batch) if batch.shares_a_lock() => SHARED_LOCK_BATCH_FORMAT_VERSION,
             Command::Batch(_) => BATCH_FORMAT_VERSION,
             Command::Sweep(_) => POD_CLEANUP_FORMAT_VERSION,
+            Command::ReportNode(report) if report.state == NodeState::Gone => {
+                NODE_GONE_UID_FORMAT_VERSION
+            }
             Command::ReportNode(_) => NODE_UID_FORMAT_VERSION,
             Command::AbandonWait(_) => ABANDON_WAIT_FORMAT_VERSION,
             _ => 2,

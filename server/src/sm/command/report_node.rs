@@ -8,6 +8,10 @@
 //! a lagging reporter, naming the deleted node's UID or none, changes
 //! nothing; in older formats it brought the deleted node back with a
 //! `NodeJoined`, and entries of those formats still apply that way.
+//!
+//! From format 6 ([`NODE_GONE_UID_FORMAT_VERSION`]) a `Gone` report names the
+//! node object it is about: one whose UID differs from the registered
+//! node's is about an older object under the name and changes nothing.
 
 use std::collections::BTreeMap;
 
@@ -23,6 +27,11 @@ use crate::sm::types::{
 /// The log format from which a tombstoned node comes back only under a new
 /// UID (see the module doc).
 pub const NODE_UID_FORMAT_VERSION: u16 = 5;
+
+/// The log format from which a `Gone` report naming a node UID ends only
+/// the node object with that UID: a report about an older object under the
+/// same name changes nothing.
+pub const NODE_GONE_UID_FORMAT_VERSION: u16 = 6;
 
 /// Report node `name`.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -51,12 +60,20 @@ impl ReportNode {
             .filter(|n| n.gone_at_ms.is_none())
             .cloned();
         if self.state == NodeState::Gone {
-            if txn
+            let tombstoned = txn
                 .state
                 .nodes
                 .get(&self.name)
-                .is_some_and(|n| n.gone_at_ms.is_some())
-            {
+                .is_some_and(|n| n.gone_at_ms.is_some());
+            // About another node object than the one registered under the
+            // name (deleted and recreated; a lagging reporter's delete of
+            // the old one): the node that has the name now keeps its pins
+            // and locks.
+            let another_object = txn.format_version >= NODE_GONE_UID_FORMAT_VERSION
+                && existing.as_ref().is_some_and(|n| {
+                    !self.uid.is_empty() && !n.uid.is_empty() && n.uid != self.uid
+                });
+            if tombstoned || another_object {
                 return Ok(Reply::NodeReported {
                     changed: false,
                     pins_released: 0,
