@@ -68,7 +68,8 @@ pub struct FakeApi {
     down_until: Mutex<Option<tokio::time::Instant>>,
     /// How long each list page takes.
     list_delay: Mutex<Duration>,
-    /// Requests served, by kind ("list", "watch", "get"), for tests.
+    /// Requests served, by kind ("list", "continued list" (a page after
+    /// the first), "watch", "get"), for tests.
     pub requests: Mutex<BTreeMap<&'static str, u64>>,
     /// The URL to give `kube::Config::new`.
     pub url: String,
@@ -283,6 +284,9 @@ impl FakeApi {
                     tokio::time::sleep(delay).await;
                     let limit = params.get("limit").and_then(|l| l.parse().ok());
                     let token = params.get("continue").map(|t| t.to_string());
+                    if token.is_some() {
+                        self.count("continued list");
+                    }
                     let body = self.list(resource, limit, token);
                     respond(&mut stream, "200 OK", &body).await?;
                 }
