@@ -30,7 +30,7 @@ use tonic::Status;
 
 use crate::history::{Call, Outcome, Value, error_outcome};
 use crate::rng::Rng;
-use crate::storm::{Session, fresh_client};
+use crate::storm::{Session, acquire_request, first_answer, fresh_client};
 use crate::workers::{Shared, lock_event_key, use_and_release};
 
 /// `--abandoned-wait-grace` of the chaos clusters.
@@ -98,14 +98,7 @@ pub async fn abandoner(shared: Arc<Shared>, process: u64, mut rng: Rng) {
         // w queues under an id of the abandoner's session, on a connection
         // of its own; the stream is dropped once w is told it queued.
         let id = session.next();
-        let request = pb::AcquireRequest {
-            request_id: Some(id),
-            key: Some(key.clone()),
-            pod: Some(shared.pod(&w)),
-            payload: Vec::new(),
-            wait_timeout_ms: WAIT.as_millis() as u64,
-            lease_id: 0,
-        };
+        let request = acquire_request(&shared, &key, &w, id, WAIT);
         let call = Call::Acquire {
             uid: w.clone(),
             wait_ms: WAIT.as_millis() as u64,
@@ -113,19 +106,8 @@ pub async fn abandoner(shared: Arc<Shared>, process: u64, mut rng: Rng) {
         let invoked = shared
             .history
             .invoke(process + 1, &lock_event_key(&key), call.clone());
-        let first = fresh_client(&shared)
-            .with_leader(Duration::ZERO, |conn| {
-                let request = request.clone();
-                async move {
-                    let mut stream = LockServiceClient::new(conn)
-                        .acquire(request)
-                        .await?
-                        .into_inner();
-                    // Queued first (h holds), or granted if h's hold ended.
-                    Ok(stream.message().await?.and_then(|m| m.hold))
-                }
-            })
-            .await;
+        // Queued first (h holds), or granted if h's hold ended.
+        let first = first_answer(&shared, &request).await;
         let queued = matches!(first, Ok(None));
         // Dropped: the stream (and its connection) is gone with the client.
         let first = match first {

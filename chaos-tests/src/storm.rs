@@ -92,6 +92,45 @@ pub(crate) fn fresh_client(shared: &Shared) -> Client {
 /// own in the run's summary).
 const REUSED: &str = "request id already used for another command";
 
+/// An acquire of `key` for pod `uid` under `id`, waiting up to `wait`.
+pub(crate) fn acquire_request(
+    shared: &Shared,
+    key: &pb::LockKey,
+    uid: &str,
+    id: pb::RequestId,
+    wait: Duration,
+) -> pb::AcquireRequest {
+    pb::AcquireRequest {
+        request_id: Some(id),
+        key: Some(key.clone()),
+        pod: Some(shared.pod(uid)),
+        payload: Vec::new(),
+        wait_timeout_ms: wait.as_millis() as u64,
+        lease_id: 0,
+    }
+}
+
+/// Sends `request` on a fresh connection and reads its first answer: the
+/// hold, or None when it is queued (a wait-0 acquire is never queued). The
+/// stream is dropped with it, as a caller that goes away drops it.
+pub(crate) async fn first_answer(
+    shared: &Shared,
+    request: &pb::AcquireRequest,
+) -> Result<Option<pb::Hold>, Error> {
+    fresh_client(shared)
+        .with_leader(Duration::ZERO, |conn| {
+            let request = request.clone();
+            async move {
+                let mut stream = LockServiceClient::new(conn)
+                    .acquire(request)
+                    .await?
+                    .into_inner();
+                Ok(stream.message().await?.and_then(|m| m.hold))
+            }
+        })
+        .await
+}
+
 /// Whether `err` refuses a request id that served another command.
 fn taken(err: &Error) -> bool {
     matches!(err, Error::FailedPrecondition(m) if m.contains("different command"))
@@ -111,26 +150,8 @@ async fn acquire_copy(
         wait_ms: 0,
     };
     let invoked = shared.history.invoke(process, &lock_event_key(key), call);
-    let request = pb::AcquireRequest {
-        request_id: Some(id.clone()),
-        key: Some(key.clone()),
-        pod: Some(shared.pod(uid)),
-        payload: Vec::new(),
-        wait_timeout_ms: 0,
-        lease_id: 0,
-    };
-    let result = fresh_client(shared)
-        .with_leader(Duration::ZERO, |conn| {
-            let request = request.clone();
-            async move {
-                let mut stream = LockServiceClient::new(conn)
-                    .acquire(request)
-                    .await?
-                    .into_inner();
-                Ok(stream.message().await?.and_then(|m| m.hold))
-            }
-        })
-        .await;
+    let request = acquire_request(shared, key, uid, id.clone(), Duration::ZERO);
+    let result = first_answer(shared, &request).await;
     let (outcome, reused) = match result {
         // Recorded with the token the answer carries, whichever pod it
         // names: an answer to another command is then a grant the log
