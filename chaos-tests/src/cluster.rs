@@ -211,7 +211,9 @@ impl ProcessCluster {
 
     /// The last `lines` lines of `id`'s log.
     pub fn log_tail(&self, id: u64, lines: usize) -> String {
-        let text = std::fs::read_to_string(self.log_path(id)).unwrap_or_default();
+        // Lossy: a crash can cut a line in the middle of a character.
+        let bytes = std::fs::read(self.log_path(id)).unwrap_or_default();
+        let text = String::from_utf8_lossy(&bytes);
         let all: Vec<&str> = text.lines().collect();
         all[all.len().saturating_sub(lines)..].join("\n")
     }
@@ -318,6 +320,15 @@ impl ProcessCluster {
     pub fn restart(&mut self, id: u64, failpoints: Option<&str>) -> anyhow::Result<()> {
         self.kill(id);
         self.spawn(id, failpoints)
+    }
+
+    /// How replica `id`'s process ended, if it has (then it is marked
+    /// stopped); None while it runs or when it has no process.
+    pub fn exit_status(&mut self, id: u64) -> Option<std::process::ExitStatus> {
+        let replica = self.replicas.get_mut(&id)?;
+        let status = replica.child.as_mut()?.try_wait().ok()??;
+        replica.child = None;
+        Some(status)
     }
 
     /// Ids whose process exited on its own (a failpoint crash); they are

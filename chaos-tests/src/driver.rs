@@ -54,6 +54,8 @@ pub struct Summary {
     pub faults: BTreeMap<&'static str, u64>,
     /// Failpoint crashes that fired.
     pub crashes_fired: u64,
+    /// Replicas restarted after their Raft core stopped.
+    pub core_restarts: u64,
     /// Elections (Raft terms passed).
     pub elections: u64,
     /// Schedules whose whole event log no replica kept (log checkers
@@ -83,6 +85,7 @@ impl Summary {
         self.ops += report.ops as u64;
         self.unknown += report.unknown as u64;
         self.crashes_fired += report.crashes_fired;
+        self.core_restarts += report.core_restarts;
         self.elections += report.elections;
         self.partial_logs += u64::from(!report.events_complete);
         self.relists += report.relists;
@@ -116,13 +119,14 @@ impl Summary {
             .collect();
         format!(
             "chaos summary: schedules={} operations={} unknown={} faults[{}] failpoint_crashes={} \
-             elections={} watch_relists={} partial_logs={} violations[{}] undecided_searches={} failed_seeds={} | {} replicas, {} lanes, \
+             core_restarts={} elections={} watch_relists={} partial_logs={} violations[{}] undecided_searches={} failed_seeds={} | {} replicas, {} lanes, \
              first seed {}, {:.0} s",
             self.schedules,
             self.ops,
             self.unknown,
             faults.join(" "),
             self.crashes_fired,
+            self.core_restarts,
             self.elections,
             self.relists,
             self.partial_logs,

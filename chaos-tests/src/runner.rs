@@ -84,6 +84,8 @@ pub struct Report {
     pub faults: BTreeMap<&'static str, u64>,
     /// Failpoint crashes that fired.
     pub crashes_fired: u64,
+    /// Replicas restarted after their Raft core stopped (they exit then).
+    pub core_restarts: u64,
     /// Violations by checker.
     pub violations: BTreeMap<&'static str, Vec<String>>,
     /// Locks whose linearizability search ran out of budget.
@@ -116,6 +118,9 @@ struct Damage {
     armed: BTreeSet<u64>,
     /// Failpoint crashes seen outside `heal`.
     fired: u64,
+    /// Replicas that exited because their Raft core stopped, restarted as
+    /// Kubernetes would restart them.
+    core_restarts: u64,
 }
 
 fn leader_or_any(leader: Option<u64>, live: &[u64]) -> Option<u64> {
@@ -330,6 +335,10 @@ async fn inject(
 /// Ends every fault: links pass, paused replicas continue, stopped and
 /// armed replicas start again (disarmed). Returns how many armed replicas
 /// had crashed at their failpoint.
+/// What `tetherd` logs when its Raft core stopped on its own, just before it
+/// exits (`server/src/node.rs`, `watch_core`).
+const CORE_STOPPED_LINE: &str = "the Raft core stopped";
+
 fn heal(
     cluster: &mut ProcessCluster,
     damage: &mut Damage,
@@ -340,6 +349,10 @@ fn heal(
     for id in cluster.reap_exited() {
         if damage.armed.contains(&id) {
             fired += 1;
+        } else if cluster.log_tail(id, 50).contains(CORE_STOPPED_LINE) {
+            // It did what a replica with a dead core must do (exit, to be
+            // restarted): restart it, as Kubernetes would, and count it.
+            damage.core_restarts += 1;
         } else {
             unexpected.push(format!("replica {id} exited without being killed"));
         }
@@ -583,6 +596,7 @@ pub async fn run(
     report.phases.push(("wind-down", phase.elapsed()));
     phase = tokio::time::Instant::now();
     report.crashes_fired += heal(cluster, &mut damage, &mut unexpected)?;
+    report.core_restarts = damage.core_restarts;
     let converged = cluster.wait_converged(config.converge_within).await;
     if let Err(err) = &converged {
         unexpected.push(format!("after healing: {err:#}"));

@@ -401,3 +401,89 @@ async fn a_build_that_expires_pins_early_is_caught() {
     .await;
     assert!(violations["pins"] > 0, "{violations:?}");
 }
+
+/// A replica whose Raft core stops (its disk refuses a log write, a fatal
+/// storage error in openraft) must not keep running as if alive: it exits
+/// non-zero with a clear log line, so Kubernetes restarts it; restarted
+/// without the fault, it recovers from its data directory and catches up.
+/// The others keep serving throughout.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_replica_whose_raft_core_stops_exits_and_recovers_when_restarted() {
+    use tether_chaos::cluster::{ClusterSpec, ProcessCluster};
+    use tether_client::proto as pb;
+
+    let mut cluster = ProcessCluster::start_spec(ClusterSpec {
+        tetherd: tetherd_failpoints(),
+        voters: 3,
+        slots: 3,
+        proxied: false,
+        extra_args: vec![
+            "--heartbeat-interval=50ms".into(),
+            "--election-timeout=300ms".into(),
+        ],
+        failpoints: None,
+        log_filter: None,
+    })
+    .await
+    .expect("a cluster");
+    let client = cluster.client_with(Duration::from_secs(30));
+    let leader = cluster
+        .wait_converged(Duration::from_secs(60))
+        .await
+        .unwrap()
+        .node_id;
+    let broken = cluster
+        .running()
+        .into_iter()
+        .find(|id| *id != leader)
+        .unwrap();
+    // Its third log write after the restart fails.
+    cluster
+        .restart(broken, Some("log-append-error=2*off->return"))
+        .unwrap();
+    let pod = |n: usize| pb::Pod {
+        uid: format!("core-pod-{n}"),
+        namespace: "t".into(),
+        name: format!("core-pod-{n}"),
+    };
+    let key = |n: usize| pb::LockKey {
+        scope: "core".into(),
+        name: format!("n{n}"),
+    };
+    let started = std::time::Instant::now();
+    let mut n = 0;
+    let status = loop {
+        if let Some(status) = cluster.exit_status(broken) {
+            break status;
+        }
+        assert!(
+            started.elapsed() < Duration::from_secs(60),
+            "the replica with a dead core still runs: {}",
+            cluster.log_tail(broken, 20)
+        );
+        // Writes go on through the others (each is replicated to it too).
+        n += 1;
+        client
+            .acquire(&key(n), &pod(n), vec![], Duration::ZERO, 0)
+            .await
+            .expect("the others keep serving");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    };
+    let log = cluster.log_tail(broken, 40);
+    println!(
+        "replica {broken} exited {status:?} {:?} after the restart",
+        started.elapsed()
+    );
+    assert!(!status.success(), "exit status {status:?}");
+    assert!(log.contains("the Raft core stopped"), "{log}");
+    // Restarted without the fault, it recovers and catches up.
+    cluster.restart(broken, None).unwrap();
+    cluster
+        .wait_caught_up(broken, Duration::from_secs(60))
+        .await
+        .expect("the restarted replica catches up");
+    for m in 1..=n {
+        let holder = client.holder(&key(m)).await.unwrap().expect("still held");
+        assert_eq!(holder.pod.unwrap().uid, pod(m).uid);
+    }
+}

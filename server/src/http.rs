@@ -56,7 +56,15 @@ async fn handle(mut stream: TcpStream, ctx: &Ctx) -> std::io::Result<()> {
     let (status, content_type, body) = match (method, path) {
         ("GET", "/health") => health(ctx),
         ("GET", "/ready") => ready(ctx),
-        ("GET", "/live") => ("200 OK", "text/plain", "alive\n".into()),
+        ("GET", "/live") => match ctx.core_stopped.get() {
+            // The process is about to exit; until then the probe fails too.
+            Some(reason) => (
+                "503 Service Unavailable",
+                "text/plain",
+                format!("the Raft core stopped: {reason}\n"),
+            ),
+            None => ("200 OK", "text/plain", "alive\n".into()),
+        },
         ("GET", "/metrics") => ("200 OK", "text/plain; version=0.0.4", metrics(ctx)),
         ("GET", _) => (
             "404 Not Found",

@@ -51,10 +51,24 @@ async fn main() -> anyhow::Result<()> {
         tracing::info!("no --initial-members: running as a single-node cluster");
     }
     let node = Node::start(config).await?;
-    wait_for_signal().await;
-    tracing::info!("shutting down");
-    node.shutdown().await;
-    Ok(())
+    let core_stopped = tokio::select! {
+        _ = wait_for_signal() => None,
+        reason = node.core_stopped() => Some(reason),
+    };
+    let Some(reason) = core_stopped else {
+        tracing::info!("shutting down");
+        node.shutdown().await;
+        return Ok(());
+    };
+    node.stop().await;
+    // A plain exit code, not an error with a backtrace: the line above the
+    // exit says what happened (`node::watch_core` logged the details).
+    tracing::error!(
+        reason,
+        "the Raft core stopped; exiting with status 1 so that this replica is restarted (it \
+         recovers from its data directory)"
+    );
+    std::process::exit(1)
 }
 
 /// SIGTERM (Kubernetes) or Ctrl-C.

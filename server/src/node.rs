@@ -46,7 +46,9 @@ pub struct Node {
     ctx: Arc<Ctx>,
     grpc_addr: SocketAddr,
     http_addr: SocketAddr,
-    shutdown: watch::Sender<bool>,
+    shutdown: Arc<watch::Sender<bool>>,
+    /// Set to why Raft's core stopped, if it stops on its own.
+    core: watch::Receiver<Option<String>>,
     tasks: Vec<JoinHandle<()>>,
     /// The replica's database, held to know when Raft's tasks have let go.
     db: Arc<rocksdb::DB>,
@@ -174,6 +176,7 @@ impl Node {
 
         let config = Arc::new(config);
         let (shutdown, shutdown_rx) = watch::channel(false);
+        let shutdown = Arc::new(shutdown);
         let proposer = (config.batch_max_commands > 1).then(|| {
             let limits = crate::api::batching::BatchLimits {
                 max_commands: config.batch_max_commands as usize,
@@ -201,6 +204,7 @@ impl Node {
             config: config.clone(),
             metrics,
             shutdown: shutdown_rx.clone(),
+            core_stopped: Default::default(),
             transferring: Default::default(),
             auth,
             tls: tls.clone(),
@@ -270,6 +274,12 @@ impl Node {
             shutdown_rx.clone(),
         )));
         tasks.push(tokio::spawn(sweeper(ctx.clone(), shutdown_rx)));
+        let (core_tx, core) = watch::channel(None);
+        tasks.push(tokio::spawn(watch_core(
+            ctx.clone(),
+            shutdown.clone(),
+            core_tx,
+        )));
         if let Some(set) = set {
             let ctx = ctx.clone();
             tasks.push(tokio::spawn(async move {
@@ -286,9 +296,27 @@ impl Node {
             grpc_addr,
             http_addr,
             shutdown,
+            core,
             tasks,
             db,
         })
+    }
+
+    /// Resolves, with the reason, if Raft's core stops without being asked
+    /// to (a fatal storage error, a panic in openraft). The replica can then
+    /// serve nothing: `tetherd` exits non-zero, so that Kubernetes restarts
+    /// it and it recovers from its data directory.
+    pub async fn core_stopped(&self) -> String {
+        let mut core = self.core.clone();
+        loop {
+            if let Some(reason) = core.borrow_and_update().clone() {
+                return reason;
+            }
+            if core.changed().await.is_err() {
+                // The watching task is gone (the replica is stopping).
+                std::future::pending::<()>().await;
+            }
+        }
     }
 
     /// The gRPC address this replica listens on.
@@ -369,6 +397,41 @@ impl Node {
         }
         tracing::info!(node_id = id, "replica stopped");
     }
+}
+
+/// Watches Raft's core. When it stops on its own, this replica can neither
+/// replicate nor apply, yet its gRPC and HTTP servers would keep answering
+/// (and its watches would wait forever for events that never come). So:
+/// record why (for `/live`), end every watch and queued acquire with
+/// `UNAVAILABLE` (the shutdown signal), and report it to the caller
+/// ([`Node::core_stopped`]). An asked-for shutdown is not a stop.
+async fn watch_core(
+    ctx: Arc<Ctx>,
+    shutdown: Arc<watch::Sender<bool>>,
+    stopped: watch::Sender<Option<String>>,
+) {
+    let mut metrics = ctx.raft.metrics();
+    let reason = loop {
+        if let Err(fatal) = &metrics.borrow_and_update().running_state {
+            break fatal.to_string();
+        }
+        if metrics.changed().await.is_err() {
+            // The core task is gone without a last report: it panicked.
+            break "the Raft core task ended without a report (panicked)".to_string();
+        }
+    };
+    if *ctx.shutdown.borrow() {
+        return;
+    }
+    tracing::error!(
+        node_id = ctx.id,
+        reason,
+        "the Raft core stopped: this replica cannot serve; ending its watches and exiting so that \
+         it is restarted and recovers from its data directory"
+    );
+    let _ = ctx.core_stopped.set(reason.clone());
+    let _ = shutdown.send(true);
+    let _ = stopped.send(Some(reason));
 }
 
 async fn wait_for(mut rx: watch::Receiver<bool>) {

@@ -47,6 +47,10 @@ pub struct Ctx {
     /// Turns true when the replica shuts down: long-running calls (queued
     /// acquires) then end with `UNAVAILABLE` so their clients move on.
     pub shutdown: tokio::sync::watch::Receiver<bool>,
+    /// Why Raft's core stopped, once it has without being asked to
+    /// (`node::watch_core`): from then on this replica serves nothing and
+    /// `/live` fails.
+    pub core_stopped: std::sync::OnceLock<String>,
     /// Set while this leader hands leadership over: new writes are refused
     /// with `UNAVAILABLE` (clients retry and find the new leader), so the
     /// target can catch up with a log that stops growing (Raft thesis 3.10).

@@ -190,6 +190,15 @@ impl RaftLogStorage<TypeConfig> for LogStore {
             batch.put_cf(self.cf_log(), log_key(entry.log_id.index), encode(&entry));
         }
         fail::fail_point!("log-append-before-write");
+        // The disk failing a write (EIO): a storage error is fatal to Raft's
+        // core, which stops; the dead-core test arms it. Only with the
+        // `failpoints` feature.
+        #[cfg(feature = "failpoints")]
+        if fail::eval("log-append-error", |_| ()).is_some() {
+            let e = std::io::Error::other("failpoint log-append-error: the disk refused the write");
+            callback.log_io_completed(Err(std::io::Error::other(e.to_string())));
+            return Err(err::write_logs(&e));
+        }
         let result = self.db.write_opt(batch, &synced());
         match result {
             Ok(()) => {
