@@ -265,11 +265,37 @@ async fn send_all(
 /// Scheduler + device plugin of one pod: take the node's bind lock (FIFO),
 /// hold it for 40 ms (Allocate), release it. Revocation (the pod deleted
 /// mid-bind) makes the release or the wait fail, which is expected.
-async fn bind(client: Client, key: pb::LockKey, pod: pb::Pod, binds: Arc<Mutex<(u64, u64)>>) {
-    let held = match client
-        .acquire(&key, &pod, Vec::new(), Duration::from_secs(10), 0)
-        .await
-    {
+async fn bind(
+    client: Client,
+    key: pb::LockKey,
+    pod: pb::Pod,
+    binds: Arc<Mutex<(u64, u64)>>,
+    applied: tokio::sync::oneshot::Sender<()>,
+) {
+    // Told once the acquire is in Tether's log (queued or granted), or has
+    // failed; dropped unsent on failure, which tells the same.
+    let applied = Mutex::new(Some(applied));
+    let tell = || {
+        if let Some(tx) = applied.lock().unwrap_or_else(|p| p.into_inner()).take() {
+            let _ = tx.send(());
+        }
+    };
+    let acquired = client
+        .acquire_with_progress(
+            &key,
+            &pod,
+            Vec::new(),
+            Duration::from_secs(10),
+            0,
+            |progress| {
+                if matches!(progress, tether_client::AcquireProgress::Queued(_)) {
+                    tell();
+                }
+            },
+        )
+        .await;
+    tell();
+    let held = match acquired {
         Ok(held) => held,
         Err(_) => {
             // Revoked while queued (deleted mid-bind) or the node went.
@@ -375,12 +401,19 @@ pub async fn replay(client: &Client, trace: &Trace) -> Result<Outcome, tether_cl
                         )
                         .await?;
                 }
+                // The scheduler's bind takes the node's lock; the pod's next
+                // event comes after it (the bind sets nodeName once it holds
+                // the lock). A bind that lands after the pod's deletion is a
+                // step of its own (`LateBind`).
+                let (applied, in_log) = tokio::sync::oneshot::channel();
                 tasks.push(tokio::spawn(bind(
                     client.clone(),
                     bind_key(node),
                     pb_pod,
                     binds.clone(),
+                    applied,
                 )));
+                let _ = tokio::time::timeout(Duration::from_secs(30), in_log).await;
                 send_all(
                     client,
                     pod_change(None, Some(&view), true),
@@ -430,11 +463,14 @@ pub async fn replay(client: &Client, trace: &Trace) -> Result<Outcome, tether_cl
                     namespace: old.namespace.clone(),
                     name: old.name.clone(),
                 };
+                // Waited for below, through Tether's state.
+                let (applied, _) = tokio::sync::oneshot::channel();
                 tasks.push(tokio::spawn(bind(
                     client.clone(),
                     key.clone(),
                     pb_pod,
                     binds.clone(),
+                    applied,
                 )));
                 // The bridge learns of the grant or the wait from Tether's
                 // events; here: once Tether shows it.

@@ -2,15 +2,16 @@
 //! which the real `kube::Client` (and kube-runtime's watcher) talks to over
 //! HTTP.
 //!
-//! What it implements, after the API server's own behaviour
-//! (`k8s.io/apiserver`'s list and watch handlers, and etcd3's storage):
+//! What it implements, after the API's documented behaviour:
 //! - `GET /api/v1/{pods,nodes}` lists with a collection `resourceVersion`,
-//!   paginated as the API server paginates: `limit=N` gives at most N items
-//!   and a `continue` token; the next pages, asked for with `continue`, come
-//!   from the same snapshot as the first (the storage serves them at the
-//!   first page's revision), so an object created or deleted between pages
-//!   shows up only in the next list. kube-runtime's watcher asks for 500 a
-//!   page. [`FakeApi::set_list_delay`] makes each page slow.
+//!   paginated as the API paginates (`ListMeta.continue` in the API
+//!   reference, and KEP-365 "Paginated API Lists"): `limit=N` gives at most
+//!   N items and a `continue` token. The next pages, asked for with
+//!   `continue`, come from the same snapshot as the first, and carry the
+//!   first page's `resourceVersion`. So an object created or deleted
+//!   between pages shows up only in the next list. kube-runtime's watcher
+//!   asks for pages of 500 (the churn test counts the continued pages).
+//!   [`FakeApi::set_list_delay`] makes each page slow.
 //! - `?watch=true&resourceVersion=N` streams (chunked JSON lines) replaying
 //!   every change after N, then live changes, with BOOKMARK events; a
 //!   resourceVersion older than the compaction point gets the API server's
