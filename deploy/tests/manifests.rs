@@ -304,16 +304,33 @@ fn every_overlay_renders_to_valid_consistent_objects() {
                     && m.mount_path == *data_dir)
         );
 
-        // tetherd accepts every setting: the container's and the ConfigMap's.
-        let config: ConfigMap = one(&objects, "ConfigMap");
-        let from = container.env_from.as_ref().unwrap()[0]
-            .config_map_ref
-            .as_ref()
-            .unwrap();
-        assert_eq!(Some(from.name.as_str()), config.metadata.name.as_deref());
+        // tetherd accepts every setting: the container's and those of the
+        // ConfigMaps it reads (the shared one and the overlay's bootstrap).
+        let config_maps: BTreeMap<String, ConfigMap> = by_kind(&objects, "ConfigMap")
+            .into_iter()
+            .map(|object| (name(object).to_string(), strict::<ConfigMap>(object)))
+            .collect();
         let mut all = env.clone();
-        all.extend(config.data.clone().unwrap_or_default());
+        for from in container.env_from.iter().flatten() {
+            let wanted = &from.config_map_ref.as_ref().unwrap().name;
+            let config = config_maps
+                .get(wanted)
+                .unwrap_or_else(|| panic!("{overlay}: no ConfigMap {wanted}"));
+            all.extend(config.data.clone().unwrap_or_default());
+        }
         check_env::<tether_server::Config>("tetherd", &all);
+        // A new cluster starts only once the whole set answers: the set's
+        // size for bootstrap is the StatefulSet's replicas.
+        let expect = &all
+            .iter()
+            .find(|(k, _)| k == "TETHER_BOOTSTRAP_EXPECT")
+            .unwrap_or_else(|| panic!("{overlay}: TETHER_BOOTSTRAP_EXPECT is not set"))
+            .1;
+        assert_eq!(
+            *expect,
+            replicas.to_string(),
+            "{overlay}: TETHER_BOOTSTRAP_EXPECT is the StatefulSet's replicas"
+        );
 
         // PDB and NetworkPolicy select the pods; the policy admits the
         // replicas, labelled clients, and nothing on ports tetherd lacks.

@@ -42,8 +42,9 @@ pub struct Config {
 
     /// Run as a Kubernetes StatefulSet member: the node id is drawn once and
     /// kept in the data directory, the ordinal comes from the hostname
-    /// (`<set>-<ordinal>`), ordinal 0 starts the cluster and the others join
-    /// it (learner, then voter); --node-id and --initial-members are ignored.
+    /// (`<set>-<ordinal>`), ordinal 0 starts the cluster once the whole set
+    /// (--bootstrap-expect) answers empty and the others join it (learner,
+    /// then voter); --node-id and --initial-members are ignored.
     #[arg(long, env = "TETHER_STATEFULSET")]
     pub statefulset: bool,
 
@@ -64,6 +65,14 @@ pub struct Config {
     /// 0s never removes anyone.
     #[arg(long, env = "TETHER_SCALE_IN_AFTER", default_value = "5m", value_parser = humantime::parse_duration)]
     pub scale_in_after: Duration,
+
+    /// StatefulSet mode: how many replicas the set has (fill it from the
+    /// StatefulSet's `replicas`), like Consul's bootstrap-expect. An empty
+    /// replica starts a new cluster only if it is ordinal 0 and every one of
+    /// ordinals 0..N answers and has no Raft state; a replica that finds any
+    /// peer with data never starts one, it waits to be added.
+    #[arg(long, env = "TETHER_BOOTSTRAP_EXPECT")]
+    pub bootstrap_expect: Option<u32>,
 
     /// Ordinals a joining StatefulSet replica asks for the leader (0..N).
     #[arg(long, env = "TETHER_PROBE_ORDINALS", default_value_t = 16)]

@@ -129,7 +129,7 @@ impl Node {
             let last = sm_store
                 .restore_backup(&data, id, &advertise)
                 .with_context(|| format!("cannot restore {}", path.display()))?;
-            log_store.start_after(last)?;
+            log_store.start_after(last, id)?;
             tracing::info!(backup = %path.display(), index = last.index, "restored a backup as a one-member cluster");
         }
         let state = sm_store.handle();
@@ -493,10 +493,16 @@ fn statefulset_membership(config: &Config, port: u16) -> anyhow::Result<stateful
         template,
         "running as a StatefulSet member"
     );
+    let expect = config.bootstrap_expect.context(
+        "--statefulset needs --bootstrap-expect (TETHER_BOOTSTRAP_EXPECT): the StatefulSet's \
+         replicas, so that a new cluster starts only once all of them answer",
+    )?;
+    anyhow::ensure!(expect >= 1, "--bootstrap-expect must be at least 1");
     Ok(statefulset::Membership {
         ordinal,
         template,
-        probe: config.probe_ordinals.max(ordinal + 1),
+        expect,
+        probe: config.probe_ordinals.max(ordinal + 1).max(expect),
     })
 }
 

@@ -13,15 +13,21 @@
 //!   a leader. Found: it joins — added as a learner (the call returns once
 //!   it has caught up), then promoted to voter in the same membership change
 //!   that removes any older member with its address (its former self, whose
-//!   volume was lost). Not found: ordinal 0 initializes a one-member cluster
-//!   after a few empty rounds; every other ordinal keeps asking.
+//!   volume was lost). Not found: a new cluster starts only when ordinal 0
+//!   sees every ordinal of the set's expected size (`--bootstrap-expect`,
+//!   Consul's rule) answer with no Raft state at all; it then initializes
+//!   the cluster with all of them as voters. Any peer with data means a
+//!   cluster exists whose leader is not elected yet (a whole-set restart,
+//!   peers still attaching their volumes): nobody initializes, the empty
+//!   replicas wait to be added. So a lost volume, however slow its peers
+//!   are to come back, never starts a second cluster beside the first.
 //!
 //! - **Scale in.** The leader removes voters unreachable for
 //!   `--scale-in-after` that hold the highest ordinals (a StatefulSet scales
 //!   in from the top); a removed replica that comes back (scaled out again
 //!   with its old volume, or only cut off) notices and joins again.
 
-use std::collections::BTreeSet;
+use std::collections::{BTreeMap, BTreeSet};
 use std::hash::{BuildHasher, Hasher};
 use std::path::Path;
 use std::sync::Arc;
@@ -37,11 +43,6 @@ use crate::api::Ctx;
 
 /// File in the data directory holding this replica's node id.
 const NODE_ID_FILE: &str = "node-id";
-
-/// Empty probe rounds before ordinal 0 starts a new cluster: a restarted
-/// ordinal 0 whose volume was lost must find the running cluster rather
-/// than start a second one.
-const ROUNDS_BEFORE_INIT: u32 = 3;
 
 /// `tether-3` -> 3.
 pub fn ordinal_from_hostname(hostname: &str) -> Option<u32> {
@@ -108,7 +109,10 @@ pub struct Membership {
     pub ordinal: u32,
     /// Peer address template (`{ordinal}`).
     pub template: String,
-    /// Ordinals asked for a leader.
+    /// The set's size: ordinals 0..expect must all answer, empty, before
+    /// a new cluster starts.
+    pub expect: u32,
+    /// Ordinals asked for a leader (at least `expect`).
     pub probe: u32,
 }
 
@@ -177,6 +181,16 @@ async fn join(ctx: &Ctx, leader: &str, status: &pb::StatusResponse) -> anyhow::R
         .filter(|m| m.addr == ctx.addr && m.node_id != ctx.id)
         .map(|m| m.node_id)
         .collect();
+    // Made a voter by the cluster's initialization (or an earlier join that
+    // only lost its answer), with no former self to remove: done.
+    if stale.is_empty()
+        && status
+            .members
+            .iter()
+            .any(|m| m.node_id == ctx.id && m.voter)
+    {
+        return Ok(());
+    }
     let mut voters: BTreeSet<u64> = status
         .members
         .iter()
@@ -215,55 +229,92 @@ async fn join(ctx: &Ctx, leader: &str, status: &pb::StatusResponse) -> anyhow::R
     Ok(())
 }
 
-/// Brings an empty replica into the set's cluster (or starts it, as
-/// ordinal 0 when nobody answers). Returns once this replica is a voter or
-/// the cluster was initialized; retries until then. A replica with Raft
-/// state returns at once ([`keep_membership`] takes it from there).
+/// Brings an empty replica into the set's cluster, or starts the cluster
+/// ([`bootstrap_step`]). Returns once this replica is a voter or the
+/// cluster was initialized; retries until then. A replica with Raft state
+/// returns at once ([`keep_membership`] takes it from there).
 pub async fn join_or_bootstrap(ctx: &Ctx, set: &Membership) -> anyhow::Result<()> {
     if ctx.raft.is_initialized().await? {
         tracing::info!("existing Raft state: rejoining as node {}", ctx.id);
         return Ok(());
     }
-    let mut empty_rounds = 0;
+    let mut last_wait = String::new();
     loop {
         if *ctx.shutdown.borrow() {
             return Ok(());
         }
+        // Initialized by ordinal 0 (with this replica among the voters),
+        // or added by a leader while this loop slept.
         if ctx.raft.is_initialized().await? && is_voter(ctx) {
             return Ok(());
         }
-        match find_leader(set, ctx.tls.as_ref()).await {
-            Some((leader, status)) => match join(ctx, &leader, &status).await {
+        let answers = survey(set, ctx.tls.as_ref()).await;
+        let leader = match answers.values().find_map(leader_hint) {
+            Some(addr) => leader_of(&addr, ctx.tls.as_ref()).await,
+            None => None,
+        };
+        if let Some((leader, status)) = leader {
+            match join(ctx, &leader, &status).await {
                 Ok(()) => return Ok(()),
                 Err(err) => {
                     tracing::warn!(err = format!("{err:#}"), leader, "joining failed; retrying")
                 }
-            },
-            None if set.ordinal == 0 => {
-                empty_rounds += 1;
-                if empty_rounds >= ROUNDS_BEFORE_INIT {
-                    tracing::info!("no peer answers: ordinal 0 initializes a new cluster");
-                    let members = [(
-                        ctx.id,
-                        BasicNode {
-                            addr: ctx.addr.clone(),
-                        },
-                    )];
-                    ctx.raft
-                        .initialize(
-                            members
-                                .into_iter()
-                                .collect::<std::collections::BTreeMap<_, _>>(),
-                        )
-                        .await
-                        .context("cannot initialize the cluster")?;
-                    return Ok(());
+            }
+        } else {
+            let me = PeerView {
+                node_id: ctx.id,
+                addr: ctx.addr.clone(),
+                has_raft_state: ctx.raft.is_initialized().await?,
+            };
+            let views: BTreeMap<u32, PeerView> = answers
+                .iter()
+                .map(|(ordinal, status)| (*ordinal, PeerView::from(status)))
+                .collect();
+            match bootstrap_step(set, &me, &views) {
+                Step::Initialize(members) => {
+                    tracing::info!(
+                        voters = ?members.keys().collect::<Vec<_>>(),
+                        "all {} expected replicas answer and none has data: ordinal 0 \
+                         initializes a new cluster with all of them as voters",
+                        set.expect
+                    );
+                    match ctx.raft.initialize(members).await {
+                        Ok(()) => return Ok(()),
+                        // Raft state appeared since the survey (a peer's
+                        // vote request): someone else started it.
+                        Err(openraft::error::RaftError::APIError(
+                            openraft::error::InitializeError::NotAllowed(_),
+                        )) => {}
+                        Err(err) => {
+                            return Err(err).context("cannot initialize the cluster");
+                        }
+                    }
+                }
+                Step::Wait(why) => {
+                    // Said once per change, not every second.
+                    if why != last_wait {
+                        tracing::info!("{why}");
+                        last_wait = why;
+                    }
                 }
             }
-            None => tracing::info!("waiting for ordinal 0 or another member to answer"),
         }
         tokio::time::sleep(Duration::from_secs(1)).await;
     }
+}
+
+/// The statuses of the other ordinals that answer (0..`probe`).
+async fn survey(
+    set: &Membership,
+    tls: Option<&Arc<TlsMaterial>>,
+) -> BTreeMap<u32, pb::StatusResponse> {
+    let mut answers = BTreeMap::new();
+    for ordinal in (0..set.probe).filter(|o| *o != set.ordinal) {
+        if let Some(status) = status_of(&peer_address(&set.template, ordinal), tls).await {
+            answers.insert(ordinal, status);
+        }
+    }
+    answers
 }
 
 /// The leader, asked through the other ordinals.
@@ -277,6 +328,96 @@ async fn find_leader(
         }
     }
     None
+}
+
+/// Where `status` says the leader is: itself, or the leader it names.
+fn leader_hint(status: &pb::StatusResponse) -> Option<String> {
+    if status.role == "leader" {
+        Some(status.addr.clone())
+    } else {
+        (!status.leader_addr.is_empty()).then(|| status.leader_addr.clone())
+    }
+}
+
+/// What bootstrap needs of a replica's status.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PeerView {
+    /// Its Raft node id.
+    pub node_id: u64,
+    /// The address it advertises.
+    pub addr: String,
+    /// Whether it has a log, a snapshot or a vote.
+    pub has_raft_state: bool,
+}
+
+impl From<&pb::StatusResponse> for PeerView {
+    fn from(status: &pb::StatusResponse) -> Self {
+        Self {
+            node_id: status.node_id,
+            addr: status.addr.clone(),
+            has_raft_state: status.has_raft_state,
+        }
+    }
+}
+
+/// What an empty replica that found no leader does next.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Step {
+    /// Initialize a new cluster with these voters.
+    Initialize(BTreeMap<u64, BasicNode>),
+    /// Keep asking; the reason, for the log.
+    Wait(String),
+}
+
+/// The bootstrap rule for `me`, an empty replica that found no leader,
+/// given the peers that answered (ordinal -> status): only ordinal 0 ever
+/// initializes, only when every ordinal in 0..`expect` answered and none
+/// has Raft state, and then with all of them as voters. A peer with Raft
+/// state means a cluster exists (its leader not elected yet): wait to be
+/// added, whatever else is seen.
+pub fn bootstrap_step(set: &Membership, me: &PeerView, answers: &BTreeMap<u32, PeerView>) -> Step {
+    if let Some((ordinal, _)) = answers.iter().find(|(_, peer)| peer.has_raft_state) {
+        return Step::Wait(format!(
+            "ordinal {ordinal} has data of an existing cluster: waiting for that cluster's \
+             leader to add this replica (a new cluster never starts beside it)"
+        ));
+    }
+    if me.has_raft_state {
+        return Step::Wait("this replica has Raft state: waiting for a leader".into());
+    }
+    if set.ordinal != 0 {
+        return Step::Wait(
+            "no leader yet: waiting for ordinal 0 to start the cluster, or for a leader to \
+             add this replica"
+                .into(),
+        );
+    }
+    let missing: Vec<u32> = (1..set.expect)
+        .filter(|ordinal| !answers.contains_key(ordinal))
+        .collect();
+    if !missing.is_empty() {
+        return Step::Wait(format!(
+            "no leader, and ordinals {missing:?} do not answer: a new cluster starts only \
+             when all {} expected replicas (--bootstrap-expect) answer and none has data",
+            set.expect
+        ));
+    }
+    let mut members = BTreeMap::new();
+    members.insert(
+        me.node_id,
+        BasicNode {
+            addr: me.addr.clone(),
+        },
+    );
+    for (_, peer) in answers.range(1..set.expect) {
+        members.insert(
+            peer.node_id,
+            BasicNode {
+                addr: peer.addr.clone(),
+            },
+        );
+    }
+    Step::Initialize(members)
 }
 
 /// How often membership is looked after.
@@ -470,5 +611,91 @@ mod tests {
         assert_eq!(node_id(dir.path()).unwrap(), id, "kept across restarts");
         std::fs::write(dir.path().join(NODE_ID_FILE), "zero\n").unwrap();
         assert!(node_id(dir.path()).is_err());
+    }
+
+    fn set(ordinal: u32, expect: u32) -> Membership {
+        Membership {
+            ordinal,
+            template: "tether-{ordinal}:7420".into(),
+            expect,
+            probe: 16,
+        }
+    }
+
+    fn view(id: u64, has_raft_state: bool) -> PeerView {
+        PeerView {
+            node_id: id,
+            addr: format!("tether-{}:7420", id - 100),
+            has_raft_state,
+        }
+    }
+
+    fn answers(peers: &[(u32, bool)]) -> BTreeMap<u32, PeerView> {
+        peers
+            .iter()
+            .map(|(ordinal, data)| (*ordinal, view(100 + u64::from(*ordinal), *data)))
+            .collect()
+    }
+
+    #[test]
+    fn ordinal_0_initializes_only_when_every_expected_replica_answers_empty() {
+        let me = view(100, false);
+        // All three answer, none has data: one cluster of all three.
+        let Step::Initialize(members) =
+            bootstrap_step(&set(0, 3), &me, &answers(&[(1, false), (2, false)]))
+        else {
+            panic!("all expected replicas answered empty");
+        };
+        let voters: Vec<(u64, String)> = members
+            .iter()
+            .map(|(id, node)| (*id, node.addr.clone()))
+            .collect();
+        assert_eq!(
+            voters,
+            [
+                (100, "tether-0:7420".to_string()),
+                (101, "tether-1:7420".to_string()),
+                (102, "tether-2:7420".to_string())
+            ]
+        );
+        // One of them silent: wait, however long it takes (a whole-set
+        // restart whose peers attach their volumes slowly).
+        let Step::Wait(why) = bootstrap_step(&set(0, 3), &me, &answers(&[(1, false)])) else {
+            panic!("ordinal 2 did not answer");
+        };
+        assert!(why.contains("[2]"), "{why}");
+        // Nobody answers: wait (the old rule started a cluster here).
+        assert!(matches!(
+            bootstrap_step(&set(0, 3), &me, &BTreeMap::new()),
+            Step::Wait(_)
+        ));
+        // A peer with data: a cluster exists, never start another, even
+        // when everyone answers (two volumes lost, one kept).
+        for peers in [
+            &[(1, true), (2, false)][..],
+            &[(1, false), (2, true)],
+            &[(1, false), (2, false), (5, true)],
+        ] {
+            let Step::Wait(why) = bootstrap_step(&set(0, 3), &me, &answers(peers)) else {
+                panic!("{peers:?}: a peer has data");
+            };
+            assert!(why.contains("has data"), "{why}");
+        }
+        // Only ordinal 0 initializes.
+        assert!(matches!(
+            bootstrap_step(
+                &set(1, 3),
+                &view(101, false),
+                &answers(&[(0, false), (2, false)])
+            ),
+            Step::Wait(_)
+        ));
+        // A set of one starts alone; extra answering ordinals (scaled out
+        // since) are not made voters of the new cluster.
+        let Step::Initialize(alone) = bootstrap_step(&set(0, 1), &me, &answers(&[(3, false)]))
+        else {
+            panic!("a set of one starts at once");
+        };
+        assert_eq!(alone.keys().collect::<Vec<_>>(), [&100]);
     }
 }

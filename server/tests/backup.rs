@@ -8,7 +8,7 @@ use openraft::ServerState;
 use tether_client::proto::{LockKey, Outcome, Pod};
 use tether_client::{Client, Options};
 use tether_server::Node;
-use tether_server::testing::{single_node, test_config};
+use tether_server::testing::test_config;
 use tokio::net::TcpListener;
 
 fn client(node: &Node) -> Client {
@@ -46,7 +46,15 @@ async fn start(config: tether_server::Config) -> anyhow::Result<Node> {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_exported_snapshot_restores_as_a_new_cluster_with_the_same_state() {
     let dir = tempfile::tempdir().unwrap();
-    let original = single_node(&dir.path().join("original")).await;
+    let original = start(test_config(9, &dir.path().join("original")))
+        .await
+        .unwrap();
+    original
+        .raft()
+        .wait(Some(Duration::from_secs(60)))
+        .state(ServerState::Leader, "the original replica leads")
+        .await
+        .unwrap();
     let tether = client(&original);
     let held = tether
         .acquire(
@@ -78,7 +86,7 @@ async fn an_exported_snapshot_restores_as_a_new_cluster_with_the_same_state() {
     original.shutdown().await;
 
     // Restoring needs an empty data directory.
-    let mut refused = test_config(1, &dir.path().join("original"));
+    let mut refused = test_config(9, &dir.path().join("original"));
     refused.restore_from = Some(file.clone());
     let err = match start(refused).await {
         Ok(_) => panic!("restored over existing data"),
@@ -86,6 +94,9 @@ async fn an_exported_snapshot_restores_as_a_new_cluster_with_the_same_state() {
     };
     assert!(err.contains("empty data directory"), "{err}");
 
+    // Restored under an id below the original leader's (9), in the
+    // backup's term: the restored replica must still win its election (it
+    // once stopped there, its vote not above the last entry's leader).
     let mut config = test_config(7, &dir.path().join("restored"));
     config.restore_from = Some(file);
     let restored = start(config).await.expect("the backup restores");

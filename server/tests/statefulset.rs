@@ -12,7 +12,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::Duration;
 
-use tether_client::proto::{LockKey, Pod};
+use tether_client::proto::{LockKey, PinKey, Pod};
 use tether_client::{Client, Options};
 
 const DEADLINE: Duration = Duration::from_secs(90);
@@ -24,6 +24,10 @@ struct PodProcess {
     log: PathBuf,
     port: u16,
     http: u16,
+    /// `--bootstrap-expect`: the set's size.
+    expect: u32,
+    /// More environment for the next start (e.g. `TETHER_RESTORE_FROM`).
+    extra_env: Vec<(String, String)>,
     child: Option<Child>,
 }
 
@@ -54,6 +58,8 @@ impl PodProcess {
                 format!("127.0.1.{{ordinal}}:{}", self.port),
             )
             .env("TETHER_PROBE_ORDINALS", "5")
+            .env("TETHER_BOOTSTRAP_EXPECT", self.expect.to_string())
+            .envs(self.extra_env.iter().map(|(k, v)| (k, v)))
             .env("TETHER_ELECTION_TIMEOUT", "500ms")
             .env("TETHER_SCALE_IN_AFTER", "2s")
             .env("RUST_LOG", "info,openraft=warn")
@@ -119,7 +125,8 @@ fn free_port() -> u16 {
         .port()
 }
 
-fn pods(dir: &Path, count: u32, port: u16, http: u16) -> Vec<PodProcess> {
+/// `count` pods of a set whose `--bootstrap-expect` is `expect`.
+fn pods(dir: &Path, count: u32, expect: u32, port: u16, http: u16) -> Vec<PodProcess> {
     (0..count)
         .map(|ordinal| PodProcess {
             ordinal,
@@ -127,6 +134,8 @@ fn pods(dir: &Path, count: u32, port: u16, http: u16) -> Vec<PodProcess> {
             log: dir.join(format!("tether-{ordinal}.log")),
             port,
             http,
+            expect,
+            extra_env: Vec::new(),
             child: None,
         })
         .collect()
@@ -188,22 +197,36 @@ async fn until_members(pods: &[PodProcess], what: &str) -> BTreeMap<u64, String>
             return voters.clone();
         }
         if tokio::time::Instant::now() >= deadline {
-            for pod in pods {
-                let log = std::fs::read_to_string(&pod.log).unwrap_or_default();
-                let lines: Vec<&str> = log
-                    .lines()
-                    .filter(|l| !l.starts_with("  ") && !l.contains("openraft::"))
-                    .collect();
-                eprintln!(
-                    "--- tether-{} log tail:\n{}",
-                    pod.ordinal,
-                    lines[lines.len().saturating_sub(12)..].join("\n")
-                );
-            }
+            print_log_tails(pods);
             panic!("timed out: {what}; want voters {want:?}, saw {view:?}");
         }
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
+}
+
+/// The last lines of every pod's log (without openraft's), for a failure.
+fn print_log_tails(pods: &[PodProcess]) {
+    for pod in pods {
+        let log = std::fs::read_to_string(&pod.log).unwrap_or_default();
+        let lines: Vec<&str> = log
+            .lines()
+            .filter(|l| !l.starts_with("  ") && !l.contains("openraft::"))
+            .collect();
+        eprintln!(
+            "--- tether-{} log tail:\n{}",
+            pod.ordinal,
+            lines[lines.len().saturating_sub(12)..].join("\n")
+        );
+    }
+}
+
+/// How many times `pod`'s log (all its starts) says it initialized a new
+/// cluster.
+fn initializations(pod: &PodProcess) -> usize {
+    std::fs::read_to_string(&pod.log)
+        .unwrap_or_default()
+        .matches("initializes a new cluster")
+        .count()
 }
 
 /// Waits until every live pod wrote its node id (first start).
@@ -226,7 +249,7 @@ async fn until_ids(pods: &[PodProcess]) {
 async fn a_statefulset_bootstraps_survives_restarts_and_lost_volumes_and_scales_out_and_in() {
     let dir = tempfile::tempdir().unwrap();
     let (port, http) = (free_port(), free_port());
-    let mut pods = pods(dir.path(), 5, port, http);
+    let mut pods = pods(dir.path(), 5, 3, port, http);
 
     // podManagementPolicy: Parallel — three pods start at once.
     for pod in pods.iter_mut().take(3) {
@@ -328,4 +351,264 @@ async fn a_statefulset_bootstraps_survives_restarts_and_lost_volumes_and_scales_
         (holder.token, holder.pod.unwrap().uid),
         (token, "uid-1".to_string())
     );
+}
+
+/// What the tests below carry through a disaster: a hold and a pin.
+struct Carried {
+    key: LockKey,
+    token: u64,
+    pin: PinKey,
+    node: String,
+}
+
+fn client_of(pods: &[PodProcess]) -> Client {
+    Client::new(
+        pods.iter().map(PodProcess::addr),
+        Options {
+            retry_timeout: DEADLINE,
+            ..Options::default()
+        },
+    )
+    .unwrap()
+}
+
+async fn take_state(client: &Client) -> Carried {
+    let key = LockKey {
+        scope: "gpu-bind".into(),
+        name: "node-a".into(),
+    };
+    let owner = Pod {
+        uid: "uid-1".into(),
+        namespace: "ml".into(),
+        name: "train-0".into(),
+    };
+    let token = client
+        .acquire(&key, &owner, b"gpu0".to_vec(), Duration::ZERO, 0)
+        .await
+        .unwrap()
+        .token();
+    let pin = PinKey {
+        set: "slurm/nodeset-a".into(),
+        member: "0".into(),
+    };
+    let assigned = client
+        .assign(
+            &pin,
+            vec!["node-b".into(), "node-c".into()],
+            "uid-2",
+            Duration::ZERO,
+            Default::default(),
+            Default::default(),
+        )
+        .await
+        .unwrap();
+    let node = assigned.pin.expect("a pin").node;
+    Carried {
+        key,
+        token,
+        pin,
+        node,
+    }
+}
+
+/// The hold (same token, same holder) and the pin (same node) are there.
+async fn assert_state(client: &Client, carried: &Carried) {
+    let holder = client
+        .holder(&carried.key)
+        .await
+        .unwrap()
+        .expect("still held");
+    assert_eq!(
+        (holder.token, holder.pod.unwrap().uid),
+        (carried.token, "uid-1".to_string())
+    );
+    let pin = client.get_pin(&carried.pin).await.unwrap().expect("pinned");
+    assert_eq!(pin.node, carried.node);
+}
+
+/// `pod`'s status, asked directly.
+async fn status(pod: &PodProcess) -> Option<tether_client::proto::StatusResponse> {
+    let client = Client::new(
+        [pod.addr()],
+        Options {
+            call_timeout: Duration::from_secs(2),
+            retry_timeout: Duration::from_secs(2),
+            ..Options::default()
+        },
+    )
+    .unwrap();
+    client.status_of(&pod.addr()).await.ok()
+}
+
+/// For `how_long`, none of `pods` leads and none of `empty` has any Raft
+/// state (nobody initialized anything).
+async fn assert_nobody_initializes(pods: &[PodProcess], empty: &[u32], how_long: Duration) {
+    let until = tokio::time::Instant::now() + how_long;
+    let mut asked = 0;
+    while tokio::time::Instant::now() < until {
+        for pod in pods.iter().filter(|p| p.child.is_some()) {
+            let Some(status) = status(pod).await else {
+                continue;
+            };
+            asked += 1;
+            if status.role == "leader" || (empty.contains(&pod.ordinal) && status.has_raft_state) {
+                print_log_tails(pods);
+                panic!(
+                    "tether-{} started a cluster (role {}, Raft state {})",
+                    pod.ordinal, status.role, status.has_raft_state
+                );
+            }
+        }
+        tokio::time::sleep(Duration::from_millis(250)).await;
+    }
+    assert!(asked > 0, "no pod ever answered");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_fresh_set_started_in_every_order_with_delays_forms_one_cluster() {
+    let orders = [
+        [0, 1, 2],
+        [0, 2, 1],
+        [1, 0, 2],
+        [1, 2, 0],
+        [2, 0, 1],
+        [2, 1, 0],
+    ];
+    for order in orders {
+        let dir = tempfile::tempdir().unwrap();
+        let (port, http) = (free_port(), free_port());
+        let mut pods = pods(dir.path(), 3, 3, port, http);
+        for (position, ordinal) in order.into_iter().enumerate() {
+            // The scenario's delays (not a wait on a condition): longer than
+            // the three rounds after which ordinal 0 once started alone.
+            match position {
+                0 => {}
+                1 => tokio::time::sleep(Duration::from_secs(4)).await,
+                _ => tokio::time::sleep(Duration::from_millis(700)).await,
+            }
+            pods[ordinal].start();
+        }
+        until_ids(&pods).await;
+        let members = until_members(&pods, &format!("order {order:?}: one cluster")).await;
+        assert_eq!(members.len(), 3, "order {order:?}");
+        let starts: Vec<usize> = pods.iter().map(initializations).collect();
+        assert_eq!(
+            starts,
+            [1, 0, 0],
+            "order {order:?}: ordinal 0 initializes, once, and nobody else"
+        );
+        println!("order {order:?}: one cluster of {members:?}");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_whole_set_restart_with_ordinal_0s_volume_lost_and_slow_peers_keeps_one_cluster() {
+    let dir = tempfile::tempdir().unwrap();
+    let (port, http) = (free_port(), free_port());
+    let mut pods = pods(dir.path(), 3, 3, port, http);
+    for pod in pods.iter_mut() {
+        pod.start();
+    }
+    until_ids(&pods).await;
+    let first = until_members(&pods, "three pods form one cluster").await;
+    let carried = take_state(&client_of(&pods)).await;
+
+    // The whole set stops; ordinal 0 comes back first, on a new empty
+    // volume; its peers take 60 s (volumes attaching on other nodes).
+    let old0 = pods[0].node_id();
+    for pod in pods.iter_mut() {
+        pod.terminate();
+    }
+    std::fs::remove_dir_all(&pods[0].data).unwrap();
+    pods[0].start();
+    assert_nobody_initializes(&pods, &[0], Duration::from_secs(60)).await;
+    let log0 = std::fs::read_to_string(&pods[0].log).unwrap();
+    assert!(
+        log0.contains("do not answer: a new cluster starts only"),
+        "tether-0 says why it waits"
+    );
+
+    pods[1].start();
+    pods[2].start();
+    until_ids(&pods).await;
+    let after = until_members(&pods, "tether-0 joins the old cluster as a new member").await;
+    let new0 = pods[0].node_id();
+    assert_ne!(new0, old0);
+    assert!(after.contains_key(&new0) && !after.contains_key(&old0));
+    for id in [pods[1].node_id(), pods[2].node_id()] {
+        assert!(first.contains_key(&id) && after.contains_key(&id));
+    }
+    assert_state(&client_of(&pods), &carried).await;
+    assert_eq!(
+        initializations(&pods[0]),
+        1,
+        "only the first start initialized a cluster"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_lost_volumes_start_nothing_and_the_ops_guides_restore_brings_the_set_back() {
+    let dir = tempfile::tempdir().unwrap();
+    let (port, http) = (free_port(), free_port());
+    let mut pods = pods(dir.path(), 3, 3, port, http);
+    for pod in pods.iter_mut() {
+        pod.start();
+    }
+    until_ids(&pods).await;
+    until_members(&pods, "three pods form one cluster").await;
+    let client = client_of(&pods);
+    let carried = take_state(&client).await;
+    // The ops guide's backup.
+    let (index, backup) = client.export_snapshot().await.unwrap();
+    println!("backup at index {index}, {} bytes", backup.len());
+
+    // Two of three volumes lost: ordinal 2's data alone cannot elect a
+    // leader, and the empty ordinals must not start a cluster beside it.
+    for pod in pods.iter_mut() {
+        pod.terminate();
+    }
+    std::fs::remove_dir_all(&pods[0].data).unwrap();
+    std::fs::remove_dir_all(&pods[1].data).unwrap();
+    for pod in pods.iter_mut() {
+        pod.start();
+    }
+    assert_nobody_initializes(&pods, &[0, 1], Duration::from_secs(15)).await;
+    let log0 = std::fs::read_to_string(&pods[0].log).unwrap();
+    assert!(
+        log0.contains("ordinal 2 has data of an existing cluster"),
+        "tether-0 says why it waits"
+    );
+
+    // The ops guide's restore: scale to 1; tether-0 gets an empty volume
+    // with the backup in it and starts once with TETHER_RESTORE_FROM.
+    for pod in pods.iter_mut() {
+        pod.terminate();
+    }
+    std::fs::remove_dir_all(&pods[0].data).unwrap();
+    std::fs::create_dir_all(&pods[0].data).unwrap();
+    let file = pods[0].data.join("tether.snap");
+    std::fs::write(&file, &backup).unwrap();
+    pods[0].extra_env = vec![("TETHER_RESTORE_FROM".into(), file.display().to_string())];
+    pods[0].start();
+    let deadline = tokio::time::Instant::now() + DEADLINE;
+    while status(&pods[0]).await.is_none_or(|s| s.role != "leader") {
+        if tokio::time::Instant::now() >= deadline {
+            print_log_tails(&pods);
+            panic!("the restored tether-0 never led");
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    // Remove the variable (a restart keeps the restored data) and scale
+    // out; the guide has the other members' volumes deleted first: they
+    // hold the lost cluster's data.
+    pods[0].terminate();
+    pods[0].extra_env.clear();
+    pods[0].start();
+    std::fs::remove_dir_all(&pods[2].data).unwrap();
+    pods[1].start();
+    pods[2].start();
+    until_ids(&pods).await;
+    let members = until_members(&pods, "the others join the restored tether-0").await;
+    assert_eq!(members.len(), 3);
+    assert_state(&client_of(&pods), &carried).await;
 }

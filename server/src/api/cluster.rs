@@ -74,6 +74,10 @@ pub fn status(ctx: &Ctx) -> pb::StatusResponse {
         snapshot_index: metrics.snapshot.map_or(0, |l| l.index),
         members,
         lock_count: ctx.state.read().state.locks.len() as u64,
+        has_raft_state: metrics.last_log_index.is_some()
+            || metrics.snapshot.is_some()
+            || metrics.vote != openraft::Vote::default(),
+        cluster_id: String::new(),
     }
 }
 

@@ -67,8 +67,14 @@ impl LogStore {
     }
 
     /// Records that the log starts after `log_id` (a restored backup covers
-    /// everything up to it).
-    pub fn start_after(&self, log_id: LogId) -> Result<(), StorageError> {
+    /// everything up to it), and that `node_id`, the restored replica, has
+    /// voted for itself in that entry's term. Without the vote the replica
+    /// would campaign in the backup's own term, and Raft (openraft checks
+    /// it) refuses a leader whose vote is not above the leader of the last
+    /// entry: with another node id in that term the restored replica's
+    /// core stopped at its first election whenever its id was the lower.
+    pub fn start_after(&self, log_id: LogId, node_id: u64) -> Result<(), StorageError> {
+        self.put_meta(VOTE, &Vote::new(log_id.leader_id.term, node_id))?;
         self.put_meta(LAST_PURGED, &log_id)
     }
 
