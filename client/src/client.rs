@@ -23,6 +23,7 @@ use tonic::service::Interceptor;
 use tonic::service::interceptor::InterceptedService;
 use tonic::transport::{Channel, Endpoint};
 
+use crate::cluster::{ClusterGuard, SeenCluster};
 use crate::error::{Error, Result};
 use crate::hold::Held;
 use crate::watch::Watcher;
@@ -63,8 +64,8 @@ impl Default for Options {
 }
 
 /// A connection to one replica, with this client's credentials attached
-/// to every call.
-pub type Conn = InterceptedService<Channel, Credentials>;
+/// to every call, kept to the client's cluster ([`ClusterGuard`]).
+pub type Conn = InterceptedService<ClusterGuard<Channel>, Credentials>;
 
 /// Adds the bearer token (if any) to each request.
 #[derive(Clone)]
@@ -104,6 +105,8 @@ struct Shared {
     channels: Mutex<HashMap<String, Conn>>,
     /// Attached to every call.
     credentials: Credentials,
+    /// The cluster this client uses, once an answer named it.
+    cluster: SeenCluster,
     /// Sequences of requests not yet answered.
     in_flight: Mutex<BTreeSet<u64>>,
     /// Signalled when a request completes (see `begin_request`).
@@ -244,6 +247,7 @@ impl Client {
             sequence: AtomicU64::new(0),
             channels: Mutex::new(HashMap::new()),
             credentials: Credentials { authorization },
+            cluster: SeenCluster::default(),
             in_flight: Mutex::new(BTreeSet::new()),
             freed: tokio::sync::Notify::new(),
         };
@@ -326,7 +330,10 @@ impl Client {
             Some(tls) => tether_tls::lazy_channel(endpoint, tls.clone(), Duration::from_secs(2)),
             None => endpoint.connect_lazy(),
         };
-        let channel = InterceptedService::new(channel, self.shared.credentials.clone());
+        let channel = InterceptedService::new(
+            ClusterGuard::new(channel, addr, self.shared.cluster.clone()),
+            self.shared.credentials.clone(),
+        );
         channels.insert(addr.to_string(), channel.clone());
         Ok(channel)
     }

@@ -63,6 +63,14 @@ pub enum Error {
     /// The server could not tell who is calling (no or an unknown token).
     #[error("unauthenticated: {0}")]
     Unauthenticated(String),
+    /// A replica of another cluster than the one this client has been
+    /// using answered (see [`crate::cluster`]); nothing was done there.
+    /// Two clusters answer at the client's addresses: an operator has to
+    /// look (`lockctl cluster status` on each replica names its cluster).
+    /// A client that is meant to move to a new cluster (after a restore
+    /// from a backup) must be restarted.
+    #[error("wrong cluster: {0}")]
+    WrongCluster(String),
     /// Anything else the server said.
     #[error("{0}")]
     Other(String),
@@ -79,6 +87,7 @@ impl Error {
         match self {
             Error::InvalidArgument(_) => 2,
             Error::FailedPrecondition(_) | Error::NotFound(_) | Error::Aborted(_) => 3,
+            Error::WrongCluster(_) => 8,
             Error::Compacted { .. } => 6,
             Error::DeadlineExceeded(_) => 4,
             Error::Unavailable(_) | Error::ResourceExhausted(_) => 5,
@@ -93,6 +102,13 @@ impl From<Status> for Error {
         let message = status.message().to_string();
         match status.code() {
             Code::InvalidArgument => Error::InvalidArgument(message),
+            Code::FailedPrecondition
+                if status
+                    .metadata()
+                    .contains_key(tether_proto::WRONG_CLUSTER_METADATA) =>
+            {
+                Error::WrongCluster(message)
+            }
             Code::FailedPrecondition => Error::FailedPrecondition(message),
             Code::DeadlineExceeded => Error::DeadlineExceeded(message),
             Code::ResourceExhausted => Error::ResourceExhausted(message),

@@ -36,6 +36,7 @@
 
 pub mod blocking;
 mod client;
+pub mod cluster;
 mod error;
 mod hold;
 pub mod http;

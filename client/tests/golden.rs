@@ -119,6 +119,12 @@ async fn lockctl_output_matches_the_golden_file() {
     let dir = tempfile::tempdir().unwrap();
     let node = tether_server::testing::single_node(dir.path()).await;
     let endpoint = node.addr().to_string();
+    // Drawn at random: shown as <cluster-id>.
+    let cluster_id = node
+        .ctx()
+        .cluster_id
+        .get()
+        .expect("single_node waits for it");
 
     let mut transcript = String::new();
     let mut lease = String::new();
@@ -152,6 +158,7 @@ async fn lockctl_output_matches_the_golden_file() {
         ));
     }
     node.stop().await;
+    let transcript = transcript.replace(&cluster_id, "<cluster-id>");
 
     let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/golden/lockctl.txt");
     if std::env::var("TETHER_UPDATE_GOLDEN").is_ok() {

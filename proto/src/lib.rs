@@ -31,3 +31,16 @@ pub const LEADER_ADDR_METADATA: &str = "x-tether-leader-addr";
 /// gRPC metadata key carrying the oldest retained revision's log index on an
 /// `OUT_OF_RANGE` answer to a watch from a compacted revision.
 pub const COMPACT_REVISION_METADATA: &str = "x-tether-compact-revision";
+
+/// gRPC metadata key carrying the answering replica's cluster id, on every
+/// response (once the replica knows it), and on every Raft message a
+/// replica sends.
+pub const CLUSTER_ID_METADATA: &str = "x-tether-cluster-id";
+/// gRPC metadata key a client sets on its requests once it has seen a
+/// cluster id: a replica of another cluster refuses the request, before
+/// doing anything, with `FAILED_PRECONDITION` and
+/// [`WRONG_CLUSTER_METADATA`].
+pub const EXPECT_CLUSTER_METADATA: &str = "x-tether-expect-cluster";
+/// gRPC metadata key marking a refusal because the request was meant for
+/// another cluster (its value: the refusing replica's cluster id).
+pub const WRONG_CLUSTER_METADATA: &str = "x-tether-wrong-cluster";

@@ -16,10 +16,12 @@
 //! - `error.rs` — API errors and their mapping to gRPC status codes.
 //! - `http.rs`, `metrics.rs` — the health and Prometheus endpoints.
 //! - `statefulset.rs` — identity and bootstrap by ordinal (`--statefulset`).
+//! - `cluster_id.rs` — the cluster's id, and the checks that keep clusters apart.
 //! - `testing.rs` — in-process test clusters (for tests, not `tetherd`).
 
 pub mod api;
 pub mod auth;
+pub mod cluster_id;
 pub mod config;
 pub mod error;
 pub mod fuzzing;

@@ -133,6 +133,7 @@ impl Node {
             tracing::info!(backup = %path.display(), index = last.index, "restored a backup as a one-member cluster");
         }
         let state = sm_store.handle();
+        let cluster_id = state.cluster_id();
 
         let election_ms = config.election_timeout.as_millis() as u64;
         let raft_config = openraft::Config {
@@ -163,6 +164,7 @@ impl Node {
             peer_formats.clone(),
             config.raft_message_limit,
             metrics.clone(),
+            cluster_id.clone(),
         );
         let raft = Raft::new(
             id,
@@ -212,6 +214,7 @@ impl Node {
             proposer,
             reads,
             peer_formats,
+            cluster_id,
         });
 
         if set.is_none() {
@@ -223,7 +226,30 @@ impl Node {
             tasks.push(tls.watch(config.tls_reload_interval));
         }
         let request_limit = config.max_request_bytes;
+        // Every response names the cluster (`cluster_id`): clients refuse a
+        // replica of another cluster than the one they have been using.
+        let cluster_id = ctx.cluster_id.clone();
+        let name_cluster = tower::util::MapResponseLayer::new(
+            move |mut response: tonic::codegen::http::Response<tonic::body::Body>| {
+                if let Some(value) = cluster_id.get().and_then(|id| id.parse().ok()) {
+                    response
+                        .headers_mut()
+                        .insert(crate::cluster_id::METADATA, value);
+                }
+                response
+            },
+        );
+        let expected = ctx.cluster_id.clone();
+        let check_cluster =
+            tonic::service::InterceptorLayer::new(move |request: tonic::Request<()>| {
+                crate::cluster_id::check_expected(&expected, request.metadata())?;
+                Ok(request)
+            });
         let grpc_server = tonic::transport::Server::builder()
+            // Outermost: a refused request reaches no handler (its refusal
+            // names this replica's cluster in its own metadata).
+            .layer(check_cluster)
+            .layer(name_cluster)
             .add_service(
                 LockServiceServer::new(LockApi::new(ctx.clone()))
                     .max_decoding_message_size(request_limit),
@@ -271,6 +297,10 @@ impl Node {
         tasks.push(tokio::spawn(forget_departed_peers(
             ctx.raft.clone(),
             network,
+            shutdown_rx.clone(),
+        )));
+        tasks.push(tokio::spawn(claim_cluster_id(
+            ctx.clone(),
             shutdown_rx.clone(),
         )));
         tasks.push(tokio::spawn(sweeper(ctx.clone(), shutdown_rx)));
@@ -585,6 +615,44 @@ async fn forget_departed_peers(raft: Raft, network: Network, mut shutdown: watch
 
 /// While this replica leads, proposes a [`Sweep`] whenever its applied state
 /// shows a wait, lease, hold or session due on the leader's clock.
+/// As leader, gives the cluster its id when none is applied yet: right
+/// after the cluster was initialized, or once on a cluster an older build
+/// started. The id goes through the log ([`crate::cluster_id`]), so all
+/// members take the same one even if two leaders in a row each propose
+/// one.
+async fn claim_cluster_id(ctx: Arc<Ctx>, mut shutdown: watch::Receiver<bool>) {
+    let mut metrics = ctx.raft.metrics();
+    loop {
+        let leading = metrics.borrow_and_update().state == ServerState::Leader;
+        if leading && ctx.cluster_id.get().is_none() {
+            let id = crate::cluster_id::draw();
+            let command = Command::Audit(crate::sm::command::Audit {
+                identity: "tetherd".into(),
+                action: crate::cluster_id::AUDIT_ACTION.into(),
+                detail: id.clone(),
+            });
+            match ctx.write(None, command).await {
+                Ok(_) => tracing::info!(
+                    proposed = id,
+                    cluster_id = ctx.cluster_id.get(),
+                    "gave the cluster its id"
+                ),
+                Err(err) => tracing::debug!(%err, "could not record a cluster id yet"),
+            }
+            // A failed proposal (leadership lost) is retried after a pause.
+            tokio::select! {
+                _ = tokio::time::sleep(Duration::from_millis(500)) => {}
+                _ = shutdown.changed() => return,
+            }
+            continue;
+        }
+        tokio::select! {
+            changed = metrics.changed() => if changed.is_err() { return },
+            _ = shutdown.changed() => return,
+        }
+    }
+}
+
 async fn sweeper(ctx: Arc<Ctx>, mut shutdown: watch::Receiver<bool>) {
     let mut tick = tokio::time::interval(ctx.config.sweep_interval);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);

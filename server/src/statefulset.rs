@@ -28,7 +28,6 @@
 //!   with its old volume, or only cut off) notices and joins again.
 
 use std::collections::{BTreeMap, BTreeSet};
-use std::hash::{BuildHasher, Hasher};
 use std::path::Path;
 use std::sync::Arc;
 use std::time::Duration;
@@ -83,16 +82,7 @@ pub fn node_id(data_dir: &Path) -> anyhow::Result<u64> {
             .with_context(|| format!("{} does not hold a node id: {text:?}", path.display())),
         Err(err) if err.kind() == std::io::ErrorKind::NotFound => {
             std::fs::create_dir_all(data_dir)?;
-            // RandomState is seeded from the OS: enough to never collide in
-            // a set of a few replicas, without a random-number crate.
-            let mut hasher = std::collections::hash_map::RandomState::new().build_hasher();
-            hasher.write_u128(
-                std::time::SystemTime::now()
-                    .duration_since(std::time::UNIX_EPOCH)
-                    .map(|d| d.as_nanos())
-                    .unwrap_or(0),
-            );
-            let id = (hasher.finish() & ((1 << 53) - 1)).max(1);
+            let id = (crate::cluster_id::random_u64() & ((1 << 53) - 1)).max(1);
             let tmp = path.with_extension("tmp");
             std::fs::write(&tmp, format!("{id}\n"))?;
             std::fs::rename(&tmp, &path)?;

@@ -244,7 +244,13 @@ impl Cluster {
 /// Starts a single-node cluster in `dir` on loopback port 0 and waits until
 /// it leads and has applied its first entries (linearizable reads succeed).
 pub async fn single_node(dir: &std::path::Path) -> Node {
-    let config = test_config(1, dir);
+    single_node_with(dir, |_| {}).await
+}
+
+/// [`single_node`] with a config adjustment.
+pub async fn single_node_with(dir: &std::path::Path, tweak: impl FnOnce(&mut Config)) -> Node {
+    let mut config = test_config(1, dir);
+    tweak(&mut config);
     let grpc = TcpListener::bind("127.0.0.1:0").await.unwrap();
     let http = TcpListener::bind("127.0.0.1:0").await.unwrap();
     let node = Node::start_with(config, grpc, http)
@@ -259,5 +265,15 @@ pub async fn single_node(dir: &std::path::Path) -> Node {
         .ensure_linearizable()
         .await
         .expect("single node serves reads");
+    // The leader's first entry of its own gives the cluster its id: wait
+    // for it, so that tests start from the same log position every time.
+    let deadline = tokio::time::Instant::now() + DEADLINE;
+    while node.ctx().cluster_id.get().is_none() {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "the single node never recorded a cluster id"
+        );
+        tokio::time::sleep(std::time::Duration::from_millis(5)).await;
+    }
     node
 }

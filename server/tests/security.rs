@@ -268,6 +268,8 @@ async fn a_replica_with_a_certificate_from_another_ca_cannot_join() {
         .await
         .unwrap()
         .events;
+    // First the cluster's id, recorded by its first leader.
+    let cluster_id = cluster.node(leader).ctx().cluster_id.get().unwrap();
     let recorded: Vec<(String, String, String)> = events
         .iter()
         .map(|e| {
@@ -282,6 +284,7 @@ async fn a_replica_with_a_certificate_from_another_ca_cannot_join() {
     assert_eq!(
         recorded,
         vec![
+            ("tetherd".into(), "ClusterId".into(), cluster_id),
             (
                 "CN=admin".into(),
                 "AddLearner".into(),

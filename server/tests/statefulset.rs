@@ -229,6 +229,25 @@ fn initializations(pod: &PodProcess) -> usize {
         .count()
 }
 
+/// The cluster id every live pod reports: one, the same for all, not empty.
+async fn one_cluster_id(pods: &[PodProcess]) -> String {
+    let deadline = tokio::time::Instant::now() + DEADLINE;
+    loop {
+        let mut ids = std::collections::BTreeSet::new();
+        for pod in pods.iter().filter(|p| p.child.is_some()) {
+            ids.insert(status(pod).await.map(|s| s.cluster_id).unwrap_or_default());
+        }
+        if ids.len() == 1 && !ids.first().unwrap().is_empty() {
+            return ids.pop_first().unwrap();
+        }
+        if tokio::time::Instant::now() >= deadline {
+            print_log_tails(pods);
+            panic!("the pods report cluster ids {ids:?}");
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
 /// Waits until every live pod wrote its node id (first start).
 async fn until_ids(pods: &[PodProcess]) {
     let deadline = tokio::time::Instant::now() + DEADLINE;
@@ -440,9 +459,19 @@ async fn status(pod: &PodProcess) -> Option<tether_client::proto::StatusResponse
     client.status_of(&pod.addr()).await.ok()
 }
 
-/// For `how_long`, none of `pods` leads and none of `empty` has any Raft
-/// state (nobody initialized anything).
-async fn assert_nobody_initializes(pods: &[PodProcess], empty: &[u32], how_long: Duration) {
+/// For `how_long`, no new cluster appears: none of `empty` (the pods that
+/// lost their volumes) logs that it initialized a cluster or leads, and no
+/// pod reports another cluster id than `cluster` (the set's own; a new
+/// cluster would draw its own). A pod that kept its data may believe it
+/// still leads (openraft resumes a committed vote for itself at start-up);
+/// it cannot commit anything without a majority.
+async fn assert_nobody_initializes(
+    pods: &[PodProcess],
+    empty: &[u32],
+    how_long: Duration,
+    cluster: &str,
+) {
+    let before: Vec<usize> = pods.iter().map(initializations).collect();
     let until = tokio::time::Instant::now() + how_long;
     let mut asked = 0;
     while tokio::time::Instant::now() < until {
@@ -451,11 +480,15 @@ async fn assert_nobody_initializes(pods: &[PodProcess], empty: &[u32], how_long:
                 continue;
             };
             asked += 1;
-            if status.role == "leader" || (empty.contains(&pod.ordinal) && status.has_raft_state) {
+            let wrong = (empty.contains(&pod.ordinal)
+                && (status.role == "leader"
+                    || initializations(pod) != before[pod.ordinal as usize]))
+                || !(status.cluster_id.is_empty() || status.cluster_id == cluster);
+            if wrong {
                 print_log_tails(pods);
                 panic!(
-                    "tether-{} started a cluster (role {}, Raft state {})",
-                    pod.ordinal, status.role, status.has_raft_state
+                    "tether-{} started a cluster (role {}, cluster id {:?})",
+                    pod.ordinal, status.role, status.cluster_id
                 );
             }
         }
@@ -497,7 +530,8 @@ async fn a_fresh_set_started_in_every_order_with_delays_forms_one_cluster() {
             [1, 0, 0],
             "order {order:?}: ordinal 0 initializes, once, and nobody else"
         );
-        println!("order {order:?}: one cluster of {members:?}");
+        let cluster = one_cluster_id(&pods).await;
+        println!("order {order:?}: one cluster {cluster} of {members:?}");
     }
 }
 
@@ -512,6 +546,7 @@ async fn a_whole_set_restart_with_ordinal_0s_volume_lost_and_slow_peers_keeps_on
     until_ids(&pods).await;
     let first = until_members(&pods, "three pods form one cluster").await;
     let carried = take_state(&client_of(&pods)).await;
+    let cluster = one_cluster_id(&pods).await;
 
     // The whole set stops; ordinal 0 comes back first, on a new empty
     // volume; its peers take 60 s (volumes attaching on other nodes).
@@ -521,7 +556,12 @@ async fn a_whole_set_restart_with_ordinal_0s_volume_lost_and_slow_peers_keeps_on
     }
     std::fs::remove_dir_all(&pods[0].data).unwrap();
     pods[0].start();
-    assert_nobody_initializes(&pods, &[0], Duration::from_secs(60)).await;
+    assert_nobody_initializes(&pods, &[0], Duration::from_secs(60), &cluster).await;
+    let alone = status(&pods[0]).await.expect("tether-0 answers");
+    assert!(
+        !alone.has_raft_state && alone.cluster_id.is_empty(),
+        "{alone:?}"
+    );
     let log0 = std::fs::read_to_string(&pods[0].log).unwrap();
     assert!(
         log0.contains("do not answer: a new cluster starts only"),
@@ -544,6 +584,11 @@ async fn a_whole_set_restart_with_ordinal_0s_volume_lost_and_slow_peers_keeps_on
         1,
         "only the first start initialized a cluster"
     );
+    assert_eq!(
+        one_cluster_id(&pods).await,
+        cluster,
+        "the new member took the cluster's id"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -558,6 +603,7 @@ async fn two_lost_volumes_start_nothing_and_the_ops_guides_restore_brings_the_se
     until_members(&pods, "three pods form one cluster").await;
     let client = client_of(&pods);
     let carried = take_state(&client).await;
+    let lost_cluster = one_cluster_id(&pods).await;
     // The ops guide's backup.
     let (index, backup) = client.export_snapshot().await.unwrap();
     println!("backup at index {index}, {} bytes", backup.len());
@@ -572,10 +618,36 @@ async fn two_lost_volumes_start_nothing_and_the_ops_guides_restore_brings_the_se
     for pod in pods.iter_mut() {
         pod.start();
     }
-    assert_nobody_initializes(&pods, &[0, 1], Duration::from_secs(15)).await;
+    assert_nobody_initializes(&pods, &[0, 1], Duration::from_secs(15), &lost_cluster).await;
+    // Nothing can be written either: ordinal 2 has no majority.
+    let short = Client::new(
+        pods.iter().map(PodProcess::addr),
+        Options {
+            call_timeout: Duration::from_secs(2),
+            retry_timeout: Duration::from_secs(4),
+            ..Options::default()
+        },
+    )
+    .unwrap();
+    let owner = Pod {
+        uid: "uid-3".into(),
+        namespace: "ml".into(),
+        name: "train-1".into(),
+    };
+    let written = short
+        .acquire(&carried.key, &owner, vec![], Duration::ZERO, 0)
+        .await;
+    assert!(written.is_err(), "a write went through: {written:?}");
+    // tether-0 waits for ordinal 2's cluster: seeing its data, or, when
+    // ordinal 2 was the last leader and resumed its leadership at start-up,
+    // by asking it to be added (which it cannot commit).
     let log0 = std::fs::read_to_string(&pods[0].log).unwrap();
     assert!(
-        log0.contains("ordinal 2 has data of an existing cluster"),
+        log0.contains("ordinal 2 has data of an existing cluster")
+            || log0.contains(&format!(
+                "joining as a learner leader=\"{}\"",
+                pods[2].addr()
+            )),
         "tether-0 says why it waits"
     );
 
@@ -604,6 +676,15 @@ async fn two_lost_volumes_start_nothing_and_the_ops_guides_restore_brings_the_se
     pods[0].terminate();
     pods[0].extra_env.clear();
     pods[0].start();
+    let restored_cluster = one_cluster_id(&pods[..1]).await;
+    assert_ne!(
+        restored_cluster, lost_cluster,
+        "a restored backup is a new cluster"
+    );
+
+    // The guide's step 4 and 5 (tether-1 may hold a copy of ordinal 2's
+    // log: it was added as a learner by ordinal 2, which could not commit).
+    std::fs::remove_dir_all(&pods[1].data).unwrap();
     std::fs::remove_dir_all(&pods[2].data).unwrap();
     pods[1].start();
     pods[2].start();
@@ -611,4 +692,5 @@ async fn two_lost_volumes_start_nothing_and_the_ops_guides_restore_brings_the_se
     let members = until_members(&pods, "the others join the restored tether-0").await;
     assert_eq!(members.len(), 3);
     assert_state(&client_of(&pods), &carried).await;
+    assert_eq!(one_cluster_id(&pods).await, restored_cluster);
 }

@@ -77,7 +77,7 @@ pub fn status(ctx: &Ctx) -> pb::StatusResponse {
         has_raft_state: metrics.last_log_index.is_some()
             || metrics.snapshot.is_some()
             || metrics.vote != openraft::Vote::default(),
-        cluster_id: String::new(),
+        cluster_id: ctx.cluster_id.get().unwrap_or_default(),
     }
 }
 

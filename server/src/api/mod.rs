@@ -70,6 +70,8 @@ pub struct Ctx {
     /// The log formats the other replicas read: entries of a newer format
     /// are written only once every member reads it.
     pub peer_formats: Arc<crate::raft::network::PeerFormats>,
+    /// The cluster's id as this replica knows it ([`crate::cluster_id`]).
+    pub cluster_id: Arc<crate::cluster_id::ClusterIdCell>,
 }
 
 /// Wall-clock time in ms since the epoch: only ever used to stamp entries
@@ -169,6 +171,7 @@ impl Ctx {
             node_id: self.id,
             leader_id: metrics.current_leader.unwrap_or(0),
             linearizable,
+            cluster_id: self.cluster_id.get().unwrap_or_default(),
         }
     }
 

@@ -1,7 +1,9 @@
 //! The internal `RaftService`: hands replica-to-replica messages to openraft.
 
 use crate::auth::Action;
+use crate::cluster_id::AdoptError;
 use std::sync::Arc;
+use std::time::Duration;
 
 use std::pin::Pin;
 
@@ -19,12 +21,17 @@ use crate::store::{decode, encode};
 /// The `RaftService` implementation.
 pub struct RaftApi {
     ctx: Arc<Ctx>,
+    /// When a message of another cluster was last logged.
+    last_other_cluster_warning: std::sync::Mutex<Option<std::time::Instant>>,
 }
 
 impl RaftApi {
     /// A service over a replica's context.
     pub fn new(ctx: Arc<Ctx>) -> Self {
-        Self { ctx }
+        Self {
+            ctx,
+            last_other_cluster_warning: Default::default(),
+        }
     }
 }
 
@@ -57,6 +64,72 @@ impl RaftApi {
                 self.ctx.id
             ))),
         }
+    }
+
+    /// Refuses a message from a replica of another cluster (its metadata
+    /// names another cluster id than this replica's), so that two clusters
+    /// never mix their logs. A replica that knows no id yet takes the one
+    /// of a leader that replicates to it (`from_leader`: AppendEntries, a
+    /// snapshot), which is how members sent a snapshot past the entry that
+    /// recorded the id learn it. Messages of older builds name no cluster
+    /// and are not checked.
+    fn check_cluster<T>(&self, request: &Request<T>, from_leader: bool) -> Result<(), Status> {
+        let Some(theirs) = request
+            .metadata()
+            .get(crate::cluster_id::METADATA)
+            .and_then(|v| v.to_str().ok())
+        else {
+            return Ok(());
+        };
+        let result = if from_leader {
+            let db = self.ctx.db().map_err(Status::from)?;
+            self.ctx.cluster_id.adopt(theirs, |id| {
+                crate::store::write_cluster_id(&db, id)?;
+                tracing::info!(
+                    cluster_id = id,
+                    "this replica's cluster id, from its leader"
+                );
+                Ok(())
+            })
+        } else {
+            match self.ctx.cluster_id.get() {
+                Some(ours) if ours != theirs => Err(AdoptError::Other(ours)),
+                _ => Ok(()),
+            }
+        };
+        match result {
+            Ok(()) => Ok(()),
+            Err(AdoptError::Storage(err)) => Err(Status::unavailable(format!(
+                "cannot store the cluster id: {err}"
+            ))),
+            Err(AdoptError::Other(ours)) => {
+                self.warn_other_cluster(&ours, theirs);
+                Err(Status::failed_precondition(format!(
+                    "this replica (node {}) belongs to cluster {ours}, the sender to cluster \
+                     {theirs}: clusters never mix their logs",
+                    self.ctx.id
+                )))
+            }
+        }
+    }
+
+    /// Logs a refused message of another cluster, at most every 10 s.
+    fn warn_other_cluster(&self, ours: &str, theirs: &str) {
+        let mut last = self
+            .last_other_cluster_warning
+            .lock()
+            .unwrap_or_else(|p| p.into_inner());
+        if last.is_some_and(|at: std::time::Instant| at.elapsed() < Duration::from_secs(10)) {
+            return;
+        }
+        *last = Some(std::time::Instant::now());
+        tracing::warn!(
+            cluster_id = ours,
+            sender_cluster_id = theirs,
+            "refusing Raft messages of another cluster: this replica's data belongs to \
+             cluster {ours}. If it should be a member of cluster {theirs} (e.g. after a \
+             restore from a backup), delete its data directory and start it again"
+        );
     }
 }
 
@@ -138,6 +211,7 @@ impl RaftService for RaftApi {
         request: Request<Streaming<RaftRequest>>,
     ) -> Result<Response<Self::AppendEntriesStreamStream>, Status> {
         self.check_target(&request)?;
+        self.check_cluster(&request, true)?;
         let replies = append_replies(request.into_inner(), self.ctx.clone());
         Ok(with_format(Box::pin(replies)))
     }
@@ -147,12 +221,14 @@ impl RaftService for RaftApi {
         request: Request<RaftRequest>,
     ) -> Result<Response<RaftReply>, Status> {
         self.check_target(&request)?;
+        self.check_cluster(&request, true)?;
         let rpc = decode_request(request)?;
         reply(self.ctx.raft.append_entries(rpc).await)
     }
 
     async fn vote(&self, request: Request<RaftRequest>) -> Result<Response<RaftReply>, Status> {
         self.check_target(&request)?;
+        self.check_cluster(&request, false)?;
         let rpc = decode_request(request)?;
         reply(self.ctx.raft.vote(rpc).await)
     }
@@ -162,6 +238,7 @@ impl RaftService for RaftApi {
         request: Request<RaftRequest>,
     ) -> Result<Response<RaftReply>, Status> {
         self.check_target(&request)?;
+        self.check_cluster(&request, true)?;
         let rpc = decode_request(request)?;
         reply(self.ctx.raft.install_snapshot(rpc).await)
     }
@@ -171,6 +248,7 @@ impl RaftService for RaftApi {
         request: Request<RaftRequest>,
     ) -> Result<Response<RaftReply>, Status> {
         self.check_target(&request)?;
+        self.check_cluster(&request, false)?;
         tracing::info!("leader transfer: starting an election at the leader's request");
         let result = self
             .ctx
@@ -184,6 +262,7 @@ impl RaftService for RaftApi {
 
     async fn end_wait(&self, request: Request<RaftRequest>) -> Result<Response<RaftReply>, Status> {
         self.check_target(&request)?;
+        self.check_cluster(&request, false)?;
         let command: Command = decode_request(request)?;
         if !matches!(command, Command::CancelWait(_) | Command::AbandonWait(_)) {
             return Err(Status::invalid_argument(

@@ -125,6 +125,7 @@ async fn follow(
     kinds: Vec<String>,
     prefix: String,
     mut wake: broadcast::Receiver<crate::sm::Event>,
+    mut installs: tokio::sync::watch::Receiver<u64>,
     tx: mpsc::Sender<WatchItem>,
 ) {
     loop {
@@ -181,10 +182,12 @@ async fn follow(
                 }
             }
         }
-        // Caught up: sleep until something is applied.
+        // Caught up: sleep until something is applied, or a snapshot is
+        // installed (no events; it may have compacted this position away).
         tokio::select! {
             // Any message, or "lagged", means new events exist.
             _ = wake.recv() => {}
+            _ = installs.changed() => {}
             _ = ctx.shutting_down() => {
                 let err = ApiError::Unavailable(format!(
                     "this replica is shutting down; watch again from revision {}.{} on another replica",
@@ -212,9 +215,10 @@ impl WatchApi {
         }
         let ctx = &self.ctx;
         let slot = WatcherSlot::take(ctx, owner)?;
-        // Subscribe before reading so an apply between the read and the wait
-        // still wakes the watcher.
+        // Subscribe before reading so an apply (or a snapshot install)
+        // between the read and the wait still wakes the watcher.
         let wake = ctx.state.subscribe();
+        let installs = ctx.state.snapshot_installs();
         let start = match req.start {
             Some(r) if r.index > 0 => Revision {
                 index: r.index,
@@ -236,7 +240,16 @@ impl WatchApi {
         }
         let (tx, rx) = mpsc::channel(16);
         tokio::spawn(async move {
-            follow(slot.ctx.clone(), start, req.kinds, req.key_prefix, wake, tx).await;
+            follow(
+                slot.ctx.clone(),
+                start,
+                req.kinds,
+                req.key_prefix,
+                wake,
+                installs,
+                tx,
+            )
+            .await;
             drop(slot);
         });
         Ok(ReceiverStream::new(rx))

@@ -177,6 +177,9 @@ pub struct Network {
     channels: Arc<Mutex<BTreeMap<String, Channel>>>,
     /// Addresses that refused the AppendEntries stream lately.
     stream_refusals: Arc<StreamRefusals>,
+    /// This replica's cluster id, sent with every message so that a
+    /// replica of another cluster refuses it.
+    cluster_id: Arc<crate::cluster_id::ClusterIdCell>,
 }
 
 impl Network {
@@ -190,6 +193,7 @@ impl Network {
         formats: Arc<PeerFormats>,
         message_limit: usize,
         metrics: Arc<Metrics>,
+        cluster_id: Arc<crate::cluster_id::ClusterIdCell>,
     ) -> Self {
         Self {
             dial: Arc::new(dial),
@@ -199,6 +203,7 @@ impl Network {
             metrics,
             channels: Arc::default(),
             stream_refusals: Arc::default(),
+            cluster_id,
         }
     }
 
@@ -261,6 +266,7 @@ impl RaftNetworkFactory<TypeConfig> for Network {
             metrics: self.metrics.clone(),
             append_stream: None,
             stream_refusals: self.stream_refusals.clone(),
+            cluster_id: self.cluster_id.clone(),
         }
     }
 }
@@ -278,6 +284,8 @@ pub struct PeerClient {
     /// Addresses that said they have no AppendEntries stream: to them,
     /// AppendEntries go as unary calls for a while.
     stream_refusals: Arc<StreamRefusals>,
+    /// This replica's cluster id, named on every message.
+    cluster_id: Arc<crate::cluster_id::ClusterIdCell>,
 }
 
 /// One AppendEntries stream to a follower. A request's answer is the next
@@ -290,6 +298,8 @@ struct AppendStream {
     requests: mpsc::Sender<RaftRequest>,
     replies: tonic::Streaming<RaftReply>,
     awaiting_reply: bool,
+    /// The cluster id named when the stream was opened.
+    cluster_id: Option<String>,
 }
 
 /// Bytes a `RaftRequest` adds around its `data` (field tag and length), so
@@ -345,14 +355,23 @@ impl PeerClient {
         }
     }
 
-    /// The metadata naming the target; the receiver refuses messages meant
-    /// for another id (see `api::raft::RaftApi::check_target`).
-    fn name_target<T>(&self, request: &mut tonic::Request<T>) {
+    /// The metadata naming the target and this replica's cluster; the
+    /// receiver refuses messages meant for another id or from another
+    /// cluster (see `api::raft::RaftApi::check_target`). Returns the
+    /// cluster id named.
+    fn name_target<T>(&self, request: &mut tonic::Request<T>) -> Option<String> {
         if let Ok(target) = self.target.to_string().parse() {
             request
                 .metadata_mut()
                 .insert(crate::api::raft::TARGET_METADATA, target);
         }
+        let cluster_id = self.cluster_id.get()?;
+        if let Ok(value) = cluster_id.parse() {
+            request
+                .metadata_mut()
+                .insert(crate::cluster_id::METADATA, value);
+        }
+        Some(cluster_id)
     }
 
     /// Notes the log format the target's answer says it reads.
@@ -414,7 +433,7 @@ impl PeerClient {
             .try_send(first)
             .map_err(|_| Status::internal("a new stream's queue is full"))?;
         let mut request = tonic::Request::new(ReceiverStream::new(outgoing));
-        self.name_target(&mut request);
+        let cluster_id = self.name_target(&mut request);
         let Some(client) = self.client.as_mut() else {
             return Err(Status::unavailable("no client"));
         };
@@ -427,6 +446,7 @@ impl PeerClient {
             requests,
             replies: response.into_inner(),
             awaiting_reply: false,
+            cluster_id,
         })
     }
 
@@ -446,6 +466,16 @@ impl PeerClient {
             .is_some_and(|stream| stream.awaiting_reply)
         {
             // The previous call was abandoned before its answer came.
+            self.append_stream = None;
+        }
+        if self
+            .append_stream
+            .as_ref()
+            .is_some_and(|stream| stream.cluster_id.is_none() && self.cluster_id.get().is_some())
+        {
+            // Opened before this replica knew its cluster id: reopen, so
+            // the follower learns it (and checks it) from the new stream's
+            // metadata.
             self.append_stream = None;
         }
         // A new stream carries the message from the start.
@@ -724,6 +754,7 @@ mod tests {
             None,
             Arc::default(),
             crate::raft::MAX_RAFT_MESSAGE_BYTES,
+            Arc::default(),
             Arc::default(),
         )
     }

@@ -46,6 +46,9 @@ use crate::raft::StorageError;
 pub const CF_LOG: &str = "log";
 /// Column family of Raft metadata (vote, committed, purged, snapshot).
 pub const CF_META: &str = "meta";
+/// `meta` key of the cluster id ([`crate::cluster_id`]). In `meta`, not in
+/// `sm`, so that installing a snapshot keeps it.
+pub const CLUSTER_ID_KEY: &[u8] = b"cluster_id";
 /// Column family of state-machine data.
 pub const CF_SM: &str = "sm";
 /// Column family of events by revision.
@@ -233,4 +236,28 @@ pub(crate) mod err {
     ) -> StorageError {
         StorageIOError::write_snapshot(signature, AnyError::new(e)).into()
     }
+}
+
+/// The cluster id stored in `db`, if any.
+pub fn read_cluster_id(db: &DB) -> Result<Option<String>, StorageError> {
+    let cf = db
+        .cf_handle(CF_META)
+        .expect("the meta column family exists");
+    match db.get_cf(cf, CLUSTER_ID_KEY) {
+        Ok(Some(bytes)) => decode(&bytes)
+            .map(Some)
+            .map_err(|e| err::read_state_machine(&e)),
+        Ok(None) => Ok(None),
+        Err(e) => Err(err::read_state_machine(&e)),
+    }
+}
+
+/// Stores the cluster id in `db`, synced.
+pub fn write_cluster_id(db: &DB, id: &str) -> Result<(), rocksdb::Error> {
+    let cf = db
+        .cf_handle(CF_META)
+        .expect("the meta column family exists");
+    let mut options = rocksdb::WriteOptions::default();
+    options.set_sync(true);
+    db.put_cf_opt(cf, CLUSTER_ID_KEY, encode(&id.to_string()), &options)
 }

@@ -19,6 +19,7 @@ use tokio::sync::broadcast;
 use super::keys::{self, LAST_APPLIED, MEMBERSHIP, NOW};
 use super::waiters::{WaitRegistry, WaitTicket};
 use super::{CF_EVENTS, CF_META, CF_SM, SnapshotGate, decode, encode, err};
+use crate::cluster_id::{self, ClusterIdCell};
 use crate::raft::{Entry, LogId, StorageError, StoredMembership, TypeConfig};
 use crate::sm::{self, Dirty, Event, FORMAT_VERSION, Response, SNAPSHOT_FORMAT_VERSION, State};
 use crate::store::compat::{ClientSessionV2, StateV2};
@@ -58,6 +59,14 @@ pub struct StateHandle {
     events_first: Arc<AtomicU64>,
     /// Queued acquires waiting for their grant (see [`WaitRegistry`]).
     waits: WaitRegistry,
+    /// The cluster's id as this replica knows it ([`crate::cluster_id`]).
+    cluster_id: Arc<ClusterIdCell>,
+    /// Counts snapshot installs. An install moves the applied state and the
+    /// start of the event history without emitting events, so watches
+    /// asleep until the next event wait on this as well: otherwise a watch
+    /// whose position the snapshot compacted away slept until some later
+    /// apply, forever on a cluster that had gone quiet.
+    installs: Arc<tokio::sync::watch::Sender<u64>>,
 }
 
 impl StateHandle {
@@ -89,6 +98,18 @@ impl StateHandle {
     /// before proposing the acquire.
     pub fn register_wait(&self, key: &crate::sm::LockKey, pod_uid: &str) -> WaitTicket {
         self.waits.register(key, pod_uid)
+    }
+
+    /// Changes each time a snapshot is installed (see `installs`). Take
+    /// it before reading, like [`StateHandle::subscribe`].
+    pub fn snapshot_installs(&self) -> tokio::sync::watch::Receiver<u64> {
+        self.installs.subscribe()
+    }
+
+    /// The cluster's id as this replica knows it (shared: the Raft network
+    /// and the gRPC server read it).
+    pub fn cluster_id(&self) -> Arc<ClusterIdCell> {
+        self.cluster_id.clone()
     }
 
     /// The lowest log index a watch or history may start from without
@@ -305,6 +326,7 @@ impl StateMachineStore {
         }
         let (events, _) = broadcast::channel(EVENT_CHANNEL_CAPACITY);
         let events_first = events_first_index(&db)?;
+        let cluster_id = Arc::new(ClusterIdCell::new(super::read_cluster_id(&db)?));
         let store = Self {
             db,
             handle: StateHandle {
@@ -312,6 +334,8 @@ impl StateMachineStore {
                 events,
                 events_first: Arc::new(AtomicU64::new(events_first)),
                 waits: WaitRegistry::default(),
+                cluster_id,
+                installs: Arc::new(tokio::sync::watch::Sender::new(0)),
             },
             retention: EventRetention::default(),
             gate: SnapshotGate::new(0),
@@ -539,6 +563,9 @@ impl RaftStateMachine<TypeConfig> for StateMachineStore {
             let mut applied = self.handle.inner.write().unwrap_or_else(|p| p.into_inner());
             let mut dirty = Dirty::default();
             let mut membership_changed = false;
+            // The cluster id this batch records, when this replica has none
+            // yet (the first `ClusterId` entry it applies).
+            let mut recorded_id: Option<String> = None;
             for entry in entries {
                 applied.last_applied = Some(entry.log_id);
                 let response = match entry.payload {
@@ -549,6 +576,14 @@ impl RaftStateMachine<TypeConfig> for StateMachineStore {
                                 &format!("log entry {}", entry.log_id.index),
                                 request.format_version,
                             ));
+                        }
+                        if let sm::Command::Audit(audit) = &request.command
+                            && audit.action == cluster_id::AUDIT_ACTION
+                            && cluster_id::is_valid(&audit.detail)
+                            && recorded_id.is_none()
+                            && self.handle.cluster_id.get().is_none()
+                        {
+                            recorded_id = Some(audit.detail.clone());
                         }
                         let (response, events, changed) =
                             sm::apply(&mut applied.state, entry.log_id.index, &request);
@@ -578,9 +613,28 @@ impl RaftStateMachine<TypeConfig> for StateMachineStore {
                 // change (joint, then uniform) or mid-way through one.
                 fail::fail_point!("sm-apply-membership-before-write");
             }
+            if let Some(id) = &recorded_id {
+                batch.put_cf(
+                    cf(&self.db, CF_META),
+                    super::CLUSTER_ID_KEY,
+                    encode(&id.to_string()),
+                );
+            }
             fail::fail_point!("sm-apply-before-write");
             self.db.write(batch).map_err(sm_write_err)?;
             fail::fail_point!("sm-apply-after-write");
+            if let Some(id) = recorded_id {
+                // Stored with the batch above.
+                match self.handle.cluster_id.adopt(&id, |_| Ok(())) {
+                    Ok(()) => tracing::info!(cluster_id = id, "this replica's cluster id"),
+                    Err(err) => tracing::warn!(
+                        ?err,
+                        logged = id,
+                        "the log records another cluster id than the one this replica \
+                         took from its leader; keeping the one it has"
+                    ),
+                }
+            }
         }
         self.handle.waits.route(&all_events);
         for event in all_events {
@@ -657,6 +711,7 @@ impl StateMachineStore {
             self.gate.stored(covered);
         }
         fail::fail_point!("sm-install-snapshot-after");
+        self.handle.installs.send_modify(|n| *n += 1);
         tracing::info!(
             index = covered,
             bytes = stored.data.len(),

@@ -529,6 +529,7 @@ async fn cluster_status(client: &Client, out: &Out) -> Result<(), Error> {
                     "leader_id": status.leader_id, "term": status.term,
                     "last_log_index": status.last_log_index, "applied_index": status.applied_index,
                     "snapshot_index": status.snapshot_index, "locks": status.lock_count,
+                    "cluster_id": status.cluster_id,
                 }));
             }
             Err(err) => rows.push(json!({"endpoint": addr, "error": err.to_string()})),
@@ -548,16 +549,17 @@ async fn cluster_status(client: &Client, out: &Out) -> Result<(), Error> {
         json!({"endpoints": rows, "members": members_json, "leader": leader.as_ref().map(|l| l.0)});
     out.print(value, || {
         let mut text = String::new();
-        text.push_str(&format!("{:<22} {:>4} {:<10} {:>6} {:>6} {:>10} {:>10} {:>6}\n", "ENDPOINT", "ID", "ROLE", "LEADER", "TERM", "LAST_LOG", "APPLIED", "LOCKS"));
+        text.push_str(&format!("{:<22} {:>4} {:<10} {:>6} {:>6} {:>10} {:>10} {:>6} {:<16}\n", "ENDPOINT", "ID", "ROLE", "LEADER", "TERM", "LAST_LOG", "APPLIED", "LOCKS", "CLUSTER"));
         for row in &rows {
             if let Some(err) = row.get("error") {
                 text.push_str(&format!("{:<22} unreachable: {}\n", row["endpoint"].as_str().unwrap_or(""), err.as_str().unwrap_or("")));
             } else {
                 text.push_str(&format!(
-                    "{:<22} {:>4} {:<10} {:>6} {:>6} {:>10} {:>10} {:>6}\n",
+                    "{:<22} {:>4} {:<10} {:>6} {:>6} {:>10} {:>10} {:>6} {:<16}\n",
                     row["endpoint"].as_str().unwrap_or(""), row["node_id"].to_string(), row["role"].as_str().unwrap_or(""),
                     row["leader_id"].to_string(), row["term"].to_string(), row["last_log_index"].to_string(),
-                    row["applied_index"].to_string(), row["locks"].to_string()
+                    row["applied_index"].to_string(), row["locks"].to_string(),
+                    row["cluster_id"].as_str().filter(|id| !id.is_empty()).unwrap_or("-")
                 ));
             }
         }
