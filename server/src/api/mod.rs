@@ -159,7 +159,10 @@ impl Ctx {
     /// Waits until this replica, as leader, has applied everything committed
     /// before the call (ReadIndex), so a following read is linearizable.
     pub async fn linearizable(&self) -> Result<()> {
-        self.reads.wait().await.map_err(from_raft_error)
+        self.reads
+            .wait()
+            .await
+            .map_err(crate::error::from_read_check_error)
     }
 
     /// Header for a response.
