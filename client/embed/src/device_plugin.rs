@@ -1,27 +1,43 @@
 //! A kubelet device plugin (API v1beta1, gRPC over a unix socket) for a fake
 //! GPU resource, whose `Allocate` learns the pod it serves from Tether.
 //!
-//! The kubelet passes `Allocate` only device ids. The plugin reads
-//! `Holder(gpu-bind/<its node>)` — a linearizable read — to learn the pod and
-//! its device plan (the hold's payload), answers from the plan, then releases
-//! with the hold's token and outcome `allocated`. If nothing holds the lock
-//! it refuses with a reason instead of guessing a pod. If the release fails
-//! for a reason retrying can fix, `Allocate` fails too: the kubelet calls it
-//! again, the hold is still there, and the retry completes.
+//! The kubelet passes `Allocate` only device ids, once per container that
+//! asks for the resource (init containers first), and never retries one
+//! that fails: the pod fails with `UnexpectedAdmissionError` (see
+//! [`crate::kubelet`]). So each call reads `Holder(gpu-bind/<its node>)` — a
+//! linearizable read, retried by the client across elections for up to its
+//! retry timeout — to learn the pod and its plan (the hold's payload), and
+//! serves the plan's next call. Only the last call of the pod releases the
+//! hold, with its token and outcome `allocated`; if that release cannot get
+//! through, the answer still goes to the kubelet (the devices are the
+//! pod's) and the release goes on in the background. If nothing holds the
+//! lock, or the call does not fit the plan, it refuses with a reason instead
+//! of guessing a pod.
+//!
+//! `GetPreferredAllocation` steers the kubelet to the plan's devices, so the
+//! kubelet's accounting and what the container gets agree; the container
+//! always gets exactly the ids the kubelet sent.
+//!
+//! The kubelet deletes every socket in its device-plugin directory and
+//! creates `kubelet.sock` afresh when it restarts; [`run`] notices either
+//! and serves and registers again.
 
+use std::collections::BTreeSet;
 use std::future::Future;
 use std::path::{Path, PathBuf};
 use std::pin::Pin;
 use std::sync::Arc;
+use std::time::Duration;
 
-use tether_client::proto::{LockKey, Outcome};
+use tether_client::proto::{Hold, LockKey, Outcome};
 use tether_client::{Client, Error};
 use tokio::net::{UnixListener, UnixStream};
 use tokio_stream::wrappers::UnixListenerStream;
 use tonic::transport::{Endpoint, Server};
 use tonic::{Request, Response, Status};
 
-use crate::plan::DevicePlan;
+use crate::accounting::{DEFAULT_LIFETIME, DeviceLedger};
+use crate::plan::{DevicePlan, PlannedCall, PodCalls};
 use crate::v1beta1::device_plugin_server::{DevicePlugin, DevicePluginServer};
 use crate::v1beta1::registration_client::RegistrationClient;
 use crate::v1beta1::{self as api};
@@ -49,17 +65,30 @@ pub type BeforeRelease = Arc<dyn Fn() -> Pin<Box<dyn Future<Output = ()> + Send>
 /// The device plugin service.
 pub struct GpuPlugin {
     client: Client,
+    ledger: DeviceLedger,
     config: PluginConfig,
     before_release: Option<BeforeRelease>,
+    /// How far the current hold's calls are served; one `Allocate` at a
+    /// time (the kubelet admits pods one by one anyway).
+    progress: tokio::sync::Mutex<Progress>,
+}
+
+/// Calls served for one hold.
+#[derive(Debug, Default)]
+struct Progress {
+    token: u64,
+    served: usize,
 }
 
 impl GpuPlugin {
     /// A plugin over a Tether client.
     pub fn new(client: Client, config: PluginConfig) -> Self {
         Self {
+            ledger: DeviceLedger::new(client.clone(), DEFAULT_LIFETIME),
             client,
             config,
             before_release: None,
+            progress: tokio::sync::Mutex::default(),
         }
     }
 
@@ -76,25 +105,87 @@ impl GpuPlugin {
         }
     }
 
-    /// The container responses for a plan.
+    /// The current hold of this node's lock and its plan, or why the
+    /// plugin cannot tell which pod a call is for.
+    async fn holder_and_plan(&self) -> Result<(Hold, DevicePlan), Status> {
+        let key = self.key();
+        let hold = match self.client.holder(&key).await {
+            Ok(Some(hold)) => hold,
+            Ok(None) => {
+                return Err(Status::failed_precondition(format!(
+                    "no pod holds {}/{}: refusing to guess which pod this Allocate is for (the scheduler \
+                     extender takes the lock at bind; was the pod bound without it?)",
+                    key.scope, key.name
+                )));
+            }
+            Err(err) => {
+                return Err(Status::unavailable(format!(
+                    "cannot read the holder of {}/{}, so this pod's Allocate fails (the kubelet does \
+                     not retry it; the pod is recreated by its controller): {err}",
+                    key.scope, key.name
+                )));
+            }
+        };
+        let calls = PodCalls::from_payload(&hold.payload).map_err(Status::failed_precondition)?;
+        let pod_uid = hold
+            .pod
+            .as_ref()
+            .map(|p| p.uid.as_str())
+            .unwrap_or_default();
+        if calls.pod_uid != pod_uid {
+            return Err(Status::failed_precondition(format!(
+                "the plan in {}/{} is for pod uid {} but the holder is {pod_uid}: refusing a swapped plan",
+                key.scope, key.name, calls.pod_uid
+            )));
+        }
+        let claim = self.ledger.claim_of(pod_uid).await.map_err(|err| {
+            Status::unavailable(format!(
+                "cannot read the device claim of pod uid {pod_uid}, so this Allocate fails (the \
+                 kubelet does not retry it): {err}"
+            ))
+        })?;
+        let devices = match claim {
+            Some((node, devices)) if node == self.config.node => devices,
+            Some((node, _)) => {
+                return Err(Status::failed_precondition(format!(
+                    "pod uid {pod_uid} holds {}/{} but its devices are claimed on node {node}",
+                    key.scope, key.name
+                )));
+            }
+            None => {
+                return Err(Status::failed_precondition(format!(
+                    "pod uid {pod_uid} holds {}/{} but has no device claim (the extender claims \
+                     devices before it binds; was the claim released?)",
+                    key.scope, key.name
+                )));
+            }
+        };
+        let plan = calls
+            .with_devices(devices)
+            .map_err(Status::failed_precondition)?;
+        Ok((hold, plan))
+    }
+
+    /// One container's answer: exactly the devices the kubelet chose.
     fn respond(
         plan: &DevicePlan,
         token: u64,
-        requests: &[api::ContainerAllocateRequest],
-    ) -> api::AllocateResponse {
-        let container = || api::ContainerAllocateResponse {
+        call: &PlannedCall,
+        devices: &[String],
+    ) -> api::ContainerAllocateResponse {
+        api::ContainerAllocateResponse {
             envs: [
                 ("TETHER_POD_UID", plan.pod_uid.clone()),
                 ("TETHER_POD_NAMESPACE", plan.namespace.clone()),
                 ("TETHER_POD_NAME", plan.name.clone()),
-                ("TETHER_DEVICES", plan.devices.join(",")),
+                ("TETHER_CONTAINER", call.container.clone()),
+                ("TETHER_DEVICES", devices.join(",")),
                 ("TETHER_LOCK_TOKEN", token.to_string()),
             ]
             .into_iter()
             .map(|(k, v)| (k.to_string(), v))
             .collect(),
-            devices: plan
-                .devices
+            devices: devices
                 .iter()
                 .map(|d| api::DeviceSpec {
                     container_path: format!("/dev/{d}"),
@@ -103,9 +194,53 @@ impl GpuPlugin {
                 })
                 .collect(),
             ..Default::default()
-        };
-        api::AllocateResponse {
-            container_responses: requests.iter().map(|_| container()).collect(),
+        }
+    }
+
+    /// Releases the hold after its pod's last call. A release that cannot
+    /// get through goes on in the background: the pod has its devices, and
+    /// failing the call would only fail the pod.
+    async fn release(&self, hold: &Hold) -> Result<(), Status> {
+        let key = self.key();
+        let pod_uid = hold.pod.as_ref().map(|p| p.uid.clone()).unwrap_or_default();
+        match self
+            .client
+            .release(&key, &pod_uid, hold.token, Outcome::Allocated)
+            .await
+        {
+            Ok(_) => Ok(()),
+            Err(Error::FailedPrecondition(msg)) => Err(Status::aborted(format!(
+                "the hold of pod uid {pod_uid} (token {}) ended before Allocate finished: {msg}",
+                hold.token
+            ))),
+            Err(err) => {
+                tracing::warn!(pod_uid, token = hold.token, %err, "allocated, but the release did not get through; retrying in the background");
+                let (client, token) = (self.client.clone(), hold.token);
+                tokio::spawn(async move {
+                    let mut backoff = Duration::from_millis(200);
+                    loop {
+                        tokio::time::sleep(backoff).await;
+                        match client
+                            .release(&key, &pod_uid, token, Outcome::Allocated)
+                            .await
+                        {
+                            Ok(_) => {
+                                tracing::info!(pod_uid, token, "released in the background");
+                                return;
+                            }
+                            Err(Error::FailedPrecondition(msg)) => {
+                                tracing::info!(pod_uid, token, msg, "the hold already ended");
+                                return;
+                            }
+                            Err(err) => {
+                                tracing::warn!(pod_uid, token, %err, "release still failing");
+                                backoff = (backoff * 2).min(Duration::from_secs(5));
+                            }
+                        }
+                    }
+                });
+                Ok(())
+            }
         }
     }
 }
@@ -154,18 +289,37 @@ impl DevicePlugin for GpuPlugin {
         &self,
         request: Request<api::PreferredAllocationRequest>,
     ) -> Result<Response<api::PreferredAllocationResponse>, Status> {
+        // The plan's next call, if a pod holds the lock; without one the
+        // kubelet's own choice stands (Allocate refuses later anyway).
+        let next = match self.holder_and_plan().await {
+            Ok((hold, plan)) => {
+                let progress = self.progress.lock().await;
+                let served = if progress.token == hold.token {
+                    progress.served
+                } else {
+                    0
+                };
+                plan.calls.get(served).cloned().map(|call| (call, plan))
+            }
+            Err(_) => None,
+        };
         let container_responses = request
             .into_inner()
             .container_requests
             .into_iter()
             .map(|r| {
+                let size = r.allocation_size.max(0) as usize;
+                let available: BTreeSet<&String> = r.available_device_i_ds.iter().collect();
                 let mut ids = r.must_include_device_i_ds.clone();
-                for id in r.available_device_i_ds {
-                    if ids.len() >= r.allocation_size.max(0) as usize {
+                let planned = next
+                    .iter()
+                    .flat_map(|(call, plan)| call.new_devices.iter().chain(plan.devices.iter()));
+                for id in planned.chain(r.available_device_i_ds.iter()) {
+                    if ids.len() >= size {
                         break;
                     }
-                    if !ids.contains(&id) {
-                        ids.push(id);
+                    if available.contains(id) && !ids.contains(id) {
+                        ids.push(id.clone());
                     }
                 }
                 api::ContainerPreferredAllocationResponse { device_i_ds: ids }
@@ -181,53 +335,66 @@ impl DevicePlugin for GpuPlugin {
         request: Request<api::AllocateRequest>,
     ) -> Result<Response<api::AllocateResponse>, Status> {
         let request = request.into_inner();
-        let key = self.key();
-        let hold = match self.client.holder(&key).await {
-            Ok(Some(hold)) => hold,
-            Ok(None) => {
+        let mut progress = self.progress.lock().await;
+        let (hold, plan) = self.holder_and_plan().await?;
+        if progress.token != hold.token {
+            *progress = Progress {
+                token: hold.token,
+                served: 0,
+            };
+        }
+        let mut served = progress.served;
+        let mut container_responses = Vec::new();
+        for container in &request.container_requests {
+            let Some(call) = plan.calls.get(served) else {
                 return Err(Status::failed_precondition(format!(
-                    "no pod holds {}/{}: refusing to guess which pod this Allocate is for (the scheduler \
-                     extender takes the lock at bind; was the pod bound without it?)",
-                    key.scope, key.name
+                    "all {} Allocate calls planned for pod {}/{} were served; a call for devices {:?} \
+                     is for a pod the extender did not bind: refusing to guess",
+                    plan.calls.len(),
+                    plan.namespace,
+                    plan.name,
+                    container.devices_ids
+                )));
+            };
+            if container.devices_ids.len() != call.size as usize {
+                return Err(Status::failed_precondition(format!(
+                    "Allocate for {} devices {:?}, but the next container of pod {}/{} ({:?}) is \
+                     planned {}: refusing to serve another pod's call with this plan",
+                    container.devices_ids.len(),
+                    container.devices_ids,
+                    plan.namespace,
+                    plan.name,
+                    call.container,
+                    call.size
                 )));
             }
-            Err(err) => {
-                return Err(Status::unavailable(format!(
-                    "cannot read the holder of {}/{}: {err}",
-                    key.scope, key.name
-                )));
+            let outside: Vec<&String> = container
+                .devices_ids
+                .iter()
+                .filter(|d| !plan.devices.contains(d))
+                .collect();
+            if !outside.is_empty() {
+                tracing::warn!(pod_uid = plan.pod_uid, container = call.container, ?outside, planned = ?plan.devices, "the kubelet chose devices outside the plan (it serves its own accounting); the container gets what the kubelet chose");
             }
-        };
-        let plan = DevicePlan::from_payload(&hold.payload).map_err(Status::failed_precondition)?;
-        let pod_uid = hold.pod.as_ref().map(|p| p.uid.clone()).unwrap_or_default();
-        if plan.pod_uid != pod_uid {
-            return Err(Status::failed_precondition(format!(
-                "the plan in {}/{} is for pod uid {} but the holder is {pod_uid}: refusing a swapped plan",
-                key.scope, key.name, plan.pod_uid
-            )));
+            container_responses.push(Self::respond(
+                &plan,
+                hold.token,
+                call,
+                &container.devices_ids,
+            ));
+            served += 1;
         }
-        let response = Self::respond(&plan, hold.token, &request.container_requests);
-        if let Some(hook) = &self.before_release {
-            hook().await;
-        }
-        match self
-            .client
-            .release(&key, &pod_uid, hold.token, Outcome::Allocated)
-            .await
-        {
-            Ok(_) => {
-                tracing::info!(pod_uid, token = hold.token, devices = ?plan.devices, "allocated and released");
-                Ok(Response::new(response))
+        if served == plan.calls.len() {
+            if let Some(hook) = &self.before_release {
+                hook().await;
             }
-            Err(Error::FailedPrecondition(msg)) => Err(Status::aborted(format!(
-                "the hold of pod uid {pod_uid} (token {}) ended before Allocate finished: {msg}",
-                hold.token
-            ))),
-            Err(err) => Err(Status::unavailable(format!(
-                "allocated for pod uid {pod_uid} but the release did not go through ({err}); the kubelet \
-                 will retry Allocate and the hold is still there"
-            ))),
+            self.release(&hold).await?;
+            tracing::info!(pod_uid = plan.pod_uid, token = hold.token, calls = served, devices = ?plan.devices, "pod fully allocated; lock released");
         }
+        progress.served = served;
+        Ok(Response::new(api::AllocateResponse {
+            container_responses,
+        }))
     }
 
     async fn pre_start_container(
@@ -241,7 +408,7 @@ impl DevicePlugin for GpuPlugin {
 /// Serves `plugin` on the unix socket `path` (replacing a stale socket file)
 /// until `shutdown` resolves.
 pub async fn serve_on_socket(
-    plugin: GpuPlugin,
+    plugin: Arc<GpuPlugin>,
     path: &Path,
     shutdown: impl Future<Output = ()>,
 ) -> anyhow::Result<()> {
@@ -250,7 +417,7 @@ pub async fn serve_on_socket(
     }
     let listener = UnixListener::bind(path)?;
     Server::builder()
-        .add_service(DevicePluginServer::new(plugin))
+        .add_service(DevicePluginServer::from_arc(plugin))
         .serve_with_incoming_shutdown(UnixListenerStream::new(listener), shutdown)
         .await?;
     Ok(())
@@ -292,4 +459,101 @@ pub async fn register(
         })
         .await?;
     Ok(())
+}
+
+/// Where the plugin lives: the kubelet's device-plugin directory and the
+/// plugin's socket name in it.
+#[derive(Debug, Clone)]
+pub struct Placement {
+    /// The kubelet's device-plugin directory
+    /// (`/var/lib/kubelet/device-plugins`).
+    pub dir: PathBuf,
+    /// The plugin's socket file name in it.
+    pub socket_name: String,
+}
+
+/// How often [`run`] looks for a restarted kubelet.
+pub const KUBELET_CHECK_EVERY: Duration = Duration::from_millis(500);
+
+/// The identity of a file (device and inode), to see it replaced.
+fn file_identity(path: &Path) -> Option<(u64, u64)> {
+    use std::os::unix::fs::MetadataExt;
+    std::fs::metadata(path).ok().map(|m| (m.dev(), m.ino()))
+}
+
+/// Serves `plugin` in `placement` and registers it with the kubelet, and
+/// does both again whenever the kubelet restarts (its `kubelet.sock` is
+/// created afresh, or the plugin's own socket is deleted), until
+/// `shutdown` resolves. Registration is retried until the kubelet answers.
+pub async fn run(
+    plugin: Arc<GpuPlugin>,
+    placement: Placement,
+    shutdown: impl Future<Output = ()>,
+) -> anyhow::Result<()> {
+    let socket = placement.dir.join(&placement.socket_name);
+    let kubelet_socket = placement.dir.join("kubelet.sock");
+    let resource = plugin.config.resource_name.clone();
+    tokio::pin!(shutdown);
+    loop {
+        let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
+        let server = tokio::spawn({
+            let (plugin, socket) = (plugin.clone(), socket.clone());
+            async move {
+                serve_on_socket(plugin, &socket, async {
+                    let _ = stop_rx.await;
+                })
+                .await
+            }
+        });
+        // Register once the socket exists, so the kubelet can dial it at once.
+        while file_identity(&socket).is_none() && !server.is_finished() {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        let (registered_with, ours) = loop {
+            if server.is_finished() {
+                return server.await?;
+            }
+            let kubelet = file_identity(&kubelet_socket);
+            match register(&kubelet_socket, &placement.socket_name, &resource).await {
+                Ok(()) => {
+                    tracing::info!(node = plugin.config.node, resource, socket = %socket.display(), "registered with the kubelet");
+                    break (kubelet, file_identity(&socket));
+                }
+                Err(err) => {
+                    tracing::warn!(%err, kubelet = %kubelet_socket.display(), "cannot register with the kubelet yet; retrying");
+                }
+            }
+            tokio::select! {
+                _ = &mut shutdown => {
+                    let _ = stop_tx.send(());
+                    return server.await?;
+                }
+                _ = tokio::time::sleep(KUBELET_CHECK_EVERY) => {}
+            }
+        };
+        // Watch for a restarted kubelet.
+        loop {
+            tokio::select! {
+                _ = &mut shutdown => {
+                    let _ = stop_tx.send(());
+                    return server.await?;
+                }
+                _ = tokio::time::sleep(KUBELET_CHECK_EVERY) => {}
+            }
+            if server.is_finished() {
+                return server.await?;
+            }
+            let kubelet = file_identity(&kubelet_socket);
+            if kubelet.is_some() && kubelet != registered_with || file_identity(&socket) != ours {
+                tracing::info!(
+                    "the kubelet restarted (its socket or ours was replaced): serving and registering again"
+                );
+                break;
+            }
+        }
+        let _ = stop_tx.send(());
+        if let Err(err) = server.await? {
+            tracing::warn!(%err, "the old plugin server ended with an error");
+        }
+    }
 }

@@ -1,13 +1,23 @@
 //! The scheduler-extender `bind` verb on Tether.
 //!
-//! kube-scheduler POSTs `ExtenderBindingArgs` to the extender's bind URL. The
-//! extender takes `gpu-bind/<node>` for the pod's UID with the device plan as
-//! payload — waiting its turn in Tether's FIFO queue, pushed the grant, rather
-//! than failing and letting the scheduler retry — then binds the pod through
-//! the Kubernetes API. The lock is kept on success: the device plugin's
-//! `Allocate` reads it to learn the pod and releases it. On any failure the
-//! extender releases with outcome `failed` (the Unreserve path) and returns
-//! the error, so kube-scheduler backs off and retries.
+//! kube-scheduler POSTs `ExtenderBindingArgs` to the extender's bind URL.
+//! The extender reads the pod, and if it asks for none of the managed
+//! resource binds it at once: such pods never take a node lock. Otherwise
+//! it derives the kubelet's `Allocate` calls for the pod
+//! ([`crate::kubelet`]), takes `gpu-bind/<node>` for the pod's UID with
+//! those calls as payload — waiting its turn in Tether's FIFO queue, pushed
+//! the grant, rather than failing and letting the scheduler retry — claims
+//! free devices on the node in Tether ([`crate::accounting`]), then binds
+//! the pod through the Kubernetes API. The lock is kept on
+//! success: the device plugin's `Allocate` calls read it to learn the pod
+//! and the last of them releases it. On any failure the extender releases
+//! the lock with outcome `failed` (the Unreserve path) and the device claim,
+//! and returns the error, so kube-scheduler backs off and retries.
+//!
+//! A retried bind of the same pod is idempotent: the claim and the hold of
+//! the same UID come back unchanged, and a pod the API already shows bound
+//! to the node (an earlier attempt got through) is reported bound, never
+//! released as failed.
 
 use std::future::Future;
 use std::sync::Arc;
@@ -18,7 +28,10 @@ use tether_client::proto::{LockKey, Outcome, Pod};
 use tether_client::{Client, Error};
 use tokio::net::TcpListener;
 
-use crate::plan::Planner;
+use crate::accounting::{Claim, DeviceLedger};
+use crate::kubelet;
+use crate::plan::{PodCalls, pick_free};
+use k8s_openapi::api::core::v1::Pod as KubePod;
 use tether_client::http::{HttpRequest, HttpResponse, serve};
 
 /// What kube-scheduler sends to the bind verb.
@@ -46,9 +59,16 @@ pub struct ExtenderBindingResult {
     pub error: String,
 }
 
-/// Binds a pod to a node (the `pods/binding` subresource).
+/// The Kubernetes API calls the bind verb makes.
 pub trait Binder: Send + Sync + 'static {
-    /// Binds; an error is returned to the scheduler as text.
+    /// Reads the pod.
+    fn pod(
+        &self,
+        namespace: &str,
+        name: &str,
+    ) -> impl Future<Output = Result<KubePod, String>> + Send;
+    /// Binds (the `pods/binding` subresource); an error is returned to the
+    /// scheduler as text.
     fn bind(&self, args: &ExtenderBindingArgs) -> impl Future<Output = Result<(), String>> + Send;
 }
 
@@ -65,8 +85,14 @@ impl KubeBinder {
 }
 
 impl Binder for KubeBinder {
+    async fn pod(&self, namespace: &str, name: &str) -> Result<KubePod, String> {
+        let pods: kube::Api<KubePod> = kube::Api::namespaced(self.client.clone(), namespace);
+        pods.get(name)
+            .await
+            .map_err(|e| format!("cannot read pod {namespace}/{name}: {e}"))
+    }
+
     async fn bind(&self, args: &ExtenderBindingArgs) -> Result<(), String> {
-        use k8s_openapi::api::core::v1::Pod as KubePod;
         let pods: kube::Api<KubePod> =
             kube::Api::namespaced(self.client.clone(), &args.pod_namespace);
         let binding = serde_json::json!({
@@ -97,94 +123,238 @@ impl Binder for KubeBinder {
 pub struct ExtenderConfig {
     /// Lock scope, e.g. `gpu-bind`.
     pub scope: String,
-    /// How long a bind waits in the queue for the node's lock.
+    /// The extended resource whose devices are planned, e.g. `tether.io/gpu`.
+    pub resource: String,
+    /// How long a bind waits in the queue for the node's lock. Keep it
+    /// below the scheduler's `httpTimeout` minus the binding call, so the
+    /// extender gives up before the scheduler does.
     pub wait: Duration,
-    /// How device plans are chosen.
-    pub planner: Planner,
+    /// The device ids of every node, in the order they are offered.
+    pub node_devices: Vec<String>,
 }
+
+/// Claim attempts before a bind gives up (each re-reads the node's claims
+/// after a lost race).
+const CLAIM_ATTEMPTS: usize = 5;
 
 /// The bind verb.
 pub struct Extender<B> {
     client: Client,
+    ledger: DeviceLedger,
     binder: B,
     config: ExtenderConfig,
 }
 
 impl<B: Binder> Extender<B> {
     /// An extender over a Tether client and a binder.
-    pub fn new(client: Client, binder: B, config: ExtenderConfig) -> Self {
+    pub fn new(client: Client, ledger: DeviceLedger, binder: B, config: ExtenderConfig) -> Self {
         Self {
             client,
+            ledger,
             binder,
             config,
         }
     }
 
-    /// Handles one bind: acquire (FIFO), bind, release on failure.
+    /// Handles one bind: read the pod, claim devices, acquire (FIFO), bind;
+    /// undo on failure.
     pub async fn bind(&self, args: &ExtenderBindingArgs) -> ExtenderBindingResult {
         let started = Instant::now();
-        let key = LockKey {
-            scope: self.config.scope.clone(),
-            name: args.node.clone(),
-        };
-        let pod = Pod {
-            uid: args.pod_uid.clone(),
-            namespace: args.pod_namespace.clone(),
-            name: args.pod_name.clone(),
-        };
-        let plan = self
-            .config
-            .planner
-            .plan(&args.pod_uid, &args.pod_namespace, &args.pod_name);
-        let held = match self
-            .client
-            .acquire(&key, &pod, plan.to_payload(), self.config.wait, 0)
-            .await
-        {
-            Ok(held) => held,
-            Err(err) => {
-                let error = match err {
-                    Error::DeadlineExceeded(_) => format!(
-                        "node {} is busy: {}/{} did not get {}/{} within {:?}; retry",
-                        args.node,
-                        args.pod_namespace,
-                        args.pod_name,
-                        key.scope,
-                        key.name,
-                        self.config.wait
-                    ),
-                    other => format!(
-                        "cannot take {}/{} for {}/{}: {other}",
-                        key.scope, key.name, args.pod_namespace, args.pod_name
-                    ),
-                };
+        match self.try_bind(args).await {
+            Ok(summary) => {
+                tracing::info!(
+                    pod_uid = args.pod_uid,
+                    node = args.node,
+                    elapsed_ms = started.elapsed().as_millis() as u64,
+                    "{summary}"
+                );
+                ExtenderBindingResult {
+                    error: String::new(),
+                }
+            }
+            Err(error) => {
                 tracing::warn!(
                     pod_uid = args.pod_uid,
                     node = args.node,
                     error,
                     "bind refused"
                 );
-                return ExtenderBindingResult { error };
+                ExtenderBindingResult { error }
+            }
+        }
+    }
+
+    async fn try_bind(&self, args: &ExtenderBindingArgs) -> Result<String, String> {
+        let who = format!("{}/{}", args.pod_namespace, args.pod_name);
+        let pod = self.binder.pod(&args.pod_namespace, &args.pod_name).await?;
+        let uid = pod.metadata.uid.as_deref().unwrap_or_default();
+        if uid != args.pod_uid {
+            return Err(format!(
+                "pod {who} now has uid {uid:?}, not {:?}: it was deleted and created again; the \
+                 scheduler binds the new pod on its own",
+                args.pod_uid
+            ));
+        }
+        match pod.spec.as_ref().and_then(|s| s.node_name.as_deref()) {
+            Some(node) if node == args.node => {
+                // An earlier attempt of this bind got through.
+                return Ok(format!("{who} is already bound to {node}"));
+            }
+            Some(node) => {
+                return Err(format!(
+                    "pod {who} is already bound to node {node}, not {}",
+                    args.node
+                ));
+            }
+            None => {}
+        }
+        let demands =
+            kubelet::demands(&pod, &self.config.resource).map_err(|e| format!("pod {who}: {e}"))?;
+        if demands.is_empty() {
+            self.binder.bind(args).await?;
+            return Ok(format!(
+                "bound; {who} asks for no {}, so no lock was taken",
+                self.config.resource
+            ));
+        }
+        let admission = kubelet::admission(&demands);
+        let calls = PodCalls {
+            pod_uid: args.pod_uid.clone(),
+            namespace: args.pod_namespace.clone(),
+            name: args.pod_name.clone(),
+            admission: admission.clone(),
+        };
+        let key = LockKey {
+            scope: self.config.scope.clone(),
+            name: args.node.clone(),
+        };
+        let holder = Pod {
+            uid: args.pod_uid.clone(),
+            namespace: args.pod_namespace.clone(),
+            name: args.pod_name.clone(),
+        };
+        // The node's lock first: binds to one node then claim devices one
+        // at a time, in FIFO order, and never race each other for them.
+        let held = match self
+            .client
+            .acquire(&key, &holder, calls.to_payload(), self.config.wait, 0)
+            .await
+        {
+            Ok(held) => held,
+            Err(err) => {
+                return Err(match err {
+                    Error::DeadlineExceeded(_) => format!(
+                        "node {} is busy: {who} did not get {}/{} within {:?}; retry",
+                        args.node, key.scope, key.name, self.config.wait
+                    ),
+                    other => format!("cannot take {}/{} for {who}: {other}", key.scope, key.name),
+                });
+            }
+        };
+        let devices = match self.claim_devices(args, admission.devices as usize).await {
+            Ok(devices) => devices,
+            Err(error) => {
+                if let Err(err) = held.release(Outcome::Failed).await {
+                    tracing::error!(pod_uid = args.pod_uid, node = args.node, %err, "release after a failed claim failed; the hold timeout or a pod revoke will free it");
+                }
+                return Err(error);
             }
         };
         let token = held.token();
         if let Err(error) = self.binder.bind(args).await {
+            // The binding may have gone through with its answer lost.
+            if let Ok(pod) = self.binder.pod(&args.pod_namespace, &args.pod_name).await
+                && pod.metadata.uid.as_deref() == Some(args.pod_uid.as_str())
+                && pod.spec.as_ref().and_then(|s| s.node_name.as_deref()) == Some(&args.node)
+            {
+                return Ok(format!(
+                    "bound (the binding call answered {error:?}, but the pod is on the node); lock \
+                     {token} kept for the device plugin"
+                ));
+            }
             // Unreserve: give the node to the next waiter at once.
             if let Err(err) = held.release(Outcome::Failed).await {
                 tracing::error!(pod_uid = args.pod_uid, node = args.node, token, %err, "release after a failed bind failed; the hold timeout or a pod revoke will free it");
             }
-            tracing::warn!(
-                pod_uid = args.pod_uid,
-                node = args.node,
-                token,
-                error,
-                "bind failed; lock released"
-            );
-            return ExtenderBindingResult { error };
+            self.release_claim(args, "the bind failed").await;
+            return Err(error);
         }
-        tracing::info!(pod_uid = args.pod_uid, node = args.node, token, devices = ?plan.devices, elapsed_ms = started.elapsed().as_millis() as u64, "bound; lock kept for the device plugin");
-        ExtenderBindingResult {
-            error: String::new(),
+        Ok(format!(
+            "bound with devices {devices:?}; lock {token} kept for the device plugin"
+        ))
+    }
+
+    /// Claims `count` free devices of the node for the pod: its existing
+    /// claim there if it has one, else the first free ones.
+    async fn claim_devices(
+        &self,
+        args: &ExtenderBindingArgs,
+        count: usize,
+    ) -> Result<Vec<String>, String> {
+        let mut last_loss = String::new();
+        for _ in 0..CLAIM_ATTEMPTS {
+            let in_use =
+                self.ledger.in_use(&args.node).await.map_err(|e| {
+                    format!("cannot read the device claims of node {}: {e}", args.node)
+                })?;
+            let taken = in_use
+                .iter()
+                .filter(|(_, uid)| **uid != args.pod_uid)
+                .map(|(device, _)| device.clone())
+                .collect();
+            let ours: Vec<String> = in_use
+                .iter()
+                .filter(|(_, uid)| **uid == args.pod_uid)
+                .map(|(device, _)| device.clone())
+                .collect();
+            let devices = if ours.len() == count {
+                ours
+            } else {
+                pick_free(&self.config.node_devices, &taken, count).map_err(|e| {
+                    format!(
+                        "node {} cannot take {}/{}: {e}",
+                        args.node, args.pod_namespace, args.pod_name
+                    )
+                })?
+            };
+            match self
+                .ledger
+                .claim(&args.node, &args.pod_uid, &devices)
+                .await
+                .map_err(|e| format!("cannot claim devices on {}: {e}", args.node))?
+            {
+                Claim::Held(held) if held.len() == count => return Ok(held),
+                Claim::Held(held) => {
+                    return Err(format!(
+                        "pod {}/{} already claims {held:?} on {} but needs {count} devices",
+                        args.pod_namespace, args.pod_name, args.node
+                    ));
+                }
+                Claim::OnOtherNode { node, devices } => {
+                    tracing::info!(
+                        pod_uid = args.pod_uid,
+                        from = node,
+                        ?devices,
+                        to = args.node,
+                        "moving a device claim left by an earlier bind"
+                    );
+                    self.ledger
+                        .release(&args.pod_uid, "the pod is being bound to another node")
+                        .await
+                        .map_err(|e| format!("cannot release the claim on {node}: {e}"))?;
+                }
+                Claim::Taken(why) => last_loss = why,
+            }
+        }
+        Err(format!(
+            "could not claim {count} devices on {} in {CLAIM_ATTEMPTS} attempts: {last_loss}",
+            args.node
+        ))
+    }
+
+    async fn release_claim(&self, args: &ExtenderBindingArgs, reason: &str) {
+        if let Err(err) = self.ledger.release(&args.pod_uid, reason).await {
+            tracing::error!(pod_uid = args.pod_uid, node = args.node, %err, "cannot release a device claim; it ends with its pod");
         }
     }
 

@@ -5,27 +5,52 @@
 //! tells `Allocate` nothing about the pod, so the lock is also how the plugin
 //! learns which pod it serves. This crate is that hand-off, on Tether:
 //!
-//! - [`extender`]: a scheduler-extender `bind` verb. It acquires
-//!   `gpu-bind/<node>` for the pod UID with the device plan as payload
-//!   (waiting in Tether's FIFO queue, not reject-and-retry), binds the pod
-//!   through the Kubernetes API, and on any failure releases with outcome
-//!   `failed` (the Unreserve path).
+//! - [`extender`]: a scheduler-extender `bind` verb. It reads the pod,
+//!   claims free devices for it in Tether, acquires `gpu-bind/<node>` for
+//!   the pod UID with the device plan as payload (waiting in Tether's FIFO
+//!   queue, not reject-and-retry), binds the pod through the Kubernetes API,
+//!   and on any failure releases with outcome `failed` (the Unreserve path).
+//!   Pods that ask for no managed resource are bound without a lock.
 //! - [`device_plugin`]: a kubelet device plugin (v1beta1 over a unix socket)
-//!   whose `Allocate` reads `Holder(gpu-bind/<its node>)`, answers from the
-//!   plan, and releases with the token. No holder → a clear refusal, never a
-//!   guess.
+//!   whose `Allocate` calls (one per container) read
+//!   `Holder(gpu-bind/<its node>)`, answer from the plan, and the last one
+//!   releases with the token. No holder → a clear refusal, never a guess.
+//! - [`kubelet`]: the kubelet's `Allocate` calls for a pod, derived from
+//!   its device manager's algorithm.
+//! - [`accounting`]: which devices of a node live pods hold, kept as pins.
 //! - [`plan`]: the device plan carried as the hold's payload.
 //!
 //! # Layout
-//! - `extender.rs`, `device_plugin.rs`, `plan.rs` — the logic above.
+//! - `extender.rs`, `device_plugin.rs`, `kubelet.rs`, `accounting.rs`,
+//!   `plan.rs` — the logic above.
 //! - `bin/tether-extender.rs`, `bin/tether-device-plugin.rs` — the binaries.
 
+pub mod accounting;
 pub mod device_plugin;
 pub mod extender;
+pub mod kubelet;
 pub mod plan;
 
 /// The generated kubelet device-plugin API (v1beta1).
 pub mod v1beta1 {
     #![allow(clippy::all, missing_docs)]
     tonic::include_proto!("v1beta1");
+}
+
+/// Resolves on SIGTERM (what the kubelet sends a pod it stops) or SIGINT.
+pub async fn shutdown_signal() {
+    use tokio::signal::unix::{SignalKind, signal};
+    match signal(SignalKind::terminate()) {
+        Ok(mut term) => {
+            tokio::select! {
+                _ = term.recv() => {}
+                _ = tokio::signal::ctrl_c() => {}
+            }
+        }
+        Err(err) => {
+            tracing::warn!(%err, "cannot listen for SIGTERM; stopping on SIGINT only");
+            let _ = tokio::signal::ctrl_c().await;
+        }
+    }
+    tracing::info!("stopping on a signal");
 }

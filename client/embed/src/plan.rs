@@ -1,7 +1,54 @@
-//! The device plan: which devices a pod gets on its node, chosen at bind and
-//! carried to the device plugin as the Tether hold's payload.
+//! The device plan: which devices a pod gets on its node and how the
+//! kubelet's `Allocate` calls for it divide them.
+//!
+//! Chosen at bind in two parts: the pod and its calls ([`PodCalls`]) are
+//! the Tether hold's payload; the devices are the pod's claim
+//! ([`crate::accounting`]), made while the extender holds the node's lock.
+//! The device plugin joins them into a [`DevicePlan`].
+
+use std::collections::BTreeSet;
 
 use serde::{Deserialize, Serialize};
+
+use crate::kubelet::Admission;
+
+/// The pod a hold is for and the kubelet calls it will get: the hold's
+/// payload (JSON, so operators can read it with lockctl).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct PodCalls {
+    /// The pod (the lock's holder).
+    pub pod_uid: String,
+    /// Pod namespace.
+    pub namespace: String,
+    /// Pod name.
+    pub name: String,
+    /// Its admission's `Allocate` calls and device count.
+    pub admission: Admission,
+}
+
+impl PodCalls {
+    /// The payload bytes.
+    pub fn to_payload(&self) -> Vec<u8> {
+        serde_json::to_vec(self).expect("a plan always serializes")
+    }
+
+    /// Reads it from a hold's payload.
+    pub fn from_payload(payload: &[u8]) -> Result<Self, String> {
+        serde_json::from_slice(payload)
+            .map_err(|e| format!("the hold's payload is not a pod's device calls: {e}"))
+    }
+
+    /// The full plan, given the pod's claimed devices.
+    pub fn with_devices(&self, devices: Vec<String>) -> Result<DevicePlan, String> {
+        DevicePlan::new(
+            &self.pod_uid,
+            &self.namespace,
+            &self.name,
+            devices,
+            &self.admission,
+        )
+    }
+}
 
 /// Devices planned for one pod.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -12,75 +59,138 @@ pub struct DevicePlan {
     pub namespace: String,
     /// Pod name.
     pub name: String,
-    /// Device ids on the node.
+    /// Every device of the pod on the node.
     pub devices: Vec<String>,
+    /// The kubelet's `Allocate` calls for the pod, in order.
+    pub calls: Vec<PlannedCall>,
+}
+
+/// One expected `Allocate` call.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct PlannedCall {
+    /// The container it is for.
+    pub container: String,
+    /// Device ids the call carries.
+    pub size: u32,
+    /// Of those, how many the kubelet takes from an earlier init
+    /// container's devices (its own pick).
+    pub reused: u32,
+    /// The devices new to the pod this call brings (`size - reused`).
+    pub new_devices: Vec<String>,
 }
 
 impl DevicePlan {
-    /// The payload bytes (JSON, so operators can read it with lockctl).
-    pub fn to_payload(&self) -> Vec<u8> {
-        serde_json::to_vec(self).expect("a plan always serializes")
-    }
-
-    /// Reads a plan from a hold's payload.
-    pub fn from_payload(payload: &[u8]) -> Result<Self, String> {
-        serde_json::from_slice(payload)
-            .map_err(|e| format!("the hold's payload is not a device plan: {e}"))
-    }
-}
-
-/// Picks devices for a pod: `per_pod` consecutive devices of the node's
-/// `devices_per_node`, starting at a position derived from the pod UID (a
-/// stand-in for a real scheduler's Filter/Score decision).
-#[derive(Debug, Clone)]
-pub struct Planner {
-    /// Device ids are `<prefix><index>`.
-    pub device_prefix: String,
-    /// Devices on each node.
-    pub devices_per_node: usize,
-    /// Devices per pod.
-    pub per_pod: usize,
-}
-
-impl Planner {
-    /// The plan for a pod.
-    pub fn plan(&self, pod_uid: &str, namespace: &str, name: &str) -> DevicePlan {
-        let start = pod_uid
-            .bytes()
-            .fold(0usize, |h, b| h.wrapping_mul(31).wrapping_add(b as usize));
-        let devices = (0..self.per_pod.min(self.devices_per_node))
-            .map(|i| {
-                format!(
-                    "{}{}",
-                    self.device_prefix,
-                    (start + i) % self.devices_per_node
-                )
+    /// Divides `devices` (the pod's, `admission.devices` of them) among the
+    /// calls of `admission`, in order.
+    pub fn new(
+        pod_uid: &str,
+        namespace: &str,
+        name: &str,
+        devices: Vec<String>,
+        admission: &Admission,
+    ) -> Result<Self, String> {
+        if devices.len() != admission.devices as usize {
+            return Err(format!(
+                "pod {namespace}/{name} needs {} devices, {} were given",
+                admission.devices,
+                devices.len()
+            ));
+        }
+        let mut rest = devices.iter();
+        let calls = admission
+            .calls
+            .iter()
+            .map(|call| PlannedCall {
+                container: call.container.clone(),
+                size: call.size,
+                reused: call.reused,
+                new_devices: rest.by_ref().take(call.new as usize).cloned().collect(),
             })
             .collect();
-        DevicePlan {
+        Ok(Self {
             pod_uid: pod_uid.into(),
             namespace: namespace.into(),
             name: name.into(),
             devices,
-        }
+            calls,
+        })
     }
+}
+
+/// The first `count` of `devices` (the node's, in order) that are not in
+/// `in_use`, or why there are not enough.
+pub fn pick_free(
+    devices: &[String],
+    in_use: &BTreeSet<String>,
+    count: usize,
+) -> Result<Vec<String>, String> {
+    let free: Vec<String> = devices
+        .iter()
+        .filter(|d| !in_use.contains(*d))
+        .take(count)
+        .cloned()
+        .collect();
+    if free.len() < count {
+        return Err(format!(
+            "{count} devices needed, {} of {} free",
+            devices.len() - in_use.iter().filter(|d| devices.contains(d)).count(),
+            devices.len()
+        ));
+    }
+    Ok(free)
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::kubelet::{ContainerDemand, ContainerKind, admission};
+
+    fn ids(names: &[&str]) -> Vec<String> {
+        names.iter().map(|s| s.to_string()).collect()
+    }
 
     #[test]
-    fn plans_round_trip_and_are_deterministic() {
-        let planner = Planner {
-            device_prefix: "gpu".into(),
-            devices_per_node: 8,
-            per_pod: 2,
+    fn a_plan_divides_the_pods_devices_among_its_calls_and_round_trips() {
+        let demands = [
+            ContainerDemand {
+                name: "init".into(),
+                count: 1,
+                kind: ContainerKind::Init,
+            },
+            ContainerDemand {
+                name: "main".into(),
+                count: 2,
+                kind: ContainerKind::App,
+            },
+        ];
+        let admission = admission(&demands);
+        let plan =
+            DevicePlan::new("uid-1", "ml", "train-0", ids(&["gpu2", "gpu5"]), &admission).unwrap();
+        let news: Vec<_> = plan.calls.iter().map(|c| c.new_devices.clone()).collect();
+        assert_eq!(news, [ids(&["gpu2"]), ids(&["gpu5"])]);
+        assert_eq!(plan.calls[1].reused, 1);
+        let calls = PodCalls {
+            pod_uid: "uid-1".into(),
+            namespace: "ml".into(),
+            name: "train-0".into(),
+            admission: admission.clone(),
         };
-        let plan = planner.plan("uid-1", "ml", "train-0");
-        assert_eq!(plan, planner.plan("uid-1", "ml", "train-0"));
-        assert_eq!(plan.devices.len(), 2);
-        assert_eq!(DevicePlan::from_payload(&plan.to_payload()).unwrap(), plan);
-        assert!(DevicePlan::from_payload(b"gpu0").is_err());
+        let read = PodCalls::from_payload(&calls.to_payload()).unwrap();
+        assert_eq!(read, calls);
+        assert_eq!(read.with_devices(ids(&["gpu2", "gpu5"])).unwrap(), plan);
+        assert!(PodCalls::from_payload(b"gpu0").is_err());
+        assert!(DevicePlan::new("u", "ml", "p", ids(&["gpu1"]), &admission).is_err());
+    }
+
+    #[test]
+    fn free_devices_are_picked_in_node_order() {
+        let node = ids(&["gpu0", "gpu1", "gpu2", "gpu3"]);
+        let in_use: BTreeSet<String> = ids(&["gpu0", "gpu2"]).into_iter().collect();
+        assert_eq!(
+            pick_free(&node, &in_use, 2).unwrap(),
+            ids(&["gpu1", "gpu3"])
+        );
+        let err = pick_free(&node, &in_use, 3).unwrap_err();
+        assert_eq!(err, "3 devices needed, 2 of 4 free");
     }
 }

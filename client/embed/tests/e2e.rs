@@ -1,38 +1,59 @@
-//! End to end: a 3-replica Tether, the scheduler extender (binding through a
-//! fake Kubernetes API over HTTP), and the device plugin on a unix socket,
-//! with `Allocate` driven as the kubelet drives it.
+//! End to end: a 3-replica Tether, the scheduler extender (reading and
+//! binding pods through a fake Kubernetes API over HTTP), and the device
+//! plugin on a unix socket, registered with a fake kubelet that drives it
+//! as the real one does.
+//!
+//! The fake kubelet ([`FakeKubelet::admit`]) follows
+//! kubernetes/kubernetes `pkg/kubelet/cm/devicemanager/manager.go`
+//! (`ManagerImpl.Allocate`, `allocateContainerResources`,
+//! `devicesToAllocate`), written out here on its own rather than through
+//! `tether_embed::kubelet`, so the plugin is checked against the kubelet and
+//! not against our model of it:
+//! - init containers, then app containers, one `Allocate` per container
+//!   whose limit of the resource is above zero, carrying all the ids picked
+//!   for it;
+//! - ids come first from the pod's reusable set (devices of finished init
+//!   containers, taken in an order of the kubelet's own — here a seeded
+//!   shuffle), then, if more are needed, from `GetPreferredAllocation`
+//!   (available plus already picked, must include those, size = the limit)
+//!   intersected with what is free, then from whatever is free;
+//! - a non-restartable init container's ids join the reusable set; a
+//!   sidecar's and an app container's leave it;
+//! - an `Allocate` error fails the pod: no retry;
+//! - a kubelet restart deletes every socket in the plugin directory and
+//!   serves `kubelet.sock` afresh.
+//!
+//! The fake API server answers `GET pods/<name>` and `POST
+//! pods/<name>/binding` as the API server does: 201 and `spec.nodeName`
+//! set, or 409 Conflict when the pod is already bound.
 
-use std::collections::BTreeSet;
-use std::path::PathBuf;
+use std::collections::{BTreeMap, BTreeSet};
+use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use tether_client::http::{HttpRequest, HttpResponse, serve};
 use tether_client::proto::LockKey;
 use tether_client::{Client, Options};
-use tether_embed::device_plugin::{
-    BeforeRelease, GpuPlugin, PluginConfig, register, serve_on_socket, unix_channel,
-};
+use tether_embed::accounting::{DEFAULT_LIFETIME, DeviceLedger};
+use tether_embed::device_plugin::{BeforeRelease, GpuPlugin, Placement, PluginConfig, run};
 use tether_embed::extender::{
     Extender, ExtenderBindingArgs, ExtenderBindingResult, ExtenderConfig, KubeBinder,
     serve_extender,
 };
-use tether_embed::plan::Planner;
 use tether_embed::v1beta1 as api;
 use tether_embed::v1beta1::device_plugin_client::DevicePluginClient;
+use tether_embed::v1beta1::registration_server::{Registration, RegistrationServer};
 use tether_server::testing::{Cluster, DEADLINE};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::task::JoinHandle;
 
 const NODE: &str = "gpu-node-1";
+const RESOURCE: &str = "tether.io/gpu";
 
-fn planner() -> Planner {
-    Planner {
-        device_prefix: "gpu".into(),
-        devices_per_node: 8,
-        per_pod: 2,
-    }
+fn node_devices() -> Vec<String> {
+    (0..8).map(|i| format!("gpu{i}")).collect()
 }
 
 fn key() -> LockKey {
@@ -42,55 +63,129 @@ fn key() -> LockKey {
     }
 }
 
-/// A fake Kubernetes API that accepts `pods/binding` POSTs, records them in
-/// order, and refuses pods listed in `fail`.
+/// A container of a pod: name, devices it asks for, init / sidecar / app.
+#[derive(Clone, Copy)]
+enum Kind {
+    Init,
+    Sidecar,
+    App,
+}
+
+/// A pod manifest as the API server returns it.
+fn pod_json(name: &str, containers: &[(&str, u32, Kind)]) -> serde_json::Value {
+    let container = |(cname, gpus, kind): &(&str, u32, Kind)| {
+        let mut c = serde_json::json!({"name": cname, "image": "busybox"});
+        if *gpus > 0 {
+            c["resources"] = serde_json::json!({"limits": {RESOURCE: gpus.to_string()}});
+        }
+        if matches!(kind, Kind::Sidecar) {
+            c["restartPolicy"] = "Always".into();
+        }
+        c
+    };
+    let init: Vec<_> = containers
+        .iter()
+        .filter(|c| !matches!(c.2, Kind::App))
+        .map(container)
+        .collect();
+    let app: Vec<_> = containers
+        .iter()
+        .filter(|c| matches!(c.2, Kind::App))
+        .map(container)
+        .collect();
+    serde_json::json!({
+        "apiVersion": "v1", "kind": "Pod",
+        "metadata": {"name": name, "namespace": "ml", "uid": format!("uid-{name}"), "resourceVersion": "1"},
+        "spec": {"initContainers": init, "containers": app},
+    })
+}
+
+/// The fake Kubernetes API (see the module doc).
 #[derive(Default)]
 struct FakeApi {
+    pods: Mutex<BTreeMap<String, serde_json::Value>>,
     bindings: Mutex<Vec<(String, String, Instant)>>,
+    /// Bindings of these pods fail with 409 "being deleted".
     fail: Mutex<BTreeSet<String>>,
+    /// Bindings of these pods are answered this late.
+    slow: Mutex<BTreeMap<String, Duration>>,
+}
+
+fn json_response(status: &'static str, body: serde_json::Value) -> HttpResponse {
+    HttpResponse {
+        status,
+        content_type: "application/json",
+        body: body.to_string().into_bytes(),
+    }
+}
+
+fn api_status(code: u16, reason: &str, message: String) -> serde_json::Value {
+    serde_json::json!({"kind": "Status", "apiVersion": "v1", "status": "Failure",
+        "message": message, "reason": reason, "code": code})
 }
 
 impl FakeApi {
-    fn handle(&self, request: HttpRequest) -> HttpResponse {
-        // /api/v1/namespaces/{ns}/pods/{name}/binding
-        let parts: Vec<&str> = request
-            .path
-            .split('?')
-            .next()
-            .unwrap_or("")
-            .split('/')
-            .collect();
-        if request.method != "POST" || parts.len() != 8 || parts[7] != "binding" {
-            return HttpResponse {
-                status: "404 Not Found",
-                content_type: "application/json",
-                body: b"{}".to_vec(),
-            };
+    fn add(&self, pod: serde_json::Value) {
+        let name = pod["metadata"]["name"].as_str().unwrap().to_string();
+        self.pods.lock().unwrap().insert(name, pod);
+    }
+
+    async fn handle(&self, request: HttpRequest) -> HttpResponse {
+        // /api/v1/namespaces/{ns}/pods/{name}[/binding]
+        let path = request.path.split('?').next().unwrap_or("").to_string();
+        let parts: Vec<&str> = path.split('/').collect();
+        if parts.len() < 7 || parts[5] != "pods" {
+            return json_response("404 Not Found", api_status(404, "NotFound", path.clone()));
         }
         let name = parts[6].to_string();
-        let body: serde_json::Value = serde_json::from_slice(&request.body).unwrap_or_default();
-        let node = body["target"]["name"]
-            .as_str()
-            .unwrap_or_default()
-            .to_string();
-        if self.fail.lock().unwrap().contains(&name) {
-            let status = serde_json::json!({"kind": "Status", "apiVersion": "v1", "status": "Failure",
-                "message": format!("pod {name} is being deleted"), "reason": "Conflict", "code": 409});
-            return HttpResponse {
-                status: "409 Conflict",
-                content_type: "application/json",
-                body: status.to_string().into_bytes(),
-            };
-        }
-        self.bindings
-            .lock()
-            .unwrap()
-            .push((name, node, Instant::now()));
-        let status = serde_json::json!({"kind": "Status", "apiVersion": "v1", "status": "Success", "code": 201});
-        HttpResponse {
-            status: "201 Created",
-            content_type: "application/json",
-            body: status.to_string().into_bytes(),
+        let Some(pod) = self.pods.lock().unwrap().get(&name).cloned() else {
+            return json_response(
+                "404 Not Found",
+                api_status(404, "NotFound", format!("pods \"{name}\" not found")),
+            );
+        };
+        match (request.method.as_str(), parts.get(7)) {
+            ("GET", None) => json_response("200 OK", pod),
+            ("POST", Some(&"binding")) => {
+                let delay = self.slow.lock().unwrap().get(&name).copied();
+                if let Some(delay) = delay {
+                    tokio::time::sleep(delay).await;
+                }
+                let body: serde_json::Value =
+                    serde_json::from_slice(&request.body).unwrap_or_default();
+                let node = body["target"]["name"]
+                    .as_str()
+                    .unwrap_or_default()
+                    .to_string();
+                if self.fail.lock().unwrap().contains(&name) {
+                    return json_response(
+                        "409 Conflict",
+                        api_status(409, "Conflict", format!("pod {name} is being deleted")),
+                    );
+                }
+                let mut pods = self.pods.lock().unwrap();
+                let pod = pods.get_mut(&name).unwrap();
+                if let Some(bound) = pod["spec"]["nodeName"].as_str() {
+                    let message = format!(
+                        "Operation cannot be fulfilled on pods/binding \"{name}\": pod {name} is already \
+                         assigned to node \"{bound}\""
+                    );
+                    return json_response("409 Conflict", api_status(409, "Conflict", message));
+                }
+                pod["spec"]["nodeName"] = node.clone().into();
+                self.bindings
+                    .lock()
+                    .unwrap()
+                    .push((name, node, Instant::now()));
+                json_response(
+                    "201 Created",
+                    serde_json::json!({"kind": "Status", "apiVersion": "v1", "status": "Success", "code": 201}),
+                )
+            }
+            _ => json_response(
+                "405 Method Not Allowed",
+                api_status(405, "MethodNotAllowed", path),
+            ),
         }
     }
 
@@ -102,6 +197,215 @@ impl FakeApi {
             .map(|(name, _, _)| name.clone())
             .collect()
     }
+
+    fn pod(&self, name: &str) -> k8s_openapi::api::core::v1::Pod {
+        serde_json::from_value(self.pods.lock().unwrap()[name].clone()).unwrap()
+    }
+}
+
+/// The kubelet's `Registration` service: records every registration.
+#[derive(Clone, Default)]
+struct Registrations(Arc<Mutex<Vec<api::RegisterRequest>>>);
+
+#[tonic::async_trait]
+impl Registration for Registrations {
+    async fn register(
+        &self,
+        request: tonic::Request<api::RegisterRequest>,
+    ) -> Result<tonic::Response<api::Empty>, tonic::Status> {
+        self.0.lock().unwrap().push(request.into_inner());
+        Ok(tonic::Response::new(api::Empty {}))
+    }
+}
+
+/// The kubelet, as far as device plugins see it (see the module doc).
+struct FakeKubelet {
+    dir: PathBuf,
+    registrations: Registrations,
+    server: Mutex<Option<JoinHandle<()>>>,
+    /// Devices the kubelet has given to each pod.
+    allocated: Mutex<BTreeMap<String, BTreeSet<String>>>,
+}
+
+/// What one admission did: each container's answer, in call order.
+type Admitted = Vec<(String, api::ContainerAllocateResponse)>;
+
+impl FakeKubelet {
+    fn start(dir: &Path) -> Arc<FakeKubelet> {
+        let kubelet = Arc::new(FakeKubelet {
+            dir: dir.to_path_buf(),
+            registrations: Registrations::default(),
+            server: Mutex::new(None),
+            allocated: Mutex::default(),
+        });
+        kubelet.serve();
+        kubelet
+    }
+
+    fn serve(&self) {
+        let socket = self.dir.join("kubelet.sock");
+        let _ = std::fs::remove_file(&socket);
+        let listener = tokio::net::UnixListener::bind(&socket).unwrap();
+        let service = RegistrationServer::new(self.registrations.clone());
+        *self.server.lock().unwrap() = Some(tokio::spawn(async move {
+            let _ = tonic::transport::Server::builder()
+                .add_service(service)
+                .serve_with_incoming(tokio_stream::wrappers::UnixListenerStream::new(listener))
+                .await;
+        }));
+    }
+
+    /// What a kubelet restart does to the directory.
+    fn restart(&self) {
+        if let Some(server) = self.server.lock().unwrap().take() {
+            server.abort();
+        }
+        for entry in std::fs::read_dir(&self.dir).unwrap() {
+            let path = entry.unwrap().path();
+            if path.extension().is_some_and(|e| e == "sock") {
+                std::fs::remove_file(path).unwrap();
+            }
+        }
+        self.serve();
+    }
+
+    fn registered(&self) -> usize {
+        self.registrations.0.lock().unwrap().len()
+    }
+
+    fn plugin_socket(&self) -> Option<PathBuf> {
+        let registrations = self.registrations.0.lock().unwrap();
+        registrations
+            .last()
+            .map(|r| self.dir.join(&r.endpoint))
+            .filter(|p| p.exists())
+    }
+
+    /// Admits `pod` as the device manager does; `seed` orders the reusable
+    /// set as Go's set iteration would, arbitrarily.
+    async fn admit(
+        &self,
+        pod: &k8s_openapi::api::core::v1::Pod,
+        seed: u64,
+    ) -> Result<Admitted, tonic::Status> {
+        let socket = self
+            .plugin_socket()
+            .ok_or_else(|| tonic::Status::unavailable("no registered plugin"))?;
+        let channel = tether_embed::device_plugin::unix_channel(socket)
+            .await
+            .map_err(|e| tonic::Status::unavailable(e.to_string()))?;
+        let mut plugin = DevicePluginClient::new(channel);
+        let uid = pod.metadata.uid.clone().unwrap();
+        let spec = pod.spec.clone().unwrap();
+        let containers = spec
+            .init_containers
+            .iter()
+            .flatten()
+            .map(|c| (c, c.restart_policy.as_deref() != Some("Always")))
+            .chain(spec.containers.iter().map(|c| (c, false)));
+        let mut reusable: Vec<String> = Vec::new();
+        let mut answers = Vec::new();
+        let mut rng = seed;
+        for (container, runs_to_completion) in containers {
+            let needed: usize = container
+                .resources
+                .as_ref()
+                .and_then(|r| r.limits.as_ref())
+                .and_then(|l| l.get(RESOURCE))
+                .map_or(0, |q| q.0.parse().unwrap());
+            if needed == 0 {
+                continue;
+            }
+            // Reusable first, in an order of the kubelet's own.
+            rng = rng
+                .wrapping_mul(6364136223846793005)
+                .wrapping_add(1442695040888963407);
+            let mut order = reusable.clone();
+            if !order.is_empty() {
+                let turn = (rng >> 33) as usize % order.len();
+                order.rotate_left(turn);
+            }
+            let mut picked: Vec<String> = order.into_iter().take(needed).collect();
+            if picked.len() < needed {
+                let in_use: BTreeSet<String> = self
+                    .allocated
+                    .lock()
+                    .unwrap()
+                    .values()
+                    .flatten()
+                    .cloned()
+                    .collect();
+                let available: Vec<String> = node_devices()
+                    .into_iter()
+                    .filter(|d| !in_use.contains(d) && !picked.contains(d))
+                    .collect();
+                assert!(
+                    available.len() >= needed - picked.len(),
+                    "the kubelet has too few devices left for {uid}"
+                );
+                let preferred = plugin
+                    .get_preferred_allocation(api::PreferredAllocationRequest {
+                        container_requests: vec![api::ContainerPreferredAllocationRequest {
+                            available_device_i_ds: available
+                                .iter()
+                                .chain(&picked)
+                                .cloned()
+                                .collect(),
+                            must_include_device_i_ds: picked.clone(),
+                            allocation_size: needed as i32,
+                        }],
+                    })
+                    .await?
+                    .into_inner();
+                let preferred = &preferred.container_responses[0].device_i_ds;
+                for d in preferred.iter().chain(&available) {
+                    if picked.len() < needed && available.contains(d) && !picked.contains(d) {
+                        picked.push(d.clone());
+                    }
+                }
+            }
+            self.allocated
+                .lock()
+                .unwrap()
+                .entry(uid.clone())
+                .or_default()
+                .extend(picked.iter().cloned());
+            // One Allocate with every id; an error fails the pod.
+            let response = plugin
+                .allocate(api::AllocateRequest {
+                    container_requests: vec![api::ContainerAllocateRequest {
+                        devices_ids: picked.clone(),
+                    }],
+                })
+                .await?
+                .into_inner();
+            answers.push((
+                container.name.clone(),
+                response.container_responses.into_iter().next().unwrap(),
+            ));
+            if runs_to_completion
+                && spec
+                    .init_containers
+                    .iter()
+                    .flatten()
+                    .any(|c| c.name == container.name)
+            {
+                for d in picked {
+                    if !reusable.contains(&d) {
+                        reusable.push(d);
+                    }
+                }
+            } else {
+                reusable.retain(|d| !picked.contains(d));
+            }
+        }
+        Ok(answers)
+    }
+
+    /// The pod ended: its devices are free again.
+    fn pod_ended(&self, uid: &str) {
+        self.allocated.lock().unwrap().remove(uid);
+    }
 }
 
 /// Everything one scenario needs.
@@ -109,8 +413,8 @@ struct Rig {
     cluster: Cluster,
     client: Client,
     api: Arc<FakeApi>,
+    kubelet: Arc<FakeKubelet>,
     extender: std::net::SocketAddr,
-    socket: PathBuf,
     plugin: Option<JoinHandle<()>>,
     _dir: tempfile::TempDir,
 }
@@ -126,24 +430,23 @@ fn client_of(cluster: &Cluster) -> Client {
     .unwrap()
 }
 
-fn start_plugin(
-    cluster: &Cluster,
-    socket: &std::path::Path,
-    hook: Option<BeforeRelease>,
-) -> JoinHandle<()> {
+fn start_plugin(cluster: &Cluster, dir: &Path, hook: Option<BeforeRelease>) -> JoinHandle<()> {
     let config = PluginConfig {
         node: NODE.into(),
         scope: "gpu-bind".into(),
-        resource_name: "tether.io/gpu".into(),
-        devices: (0..8).map(|i| format!("gpu{i}")).collect(),
+        resource_name: RESOURCE.into(),
+        devices: node_devices(),
     };
     let mut plugin = GpuPlugin::new(client_of(cluster), config);
     if let Some(hook) = hook {
         plugin = plugin.with_before_release(hook);
     }
-    let socket = socket.to_path_buf();
+    let placement = Placement {
+        dir: dir.to_path_buf(),
+        socket_name: "tether-gpu.sock".into(),
+    };
     tokio::spawn(async move {
-        serve_on_socket(plugin, &socket, std::future::pending())
+        run(Arc::new(plugin), placement, std::future::pending())
             .await
             .unwrap()
     })
@@ -151,6 +454,17 @@ fn start_plugin(
 
 impl Rig {
     async fn start() -> Rig {
+        Self::start_with_wait(DEADLINE).await
+    }
+
+    async fn start_with_wait(wait: Duration) -> Rig {
+        let _ = tracing_subscriber::fmt()
+            .with_test_writer()
+            .with_env_filter(
+                tracing_subscriber::EnvFilter::try_from_default_env()
+                    .unwrap_or_else(|_| "warn".into()),
+            )
+            .try_init();
         let cluster = Cluster::start(3).await;
         let client = client_of(&cluster);
         let api = Arc::new(FakeApi::default());
@@ -161,18 +475,20 @@ impl Rig {
             api_listener,
             Arc::new(move |r| {
                 let api = handler_api.clone();
-                async move { api.handle(r) }
+                async move { api.handle(r).await }
             }),
             std::future::pending(),
         ));
         let kube = kube::Client::try_from(kube::Config::new(api_url.parse().unwrap())).unwrap();
         let config = ExtenderConfig {
             scope: "gpu-bind".into(),
-            wait: DEADLINE,
-            planner: planner(),
+            resource: RESOURCE.into(),
+            wait,
+            node_devices: node_devices(),
         };
         let extender = Arc::new(Extender::new(
             client_of(&cluster),
+            DeviceLedger::new(client_of(&cluster), DEFAULT_LIFETIME),
             KubeBinder::new(kube),
             config,
         ));
@@ -180,24 +496,39 @@ impl Rig {
         let extender_addr = listener.local_addr().unwrap();
         tokio::spawn(serve_extender(listener, extender, std::future::pending()));
         let dir = tempfile::tempdir().unwrap();
-        let socket = dir.path().join("tether-gpu.sock");
-        let plugin = start_plugin(&cluster, &socket, None);
+        let kubelet = FakeKubelet::start(dir.path());
+        let plugin = start_plugin(&cluster, dir.path(), None);
         let rig = Rig {
             cluster,
             client,
             api,
+            kubelet,
             extender: extender_addr,
-            socket,
             plugin: Some(plugin),
             _dir: dir,
         };
-        rig.wait_for("the plugin socket", async || rig.socket.exists())
-            .await;
+        rig.wait_for("the plugin to register", async || {
+            rig.kubelet.plugin_socket().is_some()
+        })
+        .await;
         rig
+    }
+
+    /// A one-container pod asking for `gpus`.
+    fn add_pod(&self, name: &str, gpus: u32) {
+        self.api.add(pod_json(name, &[("main", gpus, Kind::App)]));
     }
 
     /// kube-scheduler's bind call.
     async fn bind(&self, pod: &str) -> ExtenderBindingResult {
+        self.bind_within(pod, DEADLINE)
+            .await
+            .expect("the extender answers")
+    }
+
+    /// kube-scheduler's bind call, given up after `timeout` (its
+    /// `httpTimeout`): `None` if no answer came by then.
+    async fn bind_within(&self, pod: &str, timeout: Duration) -> Option<ExtenderBindingResult> {
         let args = ExtenderBindingArgs {
             pod_name: pod.into(),
             pod_namespace: "ml".into(),
@@ -205,39 +536,26 @@ impl Rig {
             node: NODE.into(),
         };
         let body = serde_json::to_vec(&args).unwrap();
-        let mut stream = TcpStream::connect(self.extender).await.unwrap();
-        let head = format!(
-            "POST /scheduler/bind HTTP/1.1\r\nHost: extender\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n",
-            body.len()
-        );
-        stream.write_all(head.as_bytes()).await.unwrap();
-        stream.write_all(&body).await.unwrap();
-        let mut response = Vec::new();
-        stream.read_to_end(&mut response).await.unwrap();
-        let text = String::from_utf8(response).unwrap();
-        let (_, json) = text.split_once("\r\n\r\n").unwrap();
-        serde_json::from_str(json).unwrap()
+        let call = async {
+            let mut stream = TcpStream::connect(self.extender).await.unwrap();
+            let head = format!(
+                "POST /scheduler/bind HTTP/1.1\r\nHost: extender\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n",
+                body.len()
+            );
+            stream.write_all(head.as_bytes()).await.unwrap();
+            stream.write_all(&body).await.unwrap();
+            let mut response = Vec::new();
+            stream.read_to_end(&mut response).await.unwrap();
+            let text = String::from_utf8(response).unwrap();
+            let (_, json) = text.split_once("\r\n\r\n").unwrap();
+            serde_json::from_str(json).unwrap()
+        };
+        tokio::time::timeout(timeout, call).await.ok()
     }
 
-    /// The kubelet's Allocate call (device ids only, no pod identity).
-    async fn allocate(&self) -> Result<api::ContainerAllocateResponse, tonic::Status> {
-        let channel = unix_channel(self.socket.clone())
-            .await
-            .map_err(|e| tonic::Status::unavailable(e.to_string()))?;
-        let request = api::AllocateRequest {
-            container_requests: vec![api::ContainerAllocateRequest {
-                devices_ids: vec!["gpu0".into()],
-            }],
-        };
-        let response = DevicePluginClient::new(channel)
-            .allocate(request)
-            .await?
-            .into_inner();
-        Ok(response
-            .container_responses
-            .into_iter()
-            .next()
-            .expect("one container"))
+    /// The kubelet admits `pod` (as bound in the fake API).
+    async fn admit(&self, pod: &str) -> Result<Admitted, tonic::Status> {
+        self.kubelet.admit(&self.api.pod(pod), 7).await
     }
 
     async fn wait_for(&self, what: &str, mut check: impl AsyncFnMut() -> bool) {
@@ -268,12 +586,58 @@ impl Rig {
             .map(|h| h.pod.unwrap().name)
     }
 
+    /// Device claims on the node: device -> pod uid.
+    async fn claims(&self) -> BTreeMap<String, String> {
+        DeviceLedger::new(self.client.clone(), DEFAULT_LIFETIME)
+            .in_use(NODE)
+            .await
+            .unwrap()
+    }
+
+    /// What the bridge does when a pod ends, and the kubelet frees its
+    /// devices.
+    async fn end_pod(&self, pod: &str) {
+        let uid = format!("uid-{pod}");
+        self.client.revoke_pod(&uid, "pod deleted").await.unwrap();
+        self.kubelet.pod_ended(&uid);
+    }
+
+    async fn lock_history(&self) -> Vec<tether_client::proto::Event> {
+        self.client
+            .history("lock/gpu-bind/gpu-node-1", 0, 0)
+            .await
+            .unwrap()
+            .events
+    }
+
     async fn shutdown(self) {
         if let Some(plugin) = self.plugin {
             plugin.abort();
         }
         self.cluster.shutdown().await;
     }
+}
+
+/// The devices the answers gave, per container.
+fn devices_of(admitted: &Admitted) -> Vec<(String, Vec<String>)> {
+    admitted
+        .iter()
+        .map(|(name, answer)| {
+            let mut ids: Vec<String> = answer.envs["TETHER_DEVICES"]
+                .split(',')
+                .map(str::to_string)
+                .collect();
+            ids.sort();
+            let mut mounted: Vec<String> = answer
+                .devices
+                .iter()
+                .map(|d| d.host_path.trim_start_matches("/dev/").to_string())
+                .collect();
+            mounted.sort();
+            assert_eq!(ids, mounted, "container {name}: env and mounts disagree");
+            (name.clone(), ids)
+        })
+        .collect()
 }
 
 fn bind_all(rig: &Arc<Rig>, pods: &[&str]) -> Vec<JoinHandle<ExtenderBindingResult>> {
@@ -286,46 +650,257 @@ fn bind_all(rig: &Arc<Rig>, pods: &[&str]) -> Vec<JoinHandle<ExtenderBindingResu
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-async fn fifty_pods_binding_to_one_node_are_each_allocated_their_own_plan_in_fifo_order() {
+async fn eight_one_gpu_pods_fill_an_eight_device_node_in_fifo_order_and_share_no_device() {
     let rig = Arc::new(Rig::start().await);
-    let pods: Vec<String> = (0..50).map(|i| format!("train-{i}")).collect();
+    let pods: Vec<String> = (0..8).map(|i| format!("train-{i}")).collect();
+    for pod in &pods {
+        rig.add_pod(pod, 1);
+    }
     let names: Vec<&str> = pods.iter().map(String::as_str).collect();
     let binds = bind_all(&rig, &names);
     // Everyone is either holding or queued before the first Allocate.
-    rig.wait_for("49 queued binds", async || rig.waiters().await.len() == 49)
+    rig.wait_for("7 queued binds", async || rig.waiters().await.len() == 7)
         .await;
     let mut queue = vec![rig.holder().await.expect("one pod holds the node")];
     queue.extend(rig.waiters().await);
 
     let mut served = Vec::new();
-    for k in 0..50 {
+    let mut devices_seen = BTreeMap::new();
+    for k in 0..8 {
         rig.wait_for("the next bind", async || rig.api.bound().len() > k)
             .await;
         let bound = rig.api.bound()[k].clone();
-        let container = rig.allocate().await.expect("Allocate serves the holder");
-        let pod_uid = &container.envs["TETHER_POD_UID"];
+        let admitted = rig.admit(&bound).await.expect("the kubelet admits the pod");
+        assert_eq!(admitted.len(), 1, "one container, one Allocate");
+        let answer = &admitted[0].1;
         assert_eq!(
-            pod_uid,
-            &format!("uid-{bound}"),
+            answer.envs["TETHER_POD_UID"],
+            format!("uid-{bound}"),
             "Allocate #{k} served a pod other than the one bound"
         );
-        let plan = planner().plan(pod_uid, "ml", &bound);
-        assert_eq!(
-            container.envs["TETHER_DEVICES"],
-            plan.devices.join(","),
-            "device plan swapped for {bound}"
-        );
+        let (_, devices) = devices_of(&admitted).remove(0);
+        for device in devices {
+            if let Some(other) = devices_seen.insert(device.clone(), bound.clone()) {
+                panic!("{device} given to both {other} and {bound}");
+            }
+        }
         served.push(bound);
     }
     for bind in binds {
         assert_eq!(bind.await.unwrap().error, "");
     }
     assert_eq!(served, queue, "served out of FIFO order");
-    assert_eq!(
-        served.iter().collect::<BTreeSet<_>>().len(),
-        50,
-        "a pod was served twice"
+    assert_eq!(devices_seen.len(), 8);
+    assert_eq!(rig.holder().await, None);
+    // The Tether accounting agrees with what the kubelet gave out.
+    let claims = rig.claims().await;
+    let claimed: BTreeMap<String, String> = claims
+        .into_iter()
+        .map(|(d, uid)| (d, uid.trim_start_matches("uid-").to_string()))
+        .collect();
+    assert_eq!(claimed, devices_seen);
+
+    // A ninth pod finds the node full, with a reason, and takes no lock.
+    rig.add_pod("late", 1);
+    let refused = rig.bind("late").await;
+    assert!(refused.error.contains("0 of 8 free"), "{}", refused.error);
+    assert_eq!(rig.holder().await, None);
+    // One pod ends: after its claim's lifetime the device is offered again.
+    rig.end_pod("train-3").await;
+    let freed = devices_seen
+        .iter()
+        .find(|(_, pod)| *pod == "train-3")
+        .map(|(d, _)| d.clone())
+        .unwrap();
+    rig.wait_for("the ended pod's claim to go", async || {
+        !rig.claims().await.contains_key(&freed)
+    })
+    .await;
+    assert_eq!(rig.bind("late").await.error, "");
+    let admitted = rig.admit("late").await.unwrap();
+    assert_eq!(devices_of(&admitted), [("main".to_string(), vec![freed])]);
+    Arc::into_inner(rig).unwrap().shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_pod_with_an_init_container_and_two_gpu_containers_gets_one_allocate_per_container() {
+    let rig = Rig::start().await;
+    // init asks for 1, main for 2, logger for 1, a CPU container for none:
+    // the kubelet makes 3 calls, and main reuses the init container's
+    // device.
+    rig.api.add(pod_json(
+        "multi",
+        &[
+            ("warm-up", 1, Kind::Init),
+            ("main", 2, Kind::App),
+            ("logger", 1, Kind::App),
+            ("cpu-only", 0, Kind::App),
+        ],
+    ));
+    // A sidecar keeps the init container's device it reuses, so the app
+    // container after it needs new ones.
+    rig.api.add(pod_json(
+        "sidecar",
+        &[
+            ("warm-up", 1, Kind::Init),
+            ("proxy", 1, Kind::Sidecar),
+            ("main", 1, Kind::App),
+        ],
+    ));
+    rig.add_pod("next", 1);
+    assert_eq!(rig.bind("multi").await.error, "");
+    let admitted = rig.admit("multi").await.expect("admitted");
+    let per_container = devices_of(&admitted);
+    let names: Vec<&str> = per_container.iter().map(|(n, _)| n.as_str()).collect();
+    assert_eq!(names, ["warm-up", "main", "logger"]);
+    let init = &per_container[0].1;
+    let main = &per_container[1].1;
+    let logger = &per_container[2].1;
+    assert_eq!((init.len(), main.len(), logger.len()), (1, 2, 1));
+    assert!(
+        main.contains(&init[0]),
+        "main reuses the init container's device"
     );
+    assert!(
+        main.iter().all(|d| !logger.contains(d)),
+        "app containers share no device: {main:?} {logger:?}"
+    );
+    // Every answer names the same pod; the hold ended after the last call.
+    assert!(
+        admitted
+            .iter()
+            .all(|(_, a)| a.envs["TETHER_POD_UID"] == "uid-multi")
+    );
+    assert_eq!(rig.holder().await, None);
+    let claimed: BTreeSet<String> = rig.claims().await.into_keys().collect();
+    let given: BTreeSet<String> = main.iter().chain(logger).cloned().collect();
+    assert_eq!(claimed, given, "the claim is the pod's devices (3 of them)");
+
+    assert_eq!(rig.bind("sidecar").await.error, "");
+    let admitted = rig.admit("sidecar").await.expect("admitted");
+    let per_container = devices_of(&admitted);
+    let (init, proxy, main) = (
+        &per_container[0].1,
+        &per_container[1].1,
+        &per_container[2].1,
+    );
+    assert_eq!(
+        proxy, init,
+        "the sidecar reuses the init container's device"
+    );
+    assert!(!main.contains(&proxy[0]), "the sidecar keeps its device");
+    assert_eq!(rig.holder().await, None);
+
+    // The next pod is served a device no live pod has.
+    assert_eq!(rig.bind("next").await.error, "");
+    let admitted = rig.admit("next").await.unwrap();
+    let (_, devices) = devices_of(&admitted).remove(0);
+    let taken: BTreeSet<String> = given.iter().chain(proxy).chain(main).cloned().collect();
+    assert!(!taken.contains(&devices[0]), "{devices:?} is taken");
+    rig.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_two_gpu_pod_and_a_pod_without_gpus() {
+    let rig = Rig::start().await;
+    rig.add_pod("pair", 2);
+    rig.add_pod("web", 0);
+    // A pod that asks for no GPU is bound at once and takes no lock.
+    assert_eq!(rig.bind("web").await.error, "");
+    assert_eq!(rig.api.bound(), ["web"]);
+    assert!(rig.lock_history().await.is_empty(), "no lock event for web");
+    assert!(rig.claims().await.is_empty());
+    assert_eq!(rig.bind("pair").await.error, "");
+    let admitted = rig.admit("pair").await.unwrap();
+    let (_, devices) = devices_of(&admitted).remove(0);
+    assert_eq!(devices.len(), 2);
+    assert_eq!(
+        rig.claims().await.into_keys().collect::<Vec<_>>(),
+        devices,
+        "the two devices the kubelet gave are the two Tether accounts"
+    );
+    assert_eq!(rig.holder().await, None);
+    rig.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn the_plugin_registers_again_after_a_kubelet_restart() {
+    let rig = Rig::start().await;
+    rig.add_pod("before", 1);
+    rig.add_pod("after", 1);
+    assert_eq!(rig.bind("before").await.error, "");
+    rig.admit("before").await.unwrap();
+    assert_eq!(rig.kubelet.registered(), 1);
+    let first = rig.kubelet.registrations.0.lock().unwrap()[0].clone();
+    assert_eq!(
+        (
+            first.version.as_str(),
+            first.endpoint.as_str(),
+            first.resource_name.as_str()
+        ),
+        ("v1beta1", "tether-gpu.sock", RESOURCE)
+    );
+    rig.kubelet.restart();
+    rig.wait_for("the plugin to register again", async || {
+        rig.kubelet.registered() == 2 && rig.kubelet.plugin_socket().is_some()
+    })
+    .await;
+    assert_eq!(rig.bind("after").await.error, "");
+    let admitted = rig.admit("after").await.expect("served after the restart");
+    assert_eq!(admitted[0].1.envs["TETHER_POD_UID"], "uid-after");
+    assert_eq!(rig.holder().await, None);
+    rig.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_bind_the_scheduler_gave_up_on_is_retried_without_failing_anything() {
+    // The bind wait (3 s) is below the scheduler's 5 s httpTimeout.
+    let rig = Arc::new(Rig::start_with_wait(Duration::from_secs(3)).await);
+    rig.add_pod("first", 1);
+    rig.add_pod("second", 1);
+    assert_eq!(rig.bind("first").await.error, "");
+    // "second" queues behind the unallocated "first": the extender gives up
+    // within its bind wait, before the scheduler's timeout, and frees the
+    // claim it took.
+    let started = Instant::now();
+    let busy = rig
+        .bind_within("second", Duration::from_secs(5))
+        .await
+        .expect("answered within the scheduler's 5 s");
+    assert!(busy.error.contains("is busy"), "{}", busy.error);
+    assert!(started.elapsed() < Duration::from_secs(5));
+    assert!(!rig.claims().await.values().any(|uid| uid == "uid-second"));
+
+    // A binding call slower than the scheduler's timeout: the scheduler
+    // gives up, the extender finishes the bind; the scheduler's retry finds
+    // the pod bound and says so, and nothing is released as failed.
+    rig.admit("first").await.unwrap();
+    rig.api
+        .slow
+        .lock()
+        .unwrap()
+        .insert("second".into(), Duration::from_secs(6));
+    assert!(
+        rig.bind_within("second", Duration::from_secs(5))
+            .await
+            .is_none(),
+        "the scheduler times out"
+    );
+    rig.wait_for("the slow binding to land", async || {
+        rig.api.bound().contains(&"second".to_string())
+    })
+    .await;
+    let retried = rig.bind("second").await;
+    assert_eq!(retried.error, "", "a retried bind of a bound pod succeeds");
+    let admitted = rig.admit("second").await.unwrap();
+    assert_eq!(admitted[0].1.envs["TETHER_POD_UID"], "uid-second");
+    let failed: Vec<_> = rig
+        .lock_history()
+        .await
+        .into_iter()
+        .filter(|e| e.kind == "LockReleased" && e.reason.contains("Failed"))
+        .collect();
+    assert!(failed.is_empty(), "released as failed: {failed:?}");
     assert_eq!(rig.holder().await, None);
     Arc::into_inner(rig).unwrap().shutdown().await;
 }
@@ -334,6 +909,8 @@ async fn fifty_pods_binding_to_one_node_are_each_allocated_their_own_plan_in_fif
 async fn a_pod_deleted_right_after_its_bind_does_not_block_the_node() {
     // HAMi #1271: the lock owner disappears; HAMi waits out a 5-minute expiry.
     let rig = Arc::new(Rig::start().await);
+    rig.add_pod("doomed", 1);
+    rig.add_pod("next", 1);
     assert_eq!(rig.bind("doomed").await.error, "");
     let next = bind_all(&rig, &["next"]);
     rig.wait_for("the next bind to queue", async || {
@@ -342,10 +919,7 @@ async fn a_pod_deleted_right_after_its_bind_does_not_block_the_node() {
     .await;
     let revoked_at = Instant::now();
     // What the bridge sends when it sees the pod deleted.
-    rig.client
-        .revoke_pod("uid-doomed", "pod deleted")
-        .await
-        .unwrap();
+    rig.end_pod("doomed").await;
     rig.wait_for("the next bind", async || {
         rig.api.bound().contains(&"next".to_string())
     })
@@ -356,16 +930,17 @@ async fn a_pod_deleted_right_after_its_bind_does_not_block_the_node() {
     );
     assert!(delay < Duration::from_secs(10), "{delay:?}");
     assert_eq!(next.into_iter().next().unwrap().await.unwrap().error, "");
-    assert_eq!(
-        rig.allocate().await.unwrap().envs["TETHER_POD_UID"],
-        "uid-next"
-    );
+    let admitted = rig.admit("next").await.unwrap();
+    assert_eq!(admitted[0].1.envs["TETHER_POD_UID"], "uid-next");
     Arc::into_inner(rig).unwrap().shutdown().await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-async fn a_failed_bind_releases_the_lock_and_the_next_waiter_proceeds() {
+async fn a_failed_bind_releases_the_lock_and_the_claim_and_the_next_waiter_proceeds() {
     let rig = Arc::new(Rig::start().await);
+    for pod in ["first", "bad", "good"] {
+        rig.add_pod(pod, 1);
+    }
     rig.api.fail.lock().unwrap().insert("bad".into());
     assert_eq!(rig.bind("first").await.error, "");
     let bad = bind_all(&rig, &["bad"]);
@@ -376,25 +951,20 @@ async fn a_failed_bind_releases_the_lock_and_the_next_waiter_proceeds() {
         rig.waiters().await == ["bad", "good"]
     })
     .await;
-    assert_eq!(
-        rig.allocate().await.unwrap().envs["TETHER_POD_UID"],
-        "uid-first"
-    );
+    let admitted = rig.admit("first").await.unwrap();
+    assert_eq!(admitted[0].1.envs["TETHER_POD_UID"], "uid-first");
     let bad = bad.into_iter().next().unwrap().await.unwrap();
     assert!(bad.error.contains("is being deleted"), "{}", bad.error);
     assert_eq!(good.into_iter().next().unwrap().await.unwrap().error, "");
     assert_eq!(rig.api.bound(), ["first", "good"]);
-    assert_eq!(
-        rig.allocate().await.unwrap().envs["TETHER_POD_UID"],
-        "uid-good"
+    assert!(
+        !rig.claims().await.values().any(|uid| uid == "uid-bad"),
+        "the failed bind's claim is released"
     );
-    let history = rig
-        .client
-        .history("lock/gpu-bind/gpu-node-1", 0, 0)
-        .await
-        .unwrap();
+    let admitted = rig.admit("good").await.unwrap();
+    assert_eq!(admitted[0].1.envs["TETHER_POD_UID"], "uid-good");
+    let history = rig.lock_history().await;
     let bad_release = history
-        .events
         .iter()
         .find(|e| e.kind == "LockReleased" && e.pod.as_ref().unwrap().uid == "uid-bad")
         .unwrap();
@@ -405,7 +975,9 @@ async fn a_failed_bind_releases_the_lock_and_the_next_waiter_proceeds() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn allocate_with_no_holder_is_refused_instead_of_guessing() {
     let rig = Rig::start().await;
-    let err = rig.allocate().await.unwrap_err();
+    rig.add_pod("stray", 1);
+    // Bound without the extender (another scheduler): nothing holds the lock.
+    let err = rig.admit("stray").await.unwrap_err();
     assert_eq!(err.code(), tonic::Code::FailedPrecondition);
     assert!(
         err.message().contains("refusing to guess"),
@@ -416,8 +988,10 @@ async fn allocate_with_no_holder_is_refused_instead_of_guessing() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-async fn a_device_plugin_crashing_mid_allocate_is_retried_and_releases_exactly_once() {
+async fn a_plugin_crashing_mid_allocate_fails_only_that_pod() {
     let mut rig = Rig::start().await;
+    rig.add_pod("victim", 1);
+    rig.add_pod("next", 1);
     // Replace the plugin with one that "crashes" after reading the holder,
     // before releasing: it never gets further.
     rig.plugin.take().unwrap().abort();
@@ -430,65 +1004,56 @@ async fn a_device_plugin_crashing_mid_allocate_is_retried_and_releases_exactly_o
             std::future::pending::<()>().await;
         })
     });
-    rig.plugin = Some(start_plugin(&rig.cluster, &rig.socket, Some(hook)));
+    rig.plugin = Some(start_plugin(&rig.cluster, rig._dir.path(), Some(hook)));
     assert_eq!(rig.bind("victim").await.error, "");
-    let token = rig.client.holder(&key()).await.unwrap().unwrap().token;
-
-    let first_try = tokio::time::timeout(Duration::from_secs(2), rig.allocate());
-    let (outcome, ()) = tokio::join!(first_try, reached.notified());
-    assert!(
-        outcome.is_err(),
-        "the crashed Allocate never answers; the kubelet times out"
-    );
+    let admission = tokio::time::timeout(Duration::from_secs(2), rig.admit("victim"));
+    let (outcome, ()) = tokio::join!(admission, reached.notified());
+    assert!(outcome.is_err(), "the crashed Allocate never answers");
     rig.plugin.take().unwrap().abort();
     assert_eq!(
         rig.holder().await.as_deref(),
         Some("victim"),
         "the hold survived the crash"
     );
-
-    // The plugin restarts; the kubelet retries Allocate.
-    rig.plugin = Some(start_plugin(&rig.cluster, &rig.socket, None));
-    let container = loop {
-        match rig.allocate().await {
-            Ok(container) => break container,
+    // The kubelet does not retry: the pod is Failed, the bridge reports it,
+    // and the node is free for the next pod.
+    rig.end_pod("victim").await;
+    rig.plugin = Some(start_plugin(&rig.cluster, rig._dir.path(), None));
+    assert_eq!(rig.bind("next").await.error, "");
+    rig.wait_for("the plugin to serve again", async || {
+        rig.kubelet.plugin_socket().is_some()
+    })
+    .await;
+    let admitted = loop {
+        match rig.admit("next").await {
+            Ok(admitted) => break admitted,
+            // The restarted plugin's socket may not be up yet.
             Err(status) if status.code() == tonic::Code::Unavailable => {
                 tokio::time::sleep(Duration::from_millis(20)).await
             }
             Err(status) => panic!("{status}"),
         }
     };
-    assert_eq!(container.envs["TETHER_POD_UID"], "uid-victim");
-    assert_eq!(container.envs["TETHER_LOCK_TOKEN"], token.to_string());
+    assert_eq!(admitted[0].1.envs["TETHER_POD_UID"], "uid-next");
     assert_eq!(rig.holder().await, None);
-    let history = rig
-        .client
-        .history("lock/gpu-bind/gpu-node-1", 0, 0)
-        .await
-        .unwrap();
-    let releases = history
-        .events
-        .iter()
-        .filter(|e| e.kind == "LockReleased" && e.token == token)
-        .count();
-    assert_eq!(releases, 1, "released exactly once");
     rig.shutdown().await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn the_plugin_releases_with_the_same_token_on_a_new_leader() {
     let mut rig = Rig::start().await;
+    rig.add_pod("survivor", 1);
     assert_eq!(rig.bind("survivor").await.error, "");
     let token = rig.client.holder(&key()).await.unwrap().unwrap().token;
     let leader = rig.cluster.wait_leader().await;
     rig.cluster.stop(leader).await;
     assert_ne!(rig.cluster.wait_leader().await, leader);
-    let container = rig
-        .allocate()
+    let admitted = rig
+        .admit("survivor")
         .await
         .expect("Allocate completes against the new leader");
-    assert_eq!(container.envs["TETHER_POD_UID"], "uid-survivor");
-    assert_eq!(container.envs["TETHER_LOCK_TOKEN"], token.to_string());
+    assert_eq!(admitted[0].1.envs["TETHER_POD_UID"], "uid-survivor");
+    assert_eq!(admitted[0].1.envs["TETHER_LOCK_TOKEN"], token.to_string());
     assert_eq!(
         rig.holder().await,
         None,
@@ -498,65 +1063,44 @@ async fn the_plugin_releases_with_the_same_token_on_a_new_leader() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn the_plugin_registers_with_the_kubelet_and_lists_its_devices() {
-    use api::registration_server::{Registration, RegistrationServer};
-    struct FakeKubelet(Arc<Mutex<Vec<api::RegisterRequest>>>);
-    #[tonic::async_trait]
-    impl Registration for FakeKubelet {
-        async fn register(
-            &self,
-            request: tonic::Request<api::RegisterRequest>,
-        ) -> Result<tonic::Response<api::Empty>, tonic::Status> {
-            self.0.lock().unwrap().push(request.into_inner());
-            Ok(tonic::Response::new(api::Empty {}))
-        }
-    }
+async fn the_plugin_lists_its_devices_to_the_kubelet() {
     let dir = tempfile::tempdir().unwrap();
-    let kubelet_socket = dir.path().join("kubelet.sock");
-    let seen = Arc::new(Mutex::new(Vec::new()));
-    let listener = tokio::net::UnixListener::bind(&kubelet_socket).unwrap();
-    let kubelet = tonic::transport::Server::builder()
-        .add_service(RegistrationServer::new(FakeKubelet(seen.clone())))
-        .serve_with_incoming(tokio_stream::wrappers::UnixListenerStream::new(listener));
-    let kubelet = tokio::spawn(kubelet);
-    register(&kubelet_socket, "tether-gpu.sock", "tether.io/gpu")
-        .await
-        .unwrap();
-    let request = seen.lock().unwrap()[0].clone();
-    assert_eq!(
-        (
-            request.version.as_str(),
-            request.endpoint.as_str(),
-            request.resource_name.as_str()
-        ),
-        ("v1beta1", "tether-gpu.sock", "tether.io/gpu")
-    );
-    kubelet.abort();
-
-    // ListAndWatch, as the kubelet opens it after registration.
+    let kubelet = FakeKubelet::start(dir.path());
     let client = Client::new(["127.0.0.1:1"], Options::default()).unwrap();
     let config = PluginConfig {
         node: NODE.into(),
         scope: "gpu-bind".into(),
-        resource_name: "tether.io/gpu".into(),
+        resource_name: RESOURCE.into(),
         devices: vec!["gpu0".into(), "gpu1".into()],
     };
-    let socket = dir.path().join("tether-gpu.sock");
-    let plugin_socket = socket.clone();
-    let plugin = tokio::spawn(async move {
-        serve_on_socket(
-            GpuPlugin::new(client, config),
-            &plugin_socket,
-            std::future::pending(),
-        )
-        .await
-    });
+    let placement = Placement {
+        dir: dir.path().to_path_buf(),
+        socket_name: "tether-gpu.sock".into(),
+    };
+    let plugin = tokio::spawn(run(
+        Arc::new(GpuPlugin::new(client, config)),
+        placement,
+        std::future::pending(),
+    ));
     let deadline = tokio::time::Instant::now() + DEADLINE;
-    while !socket.exists() {
+    let socket = loop {
+        if let Some(socket) = kubelet.plugin_socket() {
+            break socket;
+        }
         assert!(tokio::time::Instant::now() < deadline);
         tokio::time::sleep(Duration::from_millis(10)).await;
-    }
-    let mut plugin_client = DevicePluginClient::new(unix_channel(socket).await.unwrap());
+    };
+    let mut plugin_client = DevicePluginClient::new(
+        tether_embed::device_plugin::unix_channel(socket)
+            .await
+            .unwrap(),
+    );
+    let options = plugin_client
+        .get_device_plugin_options(api::Empty {})
+        .await
+        .unwrap()
+        .into_inner();
+    assert!(options.get_preferred_allocation_available);
     let mut devices = plugin_client
         .list_and_watch(api::Empty {})
         .await

@@ -3,10 +3,12 @@
 //! `tether_embed::device_plugin`).
 
 use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Duration;
 
 use clap::Parser;
 use tether_client::{Client, Options};
-use tether_embed::device_plugin::{GpuPlugin, PluginConfig, register, serve_on_socket};
+use tether_embed::device_plugin::{GpuPlugin, Placement, PluginConfig, run};
 
 #[derive(Parser)]
 #[command(
@@ -46,6 +48,12 @@ struct Args {
     /// This plugin's socket file name in that directory.
     #[arg(long, default_value = "tether-gpu.sock")]
     socket_name: String,
+    /// How long one `Allocate` keeps retrying Tether (across an election,
+    /// say) before it fails. The kubelet never retries a failed Allocate:
+    /// the pod fails. The kubelet waits for the answer while it admits the
+    /// pod, so keep this to seconds.
+    #[arg(long, env = "TETHER_ALLOCATE_TIMEOUT", default_value = "20s", value_parser = humantime::parse_duration)]
+    allocate_timeout: Duration,
 }
 
 #[tokio::main]
@@ -59,7 +67,10 @@ async fn main() -> anyhow::Result<()> {
         )
         .init();
     let args = Args::parse();
-    let mut options = Options::default();
+    let mut options = Options {
+        retry_timeout: args.allocate_timeout,
+        ..Options::default()
+    };
     args.security.apply(&mut options)?;
     let client = Client::new(args.endpoints.clone(), options)?;
     let config = PluginConfig {
@@ -70,27 +81,14 @@ async fn main() -> anyhow::Result<()> {
             .map(|i| format!("{}{i}", args.device_prefix))
             .collect(),
     };
-    let socket = args.plugin_dir.join(&args.socket_name);
-    let server = tokio::spawn({
-        let socket = socket.clone();
-        async move {
-            serve_on_socket(GpuPlugin::new(client, config), &socket, async {
-                let _ = tokio::signal::ctrl_c().await;
-            })
-            .await
-        }
-    });
-    // Register once the socket exists, so the kubelet can dial it at once.
-    while !socket.exists() && !server.is_finished() {
-        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
-    }
-    register(
-        &args.plugin_dir.join("kubelet.sock"),
-        &args.socket_name,
-        &args.resource_name,
+    let placement = Placement {
+        dir: args.plugin_dir,
+        socket_name: args.socket_name,
+    };
+    run(
+        Arc::new(GpuPlugin::new(client, config)),
+        placement,
+        tether_embed::shutdown_signal(),
     )
-    .await?;
-    tracing::info!(node = args.node_name, resource = args.resource_name, socket = %socket.display(), "registered with the kubelet");
-    server.await??;
-    Ok(())
+    .await
 }

@@ -10,8 +10,8 @@ use std::time::Duration;
 
 use clap::Parser;
 use tether_client::{Client, Options};
+use tether_embed::accounting::{DEFAULT_LIFETIME, DeviceLedger};
 use tether_embed::extender::{Extender, ExtenderConfig, KubeBinder, serve_extender};
-use tether_embed::plan::Planner;
 
 #[derive(Parser)]
 #[command(
@@ -36,15 +36,24 @@ struct Args {
     /// Lock scope.
     #[arg(long, env = "TETHER_EXTENDER_SCOPE", default_value = "gpu-bind")]
     scope: String,
-    /// How long a bind waits in the node's queue.
-    #[arg(long, env = "TETHER_EXTENDER_BIND_WAIT", default_value = "30s", value_parser = humantime::parse_duration)]
+    /// How long a bind waits in the node's queue. kube-scheduler gives an
+    /// extender `httpTimeout` (5 s unless configured) for the whole call:
+    /// keep this below it, minus the binding call, so the extender gives up
+    /// before the scheduler does.
+    #[arg(long, env = "TETHER_EXTENDER_BIND_WAIT", default_value = "3s", value_parser = humantime::parse_duration)]
     bind_wait: Duration,
-    /// GPUs per node (device ids `<prefix>0..N`).
+    /// The extended resource whose devices are planned (what the device
+    /// plugin advertises).
+    #[arg(
+        long,
+        env = "TETHER_EXTENDER_RESOURCE",
+        default_value = "tether.io/gpu"
+    )]
+    resource: String,
+    /// GPUs per node (device ids `<prefix>0..N`, as the device plugin
+    /// advertises them).
     #[arg(long, default_value_t = 8)]
     devices_per_node: usize,
-    /// GPUs per pod.
-    #[arg(long, default_value_t = 1)]
-    gpus_per_pod: usize,
     /// Device id prefix.
     #[arg(long, default_value = "gpu")]
     device_prefix: String,
@@ -69,19 +78,16 @@ async fn main() -> anyhow::Result<()> {
     let client = Client::new(args.endpoints.clone(), options)?;
     let config = ExtenderConfig {
         scope: args.scope,
+        resource: args.resource,
         wait: args.bind_wait,
-        planner: Planner {
-            device_prefix: args.device_prefix,
-            devices_per_node: args.devices_per_node,
-            per_pod: args.gpus_per_pod,
-        },
+        node_devices: (0..args.devices_per_node)
+            .map(|i| format!("{}{i}", args.device_prefix))
+            .collect(),
     };
-    let extender = Arc::new(Extender::new(client, KubeBinder::new(kube), config));
+    let ledger = DeviceLedger::new(client.clone(), DEFAULT_LIFETIME);
+    let extender = Arc::new(Extender::new(client, ledger, KubeBinder::new(kube), config));
     let listener = tokio::net::TcpListener::bind(args.listen).await?;
     tracing::info!(listen = %args.listen, endpoints = ?args.endpoints, "tether-extender serving POST /bind");
-    serve_extender(listener, extender, async {
-        let _ = tokio::signal::ctrl_c().await;
-    })
-    .await;
+    serve_extender(listener, extender, tether_embed::shutdown_signal()).await;
     Ok(())
 }

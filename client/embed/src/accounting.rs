@@ -1,0 +1,201 @@
+//! Device accounting in Tether, so that no two live pods on a node are ever
+//! planned the same device, whichever extender replica plans them.
+//!
+//! Each pod that holds devices on a node has one pin: key `{gpu-devices,
+//! <pod uid>}`, pinned to the node, owned by the pod, with one label
+//! `devices.tether.io/<device id>` per device. A claim is one `Assign`
+//! whose required anti-affinity terms (one per device: "no pin with this
+//! device's label on this node") the state machine checks against every
+//! applied pin in the same entry, so two claims racing for a device can
+//! never both win. The pin ends with its pod, as pins do: when the bridge
+//! reports the pod stopped or deleted, the pin expires after its lifetime
+//! (short, see [`DEFAULT_LIFETIME`]); when the node is gone, with the node.
+//! A claim that fails after the fact (the bind failed) is released at once.
+
+use std::collections::{BTreeMap, HashMap};
+use std::time::Duration;
+
+use tether_client::proto::{Affinity, AffinityTerm, LabelRequirement, LabelSelector, Pin, PinKey};
+use tether_client::{Client, Error};
+
+/// The pin set device claims live in.
+pub const DEVICE_SET: &str = "gpu-devices";
+
+/// A claim's pin carries one label `<this><device id>` per device.
+pub const DEVICE_LABEL_PREFIX: &str = "devices.tether.io/";
+
+/// How long a claim outlives its stopped pod: long enough for the kubelet
+/// to have torn the containers down, short enough that the device is
+/// offered again at once.
+pub const DEFAULT_LIFETIME: Duration = Duration::from_secs(1);
+
+/// The topology key meaning "the node itself".
+const HOSTNAME: &str = "kubernetes.io/hostname";
+
+/// What a claim found.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Claim {
+    /// The devices are the pod's now (or already were, on this node).
+    Held(Vec<String>),
+    /// The pod already holds devices on another node (an earlier bind that
+    /// did not finish): release them before claiming here.
+    OnOtherNode {
+        /// Where.
+        node: String,
+        /// Which.
+        devices: Vec<String>,
+    },
+    /// Another pod took one of the devices since they were read.
+    Taken(String),
+}
+
+/// Device claims over a Tether client.
+#[derive(Clone)]
+pub struct DeviceLedger {
+    client: Client,
+    lifetime: Duration,
+}
+
+/// The devices a claim pin names, sorted.
+pub fn devices_of(pin: &Pin) -> Vec<String> {
+    let mut devices: Vec<String> = pin
+        .labels
+        .keys()
+        .filter_map(|k| k.strip_prefix(DEVICE_LABEL_PREFIX))
+        .map(str::to_string)
+        .collect();
+    devices.sort();
+    devices
+}
+
+fn key(pod_uid: &str) -> PinKey {
+    PinKey {
+        set: DEVICE_SET.into(),
+        member: pod_uid.into(),
+    }
+}
+
+/// The labels and anti-affinity terms of a claim on `devices`.
+fn claim_request(devices: &[String]) -> (HashMap<String, String>, Affinity) {
+    let labels = devices
+        .iter()
+        .map(|d| (format!("{DEVICE_LABEL_PREFIX}{d}"), "held".to_string()))
+        .collect();
+    let required_anti = devices
+        .iter()
+        .map(|d| AffinityTerm {
+            label_selector: Some(LabelSelector {
+                match_labels: HashMap::new(),
+                match_expressions: vec![LabelRequirement {
+                    key: format!("{DEVICE_LABEL_PREFIX}{d}"),
+                    operator: "Exists".into(),
+                    values: Vec::new(),
+                }],
+            }),
+            topology_key: HOSTNAME.into(),
+        })
+        .collect();
+    (
+        labels,
+        Affinity {
+            required_anti,
+            ..Affinity::default()
+        },
+    )
+}
+
+impl DeviceLedger {
+    /// A ledger whose claims outlive their pods by `lifetime`.
+    pub fn new(client: Client, lifetime: Duration) -> Self {
+        Self { client, lifetime }
+    }
+
+    /// Device id -> the pod UID that holds it, on `node`.
+    pub async fn in_use(&self, node: &str) -> Result<BTreeMap<String, String>, Error> {
+        let pins = self.client.list_pins(DEVICE_SET, node).await?;
+        Ok(pins
+            .iter()
+            .flat_map(|pin| {
+                devices_of(pin)
+                    .into_iter()
+                    .map(|d| (d, pin.pod_uid.clone()))
+            })
+            .collect())
+    }
+
+    /// The pod's claim, if it has one: node and devices.
+    pub async fn claim_of(&self, pod_uid: &str) -> Result<Option<(String, Vec<String>)>, Error> {
+        Ok(self
+            .client
+            .get_pin(&key(pod_uid))
+            .await?
+            .map(|pin| (pin.node.clone(), devices_of(&pin))))
+    }
+
+    /// Claims `devices` on `node` for the pod, atomically.
+    pub async fn claim(
+        &self,
+        node: &str,
+        pod_uid: &str,
+        devices: &[String],
+    ) -> Result<Claim, Error> {
+        let (labels, affinity) = claim_request(devices);
+        match self
+            .client
+            .assign(
+                &key(pod_uid),
+                vec![node.to_string()],
+                pod_uid,
+                self.lifetime,
+                labels,
+                affinity,
+            )
+            .await
+        {
+            Ok(reply) => {
+                let pin = reply.pin.unwrap_or_default();
+                if pin.node != node {
+                    return Ok(Claim::OnOtherNode {
+                        node: pin.node.clone(),
+                        devices: devices_of(&pin),
+                    });
+                }
+                Ok(Claim::Held(devices_of(&pin)))
+            }
+            Err(Error::ResourceExhausted(why)) if why.contains("anti-affinity") => {
+                Ok(Claim::Taken(why))
+            }
+            Err(err) => Err(err),
+        }
+    }
+
+    /// Ends the pod's claim (its bind failed, or it moved).
+    pub async fn release(&self, pod_uid: &str, reason: &str) -> Result<(), Error> {
+        self.client.release_pin(&key(pod_uid), reason).await?;
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_claim_labels_each_device_and_forbids_it_to_every_other_pin_on_the_node() {
+        let devices = vec!["gpu1".to_string(), "gpu4".to_string()];
+        let (labels, affinity) = claim_request(&devices);
+        assert_eq!(labels.len(), 2);
+        assert_eq!(labels["devices.tether.io/gpu4"], "held");
+        assert_eq!(affinity.required_anti.len(), 2);
+        let term = &affinity.required_anti[0];
+        assert_eq!(term.topology_key, "kubernetes.io/hostname");
+        let selector = term.label_selector.as_ref().unwrap();
+        assert_eq!(selector.match_expressions[0].key, "devices.tether.io/gpu1");
+        assert_eq!(selector.match_expressions[0].operator, "Exists");
+        let pin = Pin {
+            labels: labels.clone(),
+            ..Pin::default()
+        };
+        assert_eq!(devices_of(&pin), devices);
+    }
+}
