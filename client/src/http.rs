@@ -2,6 +2,11 @@
 //! Content-Length. Enough for `/health`, `/metrics` and the scheduler
 //! extender protocol (kube-scheduler POSTs JSON and reads JSON back) without
 //! a web framework in every binary that embeds the client.
+//!
+//! While a handler runs, the server watches the connection: a client that
+//! closes it (kube-scheduler's `httpTimeout` ran out) is reported through
+//! [`HttpRequest::departure`], so a handler can stop waiting and undo what
+//! nobody will hear about.
 
 use std::future::Future;
 use std::sync::Arc;
@@ -10,8 +15,9 @@ use std::time::Duration;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
 
-/// Largest request accepted.
-const MAX_REQUEST: usize = 1024 * 1024;
+/// Largest request accepted: a filter call of a scheduler that is not
+/// node-cache capable carries every candidate Node object.
+const MAX_REQUEST: usize = 64 * 1024 * 1024;
 
 /// A parsed request.
 pub struct HttpRequest {
@@ -21,6 +27,57 @@ pub struct HttpRequest {
     pub path: String,
     /// Body bytes.
     pub body: Vec<u8>,
+    /// Becomes true when the client closes the connection before the
+    /// answer.
+    gone: tokio::sync::watch::Receiver<bool>,
+}
+
+impl HttpRequest {
+    /// A request as if read from a connection that stays open (tests,
+    /// handlers called directly).
+    pub fn new(method: &str, path: &str, body: Vec<u8>) -> Self {
+        let (tx, gone) = tokio::sync::watch::channel(false);
+        // Never sent to: the receiver keeps its value once the sender is
+        // gone, and `Departure::wait` then never resolves.
+        drop(tx);
+        Self {
+            method: method.into(),
+            path: path.into(),
+            body,
+            gone,
+        }
+    }
+
+    /// Whether, and when, the client closes the connection before the
+    /// answer.
+    pub fn departure(&self) -> Departure {
+        Departure(self.gone.clone())
+    }
+}
+
+/// Tells a handler that its client closed the connection (it will not read
+/// the answer).
+#[derive(Clone)]
+pub struct Departure(tokio::sync::watch::Receiver<bool>);
+
+impl Departure {
+    /// A client that never leaves (handlers called directly).
+    pub fn never() -> Self {
+        HttpRequest::new("GET", "/", Vec::new()).departure()
+    }
+
+    /// Whether the client has gone.
+    pub fn is_gone(&self) -> bool {
+        *self.0.borrow()
+    }
+
+    /// Resolves when the client has gone; pending forever while it stays.
+    pub async fn wait(&self) {
+        let mut gone = self.0.clone();
+        if gone.wait_for(|g| *g).await.is_err() {
+            std::future::pending::<()>().await;
+        }
+    }
 }
 
 /// A response: status line text, content type, body.
@@ -101,7 +158,7 @@ async fn read_request(stream: &mut TcpStream) -> std::io::Result<HttpRequest> {
         body.extend_from_slice(&chunk[..n]);
     }
     body.truncate(length);
-    Ok(HttpRequest { method, path, body })
+    Ok(HttpRequest::new(&method, &path, body))
 }
 
 async fn handle<H, F>(mut stream: TcpStream, handler: Arc<H>) -> std::io::Result<()>
@@ -109,10 +166,28 @@ where
     H: Fn(HttpRequest) -> F,
     F: Future<Output = HttpResponse>,
 {
-    let request = tokio::time::timeout(Duration::from_secs(30), read_request(&mut stream))
+    let mut request = tokio::time::timeout(Duration::from_secs(30), read_request(&mut stream))
         .await
         .map_err(|_| std::io::Error::other("request timed out"))??;
-    let response = handler(request).await;
+    let (gone_tx, gone_rx) = tokio::sync::watch::channel(false);
+    request.gone = gone_rx;
+    let work = handler(request);
+    tokio::pin!(work);
+    let mut probe = [0u8; 512];
+    let mut watching = true;
+    let response = loop {
+        tokio::select! {
+            response = &mut work => break response,
+            // The request is complete (one per connection), so anything
+            // read now is the client closing, or bytes we ignore.
+            read = stream.read(&mut probe), if watching => {
+                if matches!(read, Ok(0) | Err(_)) {
+                    let _ = gone_tx.send(true);
+                    watching = false;
+                }
+            }
+        }
+    };
     let head = format!(
         "HTTP/1.1 {}\r\nContent-Type: {}\r\nContent-Length: {}\r\nConnection: close\r\n\r\n",
         response.status,

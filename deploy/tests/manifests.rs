@@ -8,8 +8,8 @@
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
 
-use k8s_openapi::api::apps::v1::{Deployment, StatefulSet};
-use k8s_openapi::api::core::v1::{ConfigMap, Container, Service, ServiceAccount};
+use k8s_openapi::api::apps::v1::{DaemonSet, Deployment, StatefulSet};
+use k8s_openapi::api::core::v1::{ConfigMap, Container, PodSpec, Service, ServiceAccount};
 use k8s_openapi::api::networking::v1::NetworkPolicy;
 use k8s_openapi::api::policy::v1::PodDisruptionBudget;
 use k8s_openapi::api::rbac::v1::{ClusterRole, ClusterRoleBinding};
@@ -633,6 +633,362 @@ fn the_optional_tls_certificates_and_patch_fit_the_manifests() {
             check_env::<tether_server::Config>("tetherd", &env);
         } else {
             check_env::<tether_k8s_bridge::config::BridgeConfig>("tether-bridge", &env);
+        }
+    }
+}
+
+/// The PodSecurity "restricted" rules a pod spec can be checked for here:
+/// non-root, the default seccomp profile, and per container no privilege
+/// escalation and every capability dropped. `as_root_allowed` skips the
+/// non-root rule (the device plugin, whose manifest says why).
+fn assert_restricted(what: &str, pod: &PodSpec, as_root_allowed: bool) {
+    let security = pod.security_context.clone().unwrap_or_default();
+    if !as_root_allowed {
+        assert_eq!(security.run_as_non_root, Some(true), "{what}: runAsNonRoot");
+    }
+    assert_eq!(
+        security.seccomp_profile.as_ref().map(|p| p.type_.as_str()),
+        Some("RuntimeDefault"),
+        "{what}: seccompProfile"
+    );
+    for container in pod
+        .containers
+        .iter()
+        .chain(pod.init_containers.iter().flatten())
+    {
+        let c = container.security_context.clone().unwrap_or_default();
+        assert_eq!(
+            c.allow_privilege_escalation,
+            Some(false),
+            "{what}/{}: allowPrivilegeEscalation",
+            container.name
+        );
+        let drop = c.capabilities.and_then(|c| c.drop).unwrap_or_default();
+        assert_eq!(
+            drop,
+            ["ALL"],
+            "{what}/{}: capabilities.drop",
+            container.name
+        );
+        if c.read_only_root_filesystem == Some(true) {
+            // A read-only root still needs somewhere to write, if it
+            // mounts /tmp at all it is an emptyDir.
+            for mount in container.volume_mounts.iter().flatten() {
+                if mount.mount_path == "/tmp" {
+                    let volume = pod
+                        .volumes
+                        .iter()
+                        .flatten()
+                        .find(|v| v.name == mount.name)
+                        .unwrap_or_else(|| panic!("{what}: /tmp's volume"));
+                    assert!(volume.empty_dir.is_some(), "{what}: /tmp is an emptyDir");
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn every_pod_of_the_overlays_passes_the_restricted_profile_and_has_a_writable_tmp_for_backups() {
+    let prod = render(&deploy_dir().join("overlays/prod")).unwrap();
+    for object in &prod {
+        let pod: PodSpec = match kind(object) {
+            "StatefulSet" => strict::<StatefulSet>(object)
+                .spec
+                .unwrap()
+                .template
+                .spec
+                .unwrap(),
+            "Deployment" => strict::<Deployment>(object)
+                .spec
+                .unwrap()
+                .template
+                .spec
+                .unwrap(),
+            _ => continue,
+        };
+        assert_restricted(name(object), &pod, false);
+    }
+    // The ops guide's backup: `lockctl cluster export-snapshot /tmp/...`
+    // inside a tetherd container whose root is read-only.
+    let guide = std::fs::read_to_string(deploy_dir().join("README.md")).unwrap();
+    assert!(guide.contains("export-snapshot /tmp/tether.snap"));
+    let sts: StatefulSet = one(&prod, "StatefulSet");
+    let container = &sts.spec.unwrap().template.spec.unwrap().containers[0];
+    assert!(
+        container
+            .volume_mounts
+            .iter()
+            .flatten()
+            .any(|m| m.mount_path == "/tmp" && m.read_only != Some(true)),
+        "tetherd has a writable /tmp"
+    );
+}
+
+/// The part of `kubescheduler.config.k8s.io/v1` KubeSchedulerConfiguration
+/// the GPU scheduler uses, field for field (an unknown field fails).
+#[derive(serde::Deserialize)]
+#[serde(deny_unknown_fields, rename_all = "camelCase")]
+struct SchedulerConfig {
+    api_version: String,
+    kind: String,
+    leader_election: Option<serde_json::Value>,
+    profiles: Vec<SchedulerProfile>,
+    extenders: Vec<SchedulerExtender>,
+}
+
+#[derive(serde::Deserialize)]
+#[serde(deny_unknown_fields, rename_all = "camelCase")]
+struct SchedulerProfile {
+    scheduler_name: String,
+}
+
+#[derive(serde::Deserialize)]
+#[serde(deny_unknown_fields, rename_all = "camelCase")]
+struct SchedulerExtender {
+    url_prefix: String,
+    filter_verb: String,
+    bind_verb: String,
+    #[serde(rename = "enableHTTPS")]
+    enable_https: bool,
+    node_cache_capable: bool,
+    http_timeout: String,
+    ignorable: bool,
+    managed_resources: Vec<ManagedResource>,
+}
+
+#[derive(serde::Deserialize)]
+#[serde(deny_unknown_fields, rename_all = "camelCase")]
+struct ManagedResource {
+    name: String,
+    ignored_by_scheduler: bool,
+}
+
+fn pod_of(objects: &[Value], wanted_kind: &str, wanted_name: &str) -> PodSpec {
+    let object = objects
+        .iter()
+        .find(|o| kind(o) == wanted_kind && name(o) == wanted_name)
+        .unwrap_or_else(|| panic!("{wanted_kind} {wanted_name}"));
+    match wanted_kind {
+        "Deployment" => strict::<Deployment>(object)
+            .spec
+            .unwrap()
+            .template
+            .spec
+            .unwrap(),
+        "DaemonSet" => strict::<DaemonSet>(object)
+            .spec
+            .unwrap()
+            .template
+            .spec
+            .unwrap(),
+        other => panic!("{other}"),
+    }
+}
+
+#[test]
+fn the_gpu_manifests_fit_the_extender_the_plugin_and_the_schedulers_contract() {
+    use tether_embed::cli::{DevicePluginArgs, ExtenderArgs};
+    let dir = deploy_dir().join("optional/gpu");
+    let objects = render(&dir).unwrap_or_else(|e| panic!("optional/gpu: {e:#}"));
+    if let Some(theirs) = kubectl_render(&dir) {
+        assert_eq!(
+            keyed(&objects),
+            keyed(&theirs),
+            "differs from kubectl kustomize"
+        );
+    }
+    for object in &objects {
+        match kind(object) {
+            "ConfigMap" => drop(strict::<ConfigMap>(object)),
+            "Service" => drop(strict::<Service>(object)),
+            "Deployment" => drop(strict::<Deployment>(object)),
+            "DaemonSet" => drop(strict::<DaemonSet>(object)),
+            "ServiceAccount" => drop(strict::<ServiceAccount>(object)),
+            "ClusterRole" => drop(strict::<ClusterRole>(object)),
+            "ClusterRoleBinding" => drop(strict::<ClusterRoleBinding>(object)),
+            other => panic!("optional/gpu: unexpected kind {other}"),
+        }
+    }
+
+    // The extender: its settings are its flags; it may read pods and
+    // create bindings, through the account it runs as.
+    let extender = pod_of(&objects, "Deployment", "tether-extender");
+    assert_restricted("tether-extender", &extender, false);
+    let container = &extender.containers[0];
+    assert_eq!(container.command.as_ref().unwrap()[0], "tether-extender");
+    let env = env_of(container);
+    check_env::<ExtenderArgs>("tether-extender", &env);
+    let mut argv = vec!["tether-extender".to_string()];
+    argv.extend(container.args.clone().unwrap_or_default());
+    argv.extend(env.iter().map(|(k, v)| {
+        let long = &flags(<ExtenderArgs as clap::CommandFactory>::command())[k].0;
+        format!("--{long}={v}")
+    }));
+    let extender_args = <ExtenderArgs as clap::Parser>::try_parse_from(&argv)
+        .unwrap_or_else(|e| panic!("tether-extender refuses {argv:?}: {e}"));
+    let role: ClusterRole = strict(
+        objects
+            .iter()
+            .find(|o| kind(o) == "ClusterRole" && name(o) == "tether-extender")
+            .unwrap(),
+    );
+    let allows = |resource: &str, verb: &str| {
+        role.rules.iter().flatten().any(|r| {
+            r.resources.iter().flatten().any(|x| x == resource) && r.verbs.iter().any(|v| v == verb)
+        })
+    };
+    assert!(allows("pods", "get") && allows("pods/binding", "create"));
+    let binding: ClusterRoleBinding = strict(
+        objects
+            .iter()
+            .find(|o| kind(o) == "ClusterRoleBinding" && name(o) == "tether-extender")
+            .unwrap(),
+    );
+    let subject = &binding.subjects.as_ref().unwrap()[0];
+    assert_eq!(
+        Some(subject.name.as_str()),
+        extender.service_account_name.as_deref()
+    );
+    assert_eq!(subject.namespace.as_deref(), Some(NAMESPACE));
+
+    // The scheduler's configuration calls that extender, within timeouts
+    // that fit its bind wait, and never binds a GPU pod without it.
+    let config_map: ConfigMap = strict(
+        objects
+            .iter()
+            .find(|o| kind(o) == "ConfigMap" && name(o) == "tether-scheduler-config")
+            .unwrap(),
+    );
+    let text = &config_map.data.as_ref().unwrap()["config.yaml"];
+    let config: SchedulerConfig = serde_yaml::from_str(text).expect("a KubeSchedulerConfiguration");
+    assert_eq!(config.api_version, "kubescheduler.config.k8s.io/v1");
+    assert_eq!(config.kind, "KubeSchedulerConfiguration");
+    assert!(config.leader_election.is_some());
+    assert_eq!(config.profiles.len(), 1);
+    assert_eq!(config.profiles[0].scheduler_name, "tether-gpu");
+    assert_eq!(config.extenders.len(), 1);
+    let ext = &config.extenders[0];
+    let service: Service = strict(
+        objects
+            .iter()
+            .find(|o| kind(o) == "Service" && name(o) == "tether-extender")
+            .unwrap(),
+    );
+    let port = service.spec.as_ref().unwrap().ports.as_ref().unwrap()[0].port;
+    assert_eq!(
+        ext.url_prefix,
+        format!("http://tether-extender.{NAMESPACE}.svc:{port}/scheduler")
+    );
+    assert_eq!(
+        extender_args.listen.port() as i32,
+        port,
+        "the Service port is the extender's"
+    );
+    assert_eq!(
+        (ext.filter_verb.as_str(), ext.bind_verb.as_str()),
+        ("filter", "bind")
+    );
+    assert!(!ext.enable_https && ext.node_cache_capable && !ext.ignorable);
+    assert!(
+        ext.managed_resources
+            .iter()
+            .any(|r| r.name == extender_args.resource && !r.ignored_by_scheduler),
+        "managedResources names the extender's resource"
+    );
+    let timeout = humantime::parse_duration(&ext.http_timeout).unwrap();
+    // A binding call is one API request; give it 2 s beside the wait.
+    assert!(
+        timeout >= extender_args.bind_wait + std::time::Duration::from_secs(2),
+        "httpTimeout {timeout:?} leaves no room after a bind wait of {:?}",
+        extender_args.bind_wait
+    );
+    let scheduler = pod_of(&objects, "Deployment", "tether-scheduler");
+    assert_restricted("tether-scheduler", &scheduler, false);
+    let command = scheduler.containers[0].command.clone().unwrap();
+    assert!(command.contains(&"--config=/etc/tether-scheduler/config.yaml".to_string()));
+    let mount = scheduler.containers[0].volume_mounts.as_ref().unwrap()[0].clone();
+    assert_eq!(mount.mount_path, "/etc/tether-scheduler");
+    let volume = &scheduler.volumes.as_ref().unwrap()[0];
+    assert_eq!(volume.name, mount.name);
+    assert_eq!(
+        volume.config_map.as_ref().unwrap().name,
+        "tether-scheduler-config"
+    );
+
+    // The device plugin: the kubelet's directory from the host, its node
+    // from the downward API, its settings its flags, the same resource.
+    let plugin = pod_of(&objects, "DaemonSet", "tether-device-plugin");
+    assert_restricted("tether-device-plugin", &plugin, true);
+    let container = &plugin.containers[0];
+    let node_name = container
+        .env
+        .iter()
+        .flatten()
+        .find(|e| e.name == "NODE_NAME")
+        .and_then(|e| e.value_from.as_ref())
+        .and_then(|v| v.field_ref.as_ref())
+        .map(|f| f.field_path.clone());
+    assert_eq!(node_name.as_deref(), Some("spec.nodeName"));
+    let env: Vec<(String, String)> = env_of(container)
+        .into_iter()
+        .filter(|(k, _)| k != "NODE_NAME")
+        .chain([("NODE_NAME".to_string(), "gpu-node-1".to_string())])
+        .collect();
+    check_env::<DevicePluginArgs>("tether-device-plugin", &env);
+    let mut argv = vec!["tether-device-plugin".to_string()];
+    argv.extend(container.args.clone().unwrap_or_default());
+    argv.push("--node-name=gpu-node-1".into());
+    let plugin_args = <DevicePluginArgs as clap::Parser>::try_parse_from(&argv)
+        .unwrap_or_else(|e| panic!("tether-device-plugin refuses {argv:?}: {e}"));
+    assert_eq!(plugin_args.resource_name, extender_args.resource);
+    assert_eq!(
+        (plugin_args.devices, plugin_args.device_prefix.as_str()),
+        (
+            extender_args.devices_per_node,
+            extender_args.device_prefix.as_str()
+        ),
+        "the extender plans the devices the plugin advertises"
+    );
+    let mount = container
+        .volume_mounts
+        .iter()
+        .flatten()
+        .find(|m| m.mount_path == plugin_args.plugin_dir.to_str().unwrap())
+        .expect("the plugin directory is mounted");
+    let volume = plugin
+        .volumes
+        .iter()
+        .flatten()
+        .find(|v| v.name == mount.name)
+        .unwrap();
+    assert_eq!(
+        volume.host_path.as_ref().unwrap().path,
+        "/var/lib/kubelet/device-plugins"
+    );
+    let manifest = std::fs::read_to_string(dir.join("device-plugin.yaml")).unwrap();
+    assert!(
+        manifest.contains("cannot meet\n# PodSecurity \"restricted\""),
+        "the plugin's manifest says why it is not restricted"
+    );
+
+    // The image ships both binaries; the overlay-wide image override
+    // reaches every tether container.
+    let dockerfile = std::fs::read_to_string(deploy_dir().join("Dockerfile")).unwrap();
+    for binary in ["tether-extender", "tether-device-plugin"] {
+        assert!(dockerfile.contains(&format!("/usr/local/bin/{binary}")));
+    }
+    for object in &objects {
+        for container in object["spec"]["template"]["spec"]["containers"]
+            .as_array()
+            .into_iter()
+            .flatten()
+        {
+            let image = container["image"].as_str().unwrap();
+            assert!(
+                image == "tether:latest" || image.starts_with("registry.k8s.io/kube-scheduler:"),
+                "{image}"
+            );
         }
     }
 }

@@ -123,6 +123,21 @@ impl DeviceLedger {
             .collect())
     }
 
+    /// Every node's claims: node -> device -> pod uid.
+    pub async fn claims_by_node(
+        &self,
+    ) -> Result<BTreeMap<String, BTreeMap<String, String>>, Error> {
+        let pins = self.client.list_pins(DEVICE_SET, "").await?;
+        let mut out: BTreeMap<String, BTreeMap<String, String>> = BTreeMap::new();
+        for pin in &pins {
+            let node = out.entry(pin.node.clone()).or_default();
+            for device in devices_of(pin) {
+                node.insert(device, pin.pod_uid.clone());
+            }
+        }
+        Ok(out)
+    }
+
     /// The pod's claim, if it has one: node and devices.
     pub async fn claim_of(&self, pod_uid: &str) -> Result<Option<(String, Vec<String>)>, Error> {
         Ok(self

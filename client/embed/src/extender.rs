@@ -19,6 +19,7 @@
 //! to the node (an earlier attempt got through) is reported bound, never
 //! released as failed.
 
+use std::collections::BTreeMap;
 use std::future::Future;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -32,7 +33,7 @@ use crate::accounting::{Claim, DeviceLedger};
 use crate::kubelet;
 use crate::plan::{PodCalls, pick_free};
 use k8s_openapi::api::core::v1::Pod as KubePod;
-use tether_client::http::{HttpRequest, HttpResponse, serve};
+use tether_client::http::{Departure, HttpRequest, HttpResponse, serve};
 
 /// What kube-scheduler sends to the bind verb.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -57,6 +58,88 @@ pub struct ExtenderBindingResult {
     /// Why binding failed ("" on success).
     #[serde(rename = "Error")]
     pub error: String,
+}
+
+/// What kube-scheduler sends to the filter verb (`ExtenderArgs`): the pod
+/// and the candidate nodes, as names when the extender is configured
+/// `nodeCacheCapable`, else as Node objects.
+#[derive(Debug, Clone, Deserialize)]
+pub struct ExtenderArgs {
+    /// The pod being scheduled.
+    #[serde(rename = "Pod")]
+    pub pod: Option<KubePod>,
+    /// Candidate nodes (not node-cache capable).
+    #[serde(rename = "Nodes", default)]
+    pub nodes: Option<k8s_openapi::List<k8s_openapi::api::core::v1::Node>>,
+    /// Candidate node names (node-cache capable).
+    #[serde(rename = "NodeNames", default)]
+    pub node_names: Option<Vec<String>>,
+}
+
+/// What the filter verb answers (`ExtenderFilterResult`).
+#[derive(Debug, Clone, Default, Serialize)]
+pub struct ExtenderFilterResult {
+    /// The nodes that fit, when they came as objects.
+    #[serde(rename = "Nodes", skip_serializing_if = "Option::is_none")]
+    pub nodes: Option<k8s_openapi::List<k8s_openapi::api::core::v1::Node>>,
+    /// The nodes that fit, when they came as names.
+    #[serde(rename = "NodeNames", skip_serializing_if = "Option::is_none")]
+    pub node_names: Option<Vec<String>>,
+    /// Nodes that do not fit now, and why (preemption may free devices).
+    #[serde(rename = "FailedNodes")]
+    pub failed_nodes: BTreeMap<String, String>,
+    /// Nodes that can never fit the pod, and why.
+    #[serde(rename = "FailedAndUnresolvableNodes")]
+    pub failed_and_unresolvable_nodes: BTreeMap<String, String>,
+    /// Why the whole call failed ("" if it did not).
+    #[serde(rename = "Error")]
+    pub error: String,
+}
+
+/// Why each node that cannot take `needed` devices for `pod_uid` fails:
+/// its free devices are those of `node_devices` no other pod claims
+/// (`claims`: node -> device -> pod uid; the pod's own claim counts as
+/// free, so a retried bind still fits). Needing more than a node has at
+/// all is unresolvable; needing more than is free now is not (pods may
+/// end or be preempted).
+pub fn unfit_nodes(
+    candidates: &[String],
+    needed: usize,
+    node_devices: &[String],
+    claims: &BTreeMap<String, BTreeMap<String, String>>,
+    pod_uid: &str,
+    resource: &str,
+) -> (BTreeMap<String, String>, BTreeMap<String, String>) {
+    let (mut failed, mut unresolvable) = (BTreeMap::new(), BTreeMap::new());
+    if needed == 0 {
+        return (failed, unresolvable);
+    }
+    for node in candidates {
+        if needed > node_devices.len() {
+            unresolvable.insert(
+                node.clone(),
+                format!(
+                    "the pod needs {needed} {resource} devices; a node has {}",
+                    node_devices.len()
+                ),
+            );
+            continue;
+        }
+        let taken: std::collections::BTreeSet<String> = claims
+            .get(node)
+            .into_iter()
+            .flatten()
+            .filter(|(_, uid)| *uid != pod_uid)
+            .map(|(device, _)| device.clone())
+            .collect();
+        if let Err(why) = pick_free(node_devices, &taken, needed) {
+            failed.insert(
+                node.clone(),
+                format!("{resource}: {why} (claimed by live pods)"),
+            );
+        }
+    }
+    (failed, unresolvable)
 }
 
 /// The Kubernetes API calls the bind verb makes.
@@ -156,11 +239,17 @@ impl<B: Binder> Extender<B> {
         }
     }
 
-    /// Handles one bind: read the pod, claim devices, acquire (FIFO), bind;
-    /// undo on failure.
-    pub async fn bind(&self, args: &ExtenderBindingArgs) -> ExtenderBindingResult {
+    /// Handles one bind: read the pod, acquire (FIFO), claim devices, bind;
+    /// undo on failure, and when `scheduler` goes away before the binding
+    /// call (its `httpTimeout` ran out: it has given up on this bind and
+    /// will schedule the pod again).
+    pub async fn bind(
+        &self,
+        args: &ExtenderBindingArgs,
+        scheduler: &Departure,
+    ) -> ExtenderBindingResult {
         let started = Instant::now();
-        match self.try_bind(args).await {
+        match self.try_bind(args, scheduler).await {
             Ok(summary) => {
                 tracing::info!(
                     pod_uid = args.pod_uid,
@@ -184,7 +273,11 @@ impl<B: Binder> Extender<B> {
         }
     }
 
-    async fn try_bind(&self, args: &ExtenderBindingArgs) -> Result<String, String> {
+    async fn try_bind(
+        &self,
+        args: &ExtenderBindingArgs,
+        scheduler: &Departure,
+    ) -> Result<String, String> {
         let who = format!("{}/{}", args.pod_namespace, args.pod_name);
         let pod = self.binder.pod(&args.pod_namespace, &args.pod_name).await?;
         let uid = pod.metadata.uid.as_deref().unwrap_or_default();
@@ -235,11 +328,22 @@ impl<B: Binder> Extender<B> {
         };
         // The node's lock first: binds to one node then claim devices one
         // at a time, in FIFO order, and never race each other for them.
-        let held = match self
-            .client
-            .acquire(&key, &holder, calls.to_payload(), self.config.wait, 0)
-            .await
-        {
+        let acquired = tokio::select! {
+            acquired = self
+                .client
+                .acquire(&key, &holder, calls.to_payload(), self.config.wait, 0) => acquired,
+            () = scheduler.wait() => {
+                // Dropping the acquire takes the pod out of the queue; a
+                // grant that raced the departure is given back.
+                self.give_back(&key, args).await;
+                return Err(format!(
+                    "the scheduler gave up on binding {who} while it waited for {}/{}; nothing \
+                     was kept",
+                    key.scope, key.name
+                ));
+            }
+        };
+        let held = match acquired {
             Ok(held) => held,
             Err(err) => {
                 return Err(match err {
@@ -261,6 +365,18 @@ impl<B: Binder> Extender<B> {
             }
         };
         let token = held.token();
+        if scheduler.is_gone() {
+            if let Err(err) = held.release(Outcome::Failed).await {
+                tracing::error!(pod_uid = args.pod_uid, node = args.node, token, %err, "release after the scheduler left failed; the hold timeout or a pod revoke will free it");
+            }
+            self.release_claim(args, "the scheduler gave up on the bind")
+                .await;
+            return Err(format!(
+                "the scheduler gave up on binding {who} before the binding call; nothing was kept"
+            ));
+        }
+        // From here the binding call runs to its end whatever the
+        // scheduler does: a pod bound is a pod bound.
         if let Err(error) = self.binder.bind(args).await {
             // The binding may have gone through with its answer lost.
             if let Ok(pod) = self.binder.pod(&args.pod_namespace, &args.pod_name).await
@@ -352,14 +468,99 @@ impl<B: Binder> Extender<B> {
         ))
     }
 
+    /// Releases `key` if the pod holds it (an acquire that was dropped may
+    /// have been granted as it was dropped).
+    async fn give_back(&self, key: &LockKey, args: &ExtenderBindingArgs) {
+        match self.client.holder(key).await {
+            Ok(Some(hold)) if hold.pod.as_ref().is_some_and(|p| p.uid == args.pod_uid) => {
+                if let Err(err) = self
+                    .client
+                    .release(key, &args.pod_uid, hold.token, Outcome::Failed)
+                    .await
+                {
+                    tracing::error!(pod_uid = args.pod_uid, node = args.node, %err, "cannot give back a hold the scheduler left; the hold timeout or a pod revoke will free it");
+                }
+            }
+            Ok(_) => {}
+            Err(err) => {
+                tracing::error!(pod_uid = args.pod_uid, node = args.node, %err, "cannot check for a hold the scheduler left; the hold timeout or a pod revoke will free it")
+            }
+        }
+    }
+
     async fn release_claim(&self, args: &ExtenderBindingArgs, reason: &str) {
         if let Err(err) = self.ledger.release(&args.pod_uid, reason).await {
             tracing::error!(pod_uid = args.pod_uid, node = args.node, %err, "cannot release a device claim; it ends with its pod");
         }
     }
 
-    /// Handles one HTTP request: `POST .../bind` with `ExtenderBindingArgs`,
-    /// `GET /health`.
+    /// The filter verb: drops the candidate nodes without enough free
+    /// devices for the pod, with a reason for each.
+    pub async fn filter(&self, args: ExtenderArgs) -> ExtenderFilterResult {
+        let Some(pod) = args.pod else {
+            return ExtenderFilterResult {
+                error: "filter request without a Pod".into(),
+                ..Default::default()
+            };
+        };
+        let needed = match kubelet::demands(&pod, &self.config.resource) {
+            Ok(demands) => kubelet::admission(&demands).devices as usize,
+            Err(err) => {
+                return ExtenderFilterResult {
+                    error: err,
+                    ..Default::default()
+                };
+            }
+        };
+        let candidates: Vec<String> = match (&args.node_names, &args.nodes) {
+            (Some(names), _) => names.clone(),
+            (None, Some(list)) => list
+                .items
+                .iter()
+                .filter_map(|n| n.metadata.name.clone())
+                .collect(),
+            (None, None) => Vec::new(),
+        };
+        let claims = if needed == 0 {
+            BTreeMap::new()
+        } else {
+            match self.ledger.claims_by_node().await {
+                Ok(claims) => claims,
+                Err(err) => {
+                    return ExtenderFilterResult {
+                        error: format!("cannot read the device claims: {err}"),
+                        ..Default::default()
+                    };
+                }
+            }
+        };
+        let uid = pod.metadata.uid.as_deref().unwrap_or_default();
+        let (failed, unresolvable) = unfit_nodes(
+            &candidates,
+            needed,
+            &self.config.node_devices,
+            &claims,
+            uid,
+            &self.config.resource,
+        );
+        let fits = |name: &str| !failed.contains_key(name) && !unresolvable.contains_key(name);
+        ExtenderFilterResult {
+            node_names: args
+                .node_names
+                .map(|names| names.into_iter().filter(|n| fits(n)).collect()),
+            nodes: args.nodes.map(|mut list| {
+                list.items
+                    .retain(|n| n.metadata.name.as_deref().is_some_and(fits));
+                list
+            }),
+            failed_nodes: failed,
+            failed_and_unresolvable_nodes: unresolvable,
+            error: String::new(),
+        }
+    }
+
+    /// Handles one HTTP request: `POST .../filter` with `ExtenderArgs`,
+    /// `POST .../bind` with `ExtenderBindingArgs`, `GET /health`.
     pub async fn handle(&self, request: HttpRequest) -> HttpResponse {
         match (request.method.as_str(), request.path.trim_end_matches('/')) {
             ("POST", path) if path.ends_with("/bind") => {
@@ -369,9 +570,24 @@ impl<B: Binder> Extender<B> {
                             error: "bind request without PodUID or Node".into(),
                         }
                     }
-                    Ok(args) => self.bind(&args).await,
+                    Ok(args) => self.bind(&args, &request.departure()).await,
                     Err(err) => ExtenderBindingResult {
                         error: format!("malformed ExtenderBindingArgs: {err}"),
+                    },
+                };
+                let body = serde_json::to_vec(&result).expect("a result always serializes");
+                HttpResponse {
+                    status: "200 OK",
+                    content_type: "application/json",
+                    body,
+                }
+            }
+            ("POST", path) if path.ends_with("/filter") => {
+                let result = match serde_json::from_slice::<ExtenderArgs>(&request.body) {
+                    Ok(args) => self.filter(args).await,
+                    Err(err) => ExtenderFilterResult {
+                        error: format!("malformed ExtenderArgs: {err}"),
+                        ..Default::default()
                     },
                 };
                 let body = serde_json::to_vec(&result).expect("a result always serializes");
@@ -389,7 +605,8 @@ impl<B: Binder> Extender<B> {
             _ => HttpResponse {
                 status: "404 Not Found",
                 content_type: "text/plain",
-                body: b"the extender serves POST /bind and GET /health\n".to_vec(),
+                body: b"the extender serves POST .../filter, POST .../bind and GET /health\n"
+                    .to_vec(),
             },
         }
     }

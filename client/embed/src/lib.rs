@@ -26,6 +26,7 @@
 //! - `bin/tether-extender.rs`, `bin/tether-device-plugin.rs` — the binaries.
 
 pub mod accounting;
+pub mod cli;
 pub mod device_plugin;
 pub mod extender;
 pub mod kubelet;

@@ -535,11 +535,30 @@ impl Rig {
             pod_uid: format!("uid-{pod}"),
             node: NODE.into(),
         };
-        let body = serde_json::to_vec(&args).unwrap();
+        let answer = self
+            .post(
+                "/scheduler/bind",
+                &serde_json::to_value(&args).unwrap(),
+                timeout,
+            )
+            .await?;
+        Some(serde_json::from_value(answer).unwrap())
+    }
+
+    /// A POST of `body` to the extender, as kube-scheduler's HTTP client
+    /// sends it; the connection is closed after `timeout` without an answer
+    /// (`None`).
+    async fn post(
+        &self,
+        path: &str,
+        body: &serde_json::Value,
+        timeout: Duration,
+    ) -> Option<serde_json::Value> {
+        let body = serde_json::to_vec(body).unwrap();
         let call = async {
             let mut stream = TcpStream::connect(self.extender).await.unwrap();
             let head = format!(
-                "POST /scheduler/bind HTTP/1.1\r\nHost: extender\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n",
+                "POST {path} HTTP/1.1\r\nHost: extender\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n",
                 body.len()
             );
             stream.write_all(head.as_bytes()).await.unwrap();
@@ -1111,4 +1130,121 @@ async fn the_plugin_lists_its_devices_to_the_kubelet() {
     assert_eq!(ids, ["gpu0", "gpu1"]);
     assert!(first.devices.iter().all(|d| d.health == "Healthy"));
     plugin.abort();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn the_filter_verb_drops_nodes_without_enough_unclaimed_devices_with_a_reason() {
+    let rig = Rig::start().await;
+    // Seven devices of gpu-node-1 claimed by live pods; gpu-node-2 free.
+    let ledger = DeviceLedger::new(rig.client.clone(), DEFAULT_LIFETIME);
+    for i in 0..7 {
+        let claim = ledger
+            .claim(NODE, &format!("uid-busy-{i}"), &[format!("gpu{i}")])
+            .await
+            .unwrap();
+        assert!(
+            matches!(claim, tether_embed::accounting::Claim::Held(_)),
+            "{claim:?}"
+        );
+    }
+    let filter = async |pod: serde_json::Value, names: bool| {
+        let nodes = [NODE, "gpu-node-2"];
+        let args = if names {
+            serde_json::json!({"Pod": pod, "NodeNames": nodes})
+        } else {
+            let items: Vec<_> = nodes
+                .iter()
+                .map(|n| serde_json::json!({"metadata": {"name": n}}))
+                .collect();
+            serde_json::json!({"Pod": pod, "Nodes": {"metadata": {}, "items": items}})
+        };
+        rig.post("/scheduler/filter", &args, DEADLINE)
+            .await
+            .unwrap()
+    };
+    // One GPU fits on both; two fit only on the free node, and the full
+    // one says why; nine fit nowhere, ever.
+    let one = filter(pod_json("one", &[("main", 1, Kind::App)]), true).await;
+    assert_eq!(
+        one["NodeNames"],
+        serde_json::json!([NODE, "gpu-node-2"]),
+        "{one}"
+    );
+    assert_eq!(one["Error"], "");
+    let two = filter(pod_json("two", &[("main", 2, Kind::App)]), true).await;
+    assert_eq!(two["NodeNames"], serde_json::json!(["gpu-node-2"]), "{two}");
+    let why = two["FailedNodes"][NODE].as_str().unwrap();
+    assert!(why.contains("2 devices needed, 1 of 8 free"), "{why}");
+    let nine = filter(pod_json("nine", &[("main", 9, Kind::App)]), true).await;
+    assert_eq!(nine["NodeNames"], serde_json::json!([]), "{nine}");
+    assert_eq!(
+        nine["FailedAndUnresolvableNodes"]
+            .as_object()
+            .unwrap()
+            .len(),
+        2,
+        "{nine}"
+    );
+    // Node objects in, node objects out (a scheduler that is not
+    // node-cache capable).
+    let two = filter(pod_json("two", &[("main", 2, Kind::App)]), false).await;
+    let kept: Vec<&str> = two["Nodes"]["items"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|n| n["metadata"]["name"].as_str().unwrap())
+        .collect();
+    assert_eq!(kept, ["gpu-node-2"], "{two}");
+    assert!(two.get("NodeNames").is_none());
+    // A pod without GPUs is never filtered.
+    let web = filter(pod_json("web", &[("main", 0, Kind::App)]), true).await;
+    assert_eq!(web["NodeNames"], serde_json::json!([NODE, "gpu-node-2"]));
+    // A malformed call gets an error, not a guess.
+    let bad = rig
+        .post(
+            "/scheduler/filter",
+            &serde_json::json!({"Pod": 7}),
+            DEADLINE,
+        )
+        .await
+        .unwrap();
+    assert!(
+        bad["Error"]
+            .as_str()
+            .unwrap()
+            .contains("malformed ExtenderArgs"),
+        "{bad}"
+    );
+    rig.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_bind_whose_scheduler_went_away_leaves_the_queue_and_keeps_nothing() {
+    // A bind wait far longer than the scheduler's timeout (a
+    // misconfiguration the extender must survive), and than this test's
+    // waits: only noticing the scheduler leave ends the wait in time.
+    let rig = Rig::start_with_wait(DEADLINE * 5).await;
+    rig.add_pod("first", 1);
+    rig.add_pod("second", 1);
+    assert_eq!(rig.bind("first").await.error, "");
+    let gave_up = rig.bind_within("second", Duration::from_secs(2)).await;
+    assert!(gave_up.is_none(), "the scheduler's call timed out");
+    rig.wait_for("second to leave the queue", async || {
+        rig.waiters().await.is_empty()
+    })
+    .await;
+    assert_eq!(rig.holder().await.as_deref(), Some("first"));
+    rig.admit("first").await.unwrap();
+    assert_eq!(
+        rig.holder().await,
+        None,
+        "the abandoned bind was not granted"
+    );
+    assert!(!rig.claims().await.values().any(|uid| uid == "uid-second"));
+    assert!(!rig.api.bound().contains(&"second".to_string()));
+    // The scheduler schedules the pod again.
+    assert_eq!(rig.bind("second").await.error, "");
+    let admitted = rig.admit("second").await.unwrap();
+    assert_eq!(admitted[0].1.envs["TETHER_POD_UID"], "uid-second");
+    rig.shutdown().await;
 }

@@ -1,0 +1,102 @@
+//! The command lines of `tether-extender` and `tether-device-plugin`, here
+//! rather than in the binaries so the deployment test can check every
+//! setting the manifests give them.
+
+use std::path::PathBuf;
+use std::time::Duration;
+
+use clap::Parser;
+
+/// `tether-extender`'s flags.
+#[derive(Parser, Debug)]
+#[command(
+    name = "tether-extender",
+    version,
+    about = "Scheduler-extender filter and bind verbs on Tether locks and device claims"
+)]
+pub struct ExtenderArgs {
+    /// Tether replicas, comma-separated host:port.
+    #[arg(
+        long,
+        env = "TETHER_ENDPOINTS",
+        default_value = "127.0.0.1:7420",
+        value_delimiter = ','
+    )]
+    pub endpoints: Vec<String>,
+    #[command(flatten)]
+    pub security: tether_client::SecurityArgs,
+    /// Address to serve the extender on.
+    #[arg(long, env = "TETHER_EXTENDER_LISTEN", default_value = "127.0.0.1:8890")]
+    pub listen: std::net::SocketAddr,
+    /// Lock scope.
+    #[arg(long, env = "TETHER_EXTENDER_SCOPE", default_value = "gpu-bind")]
+    pub scope: String,
+    /// How long a bind waits in the node's queue. kube-scheduler gives an
+    /// extender `httpTimeout` (5 s unless configured) for the whole call:
+    /// keep this below it, minus the binding call, so the extender gives up
+    /// before the scheduler does.
+    #[arg(long, env = "TETHER_EXTENDER_BIND_WAIT", default_value = "3s", value_parser = humantime::parse_duration)]
+    pub bind_wait: Duration,
+    /// The extended resource whose devices are planned (what the device
+    /// plugin advertises).
+    #[arg(
+        long,
+        env = "TETHER_EXTENDER_RESOURCE",
+        default_value = "tether.io/gpu"
+    )]
+    pub resource: String,
+    /// GPUs per node (device ids `<prefix>0..N`, as the device plugin
+    /// advertises them).
+    #[arg(long, default_value_t = 8)]
+    pub devices_per_node: usize,
+    /// Device id prefix.
+    #[arg(long, default_value = "gpu")]
+    pub device_prefix: String,
+}
+
+/// `tether-device-plugin`'s flags.
+#[derive(Parser, Debug)]
+#[command(
+    name = "tether-device-plugin",
+    version,
+    about = "Kubelet device plugin that serves the pod holding gpu-bind/<node>"
+)]
+pub struct DevicePluginArgs {
+    /// Tether replicas, comma-separated host:port.
+    #[arg(
+        long,
+        env = "TETHER_ENDPOINTS",
+        default_value = "127.0.0.1:7420",
+        value_delimiter = ','
+    )]
+    pub endpoints: Vec<String>,
+    #[command(flatten)]
+    pub security: tether_client::SecurityArgs,
+    /// This node's name (the downward API's spec.nodeName).
+    #[arg(long, env = "NODE_NAME")]
+    pub node_name: String,
+    /// Lock scope.
+    #[arg(long, default_value = "gpu-bind")]
+    pub scope: String,
+    /// Extended resource name.
+    #[arg(long, default_value = "tether.io/gpu")]
+    pub resource_name: String,
+    /// Number of fake GPUs.
+    #[arg(long, default_value_t = 8)]
+    pub devices: usize,
+    /// Device id prefix.
+    #[arg(long, default_value = "gpu")]
+    pub device_prefix: String,
+    /// The kubelet's device-plugin directory.
+    #[arg(long, default_value = "/var/lib/kubelet/device-plugins")]
+    pub plugin_dir: PathBuf,
+    /// This plugin's socket file name in that directory.
+    #[arg(long, default_value = "tether-gpu.sock")]
+    pub socket_name: String,
+    /// How long one `Allocate` keeps retrying Tether (across an election,
+    /// say) before it fails. The kubelet never retries a failed Allocate:
+    /// the pod fails. The kubelet waits for the answer while it admits the
+    /// pod, so keep this to seconds.
+    #[arg(long, env = "TETHER_ALLOCATE_TIMEOUT", default_value = "20s", value_parser = humantime::parse_duration)]
+    pub allocate_timeout: Duration,
+}
