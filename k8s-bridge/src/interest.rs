@@ -10,9 +10,9 @@ use tether_client::proto as pb;
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct Interest {
     uids: BTreeSet<String>,
-    /// Namespace and name of the interesting pods Tether names (holders and
-    /// waiters; a pin names only its owner's UID), for the GET that
-    /// confirms a pod gone.
+    /// Namespace and name of the interesting pods Tether names (holders,
+    /// waiters, and owners of pins labelled with them; other pins name only
+    /// their owner's UID), for the GET that confirms a pod gone.
     names: BTreeMap<String, (String, String)>,
     /// UIDs learned from events, by the log index of their event, kept until
     /// a state read at or past that index includes them: a rebuild from a
@@ -33,6 +33,15 @@ impl Interest {
         }
         for pin in pins.iter().filter(|p| !p.pod_uid.is_empty()) {
             interest.uids.insert(pin.pod_uid.clone());
+            if let (Some(namespace), Some(name)) = (
+                pin.labels.get(pb::POD_NAMESPACE_LABEL),
+                pin.labels.get(pb::POD_NAME_LABEL),
+            ) {
+                interest
+                    .names
+                    .entry(pin.pod_uid.clone())
+                    .or_insert_with(|| (namespace.clone(), name.clone()));
+            }
         }
         interest
     }
@@ -136,8 +145,22 @@ mod tests {
             pod_uid: "p".into(),
             ..Default::default()
         };
-        let mut interest = Interest::from_state(&[lock], &[pin]);
+        let named_pin = pb::Pin {
+            pod_uid: "claim".into(),
+            labels: [
+                (pb::POD_NAMESPACE_LABEL.to_string(), "ml".to_string()),
+                (pb::POD_NAME_LABEL.to_string(), "train-0".to_string()),
+            ]
+            .into(),
+            ..Default::default()
+        };
+        let mut interest = Interest::from_state(&[lock], &[pin, named_pin]);
         assert!(interest.contains("h") && interest.contains("w") && interest.contains("p"));
+        assert_eq!(
+            interest.name_of("claim"),
+            Some(&("ml".to_string(), "train-0".to_string())),
+            "a pin labelled with its owner names it"
+        );
         assert_eq!(
             interest.name_of("h"),
             Some(&("ml".to_string(), "pod-h".to_string()))
@@ -145,7 +168,7 @@ mod tests {
         assert_eq!(
             interest.name_of("p"),
             None,
-            "a pin names only its owner's UID"
+            "an unlabelled pin names only its owner's UID"
         );
         assert!(!interest.contains("bystander"));
         let event = pb::Event {

@@ -44,3 +44,10 @@ pub const EXPECT_CLUSTER_METADATA: &str = "x-tether-expect-cluster";
 /// gRPC metadata key marking a refusal because the request was meant for
 /// another cluster (its value: the refusing replica's cluster id).
 pub const WRONG_CLUSTER_METADATA: &str = "x-tether-wrong-cluster";
+/// Pin label naming the owning pod's namespace. A pin names only its
+/// owner's UID; one that also carries this label and
+/// [`POD_NAME_LABEL`] lets the bridge confirm the pod gone with a GET even
+/// when it never saw the pod (it was deleted while the bridge was down).
+pub const POD_NAMESPACE_LABEL: &str = "tether.io/pod-namespace";
+/// Pin label naming the owning pod (see [`POD_NAMESPACE_LABEL`]).
+pub const POD_NAME_LABEL: &str = "tether.io/pod-name";

@@ -15,7 +15,10 @@
 use std::collections::{BTreeMap, HashMap};
 use std::time::Duration;
 
-use tether_client::proto::{Affinity, AffinityTerm, LabelRequirement, LabelSelector, Pin, PinKey};
+use tether_client::proto::{
+    Affinity, AffinityTerm, LabelRequirement, LabelSelector, POD_NAME_LABEL, POD_NAMESPACE_LABEL,
+    Pin, PinKey,
+};
 use tether_client::{Client, Error};
 
 /// The pin set device claims live in.
@@ -49,6 +52,17 @@ pub enum Claim {
     Taken(String),
 }
 
+/// The pod a claim is for.
+#[derive(Debug, Clone, Copy)]
+pub struct ClaimOwner<'a> {
+    /// Its UID (the claim's owner).
+    pub uid: &'a str,
+    /// Its namespace.
+    pub namespace: &'a str,
+    /// Its name.
+    pub name: &'a str,
+}
+
 /// Device claims over a Tether client.
 #[derive(Clone)]
 pub struct DeviceLedger {
@@ -75,12 +89,28 @@ fn key(pod_uid: &str) -> PinKey {
     }
 }
 
-/// The labels and anti-affinity terms of a claim on `devices`.
-fn claim_request(devices: &[String]) -> (HashMap<String, String>, Affinity) {
-    let labels = devices
+/// Whether `value` can be a pin label value (at most 63 letters, digits,
+/// `-`, `_` or `.`).
+fn label_value_ok(value: &str) -> bool {
+    !value.is_empty()
+        && value.len() <= 63
+        && value
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || b"-_.".contains(&b))
+}
+
+/// The labels and anti-affinity terms of `pod`'s claim on `devices`. The
+/// pod's namespace and name go along when they fit a label, so the bridge
+/// can confirm the pod gone even if it never saw it.
+fn claim_request(pod: &ClaimOwner<'_>, devices: &[String]) -> (HashMap<String, String>, Affinity) {
+    let mut labels: HashMap<String, String> = devices
         .iter()
         .map(|d| (format!("{DEVICE_LABEL_PREFIX}{d}"), "held".to_string()))
         .collect();
+    if label_value_ok(pod.namespace) && label_value_ok(pod.name) {
+        labels.insert(POD_NAMESPACE_LABEL.into(), pod.namespace.into());
+        labels.insert(POD_NAME_LABEL.into(), pod.name.into());
+    }
     let required_anti = devices
         .iter()
         .map(|d| AffinityTerm {
@@ -151,10 +181,11 @@ impl DeviceLedger {
     pub async fn claim(
         &self,
         node: &str,
-        pod_uid: &str,
+        pod: ClaimOwner<'_>,
         devices: &[String],
     ) -> Result<Claim, Error> {
-        let (labels, affinity) = claim_request(devices);
+        let pod_uid = pod.uid;
+        let (labels, affinity) = claim_request(&pod, devices);
         match self
             .client
             .assign(
@@ -198,8 +229,14 @@ mod tests {
     #[test]
     fn a_claim_labels_each_device_and_forbids_it_to_every_other_pin_on_the_node() {
         let devices = vec!["gpu1".to_string(), "gpu4".to_string()];
-        let (labels, affinity) = claim_request(&devices);
-        assert_eq!(labels.len(), 2);
+        let owner = ClaimOwner {
+            uid: "u",
+            namespace: "ml",
+            name: "train-0",
+        };
+        let (labels, affinity) = claim_request(&owner, &devices);
+        assert_eq!(labels.len(), 4);
+        assert_eq!(labels[POD_NAME_LABEL], "train-0");
         assert_eq!(labels["devices.tether.io/gpu4"], "held");
         assert_eq!(affinity.required_anti.len(), 2);
         let term = &affinity.required_anti[0];
@@ -212,5 +249,15 @@ mod tests {
             ..Pin::default()
         };
         assert_eq!(devices_of(&pin), devices);
+        // A name too long for a label stays out; the claim still works.
+        let long = "p".repeat(64);
+        let (labels, _) = claim_request(
+            &ClaimOwner {
+                name: &long,
+                ..owner
+            },
+            &devices,
+        );
+        assert_eq!(labels.len(), 2);
     }
 }

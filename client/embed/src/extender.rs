@@ -29,7 +29,7 @@ use tether_client::proto::{LockKey, Outcome, Pod};
 use tether_client::{Client, Error};
 use tokio::net::TcpListener;
 
-use crate::accounting::{Claim, DeviceLedger};
+use crate::accounting::{Claim, ClaimOwner, DeviceLedger};
 use crate::kubelet;
 use crate::plan::{PodCalls, pick_free};
 use k8s_openapi::api::core::v1::Pod as KubePod;
@@ -435,7 +435,15 @@ impl<B: Binder> Extender<B> {
             };
             match self
                 .ledger
-                .claim(&args.node, &args.pod_uid, &devices)
+                .claim(
+                    &args.node,
+                    ClaimOwner {
+                        uid: &args.pod_uid,
+                        namespace: &args.pod_namespace,
+                        name: &args.pod_name,
+                    },
+                    &devices,
+                )
                 .await
                 .map_err(|e| format!("cannot claim devices on {}: {e}", args.node))?
             {

@@ -38,20 +38,28 @@ pub mod v1beta1 {
     tonic::include_proto!("v1beta1");
 }
 
-/// Resolves on SIGTERM (what the kubelet sends a pod it stops) or SIGINT.
-pub async fn shutdown_signal() {
+/// A future that resolves on SIGTERM (what the kubelet sends a pod it
+/// stops) or SIGINT. The handlers are installed by this call, not when the
+/// future is first polled: a SIGTERM that arrives before then must not
+/// kill the process with the default action.
+pub fn shutdown_signal() -> impl std::future::Future<Output = ()> + Send {
     use tokio::signal::unix::{SignalKind, signal};
-    match signal(SignalKind::terminate()) {
-        Ok(mut term) => {
-            tokio::select! {
-                _ = term.recv() => {}
-                _ = tokio::signal::ctrl_c() => {}
+    let term = signal(SignalKind::terminate());
+    let interrupt = signal(SignalKind::interrupt());
+    async move {
+        match (term, interrupt) {
+            (Ok(mut term), Ok(mut interrupt)) => {
+                tokio::select! {
+                    _ = term.recv() => {}
+                    _ = interrupt.recv() => {}
+                }
+            }
+            (term, interrupt) => {
+                let err = term.err().or(interrupt.err());
+                tracing::warn!(?err, "cannot listen for SIGTERM; stopping on Ctrl-C only");
+                let _ = tokio::signal::ctrl_c().await;
             }
         }
-        Err(err) => {
-            tracing::warn!(%err, "cannot listen for SIGTERM; stopping on SIGINT only");
-            let _ = tokio::signal::ctrl_c().await;
-        }
+        tracing::info!("stopping on a signal");
     }
-    tracing::info!("stopping on a signal");
 }

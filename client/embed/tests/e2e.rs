@@ -838,6 +838,15 @@ async fn a_two_gpu_pod_and_a_pod_without_gpus() {
         devices,
         "the two devices the kubelet gave are the two Tether accounts"
     );
+    // The claim names its pod, so the bridge can confirm it gone by GET.
+    let pins = rig
+        .client
+        .list_pins(tether_embed::accounting::DEVICE_SET, NODE)
+        .await
+        .unwrap();
+    let labels = &pins[0].labels;
+    assert_eq!(labels[tether_client::proto::POD_NAMESPACE_LABEL], "ml");
+    assert_eq!(labels[tether_client::proto::POD_NAME_LABEL], "pair");
     assert_eq!(rig.holder().await, None);
     rig.shutdown().await;
 }
@@ -1139,7 +1148,15 @@ async fn the_filter_verb_drops_nodes_without_enough_unclaimed_devices_with_a_rea
     let ledger = DeviceLedger::new(rig.client.clone(), DEFAULT_LIFETIME);
     for i in 0..7 {
         let claim = ledger
-            .claim(NODE, &format!("uid-busy-{i}"), &[format!("gpu{i}")])
+            .claim(
+                NODE,
+                tether_embed::accounting::ClaimOwner {
+                    uid: &format!("uid-busy-{i}"),
+                    namespace: "ml",
+                    name: &format!("busy-{i}"),
+                },
+                &[format!("gpu{i}")],
+            )
             .await
             .unwrap();
         assert!(

@@ -41,8 +41,10 @@ async fn main() -> anyhow::Result<()> {
     };
     let ledger = DeviceLedger::new(client.clone(), DEFAULT_LIFETIME);
     let extender = Arc::new(Extender::new(client, ledger, KubeBinder::new(kube), config));
+    // Before the port opens: a SIGTERM from then on stops the server.
+    let shutdown = tether_embed::shutdown_signal();
     let listener = tokio::net::TcpListener::bind(args.listen).await?;
     tracing::info!(listen = %args.listen, endpoints = ?args.endpoints, "tether-extender serving POST /bind");
-    serve_extender(listener, extender, tether_embed::shutdown_signal()).await;
+    serve_extender(listener, extender, shutdown).await;
     Ok(())
 }
