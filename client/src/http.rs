@@ -61,11 +61,6 @@ impl HttpRequest {
 pub struct Departure(tokio::sync::watch::Receiver<bool>);
 
 impl Departure {
-    /// A client that never leaves (handlers called directly).
-    pub fn never() -> Self {
-        HttpRequest::new("GET", "/", Vec::new()).departure()
-    }
-
     /// Whether the client has gone.
     pub fn is_gone(&self) -> bool {
         *self.0.borrow()

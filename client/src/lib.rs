@@ -50,7 +50,7 @@ pub use client::{
 };
 pub use error::{Error, Result};
 pub use hold::Held;
-pub use security::SecurityArgs;
+pub use security::{ConnectArgs, SecurityArgs};
 pub use tether_proto as proto;
 pub use tether_tls;
 pub use watch::{WatchUpdate, Watcher};

@@ -12,6 +12,32 @@ use crate::error::{Error, Result};
 /// How often a client looks for a rotated certificate.
 pub const TLS_RELOAD_INTERVAL: Duration = Duration::from_secs(10);
 
+/// `--endpoints` and the credentials: how a binary that embeds the client
+/// (the device plugin, the extender, the bridge) reaches Tether.
+#[derive(clap::Args, Debug, Clone)]
+pub struct ConnectArgs {
+    /// Tether replicas, comma-separated host:port.
+    #[arg(
+        long,
+        env = "TETHER_ENDPOINTS",
+        default_value = "127.0.0.1:7420",
+        value_delimiter = ','
+    )]
+    pub endpoints: Vec<String>,
+    /// Credentials (the certificate names the binary's role).
+    #[command(flatten)]
+    pub security: SecurityArgs,
+}
+
+impl ConnectArgs {
+    /// A client of these replicas with these credentials on top of
+    /// `options`.
+    pub fn client(&self, mut options: Options) -> Result<crate::Client> {
+        self.security.apply(&mut options)?;
+        crate::Client::new(self.endpoints.clone(), options)
+    }
+}
+
 /// `--tls-dir` and `--token-file`.
 #[derive(clap::Args, Debug, Clone, Default)]
 pub struct SecurityArgs {

@@ -41,6 +41,50 @@ fn strict<T: DeserializeOwned + Serialize>(object: &Value) -> T {
     typed
 }
 
+/// The kinds the overlays render to.
+const OVERLAY_KINDS: &[&str] = &[
+    "ConfigMap",
+    "Service",
+    "StatefulSet",
+    "Deployment",
+    "PodDisruptionBudget",
+    "NetworkPolicy",
+    "ServiceAccount",
+    "ClusterRole",
+    "ClusterRoleBinding",
+];
+
+/// The kinds `optional/gpu` renders to.
+const GPU_KINDS: &[&str] = &[
+    "ConfigMap",
+    "Service",
+    "Deployment",
+    "DaemonSet",
+    "ServiceAccount",
+    "ClusterRole",
+    "ClusterRoleBinding",
+];
+
+/// Decodes `object` strictly as its kind's type; a kind outside `allowed`
+/// fails.
+fn decode_strictly(what: &str, object: &Value, allowed: &[&str]) {
+    let kind = kind(object);
+    assert!(allowed.contains(&kind), "{what}: unexpected kind {kind}");
+    match kind {
+        "ConfigMap" => drop(strict::<ConfigMap>(object)),
+        "Service" => drop(strict::<Service>(object)),
+        "StatefulSet" => drop(strict::<StatefulSet>(object)),
+        "Deployment" => drop(strict::<Deployment>(object)),
+        "DaemonSet" => drop(strict::<DaemonSet>(object)),
+        "PodDisruptionBudget" => drop(strict::<PodDisruptionBudget>(object)),
+        "NetworkPolicy" => drop(strict::<NetworkPolicy>(object)),
+        "ServiceAccount" => drop(strict::<ServiceAccount>(object)),
+        "ClusterRole" => drop(strict::<ClusterRole>(object)),
+        "ClusterRoleBinding" => drop(strict::<ClusterRoleBinding>(object)),
+        other => panic!("{what}: no decoder for kind {other}"),
+    }
+}
+
 fn first_difference(a: &Value, b: &Value, at: String) -> Option<String> {
     match (a, b) {
         (Value::Object(x), Value::Object(y)) => {
@@ -180,18 +224,7 @@ fn every_overlay_renders_to_valid_consistent_objects() {
 
         // Every object decodes strictly; every namespaced one is in ours.
         for object in &objects {
-            match kind(object) {
-                "ConfigMap" => drop(strict::<ConfigMap>(object)),
-                "Service" => drop(strict::<Service>(object)),
-                "StatefulSet" => drop(strict::<StatefulSet>(object)),
-                "Deployment" => drop(strict::<Deployment>(object)),
-                "PodDisruptionBudget" => drop(strict::<PodDisruptionBudget>(object)),
-                "NetworkPolicy" => drop(strict::<NetworkPolicy>(object)),
-                "ServiceAccount" => drop(strict::<ServiceAccount>(object)),
-                "ClusterRole" => drop(strict::<ClusterRole>(object)),
-                "ClusterRoleBinding" => drop(strict::<ClusterRoleBinding>(object)),
-                other => panic!("{overlay}: unexpected kind {other}"),
-            }
+            decode_strictly(overlay, object, OVERLAY_KINDS);
             if !["ClusterRole", "ClusterRoleBinding"].contains(&kind(object)) {
                 assert_eq!(
                     object["metadata"]["namespace"],
@@ -799,16 +832,7 @@ fn the_gpu_manifests_fit_the_extender_the_plugin_and_the_schedulers_contract() {
         );
     }
     for object in &objects {
-        match kind(object) {
-            "ConfigMap" => drop(strict::<ConfigMap>(object)),
-            "Service" => drop(strict::<Service>(object)),
-            "Deployment" => drop(strict::<Deployment>(object)),
-            "DaemonSet" => drop(strict::<DaemonSet>(object)),
-            "ServiceAccount" => drop(strict::<ServiceAccount>(object)),
-            "ClusterRole" => drop(strict::<ClusterRole>(object)),
-            "ClusterRoleBinding" => drop(strict::<ClusterRoleBinding>(object)),
-            other => panic!("optional/gpu: unexpected kind {other}"),
-        }
+        decode_strictly("optional/gpu", object, GPU_KINDS);
     }
 
     // The extender: its settings are its flags; it may read pods and

@@ -14,18 +14,9 @@ use clap::Parser;
     about = "Kubernetes → Tether bridge: releases what deleted pods and nodes held"
 )]
 pub struct BridgeConfig {
-    /// Tether replicas, comma-separated host:port.
-    #[arg(
-        long,
-        env = "TETHER_ENDPOINTS",
-        default_value = "127.0.0.1:7420",
-        value_delimiter = ','
-    )]
-    pub endpoints: Vec<String>,
-    /// Credentials for Tether (the bridge's certificate names the role
-    /// `bridge`).
+    /// The Tether replicas and the credentials for them.
     #[command(flatten)]
-    pub security: tether_client::SecurityArgs,
+    pub tether: tether_client::ConnectArgs,
     /// A kubeconfig file (default: in-cluster config, then $KUBECONFIG, then ~/.kube/config).
     #[arg(long, env = "KUBECONFIG")]
     pub kubeconfig: Option<PathBuf>,

@@ -4,8 +4,8 @@
 use std::sync::Arc;
 
 use clap::Parser;
+use tether_client::Options;
 use tether_client::http::{HttpRequest, HttpResponse, serve};
-use tether_client::{Client, Options};
 use tether_k8s_bridge::bridge::Bridge;
 use tether_k8s_bridge::config::BridgeConfig;
 
@@ -28,10 +28,8 @@ async fn main() -> anyhow::Result<()> {
         None => kube::Config::infer().await?,
     };
     let kube = kube::Client::try_from(config)?;
-    let mut options = Options::default();
-    args.security.apply(&mut options)?;
-    let tether = Client::new(args.endpoints.clone(), options)?;
-    tracing::info!(endpoints = ?args.endpoints, resync = ?args.resync, "tether-bridge starting");
+    let tether = args.tether.client(Options::default())?;
+    tracing::info!(endpoints = ?args.tether.endpoints, resync = ?args.resync, "tether-bridge starting");
     let bridge = Bridge::new(tether, kube);
     let http = tokio::net::TcpListener::bind(args.http_listen).await?;
     let endpoints = bridge.clone();

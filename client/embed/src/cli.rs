@@ -15,16 +15,9 @@ use clap::Parser;
     about = "Scheduler-extender filter and bind verbs on Tether locks and device claims"
 )]
 pub struct ExtenderArgs {
-    /// Tether replicas, comma-separated host:port.
-    #[arg(
-        long,
-        env = "TETHER_ENDPOINTS",
-        default_value = "127.0.0.1:7420",
-        value_delimiter = ','
-    )]
-    pub endpoints: Vec<String>,
+    /// The Tether replicas and the credentials for them.
     #[command(flatten)]
-    pub security: tether_client::SecurityArgs,
+    pub tether: tether_client::ConnectArgs,
     /// Address to serve the extender on.
     #[arg(long, env = "TETHER_EXTENDER_LISTEN", default_value = "127.0.0.1:8890")]
     pub listen: std::net::SocketAddr,
@@ -62,16 +55,9 @@ pub struct ExtenderArgs {
     about = "Kubelet device plugin that serves the pod holding gpu-bind/<node>"
 )]
 pub struct DevicePluginArgs {
-    /// Tether replicas, comma-separated host:port.
-    #[arg(
-        long,
-        env = "TETHER_ENDPOINTS",
-        default_value = "127.0.0.1:7420",
-        value_delimiter = ','
-    )]
-    pub endpoints: Vec<String>,
+    /// The Tether replicas and the credentials for them.
     #[command(flatten)]
-    pub security: tether_client::SecurityArgs,
+    pub tether: tether_client::ConnectArgs,
     /// This node's name (the downward API's spec.nodeName).
     #[arg(long, env = "NODE_NAME")]
     pub node_name: String,

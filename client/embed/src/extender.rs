@@ -355,7 +355,7 @@ impl<B: Binder> Extender<B> {
                 });
             }
         };
-        let devices = match self.claim_devices(args, admission.devices as usize).await {
+        let devices = match self.claim_devices(args, admission.devices() as usize).await {
             Ok(devices) => devices,
             Err(error) => {
                 if let Err(err) = held.release(Outcome::Failed).await {
@@ -512,7 +512,7 @@ impl<B: Binder> Extender<B> {
             };
         };
         let needed = match kubelet::demands(&pod, &self.config.resource) {
-            Ok(demands) => kubelet::admission(&demands).devices as usize,
+            Ok(demands) => kubelet::admission(&demands).devices() as usize,
             Err(err) => {
                 return ExtenderFilterResult {
                     error: err,

@@ -73,8 +73,13 @@ pub struct ExpectedCall {
 pub struct Admission {
     /// In the order the kubelet makes them.
     pub calls: Vec<ExpectedCall>,
+}
+
+impl Admission {
     /// Distinct devices the pod holds at most (the sum of `new`).
-    pub devices: u32,
+    pub fn devices(&self) -> u32 {
+        self.calls.iter().map(|c| c.new).sum()
+    }
 }
 
 /// The pod's demands for `resource`, init containers first, containers
@@ -135,7 +140,6 @@ pub fn admission(demands: &[ContainerDemand]) -> Admission {
     for demand in demands {
         let reused = demand.count.min(reusable);
         let new = demand.count - reused;
-        admission.devices += new;
         admission.calls.push(ExpectedCall {
             container: demand.name.clone(),
             size: demand.count,
@@ -175,7 +179,7 @@ mod tests {
             demand("b", 1, ContainerKind::App),
         ]);
         assert_eq!(shape(&a), [(0, 2), (0, 1)]);
-        assert_eq!(a.devices, 3);
+        assert_eq!(a.devices(), 3);
     }
 
     #[test]
@@ -188,7 +192,7 @@ mod tests {
             demand("b", 2, ContainerKind::App),
         ]);
         assert_eq!(shape(&a), [(0, 2), (1, 0), (1, 1)]);
-        assert_eq!(a.devices, 3);
+        assert_eq!(a.devices(), 3);
         // Every call is made, even one whose devices are all reused.
         assert_eq!(a.calls.len(), 3);
     }
@@ -201,7 +205,7 @@ mod tests {
             demand("app", 1, ContainerKind::App),
         ]);
         assert_eq!(shape(&a), [(0, 1), (1, 1), (1, 0)]);
-        assert_eq!(a.devices, 2);
+        assert_eq!(a.devices(), 2);
     }
 
     #[test]
@@ -214,7 +218,7 @@ mod tests {
         // The sidecar reuses the init container's device and keeps it, so
         // the app needs a new one.
         assert_eq!(shape(&a), [(0, 1), (1, 0), (0, 1)]);
-        assert_eq!(a.devices, 2);
+        assert_eq!(a.devices(), 2);
     }
 
     #[test]

@@ -80,7 +80,7 @@ pub struct PlannedCall {
 }
 
 impl DevicePlan {
-    /// Divides `devices` (the pod's, `admission.devices` of them) among the
+    /// Divides `devices` (the pod's, `admission.devices()` of them) among the
     /// calls of `admission`, in order.
     pub fn new(
         pod_uid: &str,
@@ -89,10 +89,10 @@ impl DevicePlan {
         devices: Vec<String>,
         admission: &Admission,
     ) -> Result<Self, String> {
-        if devices.len() != admission.devices as usize {
+        if devices.len() != admission.devices() as usize {
             return Err(format!(
                 "pod {namespace}/{name} needs {} devices, {} were given",
-                admission.devices,
+                admission.devices(),
                 devices.len()
             ));
         }

@@ -5,7 +5,7 @@
 use std::sync::Arc;
 
 use clap::Parser;
-use tether_client::{Client, Options};
+use tether_client::Options;
 use tether_embed::cli::DevicePluginArgs;
 use tether_embed::device_plugin::{GpuPlugin, Placement, PluginConfig, run};
 
@@ -20,12 +20,11 @@ async fn main() -> anyhow::Result<()> {
         )
         .init();
     let args = DevicePluginArgs::parse();
-    let mut options = Options {
+    let options = Options {
         retry_timeout: args.allocate_timeout,
         ..Options::default()
     };
-    args.security.apply(&mut options)?;
-    let client = Client::new(args.endpoints.clone(), options)?;
+    let client = args.tether.client(options)?;
     let config = PluginConfig {
         node: args.node_name.clone(),
         scope: args.scope,

@@ -9,7 +9,7 @@
 use std::sync::Arc;
 
 use clap::Parser;
-use tether_client::{Client, Options};
+use tether_client::Options;
 use tether_embed::accounting::{DEFAULT_LIFETIME, DeviceLedger};
 use tether_embed::cli::ExtenderArgs;
 use tether_embed::extender::{Extender, ExtenderConfig, KubeBinder, serve_extender};
@@ -28,9 +28,7 @@ async fn main() -> anyhow::Result<()> {
     let kube = kube::Client::try_default().await.map_err(|e| {
         anyhow::anyhow!("cannot reach the Kubernetes API (in-cluster config or KUBECONFIG): {e}")
     })?;
-    let mut options = Options::default();
-    args.security.apply(&mut options)?;
-    let client = Client::new(args.endpoints.clone(), options)?;
+    let client = args.tether.client(Options::default())?;
     let config = ExtenderConfig {
         scope: args.scope,
         resource: args.resource,
@@ -44,7 +42,7 @@ async fn main() -> anyhow::Result<()> {
     // Before the port opens: a SIGTERM from then on stops the server.
     let shutdown = tether_embed::shutdown_signal();
     let listener = tokio::net::TcpListener::bind(args.listen).await?;
-    tracing::info!(listen = %args.listen, endpoints = ?args.endpoints, "tether-extender serving POST /bind");
+    tracing::info!(listen = %args.listen, endpoints = ?args.tether.endpoints, "tether-extender serving POST /bind");
     serve_extender(listener, extender, shutdown).await;
     Ok(())
 }
