@@ -30,8 +30,6 @@
 //! - `error.rs` — [`Error`]: what the caller should do about a failure.
 //! - `watch.rs` — [`Watcher`]: a watch that resumes from its last revision.
 //! - `selector.rs` — parsing of label selectors, affinity terms, pin keys.
-//! - `http.rs` — a minimal HTTP/1.1 server for the side endpoints of binaries
-//!   that embed the client (`/health`, `/metrics`, the extender's `/bind`).
 //! - `bin/lockctl.rs` — the admin CLI.
 
 pub mod blocking;
@@ -39,7 +37,6 @@ mod client;
 pub mod cluster;
 mod error;
 mod hold;
-pub mod http;
 pub mod security;
 pub mod selector;
 mod watch;

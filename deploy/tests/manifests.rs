@@ -456,30 +456,59 @@ fn every_overlay_renders_to_valid_consistent_objects() {
 }
 
 #[test]
-fn the_optional_service_monitor_scrapes_the_client_service() {
-    let monitors = read_documents(&deploy_dir().join("optional/servicemonitor.yaml")).unwrap();
+fn the_optional_monitors_scrape_the_client_service_and_the_bridge_pods() {
+    let monitors =
+        read_documents(&deploy_dir().join("optional/monitoring/servicemonitor.yaml")).unwrap();
     let prod = render(&deploy_dir().join("overlays/prod")).unwrap();
     let service = prod
         .iter()
         .find(|o| kind(o) == "Service" && o["spec"]["clusterIP"] != "None")
         .unwrap();
-    for monitor in monitors {
+    let bridge = prod
+        .iter()
+        .find(|o| kind(o) == "Deployment" && name(o) == "tether-bridge")
+        .unwrap();
+    let mut kinds = BTreeSet::new();
+    for monitor in &monitors {
         assert_eq!(monitor["apiVersion"], "monitoring.coreos.com/v1");
-        for (key, value) in monitor["spec"]["selector"]["matchLabels"]
+        kinds.insert(kind(monitor).to_string());
+        let selector = monitor["spec"]["selector"]["matchLabels"]
             .as_object()
-            .unwrap()
-        {
-            assert_eq!(&service["metadata"]["labels"][key], value);
+            .unwrap();
+        match kind(monitor) {
+            "ServiceMonitor" => {
+                for (key, value) in selector {
+                    assert_eq!(&service["metadata"]["labels"][key], value);
+                }
+                let port = monitor["spec"]["endpoints"][0]["port"].as_str().unwrap();
+                assert!(
+                    service["spec"]["ports"]
+                        .as_array()
+                        .unwrap()
+                        .iter()
+                        .any(|p| p["name"] == port)
+                );
+            }
+            "PodMonitor" => {
+                let template = &bridge["spec"]["template"];
+                for (key, value) in selector {
+                    assert_eq!(&template["metadata"]["labels"][key], value);
+                }
+                let port = monitor["spec"]["podMetricsEndpoints"][0]["port"]
+                    .as_str()
+                    .unwrap();
+                let container_ports = template["spec"]["containers"][0]["ports"]
+                    .as_array()
+                    .unwrap();
+                assert!(container_ports.iter().any(|p| p["name"] == port));
+            }
+            other => panic!("unexpected {other} in servicemonitor.yaml"),
         }
-        let port = monitor["spec"]["endpoints"][0]["port"].as_str().unwrap();
-        assert!(
-            service["spec"]["ports"]
-                .as_array()
-                .unwrap()
-                .iter()
-                .any(|p| p["name"] == port)
-        );
     }
+    assert_eq!(
+        kinds,
+        BTreeSet::from(["PodMonitor".to_string(), "ServiceMonitor".to_string()])
+    );
 }
 
 #[test]

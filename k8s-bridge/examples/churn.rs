@@ -55,7 +55,11 @@ fn rss_mib(pid: u32) -> f64 {
 
 fn http_get(addr: &str, path: &str) -> Option<String> {
     let mut stream = std::net::TcpStream::connect(addr).ok()?;
-    write!(stream, "GET {path} HTTP/1.1\r\nHost: bridge\r\n\r\n").ok()?;
+    write!(
+        stream,
+        "GET {path} HTTP/1.1\r\nHost: bridge\r\nConnection: close\r\n\r\n"
+    )
+    .ok()?;
     let mut response = String::new();
     stream.read_to_string(&mut response).ok()?;
     Some(response)

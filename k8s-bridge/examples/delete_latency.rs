@@ -96,13 +96,19 @@ async fn main() {
         at(0.99),
         latencies[latencies.len() - 1]
     );
-    let m = &bridge.metrics;
-    let count = m
-        .lag_count
-        .load(std::sync::atomic::Ordering::Relaxed)
-        .max(1);
-    let lag =
-        Duration::from_micros(m.lag_us_sum.load(std::sync::atomic::Ordering::Relaxed) / count);
+    let text = bridge.render_metrics();
+    let value = |name: &str| {
+        text.lines()
+            .find_map(|line| {
+                line.strip_prefix(name)?
+                    .strip_prefix(' ')?
+                    .parse::<f64>()
+                    .ok()
+            })
+            .unwrap_or(0.0)
+    };
+    let count = value("tether_bridge_lag_seconds_count").max(1.0);
+    let lag = Duration::from_secs_f64(value("tether_bridge_lag_seconds_sum") / count);
     println!(
         "  of which the bridge's own part (event received -> Tether committed), mean: {lag:?}"
     );

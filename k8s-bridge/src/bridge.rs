@@ -4,7 +4,12 @@
 //! commands to Tether.
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, Ordering};
+
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::metrics::histogram::Histogram;
+use prometheus_client::registry::Registry;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -32,24 +37,64 @@ const INTEREST_KINDS: [&str; 4] = [
     "PinOwnerChanged",
 ];
 
-/// Counters for `/metrics` and tests.
-#[derive(Debug, Default)]
+/// Counters and the lag histogram for `/metrics` and tests, in a
+/// `prometheus-client` registry.
+#[derive(Debug)]
 pub struct Metrics {
+    registry: Registry,
     /// Kubernetes watch events handled.
-    pub events_seen: AtomicU64,
+    pub events_seen: Counter,
     /// Commands Tether accepted.
-    pub commands_sent: AtomicU64,
+    pub commands_sent: Counter,
     /// Commands that failed (retried by the next resync if still needed).
-    pub command_errors: AtomicU64,
+    pub command_errors: Counter,
     /// Orphans found by lists and resyncs (confirmed, reported).
-    pub orphans_found: AtomicU64,
+    pub orphans_found: Counter,
     /// Candidates a resync could not confirm gone (alive, GET failed, or
     /// name unknown): left alone.
-    pub unconfirmed: AtomicU64,
-    /// Sum and count of Kubernetes-event-to-Tether-commit latencies, µs.
-    pub lag_us_sum: AtomicU64,
-    /// See `lag_us_sum`.
-    pub lag_count: AtomicU64,
+    pub unconfirmed: Counter,
+    /// Kubernetes event to Tether commit, seconds.
+    pub lag: Histogram,
+}
+
+impl Default for Metrics {
+    fn default() -> Self {
+        let mut registry = Registry::default();
+        let mut counter = |name: &str, help: &str| {
+            let counter = Counter::default();
+            registry.register(name, help, counter.clone());
+            counter
+        };
+        let events_seen = counter("tether_bridge_events", "Kubernetes watch events handled");
+        let commands_sent = counter("tether_bridge_commands", "Commands Tether applied");
+        let command_errors = counter(
+            "tether_bridge_command_errors",
+            "Commands that failed (sent again by the next resync if still needed)",
+        );
+        let orphans_found = counter(
+            "tether_bridge_orphans",
+            "Objects Tether still held for, found missing by a list or resync",
+        );
+        let unconfirmed = counter(
+            "tether_bridge_unconfirmed",
+            "Resync candidates not confirmed gone (alive, GET failed or name unknown), left alone",
+        );
+        let lag = tether_http::metrics::latency_histogram();
+        registry.register(
+            "tether_bridge_lag_seconds",
+            "Kubernetes event received to the Tether command it caused committed",
+            lag.clone(),
+        );
+        Self {
+            registry,
+            events_seen,
+            commands_sent,
+            command_errors,
+            orphans_found,
+            unconfirmed,
+            lag,
+        }
+    }
 }
 
 /// One running bridge.
@@ -179,40 +224,24 @@ impl Bridge {
         self.pods_listed.load(Ordering::Relaxed) && self.nodes_listed.load(Ordering::Relaxed)
     }
 
-    /// Prometheus text for `/metrics`.
+    /// OpenMetrics text for `/metrics`: the counters, the lag histogram and
+    /// how many pods Tether holds, queues or pins for now.
     pub fn render_metrics(&self) -> String {
-        let m = &self.metrics;
-        let get = |c: &AtomicU64| c.load(Ordering::Relaxed);
         let interesting = self
             .interest
             .lock()
             .unwrap_or_else(|p| p.into_inner())
             .uids()
             .len();
-        format!(
-            "# HELP tether_bridge_events_total Kubernetes watch events handled.\n\
-             # TYPE tether_bridge_events_total counter\ntether_bridge_events_total {}\n\
-             # HELP tether_bridge_commands_total Commands Tether applied.\n\
-             # TYPE tether_bridge_commands_total counter\ntether_bridge_commands_total {}\n\
-             # HELP tether_bridge_command_errors_total Commands that failed.\n\
-             # TYPE tether_bridge_command_errors_total counter\ntether_bridge_command_errors_total {}\n\
-             # HELP tether_bridge_orphans_total Objects Tether still held for, found missing by a list or resync.\n\
-             # TYPE tether_bridge_orphans_total counter\ntether_bridge_orphans_total {}\n\
-             # HELP tether_bridge_unconfirmed_total Resync candidates not confirmed gone (alive, GET failed or name unknown), left alone.\n\
-             # TYPE tether_bridge_unconfirmed_total counter\ntether_bridge_unconfirmed_total {}\n\
-             # HELP tether_bridge_lag_seconds Kubernetes event to Tether commit.\n\
-             # TYPE tether_bridge_lag_seconds summary\ntether_bridge_lag_seconds_sum {}\ntether_bridge_lag_seconds_count {}\n\
-             # HELP tether_bridge_interesting_pods Pod UIDs Tether holds, queues or pins for.\n\
-             # TYPE tether_bridge_interesting_pods gauge\ntether_bridge_interesting_pods {}\n",
-            get(&m.events_seen),
-            get(&m.commands_sent),
-            get(&m.command_errors),
-            get(&m.orphans_found),
-            get(&m.unconfirmed),
-            get(&m.lag_us_sum) as f64 / 1e6,
-            get(&m.lag_count),
-            interesting,
-        )
+        let mut now = Registry::default();
+        let gauge: Gauge = Gauge::default();
+        gauge.set(interesting as i64);
+        now.register(
+            "tether_bridge_interesting_pods",
+            "Pod UIDs Tether holds, queues or pins for",
+            gauge,
+        );
+        tether_http::metrics::encode(&[&self.metrics.registry, &now])
     }
 
     /// Rebuilds the interest set from Tether's locks and pins.
@@ -263,9 +292,8 @@ impl Bridge {
         match result {
             Ok(()) => {
                 let lag = seen_at.elapsed().as_micros() as u64;
-                self.metrics.commands_sent.fetch_add(1, Ordering::Relaxed);
-                self.metrics.lag_us_sum.fetch_add(lag, Ordering::Relaxed);
-                self.metrics.lag_count.fetch_add(1, Ordering::Relaxed);
+                self.metrics.commands_sent.inc();
+                self.metrics.lag.observe(lag as f64 / 1e6);
                 match &command {
                     Command::Pod { uid, report } => {
                         tracing::info!(pod_uid = %uid, ?report, lag_us = lag, "pod reported to Tether")
@@ -279,7 +307,7 @@ impl Bridge {
                 }
             }
             Err(err) => {
-                self.metrics.command_errors.fetch_add(1, Ordering::Relaxed);
+                self.metrics.command_errors.inc();
                 let (pod_uid, node) = match &command {
                     Command::Pod { uid, .. } => (uid.as_str(), ""),
                     Command::Node { name, .. } | Command::ConfirmNodeGone { name, .. } => {
@@ -350,7 +378,7 @@ impl Bridge {
                     continue;
                 }
             };
-            self.metrics.events_seen.fetch_add(1, Ordering::Relaxed);
+            self.metrics.events_seen.inc();
             match event {
                 Event::Init => relisted.clear(),
                 Event::InitApply(pod) => {
@@ -413,7 +441,7 @@ impl Bridge {
                     continue;
                 }
             };
-            self.metrics.events_seen.fetch_add(1, Ordering::Relaxed);
+            self.metrics.events_seen.inc();
             match event {
                 Event::Init => relisted.clear(),
                 Event::InitApply(node) => {
@@ -556,14 +584,14 @@ impl Bridge {
             let Some((namespace, name)) = name else {
                 // A pin's owner this bridge has never seen: nothing proves
                 // it gone (its node going away still ends the pin).
-                self.metrics.unconfirmed.fetch_add(1, Ordering::Relaxed);
+                self.metrics.unconfirmed.inc();
                 tracing::debug!(pod_uid = %uid, "a pod Tether names is not in the cache and its name is unknown; not reported");
                 continue;
             };
             match confirm_pod(&uid, self.lookup_pod(&namespace, &name).await) {
                 Some(command) => commands.push(command),
                 None => {
-                    self.metrics.unconfirmed.fetch_add(1, Ordering::Relaxed);
+                    self.metrics.unconfirmed.inc();
                 }
             }
         }
@@ -597,7 +625,7 @@ impl Bridge {
             match confirm_node(&name, &uid, self.lookup_node(&name).await) {
                 Some(gone) => commands.push(gone),
                 None => {
-                    self.metrics.unconfirmed.fetch_add(1, Ordering::Relaxed);
+                    self.metrics.unconfirmed.inc();
                 }
             }
         }
@@ -611,9 +639,7 @@ impl Bridge {
                 "resync found what Tether still holds for missing objects"
             );
         }
-        self.metrics
-            .orphans_found
-            .fetch_add(commands.len() as u64, Ordering::Relaxed);
+        self.metrics.orphans_found.inc_by(commands.len() as u64);
         for command in commands {
             self.send(command, seen_at).await;
         }

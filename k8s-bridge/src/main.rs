@@ -3,9 +3,13 @@
 
 use std::sync::Arc;
 
+use axum::Router;
+use axum::extract::State;
+use axum::http::StatusCode;
+use axum::routing::get;
+
 use clap::Parser;
 use tether_client::Options;
-use tether_client::http::{HttpRequest, HttpResponse, serve};
 use tether_k8s_bridge::bridge::Bridge;
 use tether_k8s_bridge::config::BridgeConfig;
 
@@ -32,38 +36,43 @@ async fn main() -> anyhow::Result<()> {
     tracing::info!(endpoints = ?args.tether.endpoints, resync = ?args.resync, "tether-bridge starting");
     let bridge = Bridge::new(tether, kube);
     let http = tokio::net::TcpListener::bind(args.http_listen).await?;
-    let endpoints = bridge.clone();
-    let handler = Arc::new(move |request: HttpRequest| {
-        let bridge = endpoints.clone();
-        async move {
-            match request.path.as_str() {
-                "/health" if bridge.healthy() => HttpResponse {
-                    status: "200 OK",
-                    content_type: "text/plain",
-                    body: b"ok\n".to_vec(),
-                },
-                "/health" => HttpResponse {
-                    status: "503 Service Unavailable",
-                    content_type: "text/plain",
-                    body: b"waiting for the first pod and node lists\n".to_vec(),
-                },
-                "/metrics" => HttpResponse {
-                    status: "200 OK",
-                    content_type: "text/plain; version=0.0.4",
-                    body: bridge.render_metrics().into_bytes(),
-                },
-                _ => HttpResponse {
-                    status: "404 Not Found",
-                    content_type: "text/plain",
-                    body: b"try /health or /metrics\n".to_vec(),
-                },
-            }
-        }
-    });
-    tokio::spawn(serve(http, handler, std::future::pending()));
+    tokio::spawn(tether_http::serve(
+        http,
+        routes(bridge.clone()),
+        std::future::pending(),
+    ));
     bridge.run(args.resync, shutdown_signal()).await;
     tracing::info!("tether-bridge stopped");
     Ok(())
+}
+
+/// `GET /health` (200 once the first pod and node lists are in) and
+/// `GET /metrics`; other methods 405, other paths 404.
+fn routes(bridge: Arc<Bridge>) -> Router {
+    Router::new()
+        .route(
+            "/health",
+            get(|State(bridge): State<Arc<Bridge>>| async move {
+                if bridge.healthy() {
+                    tether_http::text(StatusCode::OK, "ok\n")
+                } else {
+                    tether_http::text(
+                        StatusCode::SERVICE_UNAVAILABLE,
+                        "waiting for the first pod and node lists\n",
+                    )
+                }
+            }),
+        )
+        .route(
+            "/metrics",
+            get(|State(bridge): State<Arc<Bridge>>| async move {
+                tether_http::metrics::response(bridge.render_metrics())
+            }),
+        )
+        .fallback(|| async {
+            tether_http::text(StatusCode::NOT_FOUND, "try /health or /metrics\n")
+        })
+        .with_state(bridge)
 }
 
 /// SIGTERM (Kubernetes stopping the pod; as PID 1 the default action is

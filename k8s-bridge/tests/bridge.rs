@@ -390,11 +390,7 @@ async fn two_bridges_at_once_release_a_deleted_owner_exactly_once() {
     // Both bridges act on the same events (each sends its reports); the
     // lock still changes hands once.
     eventually("both bridges to have sent commands", async || {
-        let sent = |b: &Bridge| {
-            b.metrics
-                .commands_sent
-                .load(std::sync::atomic::Ordering::Relaxed)
-        };
+        let sent = |b: &Bridge| b.metrics.commands_sent.get();
         sent(rig.bridge()) > 0 && sent(&second) > 0
     })
     .await;

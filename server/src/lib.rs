@@ -14,7 +14,9 @@
 //! - `raft/` — openraft type configuration and the replica network.
 //! - `api/` — gRPC handlers, validation and wire conversions.
 //! - `error.rs` — API errors and their mapping to gRPC status codes.
-//! - `http.rs`, `metrics.rs` — the health and Prometheus endpoints.
+//! - `http.rs`, `metrics.rs` — the probes and `/metrics` (axum through
+//!   `tether-http`; counters and histograms in a `prometheus-client`
+//!   registry, and the gRPC timing layer).
 //! - `statefulset.rs` — identity and bootstrap by ordinal (`--statefulset`).
 //! - `cluster_id.rs` — the cluster's id, and the checks that keep clusters apart.
 //! - `testing.rs` — in-process test clusters (for tests, not `tetherd`).

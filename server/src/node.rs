@@ -112,6 +112,9 @@ impl Node {
         let (db, log_store, mut sm_store) = store::open(&config.data_dir)
             .await
             .with_context(|| format!("cannot open the store in {}", config.data_dir.display()))?;
+        let metrics = Arc::new(Metrics::default());
+        sm_store.set_metrics(metrics.clone());
+        let log_store = log_store.with_metrics(metrics.clone());
         sm_store.set_event_retention(store::EventRetention {
             entries: config.event_retention_entries,
             age_ms: config.event_retention_age.as_millis() as u64,
@@ -157,7 +160,6 @@ impl Node {
             (None, None) => Auth::Open,
         };
         let peer_formats = Arc::new(crate::raft::network::PeerFormats::default());
-        let metrics = Arc::new(Metrics::default());
         let network = Network::new(
             config.peer_dial.clone(),
             tls.clone(),
@@ -246,7 +248,9 @@ impl Node {
                 Ok(request)
             });
         let grpc_server = tonic::transport::Server::builder()
-            // Outermost: a refused request reaches no handler (its refusal
+            // Outermost: every call is timed, refused ones too.
+            .layer(crate::metrics::GrpcTimingLayer(ctx.metrics.clone()))
+            // Then: a refused request reaches no handler (its refusal
             // names this replica's cluster in its own metadata).
             .layer(check_cluster)
             .layer(name_cluster)
@@ -705,7 +709,11 @@ async fn sweeper(ctx: Arc<Ctx>, mut shutdown: watch::Receiver<bool>) {
         if !due {
             continue;
         }
-        match ctx.raft.client_write(request).await {
+        match ctx
+            .metrics
+            .time_commit(ctx.raft.client_write(request))
+            .await
+        {
             Ok(response) => {
                 if let Ok(Reply::Swept {
                     waits,

@@ -65,8 +65,7 @@ async fn acquire_release_round_trip_and_holder_read() {
 
 /// The leader's counter `name` from its `/metrics` text.
 fn leader_counter(cluster: &Cluster, leader: u64, name: &str) -> u64 {
-    let mut text = String::new();
-    cluster.node(leader).ctx().metrics.render(&mut text);
+    let text = cluster.node(leader).ctx().metrics.render();
     text.lines()
         .find_map(|line| line.strip_prefix(name)?.trim().parse().ok())
         .unwrap_or_else(|| panic!("no {name} in:\n{text}"))

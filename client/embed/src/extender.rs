@@ -32,8 +32,16 @@ use tokio::net::TcpListener;
 use crate::accounting::{Claim, ClaimOwner, DeviceLedger};
 use crate::kubelet;
 use crate::plan::{PodCalls, pick_free};
+use axum::Router;
+use axum::body::Bytes;
+use axum::extract::{DefaultBodyLimit, Path, State};
+use axum::http::StatusCode;
+use axum::http::header::CONTENT_TYPE;
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
 use k8s_openapi::api::core::v1::Pod as KubePod;
-use tether_client::http::{Departure, HttpRequest, HttpResponse, serve};
+use tether_http::Departure;
+use tether_http::departure::detect_departure;
 
 /// What kube-scheduler sends to the bind verb.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -566,71 +574,83 @@ impl<B: Binder> Extender<B> {
             error: String::new(),
         }
     }
+}
 
-    /// Handles one HTTP request: `POST .../filter` with `ExtenderArgs`,
-    /// `POST .../bind` with `ExtenderBindingArgs`, `GET /health`.
-    pub async fn handle(&self, request: HttpRequest) -> HttpResponse {
-        match (request.method.as_str(), request.path.trim_end_matches('/')) {
-            ("POST", path) if path.ends_with("/bind") => {
-                let result = match serde_json::from_slice::<ExtenderBindingArgs>(&request.body) {
-                    Ok(args) if args.pod_uid.is_empty() || args.node.is_empty() => {
-                        ExtenderBindingResult {
-                            error: "bind request without PodUID or Node".into(),
-                        }
-                    }
-                    Ok(args) => self.bind(&args, &request.departure()).await,
-                    Err(err) => ExtenderBindingResult {
-                        error: format!("malformed ExtenderBindingArgs: {err}"),
-                    },
-                };
-                let body = serde_json::to_vec(&result).expect("a result always serializes");
-                HttpResponse {
-                    status: "200 OK",
-                    content_type: "application/json",
-                    body,
-                }
-            }
-            ("POST", path) if path.ends_with("/filter") => {
-                let result = match serde_json::from_slice::<ExtenderArgs>(&request.body) {
-                    Ok(args) => self.filter(args).await,
-                    Err(err) => ExtenderFilterResult {
-                        error: format!("malformed ExtenderArgs: {err}"),
-                        ..Default::default()
-                    },
-                };
-                let body = serde_json::to_vec(&result).expect("a result always serializes");
-                HttpResponse {
-                    status: "200 OK",
-                    content_type: "application/json",
-                    body,
-                }
-            }
-            ("GET", "/health") => HttpResponse {
-                status: "200 OK",
-                content_type: "text/plain",
-                body: b"ok\n".to_vec(),
+/// Largest request body accepted: a filter call of a scheduler that is not
+/// node-cache capable carries every candidate Node object.
+const MAX_REQUEST: usize = 64 * 1024 * 1024;
+
+/// The extender's routes: `POST <urlPrefix>/filter` and
+/// `POST <urlPrefix>/bind` under any prefix (the scheduler configuration's
+/// `urlPrefix`), and `GET /health`. Each request learns when its client
+/// closes the connection ([`tether_http::departure`]); a bind runs in a task
+/// of its own so that it can leave the queue and give back what it took
+/// after kube-scheduler has gone.
+pub fn router<B: Binder>(extender: Arc<Extender<B>>) -> Router {
+    Router::new()
+        .route(
+            "/health",
+            get(|| async { tether_http::text(StatusCode::OK, "ok\n") }),
+        )
+        .route("/{*verb}", post(verb::<B>))
+        .layer(DefaultBodyLimit::max(MAX_REQUEST))
+        .layer(axum::middleware::from_fn(detect_departure))
+        .with_state(extender)
+}
+
+/// `POST .../bind` with `ExtenderBindingArgs`, `POST .../filter` with
+/// `ExtenderArgs`; anything else is not found.
+async fn verb<B: Binder>(
+    State(extender): State<Arc<Extender<B>>>,
+    Path(path): Path<String>,
+    scheduler: Departure,
+    body: Bytes,
+) -> Response {
+    let path = format!("/{}", path.trim_end_matches('/'));
+    if path.ends_with("/bind") {
+        let result = match serde_json::from_slice::<ExtenderBindingArgs>(&body) {
+            Ok(args) if args.pod_uid.is_empty() || args.node.is_empty() => ExtenderBindingResult {
+                error: "bind request without PodUID or Node".into(),
             },
-            _ => HttpResponse {
-                status: "404 Not Found",
-                content_type: "text/plain",
-                body: b"the extender serves POST .../filter, POST .../bind and GET /health\n"
-                    .to_vec(),
+            Ok(args) => {
+                Departure::run_detached(async move { extender.bind(&args, &scheduler).await }).await
+            }
+            Err(err) => ExtenderBindingResult {
+                error: format!("malformed ExtenderBindingArgs: {err}"),
             },
-        }
+        };
+        json(&result)
+    } else if path.ends_with("/filter") {
+        let result = match serde_json::from_slice::<ExtenderArgs>(&body) {
+            Ok(args) => extender.filter(args).await,
+            Err(err) => ExtenderFilterResult {
+                error: format!("malformed ExtenderArgs: {err}"),
+                ..Default::default()
+            },
+        };
+        json(&result)
+    } else {
+        tether_http::text(
+            StatusCode::NOT_FOUND,
+            "the extender serves POST .../filter, POST .../bind and GET /health\n",
+        )
     }
+}
+
+/// `value` as a JSON answer (axum's `json` feature would add a crate for
+/// this one use).
+fn json(value: &impl Serialize) -> Response {
+    let body = serde_json::to_vec(value).expect("a result always serializes");
+    ([(CONTENT_TYPE, "application/json")], body).into_response()
 }
 
 /// Serves the extender on `listener` until `shutdown` resolves.
 pub async fn serve_extender<B: Binder>(
     listener: TcpListener,
     extender: Arc<Extender<B>>,
-    shutdown: impl Future<Output = ()>,
+    shutdown: impl Future<Output = ()> + Send + 'static,
 ) {
-    let handler = Arc::new(move |request: HttpRequest| {
-        let extender = extender.clone();
-        async move { extender.handle(request).await }
-    });
-    serve(listener, handler, shutdown).await;
+    tether_http::serve(listener, router(extender), shutdown).await;
 }
 
 #[cfg(test)]

@@ -32,7 +32,9 @@ use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use tether_client::http::{HttpRequest, HttpResponse, serve};
+use axum::body::Bytes;
+use axum::http::{Method, StatusCode, Uri};
+use axum::response::{IntoResponse, Response};
 use tether_client::proto::LockKey;
 use tether_client::{Client, Options};
 use tether_embed::accounting::{DEFAULT_LIFETIME, DeviceLedger};
@@ -111,12 +113,13 @@ struct FakeApi {
     slow: Mutex<BTreeMap<String, Duration>>,
 }
 
-fn json_response(status: &'static str, body: serde_json::Value) -> HttpResponse {
-    HttpResponse {
+fn json_response(status: StatusCode, body: serde_json::Value) -> Response {
+    (
         status,
-        content_type: "application/json",
-        body: body.to_string().into_bytes(),
-    }
+        [(axum::http::header::CONTENT_TYPE, "application/json")],
+        body.to_string(),
+    )
+        .into_response()
 }
 
 fn api_status(code: u16, reason: &str, message: String) -> serde_json::Value {
@@ -130,36 +133,38 @@ impl FakeApi {
         self.pods.lock().unwrap().insert(name, pod);
     }
 
-    async fn handle(&self, request: HttpRequest) -> HttpResponse {
+    async fn handle(&self, method: Method, uri: Uri, body: Bytes) -> Response {
         // /api/v1/namespaces/{ns}/pods/{name}[/binding]
-        let path = request.path.split('?').next().unwrap_or("").to_string();
+        let path = uri.path().to_string();
         let parts: Vec<&str> = path.split('/').collect();
         if parts.len() < 7 || parts[5] != "pods" {
-            return json_response("404 Not Found", api_status(404, "NotFound", path.clone()));
+            return json_response(
+                StatusCode::NOT_FOUND,
+                api_status(404, "NotFound", path.clone()),
+            );
         }
         let name = parts[6].to_string();
         let Some(pod) = self.pods.lock().unwrap().get(&name).cloned() else {
             return json_response(
-                "404 Not Found",
+                StatusCode::NOT_FOUND,
                 api_status(404, "NotFound", format!("pods \"{name}\" not found")),
             );
         };
-        match (request.method.as_str(), parts.get(7)) {
-            ("GET", None) => json_response("200 OK", pod),
+        match (method.as_str(), parts.get(7)) {
+            ("GET", None) => json_response(StatusCode::OK, pod),
             ("POST", Some(&"binding")) => {
                 let delay = self.slow.lock().unwrap().get(&name).copied();
                 if let Some(delay) = delay {
                     tokio::time::sleep(delay).await;
                 }
-                let body: serde_json::Value =
-                    serde_json::from_slice(&request.body).unwrap_or_default();
+                let body: serde_json::Value = serde_json::from_slice(&body).unwrap_or_default();
                 let node = body["target"]["name"]
                     .as_str()
                     .unwrap_or_default()
                     .to_string();
                 if self.fail.lock().unwrap().contains(&name) {
                     return json_response(
-                        "409 Conflict",
+                        StatusCode::CONFLICT,
                         api_status(409, "Conflict", format!("pod {name} is being deleted")),
                     );
                 }
@@ -170,7 +175,10 @@ impl FakeApi {
                         "Operation cannot be fulfilled on pods/binding \"{name}\": pod {name} is already \
                          assigned to node \"{bound}\""
                     );
-                    return json_response("409 Conflict", api_status(409, "Conflict", message));
+                    return json_response(
+                        StatusCode::CONFLICT,
+                        api_status(409, "Conflict", message),
+                    );
                 }
                 pod["spec"]["nodeName"] = node.clone().into();
                 self.bindings
@@ -178,12 +186,12 @@ impl FakeApi {
                     .unwrap()
                     .push((name, node, Instant::now()));
                 json_response(
-                    "201 Created",
+                    StatusCode::CREATED,
                     serde_json::json!({"kind": "Status", "apiVersion": "v1", "status": "Success", "code": 201}),
                 )
             }
             _ => json_response(
-                "405 Method Not Allowed",
+                StatusCode::METHOD_NOT_ALLOWED,
                 api_status(405, "MethodNotAllowed", path),
             ),
         }
@@ -471,12 +479,14 @@ impl Rig {
         let api_listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
         let api_url = format!("http://{}", api_listener.local_addr().unwrap());
         let handler_api = api.clone();
-        tokio::spawn(serve(
-            api_listener,
-            Arc::new(move |r| {
+        let api_routes =
+            axum::Router::new().fallback(move |method: Method, uri: Uri, body: Bytes| {
                 let api = handler_api.clone();
-                async move { api.handle(r).await }
-            }),
+                async move { api.handle(method, uri, body).await }
+            });
+        tokio::spawn(tether_http::serve(
+            api_listener,
+            api_routes,
             std::future::pending(),
         ));
         let kube = kube::Client::try_from(kube::Config::new(api_url.parse().unwrap())).unwrap();
@@ -558,7 +568,7 @@ impl Rig {
         let call = async {
             let mut stream = TcpStream::connect(self.extender).await.unwrap();
             let head = format!(
-                "POST {path} HTTP/1.1\r\nHost: extender\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n",
+                "POST {path} HTTP/1.1\r\nHost: extender\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n",
                 body.len()
             );
             stream.write_all(head.as_bytes()).await.unwrap();

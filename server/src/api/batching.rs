@@ -491,20 +491,22 @@ async fn form_batches(
         metrics.held_acquires(joined, expired);
         metrics.proposed_entry(batch.proposals.len());
         let raft_for_batch = raft.clone();
+        let metrics_for_batch = metrics.clone();
         let released = releasing.start(&batch.proposals);
         let releasing_for_batch = releasing.clone();
         tokio::spawn(async move {
-            propose(&raft_for_batch, batch.proposals).await;
+            propose(&raft_for_batch, &metrics_for_batch, batch.proposals).await;
             releasing_for_batch.end(released);
             drop(permit);
         });
         for proposal in alone {
             metrics.proposed_entry(1);
             let raft = raft.clone();
+            let metrics = metrics.clone();
             let released = releasing.start(std::slice::from_ref(&proposal));
             let releasing = releasing.clone();
             tokio::spawn(async move {
-                propose(&raft, vec![proposal]).await;
+                propose(&raft, &metrics, vec![proposal]).await;
                 releasing.end(released);
             });
         }
@@ -512,13 +514,13 @@ async fn form_batches(
 }
 
 /// Proposes one entry for `proposals` and answers each of them.
-async fn propose(raft: &Raft, mut proposals: Vec<Proposal>) {
+async fn propose(raft: &Raft, metrics: &Metrics, mut proposals: Vec<Proposal>) {
     if proposals.len() == 1 {
         let proposal = proposals.pop().expect("one proposal");
         let request = Request::new(proposal.request_id, wall_clock_ms(), proposal.command)
             .for_members(proposal.oldest_member_known);
-        let result = raft
-            .client_write(request)
+        let result = metrics
+            .time_commit(raft.client_write(request))
             .await
             .map(|written| (written.data, written.log_id.index))
             .map_err(from_raft_error);
@@ -537,22 +539,23 @@ async fn propose(raft: &Raft, mut proposals: Vec<Proposal>) {
     }
     let request = Request::new(None, wall_clock_ms(), Command::Batch(Batch { items }))
         .for_members(oldest_member_known);
-    let answers: Vec<Result<(Response, u64)>> = match raft.client_write(request).await {
-        Ok(written) => match written.data.result {
-            Ok(Reply::Batch(responses)) if responses.len() == replies.len() => {
-                let index = written.log_id.index;
-                responses.into_iter().map(|r| Ok((r, index))).collect()
-            }
-            other => {
-                let err = ApiError::Internal(format!(
-                    "a batch of {} commands was answered with {other:?}",
-                    replies.len()
-                ));
-                vec![Err(err); replies.len()]
-            }
-        },
-        Err(err) => vec![Err(from_raft_error(err)); replies.len()],
-    };
+    let answers: Vec<Result<(Response, u64)>> =
+        match metrics.time_commit(raft.client_write(request)).await {
+            Ok(written) => match written.data.result {
+                Ok(Reply::Batch(responses)) if responses.len() == replies.len() => {
+                    let index = written.log_id.index;
+                    responses.into_iter().map(|r| Ok((r, index))).collect()
+                }
+                other => {
+                    let err = ApiError::Internal(format!(
+                        "a batch of {} commands was answered with {other:?}",
+                        replies.len()
+                    ));
+                    vec![Err(err); replies.len()]
+                }
+            },
+            Err(err) => vec![Err(from_raft_error(err)); replies.len()],
+        };
     for (reply, answer) in replies.into_iter().zip(answers) {
         // The caller may have gone (its RPC was cancelled): nothing to do.
         let _ = reply.send(answer);

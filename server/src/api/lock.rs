@@ -82,7 +82,7 @@ async fn follow_wait(
     answered: Option<Answered>,
     mut ticket: WaitTicket,
     tx: mpsc::Sender<AcquireItem>,
-) {
+) -> bool {
     let deadline = tokio::time::Instant::now() + wait;
     // A dedupe-replayed "queued" answer may be stale: look at the state once
     // before relying on events, which only report what happens from now on.
@@ -93,7 +93,7 @@ async fn follow_wait(
             match wait_state(&ctx, &key, &pod_uid) {
                 WaitState::Granted(hold) => {
                     let _ = tx.send(Ok(granted(&ctx, &hold))).await;
-                    return;
+                    return true;
                 }
                 WaitState::Gone => {
                     let err = ApiError::Aborted(format!(
@@ -101,7 +101,7 @@ async fn follow_wait(
                          passed or pod revoked); acquire again"
                     ));
                     let _ = tx.send(Err(err.into())).await;
-                    return;
+                    return false;
                 }
                 WaitState::Waiting => {}
             }
@@ -111,7 +111,7 @@ async fn follow_wait(
                 Some(WaitSignal::Event(event)) => match event.kind {
                     EventKind::LockGranted { key: k, hold } if k == key && hold.pod.uid == pod_uid => {
                         let _ = tx.send(Ok(granted(&ctx, &hold))).await;
-                        return;
+                        return true;
                     }
                     EventKind::WaitEnded { key: k, pod, reason } if k == key && pod.uid == pod_uid => {
                         let err = match reason {
@@ -138,7 +138,7 @@ async fn follow_wait(
                             )),
                         };
                         let _ = tx.send(Err(err.into())).await;
-                        return;
+                        return false;
                     }
                     _ => {}
                 },
@@ -147,11 +147,12 @@ async fn follow_wait(
                 None => {
                     let err = ApiError::Unavailable("this replica is shutting down; acquire again on another replica".into());
                     let _ = tx.send(Err(err.into())).await;
-                    return;
+                    return false;
                 }
             },
             _ = tokio::time::sleep_until(deadline) => {
                 let result = cancel_wait(&ctx, &key, &pod_uid).await;
+                let won = matches!(result, Ok(CancelOutcome::AlreadyGranted(_)));
                 let item = match result {
                     Ok(CancelOutcome::AlreadyGranted(hold)) => Ok(granted(&ctx, &hold)),
                     Ok(_) => Err(ApiError::DeadlineExceeded(format!(
@@ -161,16 +162,16 @@ async fn follow_wait(
                     Err(err) => Err(err.into()),
                 };
                 let _ = tx.send(item).await;
-                return;
+                return won;
             }
             _ = ctx.shutting_down() => {
                 let err = ApiError::Unavailable("this replica is shutting down; acquire again (same pod uid) on another replica".into());
                 let _ = tx.send(Err(err.into())).await;
-                return;
+                return false;
             }
             _ = tx.closed() => {
                 tokio::spawn(give_up_wait(ctx, key, pod_uid, answered, deadline));
-                return;
+                return false;
             }
         }
     }
@@ -366,15 +367,13 @@ impl LockApi {
                 let _ = tx.send(Ok(queued)).await;
                 let pod_uid = pod.uid.clone();
                 let answered = request_id.map(|request_id| Answered { request_id, index });
-                tokio::spawn(follow_wait(
-                    ctx.clone(),
-                    key,
-                    pod_uid,
-                    wait,
-                    answered,
-                    ticket,
-                    tx,
-                ));
+                let ctx = ctx.clone();
+                let queued_at = std::time::Instant::now();
+                tokio::spawn(async move {
+                    let granted =
+                        follow_wait(ctx.clone(), key, pod_uid, wait, answered, ticket, tx).await;
+                    ctx.metrics.waited(granted, queued_at.elapsed());
+                });
             }
             other => return Err(unexpected(other)),
         }

@@ -128,8 +128,8 @@ impl Ctx {
             None => {
                 let request = self.request(request_id, wall_clock_ms(), command);
                 let written = self
-                    .raft
-                    .client_write(request)
+                    .metrics
+                    .time_commit(self.raft.client_write(request))
                     .await
                     .map_err(from_raft_error)?;
                 (written.data, written.log_id.index)

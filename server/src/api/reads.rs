@@ -198,8 +198,7 @@ mod tests {
         rounds.gate.add_permits(1);
         assert!(second.await.unwrap().is_err(), "answered by round 2");
         assert!(third.await.unwrap().is_err(), "answered by round 2");
-        let mut text = String::new();
-        metrics.render(&mut text);
+        let text = metrics.render();
         assert!(text.contains("tether_read_index_rounds_total 2"), "{text}");
         assert!(text.contains("tether_linearizable_reads_total 3"), "{text}");
         // Nothing waits: no third round.

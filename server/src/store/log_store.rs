@@ -7,6 +7,7 @@ use std::fmt::Debug;
 use std::ops::{Bound, RangeBounds};
 use std::sync::Arc;
 
+use crate::metrics::Metrics;
 use openraft::storage::{LogFlushed, LogState, RaftLogStorage};
 use openraft::{RaftLogReader, Vote};
 use rocksdb::{DB, Direction, IteratorMode, WriteBatch, WriteOptions};
@@ -26,6 +27,8 @@ const LAST_PURGED: &[u8] = b"last_purged";
 pub struct LogStore {
     db: Arc<DB>,
     gate: Arc<SnapshotGate>,
+    /// Where synced writes are timed (`tether_fsync_duration_seconds`).
+    metrics: Option<Arc<Metrics>>,
 }
 
 fn synced() -> WriteOptions {
@@ -37,7 +40,30 @@ fn synced() -> WriteOptions {
 impl LogStore {
     /// A log store over an open database.
     pub fn new(db: Arc<DB>, gate: Arc<SnapshotGate>) -> Self {
-        Self { db, gate }
+        Self {
+            db,
+            gate,
+            metrics: None,
+        }
+    }
+
+    /// This store, timing its synced writes into `metrics`.
+    pub fn with_metrics(mut self, metrics: Arc<Metrics>) -> Self {
+        self.metrics = Some(metrics);
+        self
+    }
+
+    /// Runs one synced write and times it.
+    fn synced_write(
+        &self,
+        write: impl FnOnce(&WriteOptions) -> Result<(), rocksdb::Error>,
+    ) -> Result<(), rocksdb::Error> {
+        let started = std::time::Instant::now();
+        let result = write(&synced());
+        if let Some(metrics) = &self.metrics {
+            metrics.fsynced(started.elapsed());
+        }
+        result
     }
 
     fn cf_log(&self) -> &rocksdb::ColumnFamily {
@@ -79,8 +105,7 @@ impl LogStore {
     }
 
     fn put_meta<T: serde::Serialize>(&self, key: &[u8], value: &T) -> Result<(), StorageError> {
-        self.db
-            .put_cf_opt(self.cf_meta(), key, encode(value), &synced())
+        self.synced_write(|opts| self.db.put_cf_opt(self.cf_meta(), key, encode(value), opts))
             .map_err(|e| err::write(&e))
     }
 
@@ -205,7 +230,7 @@ impl RaftLogStorage<TypeConfig> for LogStore {
             callback.log_io_completed(Err(std::io::Error::other(e.to_string())));
             return Err(err::write_logs(&e));
         }
-        let result = self.db.write_opt(batch, &synced());
+        let result = self.synced_write(|opts| self.db.write_opt(batch, opts));
         match result {
             Ok(()) => {
                 // Synced but not yet acknowledged to Raft.
@@ -225,8 +250,7 @@ impl RaftLogStorage<TypeConfig> for LogStore {
         batch.delete_range_cf(self.cf_log(), log_key(log_id.index), log_key(u64::MAX));
         // delete_range's end is exclusive: remove the last possible key too.
         batch.delete_cf(self.cf_log(), log_key(u64::MAX));
-        self.db
-            .write_opt(batch, &synced())
+        self.synced_write(|opts| self.db.write_opt(batch, opts))
             .map_err(|e| err::write_logs(&e))
     }
 
@@ -237,8 +261,7 @@ impl RaftLogStorage<TypeConfig> for LogStore {
         self.put_meta(LAST_PURGED, &log_id)?;
         let mut batch = WriteBatch::default();
         batch.delete_range_cf(self.cf_log(), log_key(0), log_key(log_id.index + 1));
-        self.db
-            .write_opt(batch, &synced())
+        self.synced_write(|opts| self.db.write_opt(batch, opts))
             .map_err(|e| err::write_logs(&e))
     }
 }

@@ -178,6 +178,8 @@ pub struct StateMachineStore {
     handle: StateHandle,
     retention: EventRetention,
     gate: Arc<SnapshotGate>,
+    /// Where applies are timed (`tether_apply_duration_seconds`).
+    metrics: Option<Arc<crate::metrics::Metrics>>,
 }
 
 /// How long events (the audit trail behind watch and history) are kept.
@@ -339,6 +341,7 @@ impl StateMachineStore {
             },
             retention: EventRetention::default(),
             gate: SnapshotGate::new(0),
+            metrics: None,
         };
 
         // A snapshot newer than the persisted state cannot normally exist (the
@@ -364,6 +367,11 @@ impl StateMachineStore {
     /// Sets how long events are kept; applied each time a snapshot is built.
     pub fn set_event_retention(&mut self, retention: EventRetention) {
         self.retention = retention;
+    }
+
+    /// Times each batch of applied entries into `metrics`.
+    pub fn set_metrics(&mut self, metrics: Arc<crate::metrics::Metrics>) {
+        self.metrics = Some(metrics);
     }
 
     /// The shared read handle.
@@ -543,18 +551,11 @@ impl RaftSnapshotBuilder<TypeConfig> for SnapshotBuilder {
     }
 }
 
-impl RaftStateMachine<TypeConfig> for StateMachineStore {
-    type SnapshotBuilder = SnapshotBuilder;
-
-    async fn applied_state(&mut self) -> Result<(Option<LogId>, StoredMembership), StorageError> {
-        let applied = self.handle.read();
-        Ok((applied.last_applied, applied.membership.clone()))
-    }
-
-    async fn apply<I>(&mut self, entries: I) -> Result<Vec<Response>, StorageError>
+impl StateMachineStore {
+    /// Applies committed entries as one RocksDB write (Raft's `apply`).
+    fn apply_entries<I>(&mut self, entries: I) -> Result<Vec<Response>, StorageError>
     where
-        I: IntoIterator<Item = Entry> + Send,
-        I::IntoIter: Send,
+        I: IntoIterator<Item = Entry>,
     {
         let mut responses = Vec::new();
         let mut all_events = Vec::new();
@@ -642,6 +643,28 @@ impl RaftStateMachine<TypeConfig> for StateMachineStore {
             let _ = self.handle.events.send(event);
         }
         Ok(responses)
+    }
+}
+
+impl RaftStateMachine<TypeConfig> for StateMachineStore {
+    type SnapshotBuilder = SnapshotBuilder;
+
+    async fn applied_state(&mut self) -> Result<(Option<LogId>, StoredMembership), StorageError> {
+        let applied = self.handle.read();
+        Ok((applied.last_applied, applied.membership.clone()))
+    }
+
+    async fn apply<I>(&mut self, entries: I) -> Result<Vec<Response>, StorageError>
+    where
+        I: IntoIterator<Item = Entry> + Send,
+        I::IntoIter: Send,
+    {
+        let started = std::time::Instant::now();
+        let result = self.apply_entries(entries);
+        if let Some(metrics) = &self.metrics {
+            metrics.applied(started.elapsed());
+        }
+        result
     }
 
     async fn get_snapshot_builder(&mut self) -> Self::SnapshotBuilder {

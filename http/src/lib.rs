@@ -1,0 +1,164 @@
+//! The HTTP side of every Tether binary, served one way: tetherd's probes
+//! and `/metrics`, the bridge's `/health` and `/metrics`, and the scheduler
+//! extender's verbs are each an axum [`Router`] handed to [`serve`].
+//!
+//! axum (on hyper, both already in the tree through tonic) gives every one
+//! of them keep-alive, chunked bodies, 404 for unknown paths, 405 with an
+//! `Allow` header for a known path under another method, and a graceful
+//! shutdown that answers the requests in flight.
+//!
+//! - [`departure`] — tells a handler that its client closed the connection
+//!   (kube-scheduler's `httpTimeout` ran out), so it can undo what nobody
+//!   will hear about.
+//! - [`metrics`] — the OpenMetrics answer of `/metrics`, from
+//!   `prometheus-client` registries.
+
+pub mod departure;
+pub mod metrics;
+
+use std::future::Future;
+
+use axum::Router;
+use tokio::net::TcpListener;
+
+pub use departure::Departure;
+
+/// Serves `router` on `listener` until `shutdown` resolves, then stops
+/// accepting, lets the requests in flight finish and returns.
+pub async fn serve(
+    listener: TcpListener,
+    router: Router,
+    shutdown: impl Future<Output = ()> + Send + 'static,
+) {
+    let address = listener.local_addr().ok();
+    if let Err(err) = axum::serve(listener, router)
+        .with_graceful_shutdown(shutdown)
+        .await
+    {
+        tracing::warn!(%err, ?address, "HTTP server failed");
+    }
+}
+
+/// A plain-text answer with `status`.
+pub fn text(status: axum::http::StatusCode, body: impl Into<String>) -> axum::response::Response {
+    use axum::response::IntoResponse;
+    (
+        status,
+        [(
+            axum::http::header::CONTENT_TYPE,
+            "text/plain; charset=utf-8",
+        )],
+        body.into(),
+    )
+        .into_response()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use axum::http::StatusCode;
+    use axum::routing::get;
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    use tokio::net::TcpStream;
+
+    async fn started(router: Router) -> (std::net::SocketAddr, tokio::sync::oneshot::Sender<()>) {
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let address = listener.local_addr().unwrap();
+        let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+        tokio::spawn(serve(listener, router, async {
+            let _ = stopped.await;
+        }));
+        (address, stop)
+    }
+
+    /// Sends `requests` on one connection and reads until the server
+    /// closes it (the last request asks it to).
+    async fn exchange(address: std::net::SocketAddr, requests: &str) -> String {
+        let mut stream = TcpStream::connect(address).await.unwrap();
+        stream.write_all(requests.as_bytes()).await.unwrap();
+        let mut answer = String::new();
+        tokio::time::timeout(
+            std::time::Duration::from_secs(30),
+            stream.read_to_string(&mut answer),
+        )
+        .await
+        .expect("the server closes the connection after the last request")
+        .unwrap();
+        answer
+    }
+
+    #[tokio::test]
+    async fn keep_alive_404_and_405_come_from_the_router() {
+        let router =
+            Router::new().route("/live", get(|| async { text(StatusCode::OK, "alive\n") }));
+        let (address, _stop) = started(router).await;
+        let answer = exchange(
+            address,
+            "GET /live HTTP/1.1\r\nHost: x\r\n\r\n\
+             GET /nowhere HTTP/1.1\r\nHost: x\r\n\r\n\
+             POST /live HTTP/1.1\r\nHost: x\r\nContent-Length: 0\r\nConnection: close\r\n\r\n",
+        )
+        .await;
+        let statuses: Vec<&str> = answer
+            .lines()
+            .filter(|line| line.starts_with("HTTP/1.1"))
+            .collect();
+        assert_eq!(
+            statuses,
+            [
+                "HTTP/1.1 200 OK",
+                "HTTP/1.1 404 Not Found",
+                "HTTP/1.1 405 Method Not Allowed"
+            ],
+            "three answers on one connection: {answer}"
+        );
+        assert!(
+            answer.to_ascii_lowercase().contains("allow: get"),
+            "{answer}"
+        );
+    }
+
+    #[tokio::test]
+    async fn a_chunked_body_is_read_whole() {
+        let router = Router::new().route(
+            "/echo",
+            axum::routing::post(|body: String| async move { text(StatusCode::OK, body) }),
+        );
+        let (address, _stop) = started(router).await;
+        let answer = exchange(
+            address,
+            "POST /echo HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\nConnection: close\r\n\r\n\
+             5\r\nhello\r\n6\r\n world\r\n0\r\n\r\n",
+        )
+        .await;
+        assert!(answer.ends_with("hello world"), "{answer}");
+    }
+
+    #[tokio::test]
+    async fn shutdown_lets_the_request_in_flight_finish() {
+        let (entered_tx, entered) = tokio::sync::oneshot::channel::<()>();
+        let entered_tx = std::sync::Arc::new(std::sync::Mutex::new(Some(entered_tx)));
+        let router = Router::new().route(
+            "/slow",
+            get(move || {
+                if let Some(tx) = entered_tx.lock().unwrap().take() {
+                    let _ = tx.send(());
+                }
+                async {
+                    tokio::time::sleep(std::time::Duration::from_millis(200)).await;
+                    text(StatusCode::OK, "done")
+                }
+            }),
+        );
+        let (address, stop) = started(router).await;
+        let call = tokio::spawn(exchange(
+            address,
+            "GET /slow HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n",
+        ));
+        entered.await.unwrap();
+        stop.send(()).unwrap();
+        let answer = call.await.unwrap();
+        assert!(answer.starts_with("HTTP/1.1 200 OK"), "{answer}");
+        assert!(answer.ends_with("done"), "{answer}");
+    }
+}
