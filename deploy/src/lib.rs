@@ -37,7 +37,7 @@ pub fn render(dir: &Path) -> anyhow::Result<Vec<Value>> {
     let text =
         std::fs::read_to_string(&path).with_context(|| format!("reading {}", path.display()))?;
     let kustomization: Value =
-        serde_yaml::from_str(&text).with_context(|| format!("parsing {}", path.display()))?;
+        serde_saphyr::from_str(&text).with_context(|| format!("parsing {}", path.display()))?;
     let Value::Object(fields) = &kustomization else {
         bail!("{}: not a mapping", path.display());
     };
@@ -188,9 +188,9 @@ pub fn read_documents(path: &Path) -> anyhow::Result<Vec<Value>> {
     let text =
         std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
     let mut out = Vec::new();
-    for document in serde_yaml::Deserializer::from_str(&text) {
-        let value: Value = serde::Deserialize::deserialize(document)
-            .with_context(|| format!("parsing {}", path.display()))?;
+    let documents: Vec<Value> = serde_saphyr::from_multiple(&text)
+        .with_context(|| format!("parsing {}", path.display()))?;
+    for value in documents {
         if !value.is_null() {
             out.push(value);
         }
@@ -215,7 +215,7 @@ pub fn to_yaml(objects: &[Value]) -> anyhow::Result<String> {
         if n > 0 {
             out.push_str("---\n");
         }
-        out.push_str(&serde_yaml::to_string(object)?);
+        out.push_str(&serde_saphyr::to_string(object)?);
     }
     Ok(out)
 }

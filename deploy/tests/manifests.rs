@@ -914,7 +914,8 @@ fn the_gpu_manifests_fit_the_extender_the_plugin_and_the_schedulers_contract() {
             .unwrap(),
     );
     let text = &config_map.data.as_ref().unwrap()["config.yaml"];
-    let config: SchedulerConfig = serde_yaml::from_str(text).expect("a KubeSchedulerConfiguration");
+    let config: SchedulerConfig =
+        serde_saphyr::from_str(text).expect("a KubeSchedulerConfiguration");
     assert_eq!(config.api_version, "kubescheduler.config.k8s.io/v1");
     assert_eq!(config.kind, "KubeSchedulerConfiguration");
     assert!(config.leader_election.is_some());

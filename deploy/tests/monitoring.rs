@@ -209,7 +209,7 @@ async fn the_dashboard_and_the_alerts_name_only_metrics_the_binaries_serve() {
     let served = served().await;
 
     let rules_text = std::fs::read_to_string(monitoring_dir().join("alerts.yaml")).unwrap();
-    let rules: PrometheusRule = serde_yaml::from_str(&rules_text).unwrap();
+    let rules: PrometheusRule = serde_saphyr::from_str(&rules_text).unwrap();
     assert_eq!(rules.api_version, "monitoring.coreos.com/v1");
     assert_eq!(rules.kind, "PrometheusRule");
     assert!(rules.metadata["name"].is_string());

@@ -6,8 +6,6 @@
 //! (no leader, unreachable; for a write the outcome is then unknown) or no
 //! candidate node fits a pin; 6 a watch revision was compacted.
 
-mod yaml;
-
 use std::io::Write;
 use std::process::ExitCode;
 use std::time::Duration;
@@ -454,12 +452,18 @@ impl Out {
     fn print(&self, value: Value, table: impl FnOnce() -> String) {
         let text = match self.format {
             Format::Json => serde_json::to_string_pretty(&value).unwrap_or_default(),
-            Format::Yaml => yaml::to_yaml(&value),
+            Format::Yaml => to_yaml(&value),
             Format::Table => table(),
         };
         let mut stdout = std::io::stdout().lock();
         let _ = writeln!(stdout, "{}", text.trim_end());
     }
+}
+
+/// `value` as a YAML document, by the YAML crate the workspace shares
+/// (serde-saphyr, which kube already brings).
+fn to_yaml(value: &Value) -> String {
+    serde_saphyr::to_string(value).unwrap_or_else(|err| format!("# cannot render as YAML: {err}\n"))
 }
 
 /// (voters, learners) as the leader sees them.
@@ -1212,5 +1216,29 @@ async fn main() -> ExitCode {
             }
             ExitCode::from(err.exit_code() as u8)
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    #[test]
+    fn yaml_output_reads_back_as_the_same_value_with_ambiguous_strings_kept() {
+        let value = json!({
+            "lock": "gpu-bind/node-1",
+            "holder": {"token": 3, "payload": "true", "pod": "no", "note": "a: b # c", "at": "1e3"},
+            "waiters": [{"pod": "a"}, {"pod": "b"}],
+            "empty": [],
+            "none": {},
+        });
+        let text = to_yaml(&value);
+        let back: Value = serde_saphyr::from_str(&text).unwrap();
+        assert_eq!(back, value, "{text}");
+        assert!(
+            text.contains("lock: gpu-bind/node-1"),
+            "block style: {text}"
+        );
     }
 }
