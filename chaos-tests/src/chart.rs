@@ -1,10 +1,14 @@
 //! Line charts as SVG, for the benchmark's pictures: latency CDFs (log-scale
 //! milliseconds against the fraction of operations) and throughput against
-//! client count. Hand-written SVG so the bench needs no plotting library;
-//! the output is plain text that diffs and renders in any browser or in a
-//! Markdown viewer.
+//! client count, drawn by `plotters` with its SVG backend (no fonts or
+//! bitmaps: the browser or Markdown viewer renders the text). This module
+//! picks the axes (whole decades, round linear steps, the client counts as
+//! ticks), the colours and the dashes; plotters draws.
 
-use std::fmt::Write as _;
+use std::ops::Range;
+
+use plotters::coord::ranged1d::{DefaultFormatting, KeyPointHint, Ranged};
+use plotters::prelude::*;
 
 /// How values map onto an axis.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -49,15 +53,32 @@ impl Scale {
         Scale::Log { min, max }
     }
 
-    /// Where `value` falls, 0.0 (axis start) to 1.0 (axis end), clamped.
-    fn fraction(&self, value: f64) -> f64 {
-        let f = match *self {
-            Scale::Linear { min, max } => (value - min) / (max - min),
-            Scale::Log { min, max } => {
-                (value.max(min * 1e-3).ln() - min.ln()) / (max.ln() - min.ln())
-            }
+    /// Where `value` falls on the drawn axis: itself on a linear axis, its
+    /// decimal logarithm on a log one (plotted linearly, labelled with the
+    /// value), clamped to the axis.
+    fn position(&self, value: f64) -> f64 {
+        let (low, high) = self.bounds();
+        let at = match *self {
+            Scale::Linear { .. } => value,
+            Scale::Log { min, .. } => value.max(min * 1e-3).log10(),
         };
-        f.clamp(0.0, 1.0)
+        at.clamp(low, high)
+    }
+
+    /// The drawn axis' ends (decimal logarithms on a log axis).
+    fn bounds(&self) -> (f64, f64) {
+        match *self {
+            Scale::Linear { min, max } => (min, max),
+            Scale::Log { min, max } => (min.log10(), max.log10()),
+        }
+    }
+
+    /// The value at a drawn position (inverse of [`Scale::position`]).
+    fn value(&self, position: f64) -> f64 {
+        match *self {
+            Scale::Linear { .. } => position,
+            Scale::Log { .. } => 10f64.powf(position),
+        }
     }
 
     /// Tick positions: 1-2-5 steps per decade on a log axis, about five
@@ -152,13 +173,60 @@ pub const PALETTE: [&str; 7] = [
     "#0072B2", "#D55E00", "#009E73", "#CC79A7", "#E69F00", "#56B4E9", "#000000",
 ];
 
-const WIDTH: f64 = 760.0;
-const HEIGHT: f64 = 460.0;
-const LEFT: f64 = 72.0;
-const RIGHT: f64 = 200.0;
-const TOP: f64 = 58.0;
-const BOTTOM: f64 = 56.0;
+const WIDTH: u32 = 760;
+const HEIGHT: u32 = 460;
+/// Room for the title and subtitle above the plot.
+const TOP: u32 = 50;
+/// Room for the legend right of the plot.
+const LEGEND: u32 = 190;
 
+/// A drawn axis with the ticks this module chose (decades and their 2s and
+/// 5s, client counts, round linear steps) as its only grid lines and labels.
+struct TickedAxis {
+    range: Range<f64>,
+    ticks: Vec<f64>,
+}
+
+impl Ranged for TickedAxis {
+    type FormatOption = DefaultFormatting;
+    type ValueType = f64;
+
+    fn map(&self, value: &f64, limit: (i32, i32)) -> i32 {
+        let span = self.range.end - self.range.start;
+        let fraction = if span > 0.0 {
+            (value - self.range.start) / span
+        } else {
+            0.0
+        };
+        limit.0 + (fraction * f64::from(limit.1 - limit.0)).round() as i32
+    }
+
+    fn key_points<Hint: KeyPointHint>(&self, hint: Hint) -> Vec<f64> {
+        // Bold grid lines and labels at the ticks; no light lines between.
+        if hint.weight().allow_light_points() {
+            Vec::new()
+        } else {
+            self.ticks.clone()
+        }
+    }
+
+    fn range(&self) -> Range<f64> {
+        self.range.clone()
+    }
+}
+
+/// `#RRGGBB` as a colour (black if malformed).
+fn rgb(hex: &str) -> RGBColor {
+    let channel = |i: usize| {
+        hex.get(i..i + 2)
+            .and_then(|c| u8::from_str_radix(c, 16).ok())
+            .unwrap_or(0)
+    };
+    RGBColor(channel(1), channel(3), channel(5))
+}
+
+/// Text as it may stand in an SVG document (for the error picture; plotters
+/// escapes the text it draws).
 fn escape(text: &str) -> String {
     text.replace('&', "&amp;")
         .replace('<', "&lt;")
@@ -167,148 +235,117 @@ fn escape(text: &str) -> String {
 }
 
 impl Chart {
-    fn x_px(&self, x: f64) -> f64 {
-        LEFT + self.x.fraction(x) * (WIDTH - LEFT - RIGHT)
-    }
-
-    fn y_px(&self, y: f64) -> f64 {
-        HEIGHT - BOTTOM - self.y.fraction(y) * (HEIGHT - TOP - BOTTOM)
-    }
-
     /// The chart as a standalone SVG document.
     pub fn to_svg(&self) -> String {
         let mut svg = String::new();
-        let plot_right = WIDTH - RIGHT;
-        let plot_bottom = HEIGHT - BOTTOM;
-        // `write!` to a String cannot fail.
-        let _ = writeln!(
-            svg,
-            r#"<svg xmlns="http://www.w3.org/2000/svg" width="{WIDTH}" height="{HEIGHT}" viewBox="0 0 {WIDTH} {HEIGHT}" font-family="sans-serif" font-size="12">"#
-        );
-        let _ = writeln!(
-            svg,
-            r#"<rect width="{WIDTH}" height="{HEIGHT}" fill="white"/>"#
-        );
-        let _ = writeln!(
-            svg,
-            r#"<text x="{LEFT}" y="22" font-size="16" font-weight="bold">{}</text>"#,
-            escape(&self.title)
-        );
-        let _ = writeln!(
-            svg,
-            r##"<text x="{LEFT}" y="40" fill="#555">{}</text>"##,
-            escape(&self.subtitle)
-        );
-        // Grid and tick labels.
-        for y in self.y.ticks() {
-            let py = self.y_px(y);
-            let _ = writeln!(
-                svg,
-                r##"<line x1="{LEFT}" y1="{py:.1}" x2="{plot_right}" y2="{py:.1}" stroke="#ddd"/><text x="{:.1}" y="{:.1}" text-anchor="end">{}</text>"##,
-                LEFT - 6.0,
-                py + 4.0,
-                tick_label(y)
+        if let Err(err) = self.draw(&mut svg) {
+            // Drawing into a String fails only on a plotters bug; say so in
+            // the picture rather than lose the run's tables.
+            svg = format!(
+                r#"<svg xmlns="http://www.w3.org/2000/svg" width="{WIDTH}" height="{HEIGHT}"><text x="10" y="20">chart not drawn: {}</text></svg>"#,
+                escape(&err.to_string())
             );
         }
-        let x_ticks = self.x_ticks.clone().unwrap_or_else(|| self.x.ticks());
-        for x in x_ticks {
-            let px = self.x_px(x);
-            let _ = writeln!(
-                svg,
-                r##"<line x1="{px:.1}" y1="{TOP}" x2="{px:.1}" y2="{plot_bottom}" stroke="#eee"/><text x="{px:.1}" y="{:.1}" text-anchor="middle">{}</text>"##,
-                plot_bottom + 16.0,
-                tick_label(x)
-            );
-        }
-        let _ = writeln!(
-            svg,
-            r##"<rect x="{LEFT}" y="{TOP}" width="{:.1}" height="{:.1}" fill="none" stroke="#444"/>"##,
-            plot_right - LEFT,
-            plot_bottom - TOP
-        );
-        let _ = writeln!(
-            svg,
-            r#"<text x="{:.1}" y="{:.1}" text-anchor="middle">{}</text>"#,
-            (LEFT + plot_right) / 2.0,
-            HEIGHT - 14.0,
-            escape(&self.x_label)
-        );
-        let _ = writeln!(
-            svg,
-            r#"<text transform="translate(18 {:.1}) rotate(-90)" text-anchor="middle">{}</text>"#,
-            (TOP + plot_bottom) / 2.0,
-            escape(&self.y_label)
-        );
-        // Lines, then the legend beside the plot.
-        for (i, series) in self.series.iter().enumerate() {
-            let dash = if series.dashed {
-                r#" stroke-dasharray="6 4""#
-            } else {
-                ""
-            };
-            if !series.points.is_empty() {
-                let mut d = String::new();
-                for (j, (x, y)) in series.points.iter().enumerate() {
-                    let _ = write!(
-                        d,
-                        "{}{:.1} {:.1} ",
-                        if j == 0 { "M" } else { "L" },
-                        self.x_px(*x),
-                        self.y_px(*y)
-                    );
-                }
-                let _ = writeln!(
-                    svg,
-                    r#"<path d="{}" fill="none" stroke="{}" stroke-width="2"{dash}/>"#,
-                    d.trim_end(),
-                    series.color
-                );
-                if series.markers {
-                    for (x, y) in &series.points {
-                        let _ = writeln!(
-                            svg,
-                            r#"<circle cx="{:.1}" cy="{:.1}" r="3.5" fill="{}"/>"#,
-                            self.x_px(*x),
-                            self.y_px(*y),
-                            series.color
-                        );
-                    }
-                }
-            }
-            let ly = TOP + 8.0 + i as f64 * 20.0;
-            let _ = writeln!(
-                svg,
-                r#"<line x1="{:.1}" y1="{ly:.1}" x2="{:.1}" y2="{ly:.1}" stroke="{}" stroke-width="2"{dash}/><text x="{:.1}" y="{:.1}">{}</text>"#,
-                plot_right + 12.0,
-                plot_right + 40.0,
-                series.color,
-                plot_right + 46.0,
-                ly + 4.0,
-                escape(&series.label)
-            );
-        }
-        svg.push_str("</svg>\n");
         svg
     }
-}
 
-/// A CDF's points from sorted latencies in milliseconds: at most `steps + 1`
-/// points (evenly spaced fractions), always including the slowest.
-pub fn cdf_points(sorted_ms: &[f64], steps: usize) -> Vec<(f64, f64)> {
-    let n = sorted_ms.len();
-    if n == 0 {
-        return Vec::new();
+    fn draw(&self, svg: &mut String) -> Result<(), Box<dyn std::error::Error + '_>> {
+        let root = SVGBackend::with_string(svg, (WIDTH, HEIGHT)).into_drawing_area();
+        root.fill(&WHITE)?;
+        let (heading, below) = root.split_vertically(TOP);
+        heading.draw(&Text::new(
+            self.title.clone(),
+            (72, 8),
+            ("sans-serif", 20).into_font().style(FontStyle::Bold),
+        ))?;
+        heading.draw(&Text::new(
+            self.subtitle.clone(),
+            (72, 30),
+            ("sans-serif", 15)
+                .into_font()
+                .color(&RGBColor(0x55, 0x55, 0x55)),
+        ))?;
+        let (plot, legend) = below.split_horizontally(WIDTH - LEGEND);
+
+        let ticks = |scale: &Scale, given: &Option<Vec<f64>>| -> Vec<f64> {
+            given
+                .clone()
+                .unwrap_or_else(|| scale.ticks())
+                .into_iter()
+                .map(|v| scale.position(v))
+                .collect()
+        };
+        let (x_low, x_high) = self.x.bounds();
+        let (y_low, y_high) = self.y.bounds();
+        let mut chart = ChartBuilder::on(&plot)
+            .margin(8)
+            .x_label_area_size(40)
+            .y_label_area_size(64)
+            .build_cartesian_2d(
+                TickedAxis {
+                    range: x_low..x_high,
+                    ticks: ticks(&self.x, &self.x_ticks),
+                },
+                TickedAxis {
+                    range: y_low..y_high,
+                    ticks: ticks(&self.y, &None),
+                },
+            )?;
+        let x_label = |v: &f64| tick_label(self.x.value(*v));
+        let y_label = |v: &f64| tick_label(self.y.value(*v));
+        chart
+            .configure_mesh()
+            .x_desc(self.x_label.clone())
+            .y_desc(self.y_label.clone())
+            .x_label_formatter(&x_label)
+            .y_label_formatter(&y_label)
+            .bold_line_style(RGBColor(0xdd, 0xdd, 0xdd))
+            .light_line_style(TRANSPARENT)
+            .axis_style(RGBColor(0x44, 0x44, 0x44))
+            .label_style(("sans-serif", 15))
+            .axis_desc_style(("sans-serif", 15))
+            .draw()?;
+
+        for series in &self.series {
+            let color = rgb(series.color);
+            let style = color.stroke_width(2);
+            let points: Vec<(f64, f64)> = series
+                .points
+                .iter()
+                .map(|(x, y)| (self.x.position(*x), self.y.position(*y)))
+                .collect();
+            if series.dashed {
+                chart.draw_series(DashedLineSeries::new(points.clone(), 6, 4, style))?;
+            } else {
+                chart.draw_series(LineSeries::new(points.clone(), style))?;
+            }
+            if series.markers {
+                chart.draw_series(points.iter().map(|p| Circle::new(*p, 3, color.filled())))?;
+            }
+        }
+
+        // The legend beside the plot: a short line (dashed for comparisons)
+        // and the series' label.
+        for (i, series) in self.series.iter().enumerate() {
+            let y = 16 + i as i32 * 20;
+            let style = rgb(series.color).stroke_width(2);
+            let dashes: &[(i32, i32)] = if series.dashed {
+                &[(12, 18), (22, 28), (32, 38)]
+            } else {
+                &[(12, 40)]
+            };
+            for (from, to) in dashes {
+                legend.draw(&PathElement::new(vec![(*from, y), (*to, y)], style))?;
+            }
+            legend.draw(&Text::new(
+                series.label.clone(),
+                (46, y - 6),
+                ("sans-serif", 15).into_font(),
+            ))?;
+        }
+        root.present()?;
+        Ok(())
     }
-    let steps = steps.max(1);
-    let mut points: Vec<(f64, f64)> = (0..=steps)
-        .map(|i| {
-            let rank = ((i as f64 / steps as f64) * n as f64).ceil() as usize;
-            let rank = rank.clamp(1, n);
-            (sorted_ms[rank - 1], rank as f64 / n as f64)
-        })
-        .collect();
-    points.dedup();
-    points
 }
 
 #[cfg(test)]
@@ -353,13 +390,14 @@ mod tests {
         };
         let ticks: Vec<String> = log.ticks().into_iter().map(tick_label).collect();
         assert_eq!(ticks, ["0.1", "0.2", "0.5", "1", "2", "5", "10"]);
-        assert!((log.fraction(1.0) - 0.5).abs() < 1e-9);
-        assert_eq!(log.fraction(1000.0), 1.0, "clamped at the axis end");
+        assert!(log.position(1.0).abs() < 1e-9, "log10(1) = 0");
+        assert!((log.value(log.position(5.0)) - 5.0).abs() < 1e-9);
+        assert_eq!(log.position(1000.0), 1.0, "clamped at the axis end");
         assert_eq!(tick_label(2000.0), "2k");
     }
 
     #[test]
-    fn the_svg_has_one_path_per_nonempty_series_inside_the_plot_and_escapes_text() {
+    fn the_svg_draws_each_series_its_markers_and_legend_and_escapes_text() {
         let svg = chart(vec![
             Series {
                 label: "tether".into(),
@@ -369,45 +407,35 @@ mod tests {
                 points: vec![(1.0, 400.0), (16.0, 1500.0), (64.0, 2300.0)],
             },
             Series {
-                label: "etcd".into(),
+                label: "etcd <dashed>".into(),
                 color: PALETTE[1],
                 dashed: true,
-                markers: true,
-                points: vec![],
+                markers: false,
+                points: vec![(1.0, 300.0), (16.0, 900.0), (64.0, 1400.0)],
             },
         ])
         .to_svg();
-        assert!(svg.starts_with("<svg xmlns=\"http://www.w3.org/2000/svg\""));
+        assert!(svg.starts_with("<svg"), "{svg}");
         assert!(svg.trim_end().ends_with("</svg>"));
-        assert_eq!(svg.matches("<path ").count(), 1);
-        assert_eq!(svg.matches("<circle ").count(), 3);
         assert!(svg.contains("Pairs &lt;per&gt; second &amp; more"));
         assert!(!svg.contains("<per>"));
-        // The highest point (64 clients, 2300 of 2500) is inside the plot area.
-        let top = TOP + (1.0 - 2300.0 / 2500.0) * (HEIGHT - TOP - BOTTOM);
-        assert!(svg.contains(&format!(
-            "L{:.1} {:.1}",
-            LEFT + 0.75 * (WIDTH - LEFT - RIGHT),
-            top
-        )));
-        // Both series are in the legend, the comparison one dashed.
-        assert_eq!(svg.matches("stroke-dasharray").count(), 1);
-        assert!(svg.contains(">etcd</text>"));
-    }
-
-    #[test]
-    fn cdf_points_are_bounded_monotone_and_end_at_the_slowest() {
-        let sorted: Vec<f64> = (1..=10_000).map(|i| i as f64 / 100.0).collect();
-        let points = cdf_points(&sorted, 200);
-        assert!(points.len() <= 201);
-        assert!(
-            points
-                .windows(2)
-                .all(|w| w[0].0 <= w[1].0 && w[0].1 < w[1].1)
+        assert!(svg.contains("etcd &lt;dashed&gt;"));
+        // The solid series is one polyline; the dashed one many short ones.
+        let blue = svg.matches("#0072B2").count() + svg.matches("#0072b2").count();
+        let orange = svg.matches("#D55E00").count() + svg.matches("#d55e00").count();
+        assert!(blue >= 5, "line, 3 markers and the legend in blue: {blue}");
+        assert!(orange > 10, "dashes of the etcd line: {orange}");
+        assert_eq!(
+            svg.matches("<circle").count(),
+            3,
+            "markers of the solid series"
         );
-        assert_eq!(*points.last().unwrap(), (100.0, 1.0));
-        assert_eq!(points[100], (50.0, 0.5));
-        assert!(cdf_points(&[], 10).is_empty());
-        assert_eq!(cdf_points(&[3.0], 10), vec![(3.0, 1.0)]);
+        // Client counts label the x axis, thousands the y axis.
+        for label in ["1", "16", "64", "256", "2k"] {
+            assert!(
+                svg.contains(&format!(">\n{label}\n</text>")),
+                "{label} in {svg}"
+            );
+        }
     }
 }

@@ -42,7 +42,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use clap::Parser;
-use tether_chaos::chart::{Chart, PALETTE, Scale, Series, cdf_points};
+use tether_chaos::chart::{Chart, PALETTE, Scale, Series};
 use tether_chaos::cluster::{ClusterSpec, ProcessCluster, sibling_binary};
 use tether_chaos::etcd::{self, EtcdCluster};
 use tether_chaos::stats::{Samples, ms};
@@ -158,8 +158,10 @@ struct Measured {
     scenario: &'static str,
     clients: usize,
     rate: f64,
-    pair_ms: Vec<f64>,
-    handover_ms: Vec<f64>,
+    /// Pair latency CDF: (ms, fraction at or below).
+    pair_cdf: Vec<(f64, f64)>,
+    /// Hand-over latency CDF (contended runs; empty otherwise).
+    handover_cdf: Vec<(f64, f64)>,
     /// p50 pair latency, as printed in the row.
     pair_p50: Duration,
     /// p50 hand-over latency (contended runs; zero otherwise).
@@ -175,14 +177,17 @@ impl Measured {
             scenario,
             clients,
             rate: run.rate(),
-            pair_ms: run.pair_latency.sorted_ms(),
-            handover_ms: run.handover.sorted_ms(),
+            pair_cdf: run.pair_latency.cdf_ms(CDF_STEPS),
+            handover_cdf: run.handover.cdf_ms(CDF_STEPS),
             pair_p50: run.pair_latency.quantile(0.5),
             handover_p50: run.handover.quantile(0.5),
             replica_cpu_ms_per_pair: None,
         }
     }
 }
+
+/// Points per latency CDF in the charts.
+const CDF_STEPS: usize = 400;
 
 /// What the lock scenarios' throughput counts.
 const PAIRS: &str = "acquire + release pairs";
@@ -255,7 +260,14 @@ fn cdf_chart(
     let rows: Vec<&Measured> = results
         .iter()
         .filter(|m| m.scenario == scenario && m.system != NO_BATCH && m.system != BASELINE)
-        .filter(|m| !(if handover { &m.handover_ms } else { &m.pair_ms }).is_empty())
+        .filter(|m| {
+            !(if handover {
+                &m.handover_cdf
+            } else {
+                &m.pair_cdf
+            })
+            .is_empty()
+        })
         .collect();
     if rows.is_empty() {
         return None;
@@ -267,13 +279,17 @@ fn cdf_chart(
         .iter()
         .map(|m| {
             let color_index = counts.iter().position(|c| *c == m.clients).unwrap_or(0);
-            let sorted = if handover { &m.handover_ms } else { &m.pair_ms };
+            let cdf = if handover {
+                &m.handover_cdf
+            } else {
+                &m.pair_cdf
+            };
             Series {
                 label: format!("{} {} {per}", m.system, m.clients),
                 color: PALETTE[color_index % PALETTE.len()],
                 dashed: is_comparison(m.system),
                 markers: false,
-                points: cdf_points(sorted, 400),
+                points: cdf.clone(),
             }
         })
         .collect::<Vec<_>>();
@@ -435,7 +451,7 @@ async fn main() -> anyhow::Result<()> {
     let mut args = Args::parse();
     args.drop_skipped();
     let cores = std::thread::available_parallelism().map_or(0, |n| n.get());
-    let mut floor = fsync_floor(1000)?;
+    let floor = fsync_floor(1000)?;
     println!(
         "tether-bench: {} replicas each (tetherd processes; etcd members), loopback, fsync on for both, {cores} cores, {:?} per scenario per system",
         args.replicas, args.duration
@@ -493,7 +509,7 @@ async fn main() -> anyhow::Result<()> {
         // Warm up connections and the leader.
         uncontended(client, 4, Duration::from_millis(500), "warm").await;
     }
-    let mut rpc = rpc_floor(&cluster, &tethers[0].1, 1000).await?;
+    let rpc = rpc_floor(&cluster, &tethers[0].1, 1000).await?;
     println!(
         "gRPC round trip floor (Status RPC to the Tether leader: no Raft, no disk; 1000 calls): p50 {} ms, p99 {} ms",
         ms(rpc.quantile(0.5)),
@@ -906,7 +922,7 @@ fn print_summary(results: &[Measured], rounds: u32) {
         let low = rates.iter().copied().fold(f64::INFINITY, f64::min);
         let high = rates.iter().copied().fold(0.0, f64::max);
         let p50 = median(group.iter().map(|m| millis(m.pair_p50)).collect());
-        let handover = if group[0].handover_ms.is_empty() {
+        let handover = if group[0].handover_cdf.is_empty() {
             "-".to_string()
         } else {
             format!(
