@@ -26,6 +26,11 @@
 //! What it does not: label/field selectors, namespaced list paths, writes
 //! through the API (tests change objects with methods), authentication,
 //! protobuf, server-side apply, expiry of continue tokens.
+//!
+//! It speaks HTTP/1.1 on raw sockets rather than through axum (which serves
+//! every Tether binary, `tether-http`) because its outages must close a
+//! connection without any answer, mid-request or mid-watch, and cut chunked
+//! watch streams at will: faults a framework is built to prevent.
 
 #![allow(dead_code)]
 
