@@ -17,25 +17,59 @@ pub mod departure;
 pub mod metrics;
 
 use std::future::Future;
+use std::time::Duration;
 
 use axum::Router;
 use tokio::net::TcpListener;
 
 pub use departure::Departure;
 
+/// How long a shutdown waits for the requests in flight.
+pub const SHUTDOWN_GRACE: Duration = Duration::from_secs(10);
+
 /// Serves `router` on `listener` until `shutdown` resolves, then stops
-/// accepting, lets the requests in flight finish and returns.
+/// accepting, lets the requests in flight finish (for at most
+/// [`SHUTDOWN_GRACE`]) and returns.
 pub async fn serve(
     listener: TcpListener,
     router: Router,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) {
+    serve_with_grace(listener, router, shutdown, SHUTDOWN_GRACE).await;
+}
+
+/// [`serve`], waiting at most `grace` for the requests in flight once
+/// `shutdown` resolved: a client that never finishes its request (hyper
+/// sets no timeout on reading a request head here) cannot hold a stopping
+/// process.
+pub async fn serve_with_grace(
+    listener: TcpListener,
+    router: Router,
+    shutdown: impl Future<Output = ()> + Send + 'static,
+    grace: Duration,
+) {
     let address = listener.local_addr().ok();
-    if let Err(err) = axum::serve(listener, router)
-        .with_graceful_shutdown(shutdown)
-        .await
-    {
-        tracing::warn!(%err, ?address, "HTTP server failed");
+    let (stopping_tx, stopping) = tokio::sync::oneshot::channel::<()>();
+    let server = axum::serve(listener, router).with_graceful_shutdown(async move {
+        shutdown.await;
+        let _ = stopping_tx.send(());
+    });
+    let overdue = async move {
+        if stopping.await.is_ok() {
+            tokio::time::sleep(grace).await;
+        } else {
+            std::future::pending::<()>().await;
+        }
+    };
+    tokio::select! {
+        served = server => {
+            if let Err(err) = served {
+                tracing::warn!(%err, ?address, "HTTP server failed");
+            }
+        }
+        () = overdue => {
+            tracing::warn!(?address, ?grace, "HTTP requests still open after the shutdown grace; closing");
+        }
     }
 }
 
@@ -116,6 +150,32 @@ mod tests {
             answer.to_ascii_lowercase().contains("allow: get"),
             "{answer}"
         );
+    }
+
+    #[tokio::test]
+    async fn a_request_that_never_ends_does_not_hold_a_shutdown_past_its_grace() {
+        let router =
+            Router::new().route("/live", get(|| async { text(StatusCode::OK, "alive\n") }));
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let address = listener.local_addr().unwrap();
+        let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+        let server = tokio::spawn(serve_with_grace(
+            listener,
+            router,
+            async {
+                let _ = stopped.await;
+            },
+            std::time::Duration::from_millis(200),
+        ));
+        let mut stream = TcpStream::connect(address).await.unwrap();
+        // Half a request head, never finished.
+        stream.write_all(b"GET /live HTTP/1.1\r\nHo").await.unwrap();
+        stop.send(()).unwrap();
+        tokio::time::timeout(std::time::Duration::from_secs(30), server)
+            .await
+            .expect("the server returns once its grace is over")
+            .unwrap();
+        drop(stream);
     }
 
     #[tokio::test]
