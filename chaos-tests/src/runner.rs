@@ -251,6 +251,10 @@ async fn inject(
                 // (it only keeps the last 50 entries).
                 let _ = control.snapshot().await;
                 cluster.restart(id, Some(&format!("{point}=panic")))?;
+            } else if *point == crate::schedule::CORE_STOP_POINT {
+                // Its fourth log write and every one after fail: the core
+                // stops and the process must exit by itself.
+                cluster.restart(id, Some(&format!("{point}=3*off->return")))?;
             } else {
                 cluster.restart(id, Some(&format!("{point}=3*off->panic")))?;
             }
@@ -347,12 +351,13 @@ fn heal(
     cluster.heal_network();
     let mut fired = std::mem::take(&mut damage.fired);
     for id in cluster.reap_exited() {
-        if damage.armed.contains(&id) {
-            fired += 1;
-        } else if cluster.log_tail(id, 50).contains(CORE_STOPPED_LINE) {
+        if cluster.log_tail(id, 50).contains(CORE_STOPPED_LINE) {
             // It did what a replica with a dead core must do (exit, to be
-            // restarted): restart it, as Kubernetes would, and count it.
+            // restarted): restart it, as Kubernetes would, and count it
+            // (armed to stop its core, or stopped on its own).
             damage.core_restarts += 1;
+        } else if damage.armed.contains(&id) {
+            fired += 1;
         } else {
             unexpected.push(format!("replica {id} exited without being killed"));
         }

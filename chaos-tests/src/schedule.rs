@@ -97,14 +97,20 @@ impl Fault {
 
 /// Crash points a `failpoints` build has, with whether the replica should
 /// lag first (snapshot install only happens to a replica that fell behind).
-pub const CRASH_POINTS: [(&str, bool); 6] = [
+/// `log-append-error` is no crash: the disk refuses a log write, Raft's core
+/// stops and the replica must exit on its own (counted as `core_restarts`).
+pub const CRASH_POINTS: [(&str, bool); 7] = [
     ("sm-apply-before-write", false),
     ("sm-apply-after-write", false),
     ("log-append-before-write", false),
     ("log-append-before-ack", false),
     ("sm-install-snapshot-before", true),
     ("sm-install-snapshot-after", true),
+    (CORE_STOP_POINT, false),
 ];
+
+/// The failpoint that stops a replica's Raft core (a refused log write).
+pub const CORE_STOP_POINT: &str = "log-append-error";
 
 /// A fault at an offset.
 #[derive(Debug, Clone)]
