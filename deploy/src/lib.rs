@@ -187,15 +187,13 @@ fn for_each_container(object: &mut Value, f: &mut dyn FnMut(&mut Value)) {
 pub fn read_documents(path: &Path) -> anyhow::Result<Vec<Value>> {
     let text =
         std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
-    let mut out = Vec::new();
-    let documents: Vec<Value> = serde_saphyr::from_multiple(&text)
-        .with_context(|| format!("parsing {}", path.display()))?;
-    for value in documents {
-        if !value.is_null() {
-            out.push(value);
-        }
-    }
-    Ok(out)
+    documents_of(&text).with_context(|| format!("parsing {}", path.display()))
+}
+
+/// Every YAML document of `text`, as JSON values (empty documents skipped).
+pub fn documents_of(text: &str) -> anyhow::Result<Vec<Value>> {
+    let documents: Vec<Value> = serde_saphyr::from_multiple(text)?;
+    Ok(documents.into_iter().filter(|v| !v.is_null()).collect())
 }
 
 /// An object's kind ("" if none).

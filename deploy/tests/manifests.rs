@@ -16,7 +16,7 @@ use k8s_openapi::api::rbac::v1::{ClusterRole, ClusterRoleBinding};
 use serde::Serialize;
 use serde::de::DeserializeOwned;
 use serde_json::Value;
-use tether_deploy::{kind, name, read_documents, render};
+use tether_deploy::{documents_of, kind, name, read_documents, render};
 
 const NAMESPACE: &str = "tether-system";
 
@@ -185,11 +185,11 @@ fn kubectl_render(dir: &Path) -> Option<Vec<Value>> {
         dir.display(),
         String::from_utf8_lossy(&output.stderr)
     );
-    let file = std::env::temp_dir().join(format!("tether-kustomize-{}.yaml", std::process::id()));
-    std::fs::write(&file, &output.stdout).unwrap();
-    let objects = read_documents(&file).unwrap();
-    let _ = std::fs::remove_file(file);
-    Some(objects)
+    // Parsed from the output itself: the tests run in parallel in one
+    // process, and a temporary file named after the process was shared
+    // (one test removed it while another read it).
+    let text = String::from_utf8(output.stdout).expect("kubectl writes UTF-8");
+    Some(documents_of(&text).unwrap())
 }
 
 fn keyed(objects: &[Value]) -> BTreeMap<(String, String), Value> {
