@@ -14,8 +14,10 @@
 //! - `scheduler`: acquire, release, assign and release pins, TTL leases,
 //!   every read and watch.
 //! - `device-plugin:<node>`: read and release the locks named `<node>` (in
-//!   any scope), cluster status. Nothing else: a compromised device plugin
-//!   cannot touch another node's binds.
+//!   any scope); read pins, and assign or release pins on `<node>` only (the
+//!   node's device claims, which it corrects to what the kubelet chose);
+//!   cluster status. Nothing else: a compromised device plugin cannot touch
+//!   another node's binds or claims.
 //! - `bridge`: pod and node reports, pod revokes, reads and watches.
 //! - `reader`: reads and watches.
 
@@ -145,8 +147,9 @@ pub enum Action<'a> {
     ListLocks,
     /// Release someone else's hold.
     ForceRelease(&'a LockKey),
-    /// Assign or release pins.
-    WritePins,
+    /// Assign or release pins on these nodes (an assign's candidates; the
+    /// node of the pin a release ends, none if there is no such pin).
+    WritePins(&'a [String]),
     /// Read pins.
     ReadPins,
     /// Grant, keep alive or revoke TTL leases.
@@ -175,7 +178,10 @@ impl Action<'_> {
             Action::ReadLock(key) => format!("read lock {key}"),
             Action::ListLocks => "list locks".to_string(),
             Action::ForceRelease(key) => format!("force-release lock {key}"),
-            Action::WritePins => "assign or release pins".to_string(),
+            Action::WritePins(nodes) if nodes.is_empty() => "assign or release pins".to_string(),
+            Action::WritePins(nodes) => {
+                format!("assign or release pins on node {}", nodes.join(", "))
+            }
             Action::ReadPins => "read pins".to_string(),
             Action::Leases => "manage TTL leases".to_string(),
             Action::RevokePod => "revoke pods".to_string(),
@@ -204,6 +210,12 @@ impl Action<'_> {
         if let Action::ReadLock(key) | Action::Release(key) = self {
             names.push(format!("device-plugin:{}", key.name));
         }
+        if let Action::WritePins([node]) = self {
+            names.push(format!("device-plugin:{node}"));
+        }
+        if let Action::ReadPins = self {
+            names.push("device-plugin:<node>".to_string());
+        }
         names.join(", ")
     }
 }
@@ -221,12 +233,15 @@ pub fn allowed(role: &Role, action: &Action<'_>) -> bool {
         Role::Scheduler => {
             read || matches!(
                 action,
-                A::Acquire(_) | A::Release(_) | A::WritePins | A::Leases
+                A::Acquire(_) | A::Release(_) | A::WritePins(_) | A::Leases
             )
         }
         Role::DevicePlugin { node } => match action {
             A::ReadLock(key) | A::Release(key) => key.name == *node,
-            A::ClusterStatus => true,
+            // Its node's device claims. A release of a pin that does not
+            // exist (no node) changes nothing, so it is let through.
+            A::WritePins(nodes) => nodes.iter().all(|n| n == node),
+            A::ReadPins | A::ClusterStatus => true,
             _ => false,
         },
         Role::Bridge => read || matches!(action, A::RevokePod | A::Report),
@@ -368,9 +383,14 @@ mod tests {
     fn a_device_plugin_reaches_only_its_own_node() {
         let plugin = caller("device-plugin:node-a");
         let (own, other) = (key("node-a"), key("node-b"));
+        let (own_node, other_node) = (["node-a".to_string()], ["node-b".to_string()]);
+        let both = ["node-a".to_string(), "node-b".to_string()];
         assert!(plugin.require(Action::ReadLock(&own)).is_ok());
         assert!(plugin.require(Action::Release(&own)).is_ok());
         assert!(plugin.require(Action::ClusterStatus).is_ok());
+        assert!(plugin.require(Action::ReadPins).is_ok());
+        assert!(plugin.require(Action::WritePins(&own_node)).is_ok());
+        assert!(plugin.require(Action::WritePins(&[])).is_ok());
         for action in [
             Action::ReadLock(&other),
             Action::Release(&other),
@@ -379,7 +399,8 @@ mod tests {
             Action::Acquire(&own),
             Action::ListLocks,
             Action::Watch,
-            Action::WritePins,
+            Action::WritePins(&other_node),
+            Action::WritePins(&both),
             Action::RevokePod,
             Action::ClusterAdmin,
             Action::Raft,
@@ -402,13 +423,14 @@ mod tests {
     #[test]
     fn each_role_gets_its_table_row() {
         let k = key("n");
+        let elsewhere = ["m".to_string()];
         let all = [
             Action::Acquire(&k),
             Action::Release(&k),
             Action::ReadLock(&k),
             Action::ListLocks,
             Action::ForceRelease(&k),
-            Action::WritePins,
+            Action::WritePins(&elsewhere),
             Action::ReadPins,
             Action::Leases,
             Action::RevokePod,
@@ -431,7 +453,12 @@ mod tests {
         assert_eq!(row("scheduler"), "xxxx.xxx..xxx..");
         assert_eq!(row("bridge"), "..xx..x.xxxxx..");
         assert_eq!(row("reader"), "..xx..x...xxx..");
-        assert_eq!(row("device-plugin:n"), ".xx.........x..");
+        assert_eq!(row("device-plugin:n"), ".xx...x.....x..");
+        let on_n = ["n".to_string()];
+        assert!(allowed(
+            &"device-plugin:n".parse().unwrap(),
+            &Action::WritePins(&on_n)
+        ));
     }
 
     #[test]

@@ -12,7 +12,7 @@
 //! (short, see [`DEFAULT_LIFETIME`]); when the node is gone, with the node.
 //! A claim that fails after the fact (the bind failed) is released at once.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::time::Duration;
 
 use tether_client::proto::{
@@ -31,6 +31,9 @@ pub const DEVICE_LABEL_PREFIX: &str = "devices.tether.io/";
 /// to have torn the containers down, short enough that the device is
 /// offered again at once.
 pub const DEFAULT_LIFETIME: Duration = Duration::from_secs(1);
+
+/// Attempts of [`DeviceLedger::correct`] before it gives up.
+const CORRECT_ATTEMPTS: usize = 3;
 
 /// The topology key meaning "the node itself".
 const HOSTNAME: &str = "kubernetes.io/hostname";
@@ -220,6 +223,124 @@ impl DeviceLedger {
         self.client.release_pin(&key(pod_uid), reason).await?;
         Ok(())
     }
+
+    /// Makes the pod's claim on `node` name exactly `devices`: what the
+    /// kubelet gave it, which wins over what was planned. The kubelet
+    /// hands out only devices no admitted pod of its own accounting has, so
+    /// another claim naming one of them is stale (its pod was never
+    /// admitted with it, or has ended): that device is taken out of it.
+    ///
+    /// Not one atomic step: a claim is ended and made again. Call it only
+    /// while the pod holds the node's lock, as the device plugin's
+    /// `Allocate` does: claims on a node are made under that lock, so none
+    /// can slip in between.
+    pub async fn correct(
+        &self,
+        node: &str,
+        pod: ClaimOwner<'_>,
+        devices: &[String],
+    ) -> Result<Correction, Error> {
+        let mut first_planned = None;
+        let mut last_loss = String::new();
+        // A claim read from a leader that had not yet applied it can be
+        // missed once; the made-again claim then loses to it and the next
+        // attempt sees it.
+        for _ in 0..CORRECT_ATTEMPTS {
+            match self.correct_once(node, pod, devices).await? {
+                Ok(mut correction) => {
+                    if let Some(planned) = first_planned {
+                        correction.planned = planned;
+                    }
+                    return Ok(correction);
+                }
+                Err((planned, why)) => {
+                    first_planned.get_or_insert(planned);
+                    last_loss = why;
+                }
+            }
+        }
+        Err(Error::FailedPrecondition(format!(
+            "the devices the kubelet gave pod uid {} are still claimed after {CORRECT_ATTEMPTS} \
+             attempts: {last_loss}",
+            pod.uid
+        )))
+    }
+
+    /// One attempt of [`DeviceLedger::correct`]: the correction, or the
+    /// devices the claim named and why a claim was lost.
+    async fn correct_once(
+        &self,
+        node: &str,
+        pod: ClaimOwner<'_>,
+        devices: &[String],
+    ) -> Result<Result<Correction, (Vec<String>, String)>, Error> {
+        let wanted: BTreeSet<&String> = devices.iter().collect();
+        let mut correction = Correction::default();
+        for pin in self.client.list_pins(DEVICE_SET, node).await? {
+            let owner = pin.pod_uid.as_str();
+            let held = devices_of(&pin);
+            if owner == pod.uid {
+                correction.planned = held;
+                continue;
+            }
+            let (lost, kept): (Vec<String>, Vec<String>) =
+                held.into_iter().partition(|d| wanted.contains(d));
+            if lost.is_empty() {
+                continue;
+            }
+            let reason = format!(
+                "the kubelet gave {lost:?} to pod uid {}: this claim was stale",
+                pod.uid
+            );
+            self.client.release_pin(&key(owner), &reason).await?;
+            if !kept.is_empty() {
+                let label = |name: &str| pin.labels.get(name).map_or("", String::as_str);
+                let other = ClaimOwner {
+                    uid: owner,
+                    namespace: label(POD_NAMESPACE_LABEL),
+                    name: label(POD_NAME_LABEL),
+                };
+                self.claim(node, other, &kept).await?;
+            }
+            correction.taken_from.push((owner.to_string(), lost));
+        }
+        let mut sorted = devices.to_vec();
+        sorted.sort();
+        if correction.planned == sorted {
+            return Ok(Ok(correction));
+        }
+        if !correction.planned.is_empty() {
+            self.client
+                .release_pin(
+                    &key(pod.uid),
+                    &format!("the kubelet gave the pod {sorted:?}; the claim is made again"),
+                )
+                .await?;
+        }
+        match self.claim(node, pod, &sorted).await? {
+            Claim::Held(_) => {
+                correction.changed = true;
+                Ok(Ok(correction))
+            }
+            Claim::OnOtherNode { node: other, .. } => Err(Error::FailedPrecondition(format!(
+                "pod uid {} has a device claim on node {other}, not {node}",
+                pod.uid
+            ))),
+            Claim::Taken(why) => Ok(Err((correction.planned, why))),
+        }
+    }
+}
+
+/// What [`DeviceLedger::correct`] did.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Correction {
+    /// The devices the pod's claim named before (sorted; none if it had
+    /// no claim on the node).
+    pub planned: Vec<String>,
+    /// Whether the pod's claim was made again with other devices.
+    pub changed: bool,
+    /// Devices taken out of other pods' stale claims: pod uid, devices.
+    pub taken_from: Vec<(String, Vec<String>)>,
 }
 
 #[cfg(test)]

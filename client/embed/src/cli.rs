@@ -38,13 +38,17 @@ pub struct ExtenderArgs {
         default_value = "tether.io/gpu"
     )]
     pub resource: String,
-    /// GPUs per node (device ids `<prefix>0..N`, as the device plugin
-    /// advertises them).
-    #[arg(long, default_value_t = 8)]
-    pub devices_per_node: usize,
-    /// Device id prefix.
-    #[arg(long, default_value = "gpu")]
+    /// Device id prefix, as the device plugin's `--device-prefix`. A
+    /// node's device ids are `<prefix>0..N`, N its allocatable count of
+    /// the resource (`status.allocatable`, which the kubelet fills from
+    /// the plugin's healthy devices).
+    #[arg(long, env = "TETHER_EXTENDER_DEVICE_PREFIX", default_value = "gpu")]
     pub device_prefix: String,
+    /// How long the filter verb trusts a node's allocatable count it read
+    /// (kube-scheduler sends node names only, with `nodeCacheCapable`);
+    /// the bind verb always reads the node afresh.
+    #[arg(long, env = "TETHER_EXTENDER_INVENTORY_TTL", default_value = "30s", value_parser = humantime::parse_duration)]
+    pub inventory_ttl: Duration,
 }
 
 /// `tether-device-plugin`'s flags.

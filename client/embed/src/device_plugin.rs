@@ -16,7 +16,12 @@
 //!
 //! `GetPreferredAllocation` steers the kubelet to the plan's devices, so the
 //! kubelet's accounting and what the container gets agree; the container
-//! always gets exactly the ids the kubelet sent.
+//! always gets exactly the ids the kubelet sent. Where the kubelet chose
+//! other devices (its own accounting has planned ones taken: a pod it
+//! admitted without Tether, or a claim that ended before the kubelet freed
+//! the device), the last call corrects the pod's device claim to the
+//! kubelet's choice before the hold is released, so Tether's ledger never
+//! keeps naming a device a live pod does not have, or missing one it has.
 //!
 //! The kubelet deletes every socket in its device-plugin directory and
 //! creates `kubelet.sock` afresh when it restarts; [`run`] notices either
@@ -36,7 +41,7 @@ use tokio_stream::wrappers::UnixListenerStream;
 use tonic::transport::{Endpoint, Server};
 use tonic::{Request, Response, Status};
 
-use crate::accounting::{DEFAULT_LIFETIME, DeviceLedger};
+use crate::accounting::{ClaimOwner, DEFAULT_LIFETIME, DeviceLedger};
 use crate::plan::{DevicePlan, PlannedCall, PodCalls};
 use crate::v1beta1::device_plugin_server::{DevicePlugin, DevicePluginServer};
 use crate::v1beta1::registration_client::RegistrationClient;
@@ -78,6 +83,8 @@ pub struct GpuPlugin {
 struct Progress {
     token: u64,
     served: usize,
+    /// Every device the kubelet has sent for the hold's pod so far.
+    given: BTreeSet<String>,
 }
 
 impl GpuPlugin {
@@ -194,6 +201,43 @@ impl GpuPlugin {
                 })
                 .collect(),
             ..Default::default()
+        }
+    }
+
+    /// Makes the pod's device claim name what the kubelet gave it, if that
+    /// is not what was planned, while the pod still holds the node's lock
+    /// (see [`DeviceLedger::correct`]). The kubelet's accounting is the
+    /// node's truth; a claim that disagreed would let the extender plan
+    /// another pod onto devices this one has. If the claim cannot be
+    /// corrected the call fails: the kubelet then fails the pod and takes
+    /// the devices back, rather than run it on devices Tether does not know
+    /// it has.
+    async fn follow_the_kubelet(
+        &self,
+        plan: &DevicePlan,
+        given: &BTreeSet<String>,
+    ) -> Result<(), Status> {
+        let planned: BTreeSet<&String> = plan.devices.iter().collect();
+        if given.iter().eq(planned.iter().copied()) {
+            return Ok(());
+        }
+        let given: Vec<String> = given.iter().cloned().collect();
+        let owner = ClaimOwner {
+            uid: &plan.pod_uid,
+            namespace: &plan.namespace,
+            name: &plan.name,
+        };
+        match self.ledger.correct(&self.config.node, owner, &given).await {
+            Ok(correction) => {
+                tracing::warn!(pod_uid = plan.pod_uid, planned = ?correction.planned, given = ?given, taken_from = ?correction.taken_from, "device claim corrected to what the kubelet gave");
+                Ok(())
+            }
+            Err(err) => Err(Status::unavailable(format!(
+                "the kubelet gave pod {}/{} devices {given:?}, not the planned {:?}, and its device \
+                 claim cannot be corrected, so this Allocate fails (the kubelet does not retry \
+                 it): {err}",
+                plan.namespace, plan.name, plan.devices
+            ))),
         }
     }
 
@@ -340,10 +384,11 @@ impl DevicePlugin for GpuPlugin {
         if progress.token != hold.token {
             *progress = Progress {
                 token: hold.token,
-                served: 0,
+                ..Progress::default()
             };
         }
         let mut served = progress.served;
+        let mut given = progress.given.clone();
         let mut container_responses = Vec::new();
         for container in &request.container_requests {
             let Some(call) = plan.calls.get(served) else {
@@ -374,8 +419,9 @@ impl DevicePlugin for GpuPlugin {
                 .filter(|d| !plan.devices.contains(d))
                 .collect();
             if !outside.is_empty() {
-                tracing::warn!(pod_uid = plan.pod_uid, container = call.container, ?outside, planned = ?plan.devices, "the kubelet chose devices outside the plan (it serves its own accounting); the container gets what the kubelet chose");
+                tracing::warn!(pod_uid = plan.pod_uid, container = call.container, ?outside, planned = ?plan.devices, "the kubelet chose devices outside the plan (its own accounting has the planned ones taken); the container gets what the kubelet chose and the claim follows it");
             }
+            given.extend(container.devices_ids.iter().cloned());
             container_responses.push(Self::respond(
                 &plan,
                 hold.token,
@@ -385,6 +431,7 @@ impl DevicePlugin for GpuPlugin {
             served += 1;
         }
         if served == plan.calls.len() {
+            self.follow_the_kubelet(&plan, &given).await?;
             if let Some(hook) = &self.before_release {
                 hook().await;
             }
@@ -392,6 +439,7 @@ impl DevicePlugin for GpuPlugin {
             tracing::info!(pod_uid = plan.pod_uid, token = hold.token, calls = served, devices = ?plan.devices, "pod fully allocated; lock released");
         }
         progress.served = served;
+        progress.given = given;
         Ok(Response::new(api::AllocateResponse {
             container_responses,
         }))

@@ -39,7 +39,7 @@ use axum::http::StatusCode;
 use axum::http::header::CONTENT_TYPE;
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
-use k8s_openapi::api::core::v1::Pod as KubePod;
+use k8s_openapi::api::core::v1::{Node as KubeNode, Pod as KubePod};
 use tether_http::Departure;
 use tether_http::departure::detect_departure;
 
@@ -104,16 +104,17 @@ pub struct ExtenderFilterResult {
     pub error: String,
 }
 
-/// Why each node that cannot take `needed` devices for `pod_uid` fails:
-/// its free devices are those of `node_devices` no other pod claims
-/// (`claims`: node -> device -> pod uid; the pod's own claim counts as
-/// free, so a retried bind still fits). Needing more than a node has at
-/// all is unresolvable; needing more than is free now is not (pods may
-/// end or be preempted).
+/// Why each node that cannot take `needed` devices for `pod_uid` fails.
+/// A node's devices are its inventory (`inventory`: node -> device ids, or
+/// why they could not be read); its free devices are those no other pod
+/// claims (`claims`: node -> device -> pod uid; the pod's own claim counts
+/// as free, so a retried bind still fits). Needing more than a node has at
+/// all is unresolvable; needing more than is free now is not (pods may end
+/// or be preempted), nor is a node whose inventory could not be read.
 pub fn unfit_nodes(
     candidates: &[String],
     needed: usize,
-    node_devices: &[String],
+    inventory: &BTreeMap<String, Result<Vec<String>, String>>,
     claims: &BTreeMap<String, BTreeMap<String, String>>,
     pod_uid: &str,
     resource: &str,
@@ -123,11 +124,25 @@ pub fn unfit_nodes(
         return (failed, unresolvable);
     }
     for node in candidates {
+        let node_devices = match inventory.get(node) {
+            Some(Ok(devices)) => devices,
+            Some(Err(why)) => {
+                failed.insert(node.clone(), why.clone());
+                continue;
+            }
+            None => {
+                failed.insert(
+                    node.clone(),
+                    format!("the {resource} devices of node {node} are unknown"),
+                );
+                continue;
+            }
+        };
         if needed > node_devices.len() {
             unresolvable.insert(
                 node.clone(),
                 format!(
-                    "the pod needs {needed} {resource} devices; a node has {}",
+                    "the pod needs {needed} {resource} devices; the node has {}",
                     node_devices.len()
                 ),
             );
@@ -150,6 +165,42 @@ pub fn unfit_nodes(
     (failed, unresolvable)
 }
 
+/// The device ids of `node`: `<prefix>0` up to its allocatable count of
+/// `resource` (what the device plugin advertises and the kubelet reports
+/// as healthy), in order; none if the node has none of the resource. A
+/// count that is not a whole number is refused.
+pub fn node_inventory(
+    node: &KubeNode,
+    resource: &str,
+    prefix: &str,
+) -> Result<Vec<String>, String> {
+    let name = node.metadata.name.as_deref().unwrap_or_default();
+    let Some(quantity) = node
+        .status
+        .as_ref()
+        .and_then(|s| s.allocatable.as_ref())
+        .and_then(|a| a.get(resource))
+    else {
+        return Ok(Vec::new());
+    };
+    let count: usize = quantity.0.trim().parse().map_err(|_| {
+        format!(
+            "node {name} reports allocatable {resource} {:?}, not a whole number of devices",
+            quantity.0
+        )
+    })?;
+    if count > MAX_DEVICES_PER_NODE {
+        return Err(format!(
+            "node {name} reports {count} allocatable {resource}; at most {MAX_DEVICES_PER_NODE} \
+             devices a node are planned"
+        ));
+    }
+    Ok((0..count).map(|i| format!("{prefix}{i}")).collect())
+}
+
+/// More devices than any node has; a larger count is a misreport.
+const MAX_DEVICES_PER_NODE: usize = 1024;
+
 /// The Kubernetes API calls the bind verb makes.
 pub trait Binder: Send + Sync + 'static {
     /// Reads the pod.
@@ -158,6 +209,8 @@ pub trait Binder: Send + Sync + 'static {
         namespace: &str,
         name: &str,
     ) -> impl Future<Output = Result<KubePod, String>> + Send;
+    /// Reads a node (for its allocatable devices).
+    fn node(&self, name: &str) -> impl Future<Output = Result<KubeNode, String>> + Send;
     /// Binds (the `pods/binding` subresource); an error is returned to the
     /// scheduler as text.
     fn bind(&self, args: &ExtenderBindingArgs) -> impl Future<Output = Result<(), String>> + Send;
@@ -181,6 +234,14 @@ impl Binder for KubeBinder {
         pods.get(name)
             .await
             .map_err(|e| format!("cannot read pod {namespace}/{name}: {e}"))
+    }
+
+    async fn node(&self, name: &str) -> Result<KubeNode, String> {
+        let nodes: kube::Api<KubeNode> = kube::Api::all(self.client.clone());
+        nodes
+            .get(name)
+            .await
+            .map_err(|e| format!("cannot read node {name}: {e}"))
     }
 
     async fn bind(&self, args: &ExtenderBindingArgs) -> Result<(), String> {
@@ -220,9 +281,18 @@ pub struct ExtenderConfig {
     /// below the scheduler's `httpTimeout` minus the binding call, so the
     /// extender gives up before the scheduler does.
     pub wait: Duration,
-    /// The device ids of every node, in the order they are offered.
-    pub node_devices: Vec<String>,
+    /// Device ids are this prefix and a number, as the device plugin
+    /// advertises them; how many a node has is its allocatable count of
+    /// the resource.
+    pub device_prefix: String,
+    /// How long the filter verb trusts a node's device count it read (the
+    /// bind verb reads it afresh).
+    pub inventory_ttl: Duration,
 }
+
+/// Node reads one filter call makes at a time (only nodes not read within
+/// the inventory TTL are read).
+const NODE_READS_IN_FLIGHT: usize = 16;
 
 /// Claim attempts before a bind gives up (each re-reads the node's claims
 /// after a lost race).
@@ -234,6 +304,8 @@ pub struct Extender<B> {
     ledger: DeviceLedger,
     binder: B,
     config: ExtenderConfig,
+    /// Node -> when its device ids were read, and what they were.
+    inventory: std::sync::Mutex<BTreeMap<String, (Instant, Vec<String>)>>,
 }
 
 impl<B: Binder> Extender<B> {
@@ -244,7 +316,31 @@ impl<B: Binder> Extender<B> {
             ledger,
             binder,
             config,
+            inventory: std::sync::Mutex::default(),
         }
+    }
+
+    /// `node`'s device ids, from a Node object at hand.
+    fn remember(&self, node: &KubeNode) -> Result<Vec<String>, String> {
+        let devices = node_inventory(node, &self.config.resource, &self.config.device_prefix)?;
+        if let Some(name) = node.metadata.name.clone() {
+            self.inventory
+                .lock()
+                .expect("inventory lock")
+                .insert(name, (Instant::now(), devices.clone()));
+        }
+        Ok(devices)
+    }
+
+    /// `name`'s device ids: read from the API unless read within `max_age`.
+    async fn devices_of(&self, name: &str, max_age: Duration) -> Result<Vec<String>, String> {
+        if let Some((read, devices)) = self.inventory.lock().expect("inventory lock").get(name)
+            && read.elapsed() <= max_age
+        {
+            return Ok(devices.clone());
+        }
+        let node = self.binder.node(name).await?;
+        self.remember(&node)
     }
 
     /// Handles one bind: read the pod, acquire (FIFO), claim devices, bind;
@@ -415,6 +511,17 @@ impl<B: Binder> Extender<B> {
         args: &ExtenderBindingArgs,
         count: usize,
     ) -> Result<Vec<String>, String> {
+        let node_devices = self.devices_of(&args.node, Duration::ZERO).await?;
+        if node_devices.len() < count {
+            return Err(format!(
+                "pod {}/{} needs {count} {} devices; node {} has {} allocatable",
+                args.pod_namespace,
+                args.pod_name,
+                self.config.resource,
+                args.node,
+                node_devices.len()
+            ));
+        }
         let mut last_loss = String::new();
         for _ in 0..CLAIM_ATTEMPTS {
             let in_use =
@@ -434,7 +541,7 @@ impl<B: Binder> Extender<B> {
             let devices = if ours.len() == count {
                 ours
             } else {
-                pick_free(&self.config.node_devices, &taken, count).map_err(|e| {
+                pick_free(&node_devices, &taken, count).map_err(|e| {
                     format!(
                         "node {} cannot take {}/{}: {e}",
                         args.node, args.pod_namespace, args.pod_name
@@ -550,11 +657,36 @@ impl<B: Binder> Extender<B> {
                 }
             }
         };
+        let mut inventory = BTreeMap::new();
+        if needed > 0 {
+            match &args.nodes {
+                Some(list) => {
+                    for node in &list.items {
+                        if let Some(name) = node.metadata.name.clone() {
+                            inventory.insert(name, self.remember(node));
+                        }
+                    }
+                }
+                None => {
+                    use futures::StreamExt as _;
+                    let ttl = self.config.inventory_ttl;
+                    let reads = candidates.iter().cloned().map(|name| async move {
+                        let devices = self.devices_of(&name, ttl).await;
+                        (name, devices)
+                    });
+                    let read: Vec<_> = futures::stream::iter(reads)
+                        .buffer_unordered(NODE_READS_IN_FLIGHT)
+                        .collect()
+                        .await;
+                    inventory.extend(read);
+                }
+            }
+        }
         let uid = pod.metadata.uid.as_deref().unwrap_or_default();
         let (failed, unresolvable) = unfit_nodes(
             &candidates,
             needed,
-            &self.config.node_devices,
+            &inventory,
             &claims,
             uid,
             &self.config.resource,

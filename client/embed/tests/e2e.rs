@@ -23,9 +23,16 @@
 //! - a kubelet restart deletes every socket in the plugin directory and
 //!   serves `kubelet.sock` afresh.
 //!
-//! The fake API server answers `GET pods/<name>` and `POST
-//! pods/<name>/binding` as the API server does: 201 and `spec.nodeName`
-//! set, or 409 Conflict when the pod is already bound.
+//! The fake API server answers `GET pods/<name>`, `GET nodes/<name>` and
+//! `POST pods/<name>/binding` as the API server does: 201 and
+//! `spec.nodeName` set, or 409 Conflict when the pod is already bound. Its
+//! nodes carry `status.allocatable` of the resource, as the kubelet reports
+//! a device plugin's healthy devices.
+//!
+//! Tether runs with mutual TLS and each part with the role it is deployed
+//! with: the extender `scheduler`, the plugin `device-plugin:<its node>`,
+//! the test itself (acting as the bridge and an operator) `admin`. A
+//! permission a part lacks fails its scenario.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
@@ -47,6 +54,8 @@ use tether_embed::v1beta1 as api;
 use tether_embed::v1beta1::device_plugin_client::DevicePluginClient;
 use tether_embed::v1beta1::registration_server::{Registration, RegistrationServer};
 use tether_server::testing::{Cluster, DEADLINE};
+use tether_tls::TlsMaterial;
+use tether_tls::testing::TestCa;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::task::JoinHandle;
@@ -106,6 +115,7 @@ fn pod_json(name: &str, containers: &[(&str, u32, Kind)]) -> serde_json::Value {
 #[derive(Default)]
 struct FakeApi {
     pods: Mutex<BTreeMap<String, serde_json::Value>>,
+    nodes: Mutex<BTreeMap<String, serde_json::Value>>,
     bindings: Mutex<Vec<(String, String, Instant)>>,
     /// Bindings of these pods fail with 409 "being deleted".
     fail: Mutex<BTreeSet<String>>,
@@ -133,10 +143,38 @@ impl FakeApi {
         self.pods.lock().unwrap().insert(name, pod);
     }
 
+    /// A node with `devices` of the resource allocatable (none: the
+    /// resource is absent, as on a node without the plugin).
+    fn add_node(&self, name: &str, devices: Option<&str>) {
+        let mut node = serde_json::json!({
+            "apiVersion": "v1", "kind": "Node",
+            "metadata": {"name": name, "uid": format!("node-uid-{name}"), "resourceVersion": "1"},
+            "status": {"allocatable": {"cpu": "8", "memory": "32Gi"}},
+        });
+        if let Some(devices) = devices {
+            node["status"]["allocatable"][RESOURCE] = devices.into();
+        }
+        self.nodes.lock().unwrap().insert(name.to_string(), node);
+    }
+
     async fn handle(&self, method: Method, uri: Uri, body: Bytes) -> Response {
-        // /api/v1/namespaces/{ns}/pods/{name}[/binding]
+        // /api/v1/namespaces/{ns}/pods/{name}[/binding] or /api/v1/nodes/{name}
         let path = uri.path().to_string();
         let parts: Vec<&str> = path.split('/').collect();
+        if parts.len() == 5 && parts[3] == "nodes" {
+            let node = self.nodes.lock().unwrap().get(parts[4]).cloned();
+            return match (method.as_str(), node) {
+                ("GET", Some(node)) => json_response(StatusCode::OK, node),
+                ("GET", None) => json_response(
+                    StatusCode::NOT_FOUND,
+                    api_status(404, "NotFound", format!("nodes \"{}\" not found", parts[4])),
+                ),
+                _ => json_response(
+                    StatusCode::METHOD_NOT_ALLOWED,
+                    api_status(405, "MethodNotAllowed", path),
+                ),
+            };
+        }
         if parts.len() < 7 || parts[5] != "pods" {
             return json_response(
                 StatusCode::NOT_FOUND,
@@ -410,6 +448,17 @@ impl FakeKubelet {
         Ok(answers)
     }
 
+    /// The kubelet gives `devices` to a pod Tether never saw (admitted
+    /// before the plugin ran, or scheduled around the extender).
+    fn occupy(&self, uid: &str, devices: &[&str]) {
+        self.allocated
+            .lock()
+            .unwrap()
+            .entry(uid.to_string())
+            .or_default()
+            .extend(devices.iter().map(|d| d.to_string()));
+    }
+
     /// The pod ended: its devices are free again.
     fn pod_ended(&self, uid: &str) {
         self.allocated.lock().unwrap().remove(uid);
@@ -419,7 +468,10 @@ impl FakeKubelet {
 /// Everything one scenario needs.
 struct Rig {
     cluster: Cluster,
+    /// An `admin` client: the test acts as the bridge and an operator.
     client: Client,
+    /// Certificates of each role (`device-plugin:<node>` for the plugin).
+    identities: Identities,
     api: Arc<FakeApi>,
     kubelet: Arc<FakeKubelet>,
     extender: std::net::SocketAddr,
@@ -427,25 +479,67 @@ struct Rig {
     _dir: tempfile::TempDir,
 }
 
-fn client_of(cluster: &Cluster) -> Client {
+/// A throwaway CA and the certificates it issues, one directory a role.
+struct Identities {
+    ca: TestCa,
+    dir: tempfile::TempDir,
+}
+
+impl Identities {
+    fn new() -> Identities {
+        Identities {
+            ca: TestCa::new("tether-e2e"),
+            dir: tempfile::tempdir().unwrap(),
+        }
+    }
+
+    /// The replicas' certificate directory (one for all: they all listen
+    /// on 127.0.0.1).
+    fn replicas(&self) -> PathBuf {
+        let dir = self.dir.path().join("replica");
+        self.ca
+            .write_dir(&dir, "replica", &["127.0.0.1", "localhost"]);
+        dir
+    }
+
+    /// A client certificate naming `role`.
+    fn of(&self, role: &str) -> Arc<TlsMaterial> {
+        let dir = self.dir.path().join(role.replace(':', "-"));
+        TlsMaterial::load(self.ca.write_dir(&dir, role, &["localhost"])).unwrap()
+    }
+}
+
+/// A client of `cluster` with the certificate of `role`.
+fn client_as(cluster: &Cluster, identities: &Identities, role: &str) -> Client {
     Client::new(
         cluster.endpoints(),
         Options {
             retry_timeout: DEADLINE,
+            tls: Some(identities.of(role)),
             ..Options::default()
         },
     )
     .unwrap()
 }
 
-fn start_plugin(cluster: &Cluster, dir: &Path, hook: Option<BeforeRelease>) -> JoinHandle<()> {
+/// The plugin's role on the rig's node.
+fn plugin_role() -> String {
+    format!("device-plugin:{NODE}")
+}
+
+fn start_plugin(
+    cluster: &Cluster,
+    identities: &Identities,
+    dir: &Path,
+    hook: Option<BeforeRelease>,
+) -> JoinHandle<()> {
     let config = PluginConfig {
         node: NODE.into(),
         scope: "gpu-bind".into(),
         resource_name: RESOURCE.into(),
         devices: node_devices(),
     };
-    let mut plugin = GpuPlugin::new(client_of(cluster), config);
+    let mut plugin = GpuPlugin::new(client_as(cluster, identities, &plugin_role()), config);
     if let Some(hook) = hook {
         plugin = plugin.with_before_release(hook);
     }
@@ -473,9 +567,16 @@ impl Rig {
                     .unwrap_or_else(|_| "warn".into()),
             )
             .try_init();
-        let cluster = Cluster::start(3).await;
-        let client = client_of(&cluster);
+        let identities = Identities::new();
+        let replicas = identities.replicas();
+        let cluster = Cluster::start_with(3, move |config| {
+            config.tls_dir = Some(replicas.clone());
+        })
+        .await;
+        let client = client_as(&cluster, &identities, "admin");
         let api = Arc::new(FakeApi::default());
+        api.add_node(NODE, Some("8"));
+        api.add_node("gpu-node-2", Some("8"));
         let api_listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
         let api_url = format!("http://{}", api_listener.local_addr().unwrap());
         let handler_api = api.clone();
@@ -494,11 +595,13 @@ impl Rig {
             scope: "gpu-bind".into(),
             resource: RESOURCE.into(),
             wait,
-            node_devices: node_devices(),
+            device_prefix: "gpu".into(),
+            inventory_ttl: Duration::from_secs(30),
         };
+        let scheduler = client_as(&cluster, &identities, "scheduler");
         let extender = Arc::new(Extender::new(
-            client_of(&cluster),
-            DeviceLedger::new(client_of(&cluster), DEFAULT_LIFETIME),
+            scheduler.clone(),
+            DeviceLedger::new(scheduler, DEFAULT_LIFETIME),
             KubeBinder::new(kube),
             config,
         ));
@@ -507,10 +610,11 @@ impl Rig {
         tokio::spawn(serve_extender(listener, extender, std::future::pending()));
         let dir = tempfile::tempdir().unwrap();
         let kubelet = FakeKubelet::start(dir.path());
-        let plugin = start_plugin(&cluster, dir.path(), None);
+        let plugin = start_plugin(&cluster, &identities, dir.path(), None);
         let rig = Rig {
             cluster,
             client,
+            identities,
             api,
             kubelet,
             extender: extender_addr,
@@ -1042,7 +1146,12 @@ async fn a_plugin_crashing_mid_allocate_fails_only_that_pod() {
             std::future::pending::<()>().await;
         })
     });
-    rig.plugin = Some(start_plugin(&rig.cluster, rig._dir.path(), Some(hook)));
+    rig.plugin = Some(start_plugin(
+        &rig.cluster,
+        &rig.identities,
+        rig._dir.path(),
+        Some(hook),
+    ));
     assert_eq!(rig.bind("victim").await.error, "");
     let admission = tokio::time::timeout(Duration::from_secs(2), rig.admit("victim"));
     let (outcome, ()) = tokio::join!(admission, reached.notified());
@@ -1056,7 +1165,12 @@ async fn a_plugin_crashing_mid_allocate_fails_only_that_pod() {
     // The kubelet does not retry: the pod is Failed, the bridge reports it,
     // and the node is free for the next pod.
     rig.end_pod("victim").await;
-    rig.plugin = Some(start_plugin(&rig.cluster, rig._dir.path(), None));
+    rig.plugin = Some(start_plugin(
+        &rig.cluster,
+        &rig.identities,
+        rig._dir.path(),
+        None,
+    ));
     assert_eq!(rig.bind("next").await.error, "");
     rig.wait_for("the plugin to serve again", async || {
         rig.kubelet.plugin_socket().is_some()
@@ -1174,6 +1288,54 @@ async fn the_filter_verb_drops_nodes_without_enough_unclaimed_devices_with_a_rea
             "{claim:?}"
         );
     }
+    // Nodes with other device counts, read from their allocatable.
+    rig.api.add_node("gpu-node-4", Some("4"));
+    rig.api.add_node("cpu-node", None);
+    rig.api.add_node("odd-node", Some("500m"));
+    let five = rig
+        .post(
+            "/scheduler/filter",
+            &serde_json::json!({"Pod": pod_json("five", &[("main", 5, Kind::App)]),
+                "NodeNames": ["gpu-node-4", "cpu-node", "odd-node", "gone-node", "gpu-node-2"]}),
+            DEADLINE,
+        )
+        .await
+        .unwrap();
+    assert_eq!(
+        five["NodeNames"],
+        serde_json::json!(["gpu-node-2"]),
+        "{five}"
+    );
+    let never = &five["FailedAndUnresolvableNodes"];
+    let failed = &five["FailedNodes"];
+    assert!(
+        never["gpu-node-4"]
+            .as_str()
+            .unwrap()
+            .contains("needs 5 tether.io/gpu devices; the node has 4"),
+        "{five}"
+    );
+    assert!(
+        never["cpu-node"]
+            .as_str()
+            .unwrap()
+            .contains("the node has 0"),
+        "{five}"
+    );
+    assert!(
+        failed["odd-node"]
+            .as_str()
+            .unwrap()
+            .contains("not a whole number"),
+        "{five}"
+    );
+    assert!(
+        failed["gone-node"]
+            .as_str()
+            .unwrap()
+            .contains("cannot read node gone-node"),
+        "{five}"
+    );
     let filter = async |pod: serde_json::Value, names: bool| {
         let nodes = [NODE, "gpu-node-2"];
         let args = if names {
@@ -1181,7 +1343,10 @@ async fn the_filter_verb_drops_nodes_without_enough_unclaimed_devices_with_a_rea
         } else {
             let items: Vec<_> = nodes
                 .iter()
-                .map(|n| serde_json::json!({"metadata": {"name": n}}))
+                .map(|n| {
+                    serde_json::json!({"metadata": {"name": n},
+                        "status": {"allocatable": {RESOURCE: "8"}}})
+                })
                 .collect();
             serde_json::json!({"Pod": pod, "Nodes": {"metadata": {}, "items": items}})
         };
@@ -1241,6 +1406,71 @@ async fn the_filter_verb_drops_nodes_without_enough_unclaimed_devices_with_a_rea
             .unwrap()
             .contains("malformed ExtenderArgs"),
         "{bad}"
+    );
+    rig.shutdown().await;
+}
+
+/// The kubelet's accounting is the node's truth: when it gives a pod other
+/// devices than the plan (the planned ones are taken in its eyes), the
+/// pod's claim becomes what it gave, and a stale claim of another pod on
+/// those devices loses them.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn the_kubelets_choice_of_devices_becomes_the_pods_claim() {
+    let rig = Rig::start().await;
+    // gpu0..gpu5 the kubelet gave to a pod Tether never saw.
+    rig.kubelet.occupy(
+        "uid-outsider",
+        &["gpu0", "gpu1", "gpu2", "gpu3", "gpu4", "gpu5"],
+    );
+    // A claim on gpu5 and gpu6 whose pod was never admitted with them.
+    let ledger = DeviceLedger::new(rig.client.clone(), DEFAULT_LIFETIME);
+    let stale = tether_embed::accounting::ClaimOwner {
+        uid: "uid-stale",
+        namespace: "ml",
+        name: "stale",
+    };
+    let claim = ledger
+        .claim(NODE, stale, &["gpu5".to_string(), "gpu6".to_string()])
+        .await
+        .unwrap();
+    assert!(
+        matches!(claim, tether_embed::accounting::Claim::Held(_)),
+        "{claim:?}"
+    );
+    rig.add_pod("a", 2);
+    assert_eq!(rig.bind("a").await.error, "");
+    let planned: Vec<String> = rig
+        .claims()
+        .await
+        .into_iter()
+        .filter(|(_, uid)| uid == "uid-a")
+        .map(|(device, _)| device)
+        .collect();
+    assert_eq!(
+        planned,
+        ["gpu0", "gpu1"],
+        "the extender planned what Tether saw free"
+    );
+    let admitted = rig.admit("a").await.expect("admitted");
+    assert_eq!(
+        devices_of(&admitted),
+        [(
+            "main".to_string(),
+            vec!["gpu6".to_string(), "gpu7".to_string()]
+        )],
+        "the container gets what the kubelet chose"
+    );
+    let claims = rig.claims().await;
+    let expected: BTreeMap<String, String> =
+        [("gpu5", "uid-stale"), ("gpu6", "uid-a"), ("gpu7", "uid-a")]
+            .into_iter()
+            .map(|(d, u)| (d.to_string(), u.to_string()))
+            .collect();
+    assert_eq!(claims, expected, "the claims follow the kubelet");
+    assert_eq!(
+        rig.holder().await,
+        None,
+        "the pod's hold was released after"
     );
     rig.shutdown().await;
 }

@@ -24,6 +24,26 @@ impl PinApi {
         Self { ctx }
     }
 
+    /// The node of the pin `key` names, as this replica has it applied
+    /// (none if there is no such pin), for the permission check of a
+    /// release. Pins never move: a pin found on a node is released there,
+    /// unless it ends and a new pin of the same key is assigned elsewhere
+    /// between this read and the release's entry.
+    fn node_of(&self, key: Option<&pb::PinKey>) -> Vec<String> {
+        let Ok(key) = validate::pin_key(key) else {
+            return Vec::new();
+        };
+        self.ctx
+            .state
+            .read()
+            .state
+            .pins
+            .get(&key)
+            .map(|p| p.node.clone())
+            .into_iter()
+            .collect()
+    }
+
     async fn do_assign(
         &self,
         caller: &Caller,
@@ -137,7 +157,12 @@ impl PinService for PinApi {
         &self,
         request: Request<pb::AssignRequest>,
     ) -> Result<Response<pb::AssignResponse>, Status> {
-        let result = match self.ctx.auth.check(&request, Action::WritePins) {
+        let candidates = request.get_ref().candidates.clone();
+        let result = match self
+            .ctx
+            .auth
+            .check(&request, Action::WritePins(&candidates))
+        {
             Ok(caller) => self.do_assign(&caller, request.into_inner()).await,
             Err(err) => Err(err),
         };
@@ -148,7 +173,8 @@ impl PinService for PinApi {
         &self,
         request: Request<pb::ReleasePinRequest>,
     ) -> Result<Response<pb::ReleasePinResponse>, Status> {
-        let result = match self.ctx.auth.check(&request, Action::WritePins) {
+        let node = self.node_of(request.get_ref().key.as_ref());
+        let result = match self.ctx.auth.check(&request, Action::WritePins(&node)) {
             Ok(caller) => self.do_release(&caller, request.into_inner()).await,
             Err(err) => Err(err),
         };

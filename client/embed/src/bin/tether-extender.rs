@@ -33,9 +33,8 @@ async fn main() -> anyhow::Result<()> {
         scope: args.scope,
         resource: args.resource,
         wait: args.bind_wait,
-        node_devices: (0..args.devices_per_node)
-            .map(|i| format!("{}{i}", args.device_prefix))
-            .collect(),
+        device_prefix: args.device_prefix,
+        inventory_ttl: args.inventory_ttl,
     };
     let ledger = DeviceLedger::new(client.clone(), DEFAULT_LIFETIME);
     let extender = Arc::new(Extender::new(client, ledger, KubeBinder::new(kube), config));
