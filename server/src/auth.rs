@@ -178,7 +178,7 @@ impl Action<'_> {
             Action::ReadLock(key) => format!("read lock {key}"),
             Action::ListLocks => "list locks".to_string(),
             Action::ForceRelease(key) => format!("force-release lock {key}"),
-            Action::WritePins(nodes) if nodes.is_empty() => "assign or release pins".to_string(),
+            Action::WritePins([]) => "assign or release pins".to_string(),
             Action::WritePins(nodes) => {
                 format!("assign or release pins on node {}", nodes.join(", "))
             }

@@ -10,7 +10,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use common::{DEADLINE, lock, pod};
-use tether_client::proto::Outcome;
+use tether_client::proto::{Outcome, PinKey};
 use tether_client::{Client, Error, Options};
 use tether_server::testing::Cluster;
 use tether_tls::testing::{TestCa, connect_without_certificate, server_certificate};
@@ -128,6 +128,55 @@ async fn a_device_plugin_can_touch_only_its_own_nodes_locks() {
         .await
         .expect("its own node's hold");
     assert!(admin.holder(&own).await.unwrap().is_none());
+
+    // Pins (device claims): it reads them, writes them on its node only.
+    let claim = |member: &str| PinKey {
+        set: "gpu-devices".into(),
+        member: member.into(),
+    };
+    let assign = |client: &Client, member: &str, node: &str| {
+        let (client, key, node) = (client.clone(), claim(member), node.to_string());
+        async move {
+            client
+                .assign(
+                    &key,
+                    vec![node],
+                    &key.member,
+                    Duration::from_secs(1),
+                    Default::default(),
+                    Default::default(),
+                )
+                .await
+        }
+    };
+    assign(&scheduler, "uid-b", "node-b").await.unwrap();
+    assign(&plugin, "uid-a", "node-a")
+        .await
+        .expect("a claim on its own node");
+    let message = denied(
+        assign(&plugin, "uid-x", "node-b").await,
+        "assigning a pin on node-b",
+    );
+    assert!(
+        message.contains("assign or release pins on node node-b")
+            && message.contains("device-plugin:node-b"),
+        "{message}"
+    );
+    denied(
+        plugin.release_pin(&claim("uid-b"), "mallory").await,
+        "releasing a pin on node-b",
+    );
+    assert_eq!(plugin.list_pins("gpu-devices", "").await.unwrap().len(), 2);
+    assert!(admin.get_pin(&claim("uid-b")).await.unwrap().is_some());
+    let released = plugin
+        .release_pin(&claim("uid-a"), "corrected")
+        .await
+        .expect("a pin on its own node");
+    assert!(released.is_some());
+    plugin
+        .release_pin(&claim("uid-a"), "again")
+        .await
+        .expect("a pin already gone: nothing to refuse");
 
     // The admin's force-release is recorded with the certificate's identity.
     admin

@@ -168,7 +168,7 @@ pub fn unfit_nodes(
 /// The device ids of `node`: `<prefix>0` up to its allocatable count of
 /// `resource` (what the device plugin advertises and the kubelet reports
 /// as healthy), in order; none if the node has none of the resource. A
-/// count that is not a whole number is refused.
+/// quantity that is not a plain count (`1500m`, `1Ki`) is refused.
 pub fn node_inventory(
     node: &KubeNode,
     resource: &str,
@@ -185,7 +185,8 @@ pub fn node_inventory(
     };
     let count: usize = quantity.0.trim().parse().map_err(|_| {
         format!(
-            "node {name} reports allocatable {resource} {:?}, not a whole number of devices",
+            "node {name} reports allocatable {resource} {:?}, not a plain count of devices (the \
+             kubelet writes one, such as \"8\")",
             quantity.0
         )
     })?;
@@ -788,6 +789,84 @@ pub async fn serve_extender<B: Binder>(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn node(name: &str, allocatable: Option<&str>) -> KubeNode {
+        let mut node = serde_json::json!({"metadata": {"name": name},
+            "status": {"allocatable": {"cpu": "4"}}});
+        if let Some(count) = allocatable {
+            node["status"]["allocatable"]["tether.io/gpu"] = count.into();
+        }
+        serde_json::from_value(node).unwrap()
+    }
+
+    #[test]
+    fn a_nodes_devices_are_its_allocatable_count_of_the_resource() {
+        let inventory = |n: &KubeNode| node_inventory(n, "tether.io/gpu", "gpu");
+        assert_eq!(
+            inventory(&node("a", Some("3"))).unwrap(),
+            ["gpu0", "gpu1", "gpu2"]
+        );
+        assert!(inventory(&node("b", None)).unwrap().is_empty());
+        assert!(inventory(&node("c", Some("0"))).unwrap().is_empty());
+        let err = inventory(&node("d", Some("1500m"))).unwrap_err();
+        assert!(
+            err.contains("node d") && err.contains("not a plain count"),
+            "{err}"
+        );
+        let err = inventory(&node("e", Some("1Ki"))).unwrap_err();
+        assert!(err.contains("not a plain count"), "{err}");
+        let err = inventory(&node("f", Some("100000"))).unwrap_err();
+        assert!(err.contains("at most 1024"), "{err}");
+        let no_status: KubeNode =
+            serde_json::from_value(serde_json::json!({"metadata": {"name": "g"}})).unwrap();
+        assert!(inventory(&no_status).unwrap().is_empty());
+    }
+
+    #[test]
+    fn nodes_are_unfit_by_their_own_inventory_and_claims() {
+        let devices = |n: usize| -> Vec<String> { (0..n).map(|i| format!("gpu{i}")).collect() };
+        let inventory: BTreeMap<String, Result<Vec<String>, String>> = [
+            ("big", Ok(devices(8))),
+            ("small", Ok(devices(2))),
+            ("none", Ok(Vec::new())),
+            ("unread", Err("cannot read node unread: 503".to_string())),
+        ]
+        .into_iter()
+        .map(|(n, d)| (n.to_string(), d))
+        .collect();
+        // On "small", another pod has gpu0 and this pod gpu1 (a retry).
+        let claims: BTreeMap<String, BTreeMap<String, String>> = [(
+            "small".to_string(),
+            [("gpu0", "other"), ("gpu1", "me")]
+                .into_iter()
+                .map(|(d, u)| (d.to_string(), u.to_string()))
+                .collect(),
+        )]
+        .into_iter()
+        .collect();
+        let candidates: Vec<String> = ["big", "small", "none", "unread", "unlisted"]
+            .iter()
+            .map(|s| s.to_string())
+            .collect();
+        let (failed, never) =
+            unfit_nodes(&candidates, 1, &inventory, &claims, "me", "tether.io/gpu");
+        assert_eq!(failed.keys().collect::<Vec<_>>(), ["unlisted", "unread"]);
+        assert_eq!(never.keys().collect::<Vec<_>>(), ["none"]);
+        assert!(failed["unread"].contains("503"));
+        let (failed, never) =
+            unfit_nodes(&candidates, 2, &inventory, &claims, "me", "tether.io/gpu");
+        assert!(
+            failed["small"].contains("2 devices needed, 1 of 2 free"),
+            "{failed:?}"
+        );
+        assert_eq!(never.keys().collect::<Vec<_>>(), ["none"]);
+        let (failed, never) =
+            unfit_nodes(&candidates, 0, &inventory, &claims, "me", "tether.io/gpu");
+        assert!(
+            failed.is_empty() && never.is_empty(),
+            "no devices, no filtering"
+        );
+    }
 
     #[test]
     fn binding_args_use_the_schedulers_field_names() {

@@ -1326,7 +1326,7 @@ async fn the_filter_verb_drops_nodes_without_enough_unclaimed_devices_with_a_rea
         failed["odd-node"]
             .as_str()
             .unwrap()
-            .contains("not a whole number"),
+            .contains("not a plain count"),
         "{five}"
     );
     assert!(
