@@ -1336,6 +1336,35 @@ async fn the_filter_verb_drops_nodes_without_enough_unclaimed_devices_with_a_rea
             .contains("cannot read node gone-node"),
         "{five}"
     );
+    // A bind that reaches a node too small anyway (kube-scheduler without
+    // the filter verb) is refused, and keeps neither the lock nor a claim.
+    rig.api.add(pod_json("five", &[("main", 5, Kind::App)]));
+    let args = ExtenderBindingArgs {
+        pod_name: "five".into(),
+        pod_namespace: "ml".into(),
+        pod_uid: "uid-five".into(),
+        node: "gpu-node-4".into(),
+    };
+    let refused = rig
+        .post(
+            "/scheduler/bind",
+            &serde_json::to_value(&args).unwrap(),
+            DEADLINE,
+        )
+        .await
+        .unwrap();
+    let error = refused["Error"].as_str().unwrap();
+    assert!(
+        error.contains("needs 5 tether.io/gpu devices; node gpu-node-4 has 4 allocatable"),
+        "{refused}"
+    );
+    let small = LockKey {
+        scope: "gpu-bind".into(),
+        name: "gpu-node-4".into(),
+    };
+    assert!(rig.client.holder(&small).await.unwrap().is_none());
+    assert!(ledger.claim_of("uid-five").await.unwrap().is_none());
+    assert!(rig.api.bound().is_empty());
     let filter = async |pod: serde_json::Value, names: bool| {
         let nodes = [NODE, "gpu-node-2"];
         let args = if names {
