@@ -456,7 +456,7 @@ fn every_overlay_renders_to_valid_consistent_objects() {
 }
 
 #[test]
-fn the_optional_monitors_scrape_the_client_service_and_the_bridge_pods() {
+fn the_optional_monitors_scrape_the_client_service_and_the_pods_of_the_bridge_and_gpu_binaries() {
     let monitors =
         read_documents(&deploy_dir().join("optional/monitoring/servicemonitor.yaml")).unwrap();
     let prod = render(&deploy_dir().join("overlays/prod")).unwrap();
@@ -464,11 +464,14 @@ fn the_optional_monitors_scrape_the_client_service_and_the_bridge_pods() {
         .iter()
         .find(|o| kind(o) == "Service" && o["spec"]["clusterIP"] != "None")
         .unwrap();
-    let bridge = prod
+    let gpu = render(&deploy_dir().join("optional/gpu")).unwrap();
+    let workloads: Vec<&Value> = prod
         .iter()
-        .find(|o| kind(o) == "Deployment" && name(o) == "tether-bridge")
-        .unwrap();
+        .chain(&gpu)
+        .filter(|o| matches!(kind(o), "Deployment" | "DaemonSet"))
+        .collect();
     let mut kinds = BTreeSet::new();
+    let mut scraped = BTreeSet::new();
     for monitor in &monitors {
         assert_eq!(monitor["apiVersion"], "monitoring.coreos.com/v1");
         kinds.insert(kind(monitor).to_string());
@@ -490,10 +493,16 @@ fn the_optional_monitors_scrape_the_client_service_and_the_bridge_pods() {
                 );
             }
             "PodMonitor" => {
-                let template = &bridge["spec"]["template"];
-                for (key, value) in selector {
-                    assert_eq!(&template["metadata"]["labels"][key], value);
-                }
+                let workload = workloads
+                    .iter()
+                    .find(|w| {
+                        selector
+                            .iter()
+                            .all(|(k, v)| &w["spec"]["template"]["metadata"]["labels"][k] == v)
+                    })
+                    .unwrap_or_else(|| panic!("no workload's pods match {selector:?}"));
+                scraped.insert(name(workload).to_string());
+                let template = &workload["spec"]["template"];
                 let port = monitor["spec"]["podMetricsEndpoints"][0]["port"]
                     .as_str()
                     .unwrap();
@@ -508,6 +517,12 @@ fn the_optional_monitors_scrape_the_client_service_and_the_bridge_pods() {
     assert_eq!(
         kinds,
         BTreeSet::from(["PodMonitor".to_string(), "ServiceMonitor".to_string()])
+    );
+    assert_eq!(
+        scraped,
+        BTreeSet::from(
+            ["tether-bridge", "tether-device-plugin", "tether-extender"].map(String::from)
+        )
     );
 }
 

@@ -2,8 +2,9 @@
 //! against what the binaries serve: every metric the Grafana dashboard and
 //! the PrometheusRule alerts name is in `/metrics` of a running `tetherd`
 //! (scraped over HTTP after real acquires, a queued wait and releases) or
-//! of `tether-bridge`, every expression parses as PromQL, and the rule file
-//! decodes with nothing left over.
+//! of `tether-bridge`, `tether-extender` or `tether-device-plugin`, every
+//! expression parses as PromQL, and the rule file decodes with nothing left
+//! over.
 
 use std::collections::BTreeSet;
 use std::path::{Path, PathBuf};
@@ -200,6 +201,12 @@ async fn served() -> BTreeSet<String> {
         kube::Client::try_from(kube::Config::new("http://127.0.0.1:9".parse().unwrap())).unwrap();
     let bridge = tether_k8s_bridge::bridge::Bridge::new(client, kube);
     names.extend(served_names(&bridge.render_metrics()));
+    names.extend(served_names(
+        &tether_embed::metrics::ExtenderMetrics::default().render(),
+    ));
+    names.extend(served_names(
+        &tether_embed::metrics::PluginMetrics::default().render(),
+    ));
     node.shutdown().await;
     names
 }

@@ -89,4 +89,11 @@ pub struct DevicePluginArgs {
     /// pod, so keep this to seconds.
     #[arg(long, env = "TETHER_ALLOCATE_TIMEOUT", default_value = "20s", value_parser = humantime::parse_duration)]
     pub allocate_timeout: Duration,
+    /// Address of the HTTP server for `/health` and `/metrics`.
+    #[arg(
+        long,
+        env = "TETHER_DEVICE_PLUGIN_HTTP_LISTEN",
+        default_value = "127.0.0.1:8892"
+    )]
+    pub http_listen: std::net::SocketAddr,
 }

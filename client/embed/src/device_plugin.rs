@@ -42,6 +42,7 @@ use tonic::transport::{Endpoint, Server};
 use tonic::{Request, Response, Status};
 
 use crate::accounting::{ClaimOwner, DEFAULT_LIFETIME, DeviceLedger};
+use crate::metrics::PluginMetrics;
 use crate::plan::{DevicePlan, PlannedCall, PodCalls};
 use crate::v1beta1::device_plugin_server::{DevicePlugin, DevicePluginServer};
 use crate::v1beta1::registration_client::RegistrationClient;
@@ -76,6 +77,7 @@ pub struct GpuPlugin {
     /// How far the current hold's calls are served; one `Allocate` at a
     /// time (the kubelet admits pods one by one anyway).
     progress: tokio::sync::Mutex<Progress>,
+    metrics: PluginMetrics,
 }
 
 /// Calls served for one hold.
@@ -96,7 +98,13 @@ impl GpuPlugin {
             config,
             before_release: None,
             progress: tokio::sync::Mutex::default(),
+            metrics: PluginMetrics::default(),
         }
+    }
+
+    /// What the plugin has counted.
+    pub fn metrics(&self) -> &PluginMetrics {
+        &self.metrics
     }
 
     /// Installs a fault-injection hook (see [`BeforeRelease`]).
@@ -229,6 +237,7 @@ impl GpuPlugin {
         };
         match self.ledger.correct(&self.config.node, owner, &given).await {
             Ok(correction) => {
+                self.metrics.correction();
                 tracing::warn!(pod_uid = plan.pod_uid, planned = ?correction.planned, given = ?given, taken_from = ?correction.taken_from, "device claim corrected to what the kubelet gave");
                 Ok(())
             }
@@ -378,7 +387,30 @@ impl DevicePlugin for GpuPlugin {
         &self,
         request: Request<api::AllocateRequest>,
     ) -> Result<Response<api::AllocateResponse>, Status> {
-        let request = request.into_inner();
+        let started = std::time::Instant::now();
+        let answer = self.serve_allocate(request.into_inner()).await;
+        self.metrics
+            .allocate(answer.is_ok(), started.elapsed().as_secs_f64());
+        if let Err(status) = &answer {
+            tracing::warn!(code = ?status.code(), message = status.message(), "Allocate refused; the kubelet fails the pod");
+        }
+        answer.map(Response::new)
+    }
+
+    async fn pre_start_container(
+        &self,
+        _: Request<api::PreStartContainerRequest>,
+    ) -> Result<Response<api::PreStartContainerResponse>, Status> {
+        Ok(Response::new(api::PreStartContainerResponse {}))
+    }
+}
+
+impl GpuPlugin {
+    /// One `Allocate`: serve the hold's next calls from its plan.
+    async fn serve_allocate(
+        &self,
+        request: api::AllocateRequest,
+    ) -> Result<api::AllocateResponse, Status> {
         let mut progress = self.progress.lock().await;
         let (hold, plan) = self.holder_and_plan().await?;
         if progress.token != hold.token {
@@ -440,17 +472,24 @@ impl DevicePlugin for GpuPlugin {
         }
         progress.served = served;
         progress.given = given;
-        Ok(Response::new(api::AllocateResponse {
+        Ok(api::AllocateResponse {
             container_responses,
-        }))
+        })
     }
+}
 
-    async fn pre_start_container(
-        &self,
-        _: Request<api::PreStartContainerRequest>,
-    ) -> Result<Response<api::PreStartContainerResponse>, Status> {
-        Ok(Response::new(api::PreStartContainerResponse {}))
-    }
+/// The plugin's HTTP side: `GET /health` and `GET /metrics`.
+pub fn router(plugin: Arc<GpuPlugin>) -> axum::Router {
+    use axum::routing::get;
+    axum::Router::new()
+        .route(
+            "/health",
+            get(|| async { tether_http::text(axum::http::StatusCode::OK, "ok\n") }),
+        )
+        .route(
+            "/metrics",
+            get(move || async move { tether_http::metrics::response(plugin.metrics.render()) }),
+        )
 }
 
 /// Serves `plugin` on the unix socket `path` (replacing a stale socket file)
@@ -564,6 +603,7 @@ pub async fn run(
             let kubelet = file_identity(&kubelet_socket);
             match register(&kubelet_socket, &placement.socket_name, &resource).await {
                 Ok(()) => {
+                    plugin.metrics.registration();
                     tracing::info!(node = plugin.config.node, resource, socket = %socket.display(), "registered with the kubelet");
                     break (kubelet, file_identity(&socket));
                 }

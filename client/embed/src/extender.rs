@@ -31,6 +31,7 @@ use tokio::net::TcpListener;
 
 use crate::accounting::{Claim, ClaimOwner, DeviceLedger};
 use crate::kubelet;
+use crate::metrics::{BindOutcome, ExtenderMetrics};
 use crate::plan::{PodCalls, pick_free};
 use axum::Router;
 use axum::body::Bytes;
@@ -307,6 +308,7 @@ pub struct Extender<B> {
     config: ExtenderConfig,
     /// Node -> when its device ids were read, and what they were.
     inventory: std::sync::Mutex<BTreeMap<String, (Instant, Vec<String>)>>,
+    metrics: ExtenderMetrics,
 }
 
 impl<B: Binder> Extender<B> {
@@ -318,7 +320,13 @@ impl<B: Binder> Extender<B> {
             binder,
             config,
             inventory: std::sync::Mutex::default(),
+            metrics: ExtenderMetrics::default(),
         }
+    }
+
+    /// What the verbs have counted.
+    pub fn metrics(&self) -> &ExtenderMetrics {
+        &self.metrics
     }
 
     /// `node`'s device ids, from a Node object at hand.
@@ -354,7 +362,13 @@ impl<B: Binder> Extender<B> {
         scheduler: &Departure,
     ) -> ExtenderBindingResult {
         let started = Instant::now();
-        match self.try_bind(args, scheduler).await {
+        let result = self.try_bind(args, scheduler).await;
+        let outcome = match result {
+            Ok(_) => BindOutcome::Bound,
+            Err(_) => BindOutcome::Refused,
+        };
+        self.metrics.bind(outcome, started.elapsed().as_secs_f64());
+        match result {
             Ok(summary) => {
                 tracing::info!(
                     pod_uid = args.pod_uid,
@@ -621,6 +635,12 @@ impl<B: Binder> Extender<B> {
     /// The filter verb: drops the candidate nodes without enough free
     /// devices for the pod, with a reason for each.
     pub async fn filter(&self, args: ExtenderArgs) -> ExtenderFilterResult {
+        let result = self.filter_nodes(args).await;
+        self.metrics.filter(result.error.is_empty());
+        result
+    }
+
+    async fn filter_nodes(&self, args: ExtenderArgs) -> ExtenderFilterResult {
         let Some(pod) = args.pod else {
             return ExtenderFilterResult {
                 error: "filter request without a Pod".into(),
@@ -715,7 +735,7 @@ const MAX_REQUEST: usize = 64 * 1024 * 1024;
 
 /// The extender's routes: `POST <urlPrefix>/filter` and
 /// `POST <urlPrefix>/bind` under any prefix (the scheduler configuration's
-/// `urlPrefix`), and `GET /health`. Each request learns when its client
+/// `urlPrefix`), `GET /health` and `GET /metrics`. Each request learns when its client
 /// closes the connection ([`tether_http::departure`]); a bind runs in a task
 /// of its own so that it can leave the queue and give back what it took
 /// after kube-scheduler has gone.
@@ -724,6 +744,12 @@ pub fn router<B: Binder>(extender: Arc<Extender<B>>) -> Router {
         .route(
             "/health",
             get(|| async { tether_http::text(StatusCode::OK, "ok\n") }),
+        )
+        .route(
+            "/metrics",
+            get(|State(extender): State<Arc<Extender<B>>>| async move {
+                tether_http::metrics::response(extender.metrics.render())
+            }),
         )
         .route("/{*verb}", post(verb::<B>))
         .layer(DefaultBodyLimit::max(MAX_REQUEST))

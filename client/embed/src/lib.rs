@@ -5,24 +5,28 @@
 //! tells `Allocate` nothing about the pod, so the lock is also how the plugin
 //! learns which pod it serves. This crate is that hand-off, on Tether:
 //!
-//! - [`extender`]: a scheduler-extender `bind` verb. It reads the pod,
-//!   claims free devices for it in Tether, acquires `gpu-bind/<node>` for
-//!   the pod UID with the device plan as payload (waiting in Tether's FIFO
-//!   queue, not reject-and-retry), binds the pod through the Kubernetes API,
-//!   and on any failure releases with outcome `failed` (the Unreserve path).
-//!   Pods that ask for no managed resource are bound without a lock.
+//! - [`extender`]: scheduler-extender `filter` and `bind` verbs. Bind reads
+//!   the pod, acquires `gpu-bind/<node>` for the pod UID with the pod's
+//!   `Allocate` calls as payload (waiting in Tether's FIFO queue, not
+//!   reject-and-retry), claims free devices of the node (as many as its
+//!   `status.allocatable` says) in Tether, binds the pod through the
+//!   Kubernetes API, and on any failure releases with outcome `failed` (the
+//!   Unreserve path). Pods that ask for no managed resource are bound
+//!   without a lock.
 //! - [`device_plugin`]: a kubelet device plugin (v1beta1 over a unix socket)
 //!   whose `Allocate` calls (one per container) read
 //!   `Holder(gpu-bind/<its node>)`, answer from the plan, and the last one
-//!   releases with the token. No holder → a clear refusal, never a guess.
+//!   corrects the pod's claim to the devices the kubelet gave and releases
+//!   with the token. No holder → a clear refusal, never a guess.
 //! - [`kubelet`]: the kubelet's `Allocate` calls for a pod, derived from
 //!   its device manager's algorithm.
 //! - [`accounting`]: which devices of a node live pods hold, kept as pins.
 //! - [`plan`]: the device plan carried as the hold's payload.
+//! - [`metrics`]: what both count, for `/metrics`.
 //!
 //! # Layout
 //! - `extender.rs`, `device_plugin.rs`, `kubelet.rs`, `accounting.rs`,
-//!   `plan.rs` — the logic above.
+//!   `plan.rs`, `metrics.rs` — the logic above.
 //! - `bin/tether-extender.rs`, `bin/tether-device-plugin.rs` — the binaries.
 
 pub mod accounting;
@@ -30,6 +34,7 @@ pub mod cli;
 pub mod device_plugin;
 pub mod extender;
 pub mod kubelet;
+pub mod metrics;
 pub mod plan;
 
 /// The generated kubelet device-plugin API (v1beta1).

@@ -475,7 +475,7 @@ struct Rig {
     api: Arc<FakeApi>,
     kubelet: Arc<FakeKubelet>,
     extender: std::net::SocketAddr,
-    plugin: Option<JoinHandle<()>>,
+    plugin: Option<RunningPlugin>,
     _dir: tempfile::TempDir,
 }
 
@@ -527,12 +527,24 @@ fn plugin_role() -> String {
     format!("device-plugin:{NODE}")
 }
 
+/// A device plugin serving in a task of the test.
+struct RunningPlugin {
+    task: JoinHandle<()>,
+    service: Arc<GpuPlugin>,
+}
+
+impl RunningPlugin {
+    fn abort(&self) {
+        self.task.abort();
+    }
+}
+
 fn start_plugin(
     cluster: &Cluster,
     identities: &Identities,
     dir: &Path,
     hook: Option<BeforeRelease>,
-) -> JoinHandle<()> {
+) -> RunningPlugin {
     let config = PluginConfig {
         node: NODE.into(),
         scope: "gpu-bind".into(),
@@ -547,11 +559,16 @@ fn start_plugin(
         dir: dir.to_path_buf(),
         socket_name: "tether-gpu.sock".into(),
     };
-    tokio::spawn(async move {
-        run(Arc::new(plugin), placement, std::future::pending())
-            .await
-            .unwrap()
-    })
+    let service = Arc::new(plugin);
+    let task = tokio::spawn({
+        let service = service.clone();
+        async move {
+            run(service, placement, std::future::pending())
+                .await
+                .unwrap()
+        }
+    });
+    RunningPlugin { task, service }
 }
 
 impl Rig {
@@ -1500,6 +1517,11 @@ async fn the_kubelets_choice_of_devices_becomes_the_pods_claim() {
         rig.holder().await,
         None,
         "the pod's hold was released after"
+    );
+    let metrics = rig.plugin.as_ref().unwrap().service.metrics().render();
+    assert!(
+        metrics.contains("tether_device_plugin_claim_corrections_total 1\n"),
+        "{metrics}"
     );
     rig.shutdown().await;
 }

@@ -1,5 +1,6 @@
 //! Both binaries stop cleanly on SIGTERM, which is how the kubelet stops a
-//! pod: exit status 0, promptly, their socket or port given up.
+//! pod: exit status 0, promptly, their socket or port given up. Before that,
+//! each answers `/metrics` on its HTTP port.
 
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
@@ -36,11 +37,37 @@ fn wait_until(what: &str, mut check: impl FnMut() -> bool) {
     }
 }
 
+/// A port free when asked (the binary binds it right after).
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+/// `GET path` over HTTP/1.1: the whole answer, or `None` if nothing
+/// listens yet.
+fn http_get(port: u16, path: &str) -> Option<String> {
+    use std::io::{Read, Write};
+    let mut stream = std::net::TcpStream::connect(("127.0.0.1", port)).ok()?;
+    write!(
+        stream,
+        "GET {path} HTTP/1.1\r\nHost: plugin\r\nConnection: close\r\n\r\n"
+    )
+    .ok()?;
+    let mut answer = String::new();
+    stream.read_to_string(&mut answer).ok()?;
+    Some(answer)
+}
+
 #[test]
 fn the_device_plugin_stops_on_sigterm() {
     let dir = tempfile::tempdir().unwrap();
+    let http_port = free_port();
     let mut plugin = Command::new(env!("CARGO_BIN_EXE_tether-device-plugin"))
         .arg(format!("--plugin-dir={}", dir.path().display()))
+        .arg(format!("--http-listen=127.0.0.1:{http_port}"))
         .arg("--endpoints=127.0.0.1:1")
         .env("NODE_NAME", "gpu-node-1")
         .stdout(Stdio::null())
@@ -51,6 +78,20 @@ fn the_device_plugin_stops_on_sigterm() {
     // No kubelet answers: the plugin serves its socket and keeps trying to
     // register, which a SIGTERM must interrupt.
     wait_until("the plugin socket", || socket.exists());
+    // Its HTTP side answers meanwhile: no registration yet, nothing served.
+    let mut metrics = String::new();
+    wait_until("/metrics", || {
+        metrics = http_get(http_port, "/metrics").unwrap_or_default();
+        metrics.starts_with("HTTP/1.1 200")
+    });
+    for line in [
+        "tether_device_plugin_registrations_total 0",
+        "tether_device_plugin_allocates_total{outcome=\"refused\"} 0",
+    ] {
+        assert!(metrics.contains(line), "{line} in {metrics}");
+    }
+    let health = http_get(http_port, "/health").unwrap();
+    assert!(health.starts_with("HTTP/1.1 200"), "{health}");
     sigterm(&plugin);
     let status = wait_exit(&mut plugin, "tether-device-plugin");
     assert!(status.success(), "{status}");
@@ -67,11 +108,7 @@ fn the_extender_stops_on_sigterm() {
          contexts:\n- name: c\n  context: {cluster: c, user: u}\ncurrent-context: c\nusers:\n- name: u\n  user: {}\n",
     )
     .unwrap();
-    let port = std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port();
+    let port = free_port();
     let mut extender = Command::new(env!("CARGO_BIN_EXE_tether-extender"))
         .arg(format!("--listen=127.0.0.1:{port}"))
         .arg("--endpoints=127.0.0.1:1")
@@ -83,6 +120,11 @@ fn the_extender_stops_on_sigterm() {
     wait_until("the extender to listen", || {
         std::net::TcpStream::connect(("127.0.0.1", port)).is_ok()
     });
+    let metrics = http_get(port, "/metrics").unwrap();
+    assert!(
+        metrics.contains("tether_extender_binds_total{outcome=\"bound\"} 0"),
+        "{metrics}"
+    );
     sigterm(&extender);
     let status = wait_exit(&mut extender, "tether-extender");
     assert!(status.success(), "{status}");

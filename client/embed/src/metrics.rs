@@ -1,0 +1,222 @@
+//! What `tether-extender` and `tether-device-plugin` count, served as
+//! OpenMetrics on `/metrics` (`prometheus-client`, as tetherd and the bridge
+//! do). These are the two places where a GPU pod is bound or admitted, so
+//! their failures are the ones an operator pages on: a refused `Allocate`
+//! is a pod the kubelet failed.
+//!
+//! Counter names are registered without `_total`; the encoder adds it.
+
+use prometheus_client::encoding::EncodeLabelSet;
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::histogram::Histogram;
+use prometheus_client::registry::Registry;
+use tether_http::metrics::{latency_histogram, wait_histogram};
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct OutcomeLabel {
+    outcome: &'static str,
+}
+
+/// A family whose known outcomes start at zero, so `increase()` sees the
+/// first event of each.
+fn outcomes(known: &[&'static str]) -> Family<OutcomeLabel, Counter> {
+    let family = Family::<OutcomeLabel, Counter>::default();
+    for outcome in known {
+        let _ = family.get_or_create(&OutcomeLabel { outcome });
+    }
+    family
+}
+
+/// What a bind verb call ended in.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum BindOutcome {
+    /// Bound (or found bound by an earlier attempt).
+    Bound,
+    /// Refused: the scheduler backs off and schedules the pod again.
+    Refused,
+}
+
+/// The extender's counters.
+pub struct ExtenderMetrics {
+    registry: Registry,
+    binds: Family<OutcomeLabel, Counter>,
+    bind_duration: Histogram,
+    filters: Family<OutcomeLabel, Counter>,
+}
+
+impl Default for ExtenderMetrics {
+    fn default() -> Self {
+        let mut registry = Registry::default();
+        let binds = outcomes(&["bound", "refused"]);
+        registry.register(
+            "tether_extender_binds",
+            "Bind verb calls by outcome (refused: the scheduler retries the pod)",
+            binds.clone(),
+        );
+        let bind_duration = wait_histogram();
+        registry.register(
+            "tether_extender_bind_duration_seconds",
+            "Bind verb calls, from the request to the answer (includes the wait in the node's queue)",
+            bind_duration.clone(),
+        );
+        let filters = outcomes(&["answered", "error"]);
+        registry.register(
+            "tether_extender_filters",
+            "Filter verb calls by outcome (error: the scheduling attempt fails)",
+            filters.clone(),
+        );
+        Self {
+            registry,
+            binds,
+            bind_duration,
+            filters,
+        }
+    }
+}
+
+impl ExtenderMetrics {
+    /// Counts a bind that took `seconds`.
+    pub fn bind(&self, outcome: BindOutcome, seconds: f64) {
+        let outcome = match outcome {
+            BindOutcome::Bound => "bound",
+            BindOutcome::Refused => "refused",
+        };
+        self.binds.get_or_create(&OutcomeLabel { outcome }).inc();
+        self.bind_duration.observe(seconds);
+    }
+
+    /// Counts a filter call.
+    pub fn filter(&self, answered: bool) {
+        let outcome = if answered { "answered" } else { "error" };
+        self.filters.get_or_create(&OutcomeLabel { outcome }).inc();
+    }
+
+    /// The OpenMetrics text.
+    pub fn render(&self) -> String {
+        tether_http::metrics::encode(&[&self.registry])
+    }
+}
+
+/// The device plugin's counters.
+pub struct PluginMetrics {
+    registry: Registry,
+    allocates: Family<OutcomeLabel, Counter>,
+    allocate_duration: Histogram,
+    corrections: Counter,
+    registrations: Counter,
+}
+
+impl Default for PluginMetrics {
+    fn default() -> Self {
+        let mut registry = Registry::default();
+        let allocates = outcomes(&["served", "refused"]);
+        registry.register(
+            "tether_device_plugin_allocates",
+            "Allocate calls by outcome (refused: the kubelet fails the pod, it never retries)",
+            allocates.clone(),
+        );
+        let allocate_duration = latency_histogram();
+        registry.register(
+            "tether_device_plugin_allocate_duration_seconds",
+            "Allocate calls, from the kubelet's request to the answer",
+            allocate_duration.clone(),
+        );
+        let corrections = Counter::default();
+        registry.register(
+            "tether_device_plugin_claim_corrections",
+            "Pods whose device claim was corrected to the devices the kubelet gave instead of the planned ones",
+            corrections.clone(),
+        );
+        let registrations = Counter::default();
+        registry.register(
+            "tether_device_plugin_registrations",
+            "Registrations with the kubelet (one at start, one after each kubelet restart)",
+            registrations.clone(),
+        );
+        Self {
+            registry,
+            allocates,
+            allocate_duration,
+            corrections,
+            registrations,
+        }
+    }
+}
+
+impl PluginMetrics {
+    /// Counts an `Allocate` that took `seconds`.
+    pub fn allocate(&self, served: bool, seconds: f64) {
+        let outcome = if served { "served" } else { "refused" };
+        self.allocates
+            .get_or_create(&OutcomeLabel { outcome })
+            .inc();
+        self.allocate_duration.observe(seconds);
+    }
+
+    /// Counts a corrected claim.
+    pub fn correction(&self) {
+        self.corrections.inc();
+    }
+
+    /// Counts a registration with the kubelet.
+    pub fn registration(&self) {
+        self.registrations.inc();
+    }
+
+    /// The OpenMetrics text.
+    pub fn render(&self) -> String {
+        tether_http::metrics::encode(&[&self.registry])
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn known_outcomes_start_at_zero_and_counters_end_in_total() {
+        let extender = ExtenderMetrics::default();
+        let text = extender.render();
+        assert!(
+            text.contains("tether_extender_binds_total{outcome=\"refused\"} 0\n"),
+            "{text}"
+        );
+        extender.bind(BindOutcome::Bound, 0.2);
+        extender.filter(false);
+        let text = extender.render();
+        assert!(
+            text.contains("tether_extender_binds_total{outcome=\"bound\"} 1\n"),
+            "{text}"
+        );
+        assert!(
+            text.contains("tether_extender_filters_total{outcome=\"error\"} 1\n"),
+            "{text}"
+        );
+        assert!(
+            text.contains("tether_extender_bind_duration_seconds_count 1\n"),
+            "{text}"
+        );
+        let plugin = PluginMetrics::default();
+        plugin.allocate(false, 0.01);
+        plugin.correction();
+        plugin.registration();
+        let text = plugin.render();
+        assert!(
+            text.contains("tether_device_plugin_allocates_total{outcome=\"refused\"} 1\n"),
+            "{text}"
+        );
+        assert!(
+            text.contains("tether_device_plugin_allocates_total{outcome=\"served\"} 0\n"),
+            "{text}"
+        );
+        assert!(
+            text.contains("tether_device_plugin_claim_corrections_total 1\n"),
+            "{text}"
+        );
+        assert!(
+            text.contains("tether_device_plugin_registrations_total 1\n"),
+            "{text}"
+        );
+    }
+}
