@@ -87,6 +87,27 @@ pub fn text(status: axum::http::StatusCode, body: impl Into<String>) -> axum::re
         .into_response()
 }
 
+/// `value` as a JSON answer with `status` (axum's `Json` needs its `json`
+/// feature, a crate more for two callers).
+pub fn json(
+    status: axum::http::StatusCode,
+    value: &impl serde::Serialize,
+) -> axum::response::Response {
+    use axum::response::IntoResponse;
+    match serde_json::to_vec(value) {
+        Ok(body) => (
+            status,
+            [(axum::http::header::CONTENT_TYPE, "application/json")],
+            body,
+        )
+            .into_response(),
+        Err(err) => text(
+            axum::http::StatusCode::INTERNAL_SERVER_ERROR,
+            format!("the answer could not be written as JSON: {err}\n"),
+        ),
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -119,6 +140,34 @@ mod tests {
         .expect("the server closes the connection after the last request")
         .unwrap();
         answer
+    }
+
+    #[tokio::test]
+    async fn json_answers_carry_their_status_and_content_type() {
+        let router = Router::new().route(
+            "/state",
+            get(|| async {
+                json(
+                    StatusCode::SERVICE_UNAVAILABLE,
+                    &serde_json::json!({"ready": false, "leader": null}),
+                )
+            }),
+        );
+        let (address, _stop) = started(router).await;
+        let answer = exchange(
+            address,
+            "GET /state HTTP/1.1\r\nHost: t\r\nConnection: close\r\n\r\n",
+        )
+        .await;
+        assert!(answer.starts_with("HTTP/1.1 503"), "{answer}");
+        assert!(
+            answer.contains("content-type: application/json"),
+            "{answer}"
+        );
+        assert!(
+            answer.ends_with(r#"{"leader":null,"ready":false}"#),
+            "{answer}"
+        );
     }
 
     #[tokio::test]

@@ -8,8 +8,7 @@ use std::sync::Arc;
 use axum::Router;
 use axum::extract::State;
 use axum::http::StatusCode;
-use axum::http::header::CONTENT_TYPE;
-use axum::response::{IntoResponse, Response};
+use axum::response::Response;
 use axum::routing::get;
 use openraft::ServerState;
 use prometheus_client::metrics::gauge::Gauge;
@@ -57,10 +56,6 @@ pub fn router(ctx: Arc<Ctx>) -> Router {
         .with_state(ctx)
 }
 
-fn json(status: StatusCode, body: String) -> Response {
-    (status, [(CONTENT_TYPE, "application/json")], body).into_response()
-}
-
 /// 200 while the Raft core runs; 503 once it stopped on its own (the
 /// process is about to exit; until then the probe fails too).
 fn live(ctx: &Ctx) -> Response {
@@ -77,21 +72,20 @@ fn live(ctx: &Ctx) -> Response {
 fn health(ctx: &Ctx) -> Response {
     let m = ctx.raft.metrics().borrow().clone();
     let healthy = m.running_state.is_ok() && m.current_leader.is_some();
-    let body = format!(
-        "{{\"healthy\":{healthy},\"node_id\":{},\"state\":\"{:?}\",\"leader\":{},\"term\":{},\"applied_index\":{}}}\n",
-        ctx.id,
-        m.state,
-        m.current_leader
-            .map_or("null".to_string(), |l| l.to_string()),
-        m.current_term,
-        m.last_applied.map_or(0, |l| l.index),
-    );
+    let body = serde_json::json!({
+        "healthy": healthy,
+        "node_id": ctx.id,
+        "state": format!("{:?}", m.state),
+        "leader": m.current_leader,
+        "term": m.current_term,
+        "applied_index": m.last_applied.map_or(0, |l| l.index),
+    });
     let status = if healthy {
         StatusCode::OK
     } else {
         StatusCode::SERVICE_UNAVAILABLE
     };
-    json(status, body)
+    tether_http::json(status, &body)
 }
 
 /// Entries a replica may have in its log but not yet applied and still be
@@ -112,17 +106,19 @@ fn ready(ctx: &Ctx) -> Response {
     let applied = m.last_applied.map_or(0, |l| l.index);
     let caught_up = last_log.saturating_sub(applied) <= READY_APPLY_LAG;
     let ready = m.running_state.is_ok() && m.current_leader.is_some() && member && caught_up;
-    let body = format!(
-        "{{\"ready\":{ready},\"member\":{member},\"leader\":{},\"last_log_index\":{last_log},\"applied_index\":{applied}}}\n",
-        m.current_leader
-            .map_or("null".to_string(), |l| l.to_string()),
-    );
+    let body = serde_json::json!({
+        "ready": ready,
+        "member": member,
+        "leader": m.current_leader,
+        "last_log_index": last_log,
+        "applied_index": applied,
+    });
     let status = if ready {
         StatusCode::OK
     } else {
         StatusCode::SERVICE_UNAVAILABLE
     };
-    json(status, body)
+    tether_http::json(status, &body)
 }
 
 /// The replica's counters and histograms, then gauges read from its Raft

@@ -291,7 +291,10 @@ impl Metrics {
 
     /// How many AppendEntries `event`s towards `peer` were counted.
     pub fn raft_appends(&self, peer: u64, event: RaftAppend) -> u64 {
-        self.appends(event).get_or_create(&PeerLabel { peer }).get()
+        // `get`, not `get_or_create`: a read makes no series.
+        self.appends(event)
+            .get(&PeerLabel { peer })
+            .map_or(0, |counter| counter.get())
     }
 
     /// Counts one queued acquire whose caller went away, by `outcome`.
@@ -304,8 +307,8 @@ impl Metrics {
     /// How many abandoned waits ended with `outcome`.
     pub fn abandoned_waits(&self, outcome: &'static str) -> u64 {
         self.abandoned_waits
-            .get_or_create(&OutcomeLabel { outcome })
-            .get()
+            .get(&OutcomeLabel { outcome })
+            .map_or(0, |counter| counter.get())
     }
 
     /// Times one write proposed as leader, from proposal to applied.

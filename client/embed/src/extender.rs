@@ -37,8 +37,7 @@ use axum::Router;
 use axum::body::Bytes;
 use axum::extract::{DefaultBodyLimit, Path, State};
 use axum::http::StatusCode;
-use axum::http::header::CONTENT_TYPE;
-use axum::response::{IntoResponse, Response};
+use axum::response::Response;
 use axum::routing::{get, post};
 use k8s_openapi::api::core::v1::{Node as KubeNode, Pod as KubePod};
 use tether_http::Departure;
@@ -796,11 +795,8 @@ async fn verb<B: Binder>(
     }
 }
 
-/// `value` as a JSON answer (axum's `json` feature would add a crate for
-/// this one use).
 fn json(value: &impl Serialize) -> Response {
-    let body = serde_json::to_vec(value).expect("a result always serializes");
-    ([(CONTENT_TYPE, "application/json")], body).into_response()
+    tether_http::json(StatusCode::OK, value)
 }
 
 /// Serves the extender on `listener` until `shutdown` resolves.

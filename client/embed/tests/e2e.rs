@@ -16,7 +16,9 @@
 //!   containers, taken in an order of the kubelet's own — here a seeded
 //!   shuffle), then, if more are needed, from `GetPreferredAllocation`
 //!   (available plus already picked, must include those, size = the limit)
-//!   intersected with what is free, then from whatever is free;
+//!   intersected with what is free, then from whatever is free; "free" is
+//!   the healthy devices less those of every pod it admitted, Tether's or
+//!   not (its `allocatedDevices`), so it can pass over planned devices;
 //! - a non-restartable init container's ids join the reusable set; a
 //!   sidecar's and an app container's leave it;
 //! - an `Allocate` error fails the pod: no retry;
@@ -26,8 +28,9 @@
 //! The fake API server answers `GET pods/<name>`, `GET nodes/<name>` and
 //! `POST pods/<name>/binding` as the API server does: 201 and
 //! `spec.nodeName` set, or 409 Conflict when the pod is already bound. Its
-//! nodes carry `status.allocatable` of the resource, as the kubelet reports
-//! a device plugin's healthy devices.
+//! nodes carry `status.allocatable` of the resource as the kubelet writes
+//! it (`ManagerImpl.GetCapacity` in the same package: the count of the
+//! plugin's healthy devices, a plain integer).
 //!
 //! Tether runs with mutual TLS and each part with the role it is deployed
 //! with: the extender `scheduler`, the plugin `device-plugin:<its node>`,
