@@ -678,6 +678,13 @@ impl<B: Binder> Extender<B> {
             }
         };
         let mut inventory = BTreeMap::new();
+        // Reads past their TTL go, so nodes that left the cluster do not
+        // stay in the cache for ever; the pass costs what the call's own
+        // candidate list does.
+        self.inventory
+            .lock()
+            .expect("inventory lock")
+            .retain(|_, (read, _)| read.elapsed() <= self.config.inventory_ttl);
         if needed > 0 {
             match &args.nodes {
                 Some(list) => {
