@@ -157,12 +157,11 @@ impl PinService for PinApi {
         &self,
         request: Request<pb::AssignRequest>,
     ) -> Result<Response<pb::AssignResponse>, Status> {
-        let candidates = request.get_ref().candidates.clone();
-        let result = match self
+        let checked = self
             .ctx
             .auth
-            .check(&request, Action::WritePins(&candidates))
-        {
+            .check(&request, Action::WritePins(&request.get_ref().candidates));
+        let result = match checked {
             Ok(caller) => self.do_assign(&caller, request.into_inner()).await,
             Err(err) => Err(err),
         };
