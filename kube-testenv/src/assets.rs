@@ -1,0 +1,185 @@
+//! Finding the control-plane binaries and unpacking them once.
+//!
+//! The assets are the xz-compressed binaries of `../shared/kube` (or the
+//! directory `TETHER_KUBE_ASSETS` names) with their `SHA256SUMS`. They are
+//! unpacked into the build cache (`<target>/kube-assets/<digest of
+//! SHA256SUMS>/`), each checked against its sum, so every later test run
+//! (and every fresh clone sharing the cache) starts them at once. A binary
+//! is renamed into place only after its sum matched, so a run that died
+//! halfway leaves nothing that looks unpacked.
+
+use std::io::Write;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+use std::sync::OnceLock;
+
+use anyhow::{Context, bail};
+
+/// The environment variable that names the assets' directory.
+pub const ASSETS_VAR: &str = "TETHER_KUBE_ASSETS";
+
+/// The file `./dev test` sets in this variable collects one line per test
+/// skipped for want of assets, so it can count them.
+pub const SKIP_LOG_VAR: &str = "TETHER_KUBE_SKIP_LOG";
+
+/// The binaries a control plane is made of.
+const BINARIES: [&str; 4] = [
+    "etcd",
+    "kube-apiserver",
+    "kube-scheduler",
+    "kube-controller-manager",
+];
+
+/// Unpacked, checked control-plane binaries.
+#[derive(Debug)]
+pub struct Assets {
+    /// Where the unpacked binaries are.
+    pub bin_dir: PathBuf,
+}
+
+impl Assets {
+    /// The path of one unpacked binary (`etcd`, `kube-apiserver`, ...).
+    pub fn binary(&self, name: &str) -> PathBuf {
+        self.bin_dir.join(name)
+    }
+}
+
+/// Where the compressed assets are looked for.
+pub fn source_dir() -> PathBuf {
+    match std::env::var_os(ASSETS_VAR) {
+        Some(dir) => PathBuf::from(dir),
+        // `../shared/kube` beside the checkout: this crate sits at the
+        // workspace root's `kube-testenv/`.
+        None => Path::new(env!("CARGO_MANIFEST_DIR")).join("../../shared/kube"),
+    }
+}
+
+/// The assets, unpacked on first use; `Err` says what is missing.
+pub fn assets() -> Result<&'static Assets, String> {
+    static ASSETS: OnceLock<Result<Assets, String>> = OnceLock::new();
+    ASSETS
+        .get_or_init(|| unpack(&source_dir()).map_err(|e| format!("{e:#}")))
+        .as_ref()
+        .map_err(Clone::clone)
+}
+
+/// The assets for a test, or `None` after reporting the test as skipped
+/// with one loud line naming [`ASSETS_VAR`]. Under `CI=true` missing assets
+/// fail the test instead: CI must run these tests, not skip them.
+pub fn assets_or_skip(test: &str) -> Option<&'static Assets> {
+    match assets() {
+        Ok(assets) => Some(assets),
+        Err(why) => {
+            let why = format!(
+                "{test}: no real Kubernetes binaries ({why}); set {ASSETS_VAR} to a directory \
+                 holding etcd.xz, kube-apiserver.xz, kube-scheduler.xz, kube-controller-manager.xz \
+                 and SHA256SUMS"
+            );
+            if std::env::var("CI").is_ok_and(|v| v == "true") {
+                panic!("{why} (CI=true: missing assets are a failure, not a skip)");
+            }
+            report_skip(&format!("SKIPPED {why}"));
+            None
+        }
+    }
+}
+
+/// Writes `line` past the test harness's output capture (which takes only
+/// `print!`/`eprint!`) and into the skip log when `./dev test` keeps one.
+fn report_skip(line: &str) {
+    let _ = writeln!(std::io::stderr(), "\n{line}");
+    if let Some(log) = std::env::var_os(SKIP_LOG_VAR)
+        && let Ok(mut file) = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(log)
+    {
+        let _ = writeln!(file, "{line}");
+    }
+}
+
+/// The build cache's `target/` directory: the test binary runs from
+/// `<target>/<profile>/deps/`.
+fn target_dir() -> anyhow::Result<PathBuf> {
+    if let Some(dir) = std::env::var_os("CARGO_TARGET_DIR") {
+        return Ok(PathBuf::from(dir));
+    }
+    let exe = std::env::current_exe().context("the test binary's path")?;
+    exe.ancestors()
+        .nth(3)
+        .map(Path::to_path_buf)
+        .context("the test binary is not under <target>/<profile>/deps")
+}
+
+fn unpack(source: &Path) -> anyhow::Result<Assets> {
+    let sums_path = source.join("SHA256SUMS");
+    let sums = std::fs::read_to_string(&sums_path)
+        .with_context(|| format!("cannot read {}", sums_path.display()))?;
+    let digest = hex(ring::digest::digest(&ring::digest::SHA256, sums.as_bytes()).as_ref());
+    let bin_dir = target_dir()?.join("kube-assets").join(&digest[..16]);
+    std::fs::create_dir_all(&bin_dir)
+        .with_context(|| format!("cannot create {}", bin_dir.display()))?;
+    for name in BINARIES {
+        let target = bin_dir.join(name);
+        if target.exists() {
+            continue;
+        }
+        let expected = sums
+            .lines()
+            .find_map(|line| {
+                let (sum, file) = line.split_once(char::is_whitespace)?;
+                (file.trim().trim_start_matches('*') == name).then(|| sum.to_string())
+            })
+            .with_context(|| format!("{} has no sum for {name}", sums_path.display()))?;
+        let packed = source.join(format!("{name}.xz"));
+        if !packed.exists() {
+            bail!("{} is missing", packed.display());
+        }
+        // Unpacked under a name of this process, checked, then renamed: two
+        // test binaries unpacking at once each finish a whole file.
+        let partial = bin_dir.join(format!(".{name}.{}", std::process::id()));
+        let output = std::fs::File::create(&partial)?;
+        let status = Command::new("xz")
+            .arg("-dc")
+            .arg(&packed)
+            .stdout(output)
+            .stderr(Stdio::inherit())
+            .status()
+            .context("cannot run xz (./dev installs xz-utils)")?;
+        if !status.success() {
+            let _ = std::fs::remove_file(&partial);
+            bail!("xz -dc {} failed: {status}", packed.display());
+        }
+        let actual = hex(sha256_of_file(&partial)?.as_ref());
+        if actual != expected {
+            let _ = std::fs::remove_file(&partial);
+            bail!("{name}: SHA-256 {actual}, SHA256SUMS says {expected}");
+        }
+        set_executable(&partial)?;
+        std::fs::rename(&partial, &target)?;
+    }
+    Ok(Assets { bin_dir })
+}
+
+fn sha256_of_file(path: &Path) -> anyhow::Result<ring::digest::Digest> {
+    use std::io::Read;
+    let mut file = std::fs::File::open(path)?;
+    let mut context = ring::digest::Context::new(&ring::digest::SHA256);
+    let mut buffer = vec![0; 1 << 20];
+    loop {
+        let n = file.read(&mut buffer)?;
+        if n == 0 {
+            return Ok(context.finish());
+        }
+        context.update(&buffer[..n]);
+    }
+}
+
+fn set_executable(path: &Path) -> std::io::Result<()> {
+    use std::os::unix::fs::PermissionsExt;
+    std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o755))
+}
+
+fn hex(bytes: &[u8]) -> String {
+    bytes.iter().map(|b| format!("{b:02x}")).collect()
+}

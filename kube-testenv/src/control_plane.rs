@@ -1,0 +1,559 @@
+//! One real control plane: etcd and kube-apiserver on free loopback ports,
+//! with a throwaway CA, an admin token and a kubeconfig; kube-scheduler and
+//! kube-controller-manager on demand.
+//!
+//! The flags follow `../shared/kube/README.md` (what works here): RBAC on,
+//! the `ServiceAccount` admission plugin off (pods need no default service
+//! account), the endpoint reconciler off (no Service IP to announce), etcd
+//! without fsync (a throwaway store; its durability is not what the tests
+//! check). The API server is ready when `/readyz` answers 200 and the
+//! `default` namespace exists (a post-start hook creates it a moment after
+//! `/readyz`).
+
+use std::net::TcpListener;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::{Mutex, OnceLock};
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, bail};
+use k8s_openapi::api::authentication::v1::TokenRequest;
+use k8s_openapi::api::core::v1::{Namespace, ServiceAccount};
+use kube::api::{Api, PostParams};
+use kube::config::{KubeConfigOptions, Kubeconfig};
+use serde_json::json;
+use tether_tls::testing::TestCa;
+
+use crate::assets::{Assets, assets_or_skip};
+use crate::process::Process;
+
+/// How long a start may take on a loaded 2-core machine.
+const START_DEADLINE: Duration = Duration::from_secs(120);
+
+/// The admin's bearer token (a `system:masters` user). A throwaway control
+/// plane on loopback, so a fixed string does.
+const ADMIN_TOKEN: &str = "tether-testenv-admin";
+
+/// A running etcd and kube-apiserver, stopped on drop (and by the watchdogs
+/// when the test process dies without dropping it).
+///
+/// Fields drop in order: the API server, then etcd, then the directory.
+pub struct ControlPlane {
+    apiserver: Mutex<Option<Process>>,
+    apiserver_port: u16,
+    etcd: Mutex<Process>,
+    etcd_port: u16,
+    assets: &'static Assets,
+    /// Certificates, tokens, kubeconfig, logs and etcd's data.
+    dir: PathBuf,
+    /// Owns `dir` for a plane that is dropped; `None` for the shared one,
+    /// whose directory etcd's watchdog removes.
+    _tempdir: Option<tempfile::TempDir>,
+    /// How long etcd and the API server took to become ready.
+    pub started_in: Duration,
+}
+
+/// Namespaces handed out so far by this process.
+static NAMESPACES: AtomicU32 = AtomicU32::new(0);
+
+/// A free loopback port: bound, read and let go (as envtest picks its
+/// ports). Another process could take it in between; a start that fails is
+/// retried on new ports.
+fn free_port() -> anyhow::Result<u16> {
+    Ok(TcpListener::bind("127.0.0.1:0")?.local_addr()?.port())
+}
+
+impl ControlPlane {
+    /// The control plane shared by every test of this test binary, started
+    /// on first use; `None` (with the test reported skipped) when the
+    /// assets are missing. Tests that share it keep to namespaces of their
+    /// own ([`ControlPlane::namespace`]) and names of their own for
+    /// cluster-scoped objects.
+    pub fn shared_or_skip(test: &str) -> Option<&'static ControlPlane> {
+        static SHARED: OnceLock<ControlPlane> = OnceLock::new();
+        assets_or_skip(test)?;
+        Some(SHARED.get_or_init(|| {
+            // Started on a runtime of its own: each `#[tokio::test]` has a
+            // runtime that ends with the test, and nothing of the shared
+            // plane may depend on one.
+            std::thread::spawn(|| {
+                tokio::runtime::Runtime::new()
+                    .expect("runtime")
+                    .block_on(ControlPlane::start_shared())
+            })
+            .join()
+            .expect("control plane start")
+            .unwrap_or_else(|e| panic!("the shared control plane did not start: {e:#}"))
+        }))
+    }
+
+    /// A control plane of the test's own (for outages, compactions,
+    /// anything others must not see); `None` when the assets are missing.
+    pub async fn start_or_skip(test: &str) -> Option<ControlPlane> {
+        assets_or_skip(test)?;
+        Some(
+            ControlPlane::start()
+                .await
+                .unwrap_or_else(|e| panic!("the control plane did not start: {e:#}")),
+        )
+    }
+
+    /// Starts a control plane of its own, dropped with the value.
+    pub async fn start() -> anyhow::Result<ControlPlane> {
+        let tempdir = tempfile::Builder::new().prefix("tether-kube-").tempdir()?;
+        let dir = tempdir.path().to_path_buf();
+        let mut plane = ControlPlane::start_in(dir).await?;
+        plane._tempdir = Some(tempdir);
+        Ok(plane)
+    }
+
+    async fn start_shared() -> anyhow::Result<ControlPlane> {
+        let dir = tempfile::Builder::new()
+            .prefix("tether-kube-shared-")
+            .tempdir()?
+            .keep();
+        ControlPlane::start_in(dir).await
+    }
+
+    async fn start_in(dir: PathBuf) -> anyhow::Result<ControlPlane> {
+        let assets = crate::assets::assets().map_err(anyhow::Error::msg)?;
+        write_credentials(&dir)?;
+        let mut last_error = None;
+        // Ports are picked free and then let go: another process may take
+        // one before etcd or the API server binds it. Try again on new ones.
+        for _ in 0..3 {
+            let started = Instant::now();
+            let etcd_port = free_port()?;
+            let apiserver_port = free_port()?;
+            let etcd = start_etcd(assets, &dir, etcd_port)?;
+            let plane = ControlPlane {
+                assets,
+                dir: dir.clone(),
+                _tempdir: None,
+                etcd: Mutex::new(etcd),
+                etcd_port,
+                apiserver: Mutex::new(None),
+                apiserver_port,
+                started_in: Duration::ZERO,
+            };
+            plane.write_kubeconfig("admin", ADMIN_TOKEN)?;
+            match plane.start_apiserver().await {
+                Ok(()) => {
+                    return Ok(ControlPlane {
+                        started_in: started.elapsed(),
+                        ..plane
+                    });
+                }
+                Err(e) => last_error = Some(e),
+            }
+        }
+        Err(last_error.expect("tried"))
+    }
+
+    /// The API server's URL.
+    pub fn url(&self) -> String {
+        format!("https://127.0.0.1:{}", self.apiserver_port)
+    }
+
+    /// The admin's kubeconfig (token of a `system:masters` user).
+    pub fn kubeconfig(&self) -> PathBuf {
+        self.dir.join("admin.kubeconfig")
+    }
+
+    /// The directory of this plane's files (for a test's own files).
+    pub fn dir(&self) -> &Path {
+        &self.dir
+    }
+
+    /// A client acting as the admin. Make one per test: a client's
+    /// connections belong to the runtime that opened them.
+    pub async fn client(&self) -> kube::Client {
+        client_from(&self.kubeconfig())
+            .await
+            .expect("a client from the admin kubeconfig")
+    }
+
+    /// A client acting as the service account `namespace/name` (created
+    /// when missing) with a token the API server issues for it (the
+    /// TokenRequest API, as the kubelet gets a pod's token): it has exactly
+    /// the RBAC the test grants that account.
+    pub async fn client_as_service_account(&self, namespace: &str, name: &str) -> kube::Client {
+        let admin = self.client().await;
+        self.ensure_namespace(&admin, namespace).await;
+        let accounts: Api<ServiceAccount> = Api::namespaced(admin, namespace);
+        let account: ServiceAccount =
+            serde_json::from_value(json!({"metadata": {"name": name}})).expect("account");
+        match accounts.create(&PostParams::default(), &account).await {
+            Ok(_) => {}
+            Err(kube::Error::Api(e)) if e.code == 409 => {}
+            Err(e) => panic!("cannot create service account {namespace}/{name}: {e}"),
+        }
+        let request: TokenRequest = serde_json::from_value(json!({
+            "spec": {"audiences": [], "expirationSeconds": 3600}
+        }))
+        .expect("token request");
+        let token = accounts
+            .create_token_request(name, &PostParams::default(), &request)
+            .await
+            .unwrap_or_else(|e| panic!("no token for {namespace}/{name}: {e}"))
+            .status
+            .expect("a token request's status")
+            .token;
+        let path = self
+            .write_kubeconfig(&format!("sa-{namespace}-{name}"), &token)
+            .expect("kubeconfig");
+        client_from(&path).await.expect("a service account client")
+    }
+
+    async fn ensure_namespace(&self, client: &kube::Client, name: &str) {
+        let namespaces: Api<Namespace> = Api::all(client.clone());
+        let namespace: Namespace =
+            serde_json::from_value(json!({"metadata": {"name": name}})).expect("namespace");
+        match namespaces.create(&PostParams::default(), &namespace).await {
+            Ok(_) => {}
+            Err(kube::Error::Api(e)) if e.code == 409 => {}
+            Err(e) => panic!("cannot create namespace {name}: {e}"),
+        }
+    }
+
+    /// A new namespace named `<prefix>-<n>`, unique in this process.
+    pub async fn namespace(&self, prefix: &str) -> String {
+        let name = format!("{prefix}-{}", NAMESPACES.fetch_add(1, Ordering::Relaxed));
+        self.ensure_namespace(&self.client().await, &name).await;
+        name
+    }
+
+    /// Kills the API server (SIGKILL: a crash, connections reset). etcd
+    /// keeps running; [`ControlPlane::start_apiserver`] brings it back on
+    /// the same port.
+    pub fn stop_apiserver(&self) {
+        if let Some(mut apiserver) = self.apiserver.lock().unwrap().take() {
+            apiserver.kill();
+        }
+    }
+
+    /// Starts the API server (again) and waits until it is ready.
+    pub async fn start_apiserver(&self) -> anyhow::Result<()> {
+        let process = self.spawn_apiserver(self.apiserver_port, "kube-apiserver")?;
+        *self.apiserver.lock().unwrap() = Some(process);
+        let ready = wait_ready(&self.kubeconfig(), || {
+            let mut guard = self.apiserver.lock().unwrap();
+            let process = guard.as_mut().expect("started");
+            process
+                .exited()
+                .map(|status| format!("kube-apiserver exited ({status})\n{}", process.log_tail(30)))
+        })
+        .await;
+        if let Err(e) = ready {
+            self.stop_apiserver();
+            return Err(e);
+        }
+        Ok(())
+    }
+
+    /// A second API server on the same etcd (another port, the same
+    /// credentials), ready, with a kubeconfig for it: a way to change
+    /// objects while the first is down.
+    pub async fn extra_apiserver(&self) -> anyhow::Result<ExtraApiServer> {
+        let port = free_port()?;
+        let mut process = self.spawn_apiserver(port, &format!("kube-apiserver-{port}"))?;
+        let kubeconfig = self.dir.join(format!("admin-{port}.kubeconfig"));
+        std::fs::write(
+            &kubeconfig,
+            kubeconfig_text(&self.dir, port, "admin", ADMIN_TOKEN),
+        )?;
+        let ready = wait_ready(&kubeconfig, || {
+            process.exited().map(|status| {
+                format!(
+                    "extra kube-apiserver exited ({status})\n{}",
+                    process.log_tail(30)
+                )
+            })
+        })
+        .await;
+        ready?;
+        Ok(ExtraApiServer {
+            _process: process,
+            kubeconfig,
+        })
+    }
+
+    fn spawn_apiserver(&self, port: u16, name: &str) -> anyhow::Result<Process> {
+        let dir = &self.dir;
+        let mut command = Command::new(self.assets.binary("kube-apiserver"));
+        command
+            .arg(format!(
+                "--etcd-servers=http://127.0.0.1:{}",
+                self.etcd_port
+            ))
+            .arg("--bind-address=127.0.0.1")
+            .arg("--advertise-address=127.0.0.1")
+            .arg(format!("--secure-port={port}"))
+            .arg(format!(
+                "--cert-dir={}",
+                dir.join("apiserver-certs").display()
+            ))
+            .arg(format!(
+                "--tls-cert-file={}",
+                dir.join("apiserver.crt").display()
+            ))
+            .arg(format!(
+                "--tls-private-key-file={}",
+                dir.join("apiserver.key").display()
+            ))
+            .arg(format!("--client-ca-file={}", dir.join("ca.crt").display()))
+            .arg(format!(
+                "--token-auth-file={}",
+                dir.join("tokens.csv").display()
+            ))
+            .arg("--service-account-issuer=https://kubernetes.default.svc.cluster.local")
+            .arg(format!(
+                "--service-account-key-file={}",
+                dir.join("sa.pub").display()
+            ))
+            .arg(format!(
+                "--service-account-signing-key-file={}",
+                dir.join("sa.key").display()
+            ))
+            .arg("--service-cluster-ip-range=10.96.0.0/16")
+            .arg("--authorization-mode=RBAC")
+            .arg("--endpoint-reconciler-type=none")
+            .arg("--profiling=false")
+            .arg("--disable-admission-plugins=ServiceAccount");
+        Ok(Process::spawn(
+            name,
+            command,
+            &dir.join(format!("{name}.log")),
+            None,
+        )?)
+    }
+
+    /// Starts kube-controller-manager with only `controllers` (e.g.
+    /// `["podgc"]`), as the admin. Stopped when the value drops.
+    pub fn controller_manager(&self, controllers: &[&str]) -> anyhow::Result<Process> {
+        let mut command = Command::new(self.assets.binary("kube-controller-manager"));
+        command
+            .arg(format!("--kubeconfig={}", self.kubeconfig().display()))
+            .arg("--secure-port=0")
+            .arg("--leader-elect=false")
+            .arg(format!("--controllers={}", controllers.join(",")));
+        Ok(Process::spawn(
+            "kube-controller-manager",
+            command,
+            &self.dir.join(format!(
+                "kube-controller-manager-{}.log",
+                NAMESPACES.fetch_add(1, Ordering::Relaxed)
+            )),
+            None,
+        )?)
+    }
+
+    /// Starts kube-scheduler with the configuration file `config` (a
+    /// KubeSchedulerConfiguration whose `clientConnection.kubeconfig` the
+    /// caller points at [`ControlPlane::kubeconfig`]). Stopped on drop.
+    pub fn scheduler(&self, config: &Path) -> anyhow::Result<Process> {
+        let mut command = Command::new(self.assets.binary("kube-scheduler"));
+        command
+            .arg(format!("--config={}", config.display()))
+            .arg("--secure-port=0");
+        Ok(Process::spawn(
+            "kube-scheduler",
+            command,
+            &self.dir.join(format!(
+                "kube-scheduler-{}.log",
+                NAMESPACES.fetch_add(1, Ordering::Relaxed)
+            )),
+            None,
+        )?)
+    }
+
+    /// Compacts etcd's history up to its current revision (what etcd's
+    /// periodic compaction does), so a watch from an older resourceVersion
+    /// that reaches etcd answers 410 Gone. Returns the revision.
+    pub async fn compact_etcd(&self) -> anyhow::Result<i64> {
+        // etcd's JSON gateway: a range read gives the current revision in
+        // its header; "AA==" is the key "\0".
+        let range = etcd_post(self.etcd_port, "/v3/kv/range", &json!({"key": "AA=="})).await?;
+        let revision: i64 = range["header"]["revision"]
+            .as_str()
+            .context("no revision in etcd's answer")?
+            .parse()?;
+        etcd_post(
+            self.etcd_port,
+            "/v3/kv/compaction",
+            &json!({"revision": revision.to_string(), "physical": true}),
+        )
+        .await?;
+        Ok(revision)
+    }
+
+    fn write_kubeconfig(&self, user: &str, token: &str) -> anyhow::Result<PathBuf> {
+        let path = self.dir.join(format!("{user}.kubeconfig"));
+        std::fs::write(
+            &path,
+            kubeconfig_text(&self.dir, self.apiserver_port, user, token),
+        )?;
+        Ok(path)
+    }
+
+    /// The running API server's process id.
+    pub fn apiserver_id(&self) -> Option<u32> {
+        self.apiserver.lock().unwrap().as_ref().map(Process::id)
+    }
+
+    /// The etcd process (to stop or pause it for an outage below the API
+    /// server).
+    pub fn etcd(&self) -> std::sync::MutexGuard<'_, Process> {
+        self.etcd.lock().unwrap()
+    }
+}
+
+/// A second API server (see [`ControlPlane::extra_apiserver`]), stopped on
+/// drop.
+pub struct ExtraApiServer {
+    _process: Process,
+    kubeconfig: PathBuf,
+}
+
+impl ExtraApiServer {
+    /// An admin client of this API server.
+    pub async fn client(&self) -> kube::Client {
+        client_from(&self.kubeconfig).await.expect("client")
+    }
+}
+
+/// The CA, the API server's serving certificate (for 127.0.0.1 and
+/// localhost), the service-account signing key and the token file.
+fn write_credentials(dir: &Path) -> anyhow::Result<()> {
+    let ca = TestCa::new("tether-testenv-ca");
+    std::fs::write(dir.join("ca.crt"), ca.pem())?;
+    let (cert, key) = ca.issue("kube-apiserver", &["127.0.0.1", "localhost"]);
+    std::fs::write(dir.join("apiserver.crt"), cert)?;
+    std::fs::write(dir.join("apiserver.key"), key)?;
+    // The API server signs service-account tokens with this key and checks
+    // them with its public half.
+    let signing = rcgen::KeyPair::generate()?;
+    std::fs::write(dir.join("sa.key"), signing.serialize_pem())?;
+    std::fs::write(dir.join("sa.pub"), signing.public_key_pem())?;
+    std::fs::write(
+        dir.join("tokens.csv"),
+        format!("{ADMIN_TOKEN},tether-testenv-admin,admin-uid,\"system:masters\"\n"),
+    )?;
+    Ok(())
+}
+
+fn kubeconfig_text(dir: &Path, port: u16, user: &str, token: &str) -> String {
+    let ca = dir.join("ca.crt");
+    json!({
+        "apiVersion": "v1",
+        "kind": "Config",
+        "clusters": [{"name": "testenv", "cluster": {
+            "server": format!("https://127.0.0.1:{port}"),
+            "certificate-authority": ca.display().to_string(),
+        }}],
+        "users": [{"name": user, "user": {"token": token}}],
+        "contexts": [{"name": "testenv", "context": {"cluster": "testenv", "user": user}}],
+        "current-context": "testenv",
+    })
+    .to_string()
+}
+
+/// A client from a kubeconfig file, as a component given `--kubeconfig`
+/// makes one.
+pub async fn client_from(path: &Path) -> anyhow::Result<kube::Client> {
+    let kubeconfig = Kubeconfig::read_from(path)?;
+    let config =
+        kube::Config::from_custom_kubeconfig(kubeconfig, &KubeConfigOptions::default()).await?;
+    Ok(kube::Client::try_from(config)?)
+}
+
+/// etcd, whose watchdog also removes the plane's directory when the test
+/// process dies (a plane that is dropped removes it itself).
+fn start_etcd(assets: &Assets, dir: &Path, port: u16) -> anyhow::Result<Process> {
+    let peer_port = free_port()?;
+    let data = dir.join(format!("etcd-{port}"));
+    let mut command = Command::new(assets.binary("etcd"));
+    command
+        .arg("--name=testenv")
+        .arg(format!("--data-dir={}", data.display()))
+        .arg(format!("--listen-client-urls=http://127.0.0.1:{port}"))
+        .arg(format!("--advertise-client-urls=http://127.0.0.1:{port}"))
+        .arg(format!("--listen-peer-urls=http://127.0.0.1:{peer_port}"))
+        .arg(format!(
+            "--initial-advertise-peer-urls=http://127.0.0.1:{peer_port}"
+        ))
+        .arg(format!(
+            "--initial-cluster=testenv=http://127.0.0.1:{peer_port}"
+        ))
+        .arg("--initial-cluster-state=new")
+        .arg("--unsafe-no-fsync");
+    Ok(Process::spawn(
+        "etcd",
+        command,
+        &dir.join(format!("etcd-{port}.log")),
+        Some(dir),
+    )?)
+}
+
+/// Waits until the API server of `kubeconfig` answers `/readyz` with 200
+/// and has the `default` namespace; `exited` says whether (and why) it died.
+async fn wait_ready(
+    kubeconfig: &Path,
+    mut exited: impl FnMut() -> Option<String>,
+) -> anyhow::Result<()> {
+    let deadline = Instant::now() + START_DEADLINE;
+    let client = client_from(kubeconfig).await?;
+    let namespaces: Api<Namespace> = Api::all(client.clone());
+    let mut last: String;
+    loop {
+        if let Some(why) = exited() {
+            bail!("{why}");
+        }
+        let readyz = http::Request::get("/readyz").body(Vec::new())?;
+        match client.request_text(readyz).await {
+            Ok(_) => match namespaces.get_opt("default").await {
+                Ok(Some(_)) => return Ok(()),
+                Ok(None) => last = "no default namespace yet".into(),
+                Err(e) => last = e.to_string(),
+            },
+            Err(e) => last = e.to_string(),
+        }
+        if Instant::now() > deadline {
+            bail!("the API server was not ready within {START_DEADLINE:?}: {last}");
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+}
+
+/// One JSON POST to etcd's gateway over plain HTTP/1.0, whose answer is its
+/// body up to the close, never chunked (a request or two in a test: not
+/// worth an HTTP client crate).
+async fn etcd_post(
+    port: u16,
+    path: &str,
+    body: &serde_json::Value,
+) -> anyhow::Result<serde_json::Value> {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let body = body.to_string();
+    let mut stream = tokio::net::TcpStream::connect(("127.0.0.1", port)).await?;
+    stream
+        .write_all(
+            format!(
+                "POST {path} HTTP/1.0\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n\
+                 Content-Length: {}\r\nConnection: close\r\n\r\n{body}",
+                body.len()
+            )
+            .as_bytes(),
+        )
+        .await?;
+    let mut answer = String::new();
+    stream.read_to_string(&mut answer).await?;
+    let (head, body) = answer
+        .split_once("\r\n\r\n")
+        .context("etcd's answer has no body")?;
+    if head.split_whitespace().nth(1) != Some("200") {
+        bail!("etcd {path}: {head}\n{body}");
+    }
+    Ok(serde_json::from_str(body.trim())?)
+}

@@ -1,0 +1,35 @@
+//! `tether-kube-testenv`: real Kubernetes control planes for tests, started
+//! from the binaries in `../shared/kube` the way controller-runtime's envtest
+//! starts its assets.
+//!
+//! A test asks for a plane and gets `None` (reported as skipped, one loud
+//! line naming `TETHER_KUBE_ASSETS`) on a machine without the assets; under
+//! `CI=true` that is a failure instead:
+//!
+//! ```no_run
+//! # async fn example() {
+//! use tether_kube_testenv::ControlPlane;
+//! let Some(plane) = ControlPlane::shared_or_skip("my_test") else { return };
+//! let namespace = plane.namespace("my-test").await;
+//! let client = plane.client().await;
+//! # }
+//! ```
+//!
+//! # Layout
+//! - `assets.rs` — finding the compressed binaries, unpacking and checking
+//!   them once into the build cache, reporting skips.
+//! - `process.rs` — child processes that die with the test process (a
+//!   watchdog beside each), killed on drop.
+//! - `control_plane.rs` — etcd and kube-apiserver on free loopback ports
+//!   with a throwaway CA, an admin token, kubeconfigs and service-account
+//!   tokens; outages (API server stop and start, a second API server on the
+//!   same etcd), etcd compaction; kube-scheduler and kube-controller-manager
+//!   on demand.
+
+pub mod assets;
+pub mod control_plane;
+pub mod process;
+
+pub use assets::{ASSETS_VAR, Assets, assets_or_skip};
+pub use control_plane::{ControlPlane, ExtraApiServer, client_from};
+pub use process::Process;
