@@ -409,6 +409,38 @@ impl ControlPlane {
     }
 }
 
+/// A control plane a test uses: the shared one, or one of its own (dropped
+/// with it).
+pub enum Plane {
+    /// [`ControlPlane::shared_or_skip`]'s.
+    Shared(&'static ControlPlane),
+    /// [`ControlPlane::start_or_skip`]'s.
+    Own(Box<ControlPlane>),
+}
+
+impl Plane {
+    /// The shared plane; `None` (the test reported skipped) without assets.
+    pub fn shared_or_skip(test: &str) -> Option<Plane> {
+        ControlPlane::shared_or_skip(test).map(Plane::Shared)
+    }
+
+    /// A plane of the test's own; `None` (reported skipped) without assets.
+    pub async fn own_or_skip(test: &str) -> Option<Plane> {
+        let plane = ControlPlane::start_or_skip(test).await?;
+        Some(Plane::Own(Box::new(plane)))
+    }
+}
+
+impl std::ops::Deref for Plane {
+    type Target = ControlPlane;
+    fn deref(&self) -> &ControlPlane {
+        match self {
+            Plane::Shared(plane) => plane,
+            Plane::Own(plane) => plane,
+        }
+    }
+}
+
 /// A second API server (see [`ControlPlane::extra_apiserver`]), stopped on
 /// drop.
 pub struct ExtraApiServer {

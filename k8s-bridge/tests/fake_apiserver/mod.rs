@@ -2,6 +2,13 @@
 //! which the real `kube::Client` (and kube-runtime's watcher) talks to over
 //! HTTP.
 //!
+//! Only the churn test (`bridge.rs`) still uses it; every other bridge test
+//! runs against a real kube-apiserver (`real_apiserver.rs`). It is kept for
+//! what a real API server cannot be made to do on demand: answer each list
+//! page slowly while objects change between pages ([`FakeApi::set_list_delay`]),
+//! and cut every watch and close connections mid-request with no answer at
+//! all ([`FakeApi::outage`]), at a chosen moment in a 2,000-pod churn.
+//!
 //! What it implements, after the API's documented behaviour:
 //! - `GET /api/v1/{pods,nodes}` lists with a collection `resourceVersion`,
 //!   paginated as the API paginates (`ListMeta.continue` in the API
