@@ -19,11 +19,11 @@
 //! pod GC (which would delete other tests' pods bound to nodes that do not
 //! exist) gets a plane of its own.
 
+use std::path::Path;
 use std::sync::Arc;
 use std::time::Duration;
 
 use k8s_openapi::api::core::v1::{Node, Pod};
-use k8s_openapi::api::rbac::v1::{ClusterRole, ClusterRoleBinding};
 use kube::api::{
     Api, DeleteParams, EvictParams, Patch, PatchParams, PostParams, WatchEvent, WatchParams,
 };
@@ -31,7 +31,7 @@ use serde_json::json;
 use tether_client::proto::{self as pb, LockKey};
 use tether_client::{Client, Options, WatchUpdate};
 use tether_k8s_bridge::bridge::Bridge;
-use tether_kube_testenv::{ControlPlane, Plane};
+use tether_kube_testenv::{ControlPlane, Plane, yaml_documents};
 use tether_server::config::Config;
 use tether_server::testing::{Cluster, DEADLINE};
 use tokio::task::JoinHandle;
@@ -58,40 +58,14 @@ async fn eventually(what: &str, mut check: impl AsyncFnMut() -> bool) {
 }
 
 /// Applies the bridge's ServiceAccount, ClusterRole and ClusterRoleBinding
-/// from the manifests (idempotent) and returns a client acting as it.
+/// from the manifests and returns a client acting as that account.
 async fn bridge_client(plane: &ControlPlane) -> kube::Client {
-    let admin = plane.client().await;
     let path = concat!(
         env!("CARGO_MANIFEST_DIR"),
         "/../deploy/base/bridge-rbac.yaml"
     );
-    let text = std::fs::read_to_string(path).unwrap();
-    let documents: Vec<serde_json::Value> = serde_saphyr::from_multiple(&text).unwrap();
-    for document in documents.into_iter().filter(|d| !d.is_null()) {
-        let created = match document["kind"].as_str() {
-            Some("ClusterRole") => Api::<ClusterRole>::all(admin.clone())
-                .create(
-                    &PostParams::default(),
-                    &serde_json::from_value(document).unwrap(),
-                )
-                .await
-                .map(|_| ()),
-            Some("ClusterRoleBinding") => Api::<ClusterRoleBinding>::all(admin.clone())
-                .create(
-                    &PostParams::default(),
-                    &serde_json::from_value(document).unwrap(),
-                )
-                .await
-                .map(|_| ()),
-            // The ServiceAccount: made below, in the namespace the binding names.
-            _ => Ok(()),
-        };
-        match created {
-            Ok(()) => {}
-            Err(kube::Error::Api(e)) if e.code == 409 => {}
-            Err(e) => panic!("cannot apply the bridge's RBAC: {e}"),
-        }
-    }
+    let objects = yaml_documents(Path::new(path)).unwrap();
+    plane.apply(&objects, BRIDGE_NAMESPACE).await.unwrap();
     plane
         .client_as_service_account(BRIDGE_NAMESPACE, "tether-bridge")
         .await

@@ -179,6 +179,14 @@ impl ControlPlane {
     /// TokenRequest API, as the kubelet gets a pod's token): it has exactly
     /// the RBAC the test grants that account.
     pub async fn client_as_service_account(&self, namespace: &str, name: &str) -> kube::Client {
+        let path = self.service_account_kubeconfig(namespace, name).await;
+        client_from(&path).await.expect("a service account client")
+    }
+
+    /// A kubeconfig for the service account `namespace/name` (see
+    /// [`ControlPlane::client_as_service_account`]), for a component
+    /// started with `--kubeconfig`.
+    pub async fn service_account_kubeconfig(&self, namespace: &str, name: &str) -> PathBuf {
         let admin = self.client().await;
         self.ensure_namespace(&admin, namespace).await;
         let accounts: Api<ServiceAccount> = Api::namespaced(admin, namespace);
@@ -200,10 +208,8 @@ impl ControlPlane {
             .status
             .expect("a token request's status")
             .token;
-        let path = self
-            .write_kubeconfig(&format!("sa-{namespace}-{name}"), &token)
-            .expect("kubeconfig");
-        client_from(&path).await.expect("a service account client")
+        self.write_kubeconfig(&format!("sa-{namespace}-{name}"), &token)
+            .expect("kubeconfig")
     }
 
     async fn ensure_namespace(&self, client: &kube::Client, name: &str) {
@@ -215,6 +221,46 @@ impl ControlPlane {
             Err(kube::Error::Api(e)) if e.code == 409 => {}
             Err(e) => panic!("cannot create namespace {name}: {e}"),
         }
+    }
+
+    /// Creates or updates `objects` (server-side apply, as the admin):
+    /// manifests a test deploys for real, e.g. a component's RBAC. A
+    /// namespaced object without a namespace goes to `namespace`, which is
+    /// created when missing.
+    pub async fn apply(
+        &self,
+        objects: &[serde_json::Value],
+        namespace: &str,
+    ) -> anyhow::Result<()> {
+        let client = self.client().await;
+        self.ensure_namespace(&client, namespace).await;
+        let discovery = kube::discovery::Discovery::new(client.clone())
+            .run()
+            .await?;
+        for object in objects {
+            let api_version = object["apiVersion"].as_str().unwrap_or_default();
+            let (group, version) = api_version.split_once('/').unwrap_or(("", api_version));
+            let kind = object["kind"].as_str().unwrap_or_default();
+            let name = object["metadata"]["name"].as_str().unwrap_or_default();
+            let gvk = kube::api::GroupVersionKind::gvk(group, version, kind);
+            let (resource, capabilities) = discovery
+                .resolve_gvk(&gvk)
+                .with_context(|| format!("the API server serves no {api_version} {kind}"))?;
+            let api: Api<kube::api::DynamicObject> = match capabilities.scope {
+                kube::discovery::Scope::Namespaced => {
+                    let namespace = object["metadata"]["namespace"]
+                        .as_str()
+                        .unwrap_or(namespace);
+                    Api::namespaced_with(client.clone(), namespace, &resource)
+                }
+                kube::discovery::Scope::Cluster => Api::all_with(client.clone(), &resource),
+            };
+            let params = kube::api::PatchParams::apply("tether-kube-testenv").force();
+            api.patch(name, &params, &kube::api::Patch::Apply(object))
+                .await
+                .with_context(|| format!("applying {kind} {name}"))?;
+        }
+        Ok(())
     }
 
     /// A new namespace named `<prefix>-<n>`, unique in this process.
@@ -356,7 +402,10 @@ impl ControlPlane {
         let mut command = Command::new(self.assets.binary("kube-scheduler"));
         command
             .arg(format!("--config={}", config.display()))
-            .arg("--secure-port=0");
+            .arg("--secure-port=0")
+            // Each scheduling attempt and queue move in the log a failing
+            // test prints.
+            .arg("--v=4");
         Ok(Process::spawn(
             "kube-scheduler",
             command,
@@ -489,6 +538,15 @@ fn kubeconfig_text(dir: &Path, port: u16, user: &str, token: &str) -> String {
         "current-context": "testenv",
     })
     .to_string()
+}
+
+/// Every YAML document of the file at `path` (empty ones skipped).
+pub fn yaml_documents(path: &Path) -> anyhow::Result<Vec<serde_json::Value>> {
+    let text =
+        std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
+    let documents: Vec<serde_json::Value> = serde_saphyr::from_multiple(&text)
+        .with_context(|| format!("parsing {}", path.display()))?;
+    Ok(documents.into_iter().filter(|d| !d.is_null()).collect())
 }
 
 /// A client from a kubeconfig file, as a component given `--kubeconfig`

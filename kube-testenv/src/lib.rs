@@ -31,5 +31,5 @@ pub mod control_plane;
 pub mod process;
 
 pub use assets::{ASSETS_VAR, Assets, assets_or_skip};
-pub use control_plane::{ControlPlane, ExtraApiServer, Plane, client_from};
+pub use control_plane::{ControlPlane, ExtraApiServer, Plane, client_from, yaml_documents};
 pub use process::Process;

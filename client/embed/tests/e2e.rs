@@ -3,27 +3,8 @@
 //! plugin on a unix socket, registered with a fake kubelet that drives it
 //! as the real one does.
 //!
-//! The fake kubelet ([`FakeKubelet::admit`]) follows
-//! kubernetes/kubernetes `pkg/kubelet/cm/devicemanager/manager.go`
-//! (`ManagerImpl.Allocate`, `allocateContainerResources`,
-//! `devicesToAllocate`), written out here on its own rather than through
-//! `tether_embed::kubelet`, so the plugin is checked against the kubelet and
-//! not against our model of it:
-//! - init containers, then app containers, one `Allocate` per container
-//!   whose limit of the resource is above zero, carrying all the ids picked
-//!   for it;
-//! - ids come first from the pod's reusable set (devices of finished init
-//!   containers, taken in an order of the kubelet's own — here a seeded
-//!   shuffle), then, if more are needed, from `GetPreferredAllocation`
-//!   (available plus already picked, must include those, size = the limit)
-//!   intersected with what is free, then from whatever is free; "free" is
-//!   the healthy devices less those of every pod it admitted, Tether's or
-//!   not (its `allocatedDevices`), so it can pass over planned devices;
-//! - a non-restartable init container's ids join the reusable set; a
-//!   sidecar's and an app container's leave it;
-//! - an `Allocate` error fails the pod: no retry;
-//! - a kubelet restart deletes every socket in the plugin directory and
-//!   serves `kubelet.sock` afresh.
+//! The fake kubelet (`fake_kubelet/`, whose doc names the upstream code it
+//! follows) drives the plugin as the device manager does.
 //!
 //! The fake API server answers `GET pods/<name>`, `GET nodes/<name>` and
 //! `POST pods/<name>/binding` as the API server does: 201 and
@@ -45,6 +26,7 @@ use std::time::{Duration, Instant};
 use axum::body::Bytes;
 use axum::http::{Method, StatusCode, Uri};
 use axum::response::{IntoResponse, Response};
+use fake_kubelet::{Admitted, FakeKubelet};
 use tether_client::proto::LockKey;
 use tether_client::{Client, Options};
 use tether_embed::accounting::{DEFAULT_LIFETIME, DeviceLedger};
@@ -55,13 +37,14 @@ use tether_embed::extender::{
 };
 use tether_embed::v1beta1 as api;
 use tether_embed::v1beta1::device_plugin_client::DevicePluginClient;
-use tether_embed::v1beta1::registration_server::{Registration, RegistrationServer};
 use tether_server::testing::{Cluster, DEADLINE};
 use tether_tls::TlsMaterial;
 use tether_tls::testing::TestCa;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::task::JoinHandle;
+
+mod fake_kubelet;
 
 const NODE: &str = "gpu-node-1";
 const RESOURCE: &str = "tether.io/gpu";
@@ -252,222 +235,6 @@ impl FakeApi {
     }
 }
 
-/// The kubelet's `Registration` service: records every registration.
-#[derive(Clone, Default)]
-struct Registrations(Arc<Mutex<Vec<api::RegisterRequest>>>);
-
-#[tonic::async_trait]
-impl Registration for Registrations {
-    async fn register(
-        &self,
-        request: tonic::Request<api::RegisterRequest>,
-    ) -> Result<tonic::Response<api::Empty>, tonic::Status> {
-        self.0.lock().unwrap().push(request.into_inner());
-        Ok(tonic::Response::new(api::Empty {}))
-    }
-}
-
-/// The kubelet, as far as device plugins see it (see the module doc).
-struct FakeKubelet {
-    dir: PathBuf,
-    registrations: Registrations,
-    server: Mutex<Option<JoinHandle<()>>>,
-    /// Devices the kubelet has given to each pod.
-    allocated: Mutex<BTreeMap<String, BTreeSet<String>>>,
-}
-
-/// What one admission did: each container's answer, in call order.
-type Admitted = Vec<(String, api::ContainerAllocateResponse)>;
-
-impl FakeKubelet {
-    fn start(dir: &Path) -> Arc<FakeKubelet> {
-        let kubelet = Arc::new(FakeKubelet {
-            dir: dir.to_path_buf(),
-            registrations: Registrations::default(),
-            server: Mutex::new(None),
-            allocated: Mutex::default(),
-        });
-        kubelet.serve();
-        kubelet
-    }
-
-    fn serve(&self) {
-        let socket = self.dir.join("kubelet.sock");
-        let _ = std::fs::remove_file(&socket);
-        let listener = tokio::net::UnixListener::bind(&socket).unwrap();
-        let service = RegistrationServer::new(self.registrations.clone());
-        *self.server.lock().unwrap() = Some(tokio::spawn(async move {
-            let _ = tonic::transport::Server::builder()
-                .add_service(service)
-                .serve_with_incoming(tokio_stream::wrappers::UnixListenerStream::new(listener))
-                .await;
-        }));
-    }
-
-    /// What a kubelet restart does to the directory.
-    fn restart(&self) {
-        if let Some(server) = self.server.lock().unwrap().take() {
-            server.abort();
-        }
-        for entry in std::fs::read_dir(&self.dir).unwrap() {
-            let path = entry.unwrap().path();
-            if path.extension().is_some_and(|e| e == "sock") {
-                std::fs::remove_file(path).unwrap();
-            }
-        }
-        self.serve();
-    }
-
-    fn registered(&self) -> usize {
-        self.registrations.0.lock().unwrap().len()
-    }
-
-    fn plugin_socket(&self) -> Option<PathBuf> {
-        let registrations = self.registrations.0.lock().unwrap();
-        registrations
-            .last()
-            .map(|r| self.dir.join(&r.endpoint))
-            .filter(|p| p.exists())
-    }
-
-    /// Admits `pod` as the device manager does; `seed` orders the reusable
-    /// set as Go's set iteration would, arbitrarily.
-    async fn admit(
-        &self,
-        pod: &k8s_openapi::api::core::v1::Pod,
-        seed: u64,
-    ) -> Result<Admitted, tonic::Status> {
-        let socket = self
-            .plugin_socket()
-            .ok_or_else(|| tonic::Status::unavailable("no registered plugin"))?;
-        let channel = tether_embed::device_plugin::unix_channel(socket)
-            .await
-            .map_err(|e| tonic::Status::unavailable(e.to_string()))?;
-        let mut plugin = DevicePluginClient::new(channel);
-        let uid = pod.metadata.uid.clone().unwrap();
-        let spec = pod.spec.clone().unwrap();
-        let containers = spec
-            .init_containers
-            .iter()
-            .flatten()
-            .map(|c| (c, c.restart_policy.as_deref() != Some("Always")))
-            .chain(spec.containers.iter().map(|c| (c, false)));
-        let mut reusable: Vec<String> = Vec::new();
-        let mut answers = Vec::new();
-        let mut rng = seed;
-        for (container, runs_to_completion) in containers {
-            let needed: usize = container
-                .resources
-                .as_ref()
-                .and_then(|r| r.limits.as_ref())
-                .and_then(|l| l.get(RESOURCE))
-                .map_or(0, |q| q.0.parse().unwrap());
-            if needed == 0 {
-                continue;
-            }
-            // Reusable first, in an order of the kubelet's own.
-            rng = rng
-                .wrapping_mul(6364136223846793005)
-                .wrapping_add(1442695040888963407);
-            let mut order = reusable.clone();
-            if !order.is_empty() {
-                let turn = (rng >> 33) as usize % order.len();
-                order.rotate_left(turn);
-            }
-            let mut picked: Vec<String> = order.into_iter().take(needed).collect();
-            if picked.len() < needed {
-                let in_use: BTreeSet<String> = self
-                    .allocated
-                    .lock()
-                    .unwrap()
-                    .values()
-                    .flatten()
-                    .cloned()
-                    .collect();
-                let available: Vec<String> = node_devices()
-                    .into_iter()
-                    .filter(|d| !in_use.contains(d) && !picked.contains(d))
-                    .collect();
-                assert!(
-                    available.len() >= needed - picked.len(),
-                    "the kubelet has too few devices left for {uid}"
-                );
-                let preferred = plugin
-                    .get_preferred_allocation(api::PreferredAllocationRequest {
-                        container_requests: vec![api::ContainerPreferredAllocationRequest {
-                            available_device_i_ds: available
-                                .iter()
-                                .chain(&picked)
-                                .cloned()
-                                .collect(),
-                            must_include_device_i_ds: picked.clone(),
-                            allocation_size: needed as i32,
-                        }],
-                    })
-                    .await?
-                    .into_inner();
-                let preferred = &preferred.container_responses[0].device_i_ds;
-                for d in preferred.iter().chain(&available) {
-                    if picked.len() < needed && available.contains(d) && !picked.contains(d) {
-                        picked.push(d.clone());
-                    }
-                }
-            }
-            self.allocated
-                .lock()
-                .unwrap()
-                .entry(uid.clone())
-                .or_default()
-                .extend(picked.iter().cloned());
-            // One Allocate with every id; an error fails the pod.
-            let response = plugin
-                .allocate(api::AllocateRequest {
-                    container_requests: vec![api::ContainerAllocateRequest {
-                        devices_ids: picked.clone(),
-                    }],
-                })
-                .await?
-                .into_inner();
-            answers.push((
-                container.name.clone(),
-                response.container_responses.into_iter().next().unwrap(),
-            ));
-            if runs_to_completion
-                && spec
-                    .init_containers
-                    .iter()
-                    .flatten()
-                    .any(|c| c.name == container.name)
-            {
-                for d in picked {
-                    if !reusable.contains(&d) {
-                        reusable.push(d);
-                    }
-                }
-            } else {
-                reusable.retain(|d| !picked.contains(d));
-            }
-        }
-        Ok(answers)
-    }
-
-    /// The kubelet gives `devices` to a pod Tether never saw (admitted
-    /// before the plugin ran, or scheduled around the extender).
-    fn occupy(&self, uid: &str, devices: &[&str]) {
-        self.allocated
-            .lock()
-            .unwrap()
-            .entry(uid.to_string())
-            .or_default()
-            .extend(devices.iter().map(|d| d.to_string()));
-    }
-
-    /// The pod ended: its devices are free again.
-    fn pod_ended(&self, uid: &str) {
-        self.allocated.lock().unwrap().remove(uid);
-    }
-}
-
 /// Everything one scenario needs.
 struct Rig {
     cluster: Cluster,
@@ -629,7 +396,7 @@ impl Rig {
         let extender_addr = listener.local_addr().unwrap();
         tokio::spawn(serve_extender(listener, extender, std::future::pending()));
         let dir = tempfile::tempdir().unwrap();
-        let kubelet = FakeKubelet::start(dir.path());
+        let kubelet = FakeKubelet::start(dir.path(), RESOURCE, node_devices());
         let plugin = start_plugin(&cluster, &identities, dir.path(), None);
         let rig = Rig {
             cluster,
@@ -1237,7 +1004,7 @@ async fn the_plugin_releases_with_the_same_token_on_a_new_leader() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_plugin_lists_its_devices_to_the_kubelet() {
     let dir = tempfile::tempdir().unwrap();
-    let kubelet = FakeKubelet::start(dir.path());
+    let kubelet = FakeKubelet::start(dir.path(), RESOURCE, node_devices());
     let client = Client::new(["127.0.0.1:1"], Options::default()).unwrap();
     let config = PluginConfig {
         node: NODE.into(),

@@ -1,0 +1,266 @@
+//! A kubelet, as far as device plugins see it: the `Registration` service
+//! on `kubelet.sock`, and admission that calls a registered plugin as the
+//! device manager does.
+//!
+//! The fake kubelet ([`FakeKubelet::admit`]) follows
+//! kubernetes/kubernetes `pkg/kubelet/cm/devicemanager/manager.go`
+//! (`ManagerImpl.Allocate`, `allocateContainerResources`,
+//! `devicesToAllocate`), written out here on its own rather than through
+//! `tether_embed::kubelet`, so the plugin is checked against the kubelet and
+//! not against our model of it:
+//! - init containers, then app containers, one `Allocate` per container
+//!   whose limit of the resource is above zero, carrying all the ids picked
+//!   for it;
+//! - ids come first from the pod's reusable set (devices of finished init
+//!   containers, taken in an order of the kubelet's own — here a seeded
+//!   shuffle), then, if more are needed, from `GetPreferredAllocation`
+//!   (available plus already picked, must include those, size = the limit)
+//!   intersected with what is free, then from whatever is free; "free" is
+//!   the healthy devices less those of every pod it admitted, Tether's or
+//!   not (its `allocatedDevices`), so it can pass over planned devices;
+//! - a non-restartable init container's ids join the reusable set; a
+//!   sidecar's and an app container's leave it;
+//! - an `Allocate` error fails the pod: no retry;
+//! - a kubelet restart deletes every socket in the plugin directory and
+//!   serves `kubelet.sock` afresh.
+//!
+//! Shared by `e2e.rs` (a fake API server) and `real_scheduler.rs` (a real
+//! kube-apiserver and kube-scheduler): no real kubelet can run here without
+//! a container runtime.
+
+#![allow(dead_code)]
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex};
+
+use tether_embed::v1beta1 as api;
+use tether_embed::v1beta1::device_plugin_client::DevicePluginClient;
+use tether_embed::v1beta1::registration_server::{Registration, RegistrationServer};
+use tokio::task::JoinHandle;
+
+/// The kubelet's `Registration` service: records every registration.
+#[derive(Clone, Default)]
+pub struct Registrations(pub Arc<Mutex<Vec<api::RegisterRequest>>>);
+
+#[tonic::async_trait]
+impl Registration for Registrations {
+    async fn register(
+        &self,
+        request: tonic::Request<api::RegisterRequest>,
+    ) -> Result<tonic::Response<api::Empty>, tonic::Status> {
+        self.0.lock().unwrap().push(request.into_inner());
+        Ok(tonic::Response::new(api::Empty {}))
+    }
+}
+
+/// The kubelet, as far as device plugins see it (see the module doc).
+pub struct FakeKubelet {
+    dir: PathBuf,
+    /// The extended resource it admits pods for.
+    resource: String,
+    /// The node's devices.
+    devices: Vec<String>,
+    pub registrations: Registrations,
+    server: Mutex<Option<JoinHandle<()>>>,
+    /// Devices the kubelet has given to each pod.
+    allocated: Mutex<BTreeMap<String, BTreeSet<String>>>,
+}
+
+/// What one admission did: each container's answer, in call order.
+pub type Admitted = Vec<(String, api::ContainerAllocateResponse)>;
+
+impl FakeKubelet {
+    /// A kubelet with `devices` of `resource`, serving `kubelet.sock` in
+    /// `dir`.
+    pub fn start(dir: &Path, resource: &str, devices: Vec<String>) -> Arc<FakeKubelet> {
+        let kubelet = Arc::new(FakeKubelet {
+            dir: dir.to_path_buf(),
+            resource: resource.to_string(),
+            devices,
+            registrations: Registrations::default(),
+            server: Mutex::new(None),
+            allocated: Mutex::default(),
+        });
+        kubelet.serve();
+        kubelet
+    }
+
+    fn serve(&self) {
+        let socket = self.dir.join("kubelet.sock");
+        let _ = std::fs::remove_file(&socket);
+        let listener = tokio::net::UnixListener::bind(&socket).unwrap();
+        let service = RegistrationServer::new(self.registrations.clone());
+        *self.server.lock().unwrap() = Some(tokio::spawn(async move {
+            let _ = tonic::transport::Server::builder()
+                .add_service(service)
+                .serve_with_incoming(tokio_stream::wrappers::UnixListenerStream::new(listener))
+                .await;
+        }));
+    }
+
+    /// What a kubelet restart does to the directory.
+    pub fn restart(&self) {
+        if let Some(server) = self.server.lock().unwrap().take() {
+            server.abort();
+        }
+        for entry in std::fs::read_dir(&self.dir).unwrap() {
+            let path = entry.unwrap().path();
+            if path.extension().is_some_and(|e| e == "sock") {
+                std::fs::remove_file(path).unwrap();
+            }
+        }
+        self.serve();
+    }
+
+    pub fn registered(&self) -> usize {
+        self.registrations.0.lock().unwrap().len()
+    }
+
+    pub fn plugin_socket(&self) -> Option<PathBuf> {
+        let registrations = self.registrations.0.lock().unwrap();
+        registrations
+            .last()
+            .map(|r| self.dir.join(&r.endpoint))
+            .filter(|p| p.exists())
+    }
+
+    /// Admits `pod` as the device manager does; `seed` orders the reusable
+    /// set as Go's set iteration would, arbitrarily.
+    pub async fn admit(
+        &self,
+        pod: &k8s_openapi::api::core::v1::Pod,
+        seed: u64,
+    ) -> Result<Admitted, tonic::Status> {
+        let socket = self
+            .plugin_socket()
+            .ok_or_else(|| tonic::Status::unavailable("no registered plugin"))?;
+        let channel = tether_embed::device_plugin::unix_channel(socket)
+            .await
+            .map_err(|e| tonic::Status::unavailable(e.to_string()))?;
+        let mut plugin = DevicePluginClient::new(channel);
+        let uid = pod.metadata.uid.clone().unwrap();
+        let spec = pod.spec.clone().unwrap();
+        let containers = spec
+            .init_containers
+            .iter()
+            .flatten()
+            .map(|c| (c, c.restart_policy.as_deref() != Some("Always")))
+            .chain(spec.containers.iter().map(|c| (c, false)));
+        let mut reusable: Vec<String> = Vec::new();
+        let mut answers = Vec::new();
+        let mut rng = seed;
+        for (container, runs_to_completion) in containers {
+            let needed: usize = container
+                .resources
+                .as_ref()
+                .and_then(|r| r.limits.as_ref())
+                .and_then(|l| l.get(&self.resource))
+                .map_or(0, |q| q.0.parse().unwrap());
+            if needed == 0 {
+                continue;
+            }
+            // Reusable first, in an order of the kubelet's own.
+            rng = rng
+                .wrapping_mul(6364136223846793005)
+                .wrapping_add(1442695040888963407);
+            let mut order = reusable.clone();
+            if !order.is_empty() {
+                let turn = (rng >> 33) as usize % order.len();
+                order.rotate_left(turn);
+            }
+            let mut picked: Vec<String> = order.into_iter().take(needed).collect();
+            if picked.len() < needed {
+                let in_use: BTreeSet<String> = self
+                    .allocated
+                    .lock()
+                    .unwrap()
+                    .values()
+                    .flatten()
+                    .cloned()
+                    .collect();
+                let available: Vec<String> = self
+                    .devices
+                    .iter()
+                    .filter(|&d| !in_use.contains(d) && !picked.contains(d))
+                    .cloned()
+                    .collect();
+                assert!(
+                    available.len() >= needed - picked.len(),
+                    "the kubelet has too few devices left for {uid}"
+                );
+                let preferred = plugin
+                    .get_preferred_allocation(api::PreferredAllocationRequest {
+                        container_requests: vec![api::ContainerPreferredAllocationRequest {
+                            available_device_i_ds: available
+                                .iter()
+                                .chain(&picked)
+                                .cloned()
+                                .collect(),
+                            must_include_device_i_ds: picked.clone(),
+                            allocation_size: needed as i32,
+                        }],
+                    })
+                    .await?
+                    .into_inner();
+                let preferred = &preferred.container_responses[0].device_i_ds;
+                for d in preferred.iter().chain(&available) {
+                    if picked.len() < needed && available.contains(d) && !picked.contains(d) {
+                        picked.push(d.clone());
+                    }
+                }
+            }
+            self.allocated
+                .lock()
+                .unwrap()
+                .entry(uid.clone())
+                .or_default()
+                .extend(picked.iter().cloned());
+            // One Allocate with every id; an error fails the pod.
+            let response = plugin
+                .allocate(api::AllocateRequest {
+                    container_requests: vec![api::ContainerAllocateRequest {
+                        devices_ids: picked.clone(),
+                    }],
+                })
+                .await?
+                .into_inner();
+            answers.push((
+                container.name.clone(),
+                response.container_responses.into_iter().next().unwrap(),
+            ));
+            if runs_to_completion
+                && spec
+                    .init_containers
+                    .iter()
+                    .flatten()
+                    .any(|c| c.name == container.name)
+            {
+                for d in picked {
+                    if !reusable.contains(&d) {
+                        reusable.push(d);
+                    }
+                }
+            } else {
+                reusable.retain(|d| !picked.contains(d));
+            }
+        }
+        Ok(answers)
+    }
+
+    /// The kubelet gives `devices` to a pod Tether never saw (admitted
+    /// before the plugin ran, or scheduled around the extender).
+    pub fn occupy(&self, uid: &str, devices: &[&str]) {
+        self.allocated
+            .lock()
+            .unwrap()
+            .entry(uid.to_string())
+            .or_default()
+            .extend(devices.iter().map(|d| d.to_string()));
+    }
+
+    /// The pod ended: its devices are free again.
+    pub fn pod_ended(&self, uid: &str) {
+        self.allocated.lock().unwrap().remove(uid);
+    }
+}

@@ -1,0 +1,677 @@
+//! The scheduler extender under a real kube-scheduler v1.36 and
+//! kube-apiserver (`tether-kube-testenv`), with a 3-replica Tether and the
+//! device plugin driven by the fake kubelet (`fake_kubelet/`: no real
+//! kubelet runs without a container runtime).
+//!
+//! kube-scheduler runs the KubeSchedulerConfiguration of
+//! `deploy/optional/gpu/scheduler.yaml`, read from the manifest, with two
+//! changes a test cannot avoid: the extender's `urlPrefix` points at the
+//! test's extender on loopback (the path kept), and `clientConnection`
+//! names a kubeconfig. The scheduler and the extender run as their service
+//! accounts with the manifests' RBAC, on tokens the API server issued.
+//!
+//! The test plays the kubelet: it registers the node with the plugin's
+//! healthy device count in `status.allocatable` (as the device manager's
+//! `GetCapacity` does from `ListAndWatch`), removes the `not-ready` taint
+//! the `TaintNodesByCondition` admission put on the new node (what the node
+//! lifecycle controller does once the node is Ready), admits each bound pod
+//! through the plugin, and sets the pod Running.
+
+mod fake_kubelet;
+
+use std::collections::BTreeMap;
+use std::net::SocketAddr;
+use std::path::Path;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use fake_kubelet::FakeKubelet;
+use k8s_openapi::api::core::v1::{Node, Pod};
+use kube::api::{Api, ListParams, Patch, PatchParams, PostParams};
+use serde_json::{Value, json};
+use tether_client::proto::LockKey;
+use tether_client::{Client, Options};
+use tether_embed::accounting::{DEFAULT_LIFETIME, DeviceLedger};
+use tether_embed::device_plugin::{GpuPlugin, Placement, PluginConfig, run, unix_channel};
+use tether_embed::extender::{Extender, ExtenderConfig, KubeBinder, serve_extender};
+use tether_embed::v1beta1 as api;
+use tether_embed::v1beta1::device_plugin_client::DevicePluginClient;
+use tether_kube_testenv::{ControlPlane, Process, yaml_documents};
+use tether_server::testing::{Cluster, DEADLINE};
+use tokio::net::TcpListener;
+use tokio::task::JoinHandle;
+
+const NODE: &str = "gpu-node-1";
+const RESOURCE: &str = "tether.io/gpu";
+/// The namespace the manifests' RBAC binds the accounts in.
+const SYSTEM: &str = "tether-system";
+/// The extender's bind wait as deployed (`tether-extender`'s default).
+const DEPLOYED_WAIT: Duration = Duration::from_secs(3);
+
+fn gpu_manifest(file: &str) -> std::path::PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("../../deploy/optional/gpu")
+        .join(file)
+}
+
+fn key() -> LockKey {
+    LockKey {
+        scope: "gpu-bind".into(),
+        name: NODE.into(),
+    }
+}
+
+type RunningExtender = Arc<Extender<KubeBinder>>;
+
+struct Rig {
+    cluster: Cluster,
+    /// Tether as an operator (and the bridge) would act.
+    client: Client,
+    /// The test's pods, as the admin.
+    pods: Api<Pod>,
+    kubelet: Arc<FakeKubelet>,
+    extenders: Vec<RunningExtender>,
+    tasks: Vec<JoinHandle<()>>,
+    /// Pods admitted so far and the devices each got.
+    admitted: std::sync::Mutex<BTreeMap<String, Vec<String>>>,
+    _scheduler: Process,
+    plane: ControlPlane,
+    _dir: tempfile::TempDir,
+}
+
+/// The manifests' objects of `kinds` in `file`.
+fn objects_of(file: &str, kinds: &[&str]) -> Vec<Value> {
+    yaml_documents(&gpu_manifest(file))
+        .unwrap()
+        .into_iter()
+        .filter(|o| kinds.contains(&o["kind"].as_str().unwrap_or_default()))
+        .collect()
+}
+
+/// The manifest's KubeSchedulerConfiguration, the extender at `extender`
+/// and the API server through `kubeconfig`.
+fn scheduler_config(extender: SocketAddr, kubeconfig: &Path) -> Value {
+    let config_map = objects_of("scheduler.yaml", &["ConfigMap"]).remove(0);
+    let text = config_map["data"]["config.yaml"].as_str().unwrap();
+    let mut config: Value = serde_saphyr::from_str(text).unwrap();
+    let extenders = config["extenders"].as_array_mut().unwrap();
+    assert_eq!(extenders.len(), 1);
+    let url = extenders[0]["urlPrefix"].as_str().unwrap();
+    let path = url.splitn(4, '/').nth(3).expect("the urlPrefix has a path");
+    extenders[0]["urlPrefix"] = json!(format!("http://{extender}/{path}"));
+    config["clientConnection"] = json!({"kubeconfig": kubeconfig.display().to_string()});
+    config
+}
+
+/// Forwards each connection to the next of `targets` in turn: a Service in
+/// front of extender replicas.
+async fn round_robin(targets: Vec<SocketAddr>) -> (SocketAddr, JoinHandle<()>) {
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let task = tokio::spawn(async move {
+        for turn in 0.. {
+            let Ok((mut inbound, _)) = listener.accept().await else {
+                return;
+            };
+            let target = targets[turn % targets.len()];
+            tokio::spawn(async move {
+                if let Ok(mut outbound) = tokio::net::TcpStream::connect(target).await {
+                    let _ = tokio::io::copy_bidirectional(&mut inbound, &mut outbound).await;
+                }
+            });
+        }
+    });
+    (addr, task)
+}
+
+impl Rig {
+    /// A control plane, Tether, `devices` GPUs on one node, `replicas`
+    /// extenders waiting `wait` for the node's lock, and kube-scheduler.
+    async fn start(test: &str, devices: usize, replicas: usize, wait: Duration) -> Option<Rig> {
+        let plane = ControlPlane::start_or_skip(test).await?;
+        let mut rbac = objects_of(
+            "extender.yaml",
+            &["ServiceAccount", "ClusterRole", "ClusterRoleBinding"],
+        );
+        rbac.extend(objects_of(
+            "scheduler.yaml",
+            &["ServiceAccount", "ClusterRole", "ClusterRoleBinding"],
+        ));
+        plane.apply(&rbac, SYSTEM).await.unwrap();
+        let extender_kube = plane
+            .client_as_service_account(SYSTEM, "tether-extender")
+            .await;
+        let scheduler_kubeconfig = plane
+            .service_account_kubeconfig(SYSTEM, "tether-scheduler")
+            .await;
+
+        let cluster = Cluster::start(3).await;
+        let options = Options {
+            retry_timeout: DEADLINE,
+            ..Options::default()
+        };
+        let client = Client::new(cluster.endpoints(), options.clone()).unwrap();
+
+        // The node's kubelet and device plugin.
+        let dir = tempfile::tempdir().unwrap();
+        let device_ids: Vec<String> = (0..devices).map(|i| format!("gpu{i}")).collect();
+        let kubelet = FakeKubelet::start(dir.path(), RESOURCE, device_ids.clone());
+        let plugin = Arc::new(GpuPlugin::new(
+            Client::new(cluster.endpoints(), options.clone()).unwrap(),
+            PluginConfig {
+                node: NODE.into(),
+                scope: "gpu-bind".into(),
+                resource_name: RESOURCE.into(),
+                devices: device_ids,
+            },
+        ));
+        let placement = Placement {
+            dir: dir.path().to_path_buf(),
+            socket_name: "tether-gpu.sock".into(),
+        };
+        let mut tasks = vec![tokio::spawn(async move {
+            run(plugin, placement, std::future::pending())
+                .await
+                .unwrap()
+        })];
+
+        // The extender replicas, behind a round-robin "Service" when two.
+        let mut extenders = Vec::new();
+        let mut addrs = Vec::new();
+        for _ in 0..replicas {
+            let tether = Client::new(cluster.endpoints(), options.clone()).unwrap();
+            let extender = Arc::new(Extender::new(
+                tether.clone(),
+                DeviceLedger::new(tether, DEFAULT_LIFETIME),
+                KubeBinder::new(extender_kube.clone()),
+                ExtenderConfig {
+                    scope: "gpu-bind".into(),
+                    resource: RESOURCE.into(),
+                    wait,
+                    device_prefix: "gpu".into(),
+                    inventory_ttl: Duration::from_secs(30),
+                },
+            ));
+            let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+            addrs.push(listener.local_addr().unwrap());
+            tasks.push(tokio::spawn(serve_extender(
+                listener,
+                extender.clone(),
+                std::future::pending(),
+            )));
+            extenders.push(extender);
+        }
+        let extender_addr = if replicas == 1 {
+            addrs[0]
+        } else {
+            let (addr, task) = round_robin(addrs).await;
+            tasks.push(task);
+            addr
+        };
+
+        let config = scheduler_config(extender_addr, &scheduler_kubeconfig);
+        let config_path = dir.path().join("scheduler.json");
+        std::fs::write(&config_path, config.to_string()).unwrap();
+        let scheduler = plane.scheduler(&config_path).unwrap();
+
+        let namespace = plane.namespace("gpu").await;
+        let admin = plane.client().await;
+        let rig = Rig {
+            cluster,
+            client,
+            pods: Api::namespaced(admin, &namespace),
+            kubelet,
+            extenders,
+            tasks,
+            admitted: Default::default(),
+            _scheduler: scheduler,
+            plane,
+            _dir: dir,
+        };
+        rig.wait_for("the plugin to register", async || {
+            rig.kubelet.plugin_socket().is_some()
+        })
+        .await;
+        rig.register_node().await;
+        Some(rig)
+    }
+
+    /// The kubelet registers the node: Ready, the plugin's healthy devices
+    /// as capacity and allocatable, and (as the node lifecycle controller
+    /// does for a Ready node) no `not-ready` taint.
+    async fn register_node(&self) {
+        let socket = self.kubelet.plugin_socket().unwrap();
+        let mut plugin = DevicePluginClient::new(unix_channel(socket).await.unwrap());
+        let mut devices = plugin
+            .list_and_watch(api::Empty {})
+            .await
+            .unwrap()
+            .into_inner();
+        let first = devices.message().await.unwrap().expect("a device list");
+        let healthy = first
+            .devices
+            .iter()
+            .filter(|d| d.health == "Healthy")
+            .count();
+        let nodes: Api<Node> = Api::all(self.plane.client().await);
+        let node: Node = serde_json::from_value(json!({"metadata": {"name": NODE}})).unwrap();
+        nodes.create(&PostParams::default(), &node).await.unwrap();
+        let resources =
+            json!({"cpu": "8", "memory": "32Gi", "pods": "110", RESOURCE: healthy.to_string()});
+        nodes
+            .patch_status(
+                NODE,
+                &PatchParams::default(),
+                &Patch::Merge(json!({"status": {
+                    "capacity": resources, "allocatable": resources,
+                    "conditions": [{"type": "Ready", "status": "True", "reason": "KubeletReady",
+                                    "lastHeartbeatTime": "2026-12-03T00:00:00Z",
+                                    "lastTransitionTime": "2026-12-03T00:00:00Z"}],
+                }})),
+            )
+            .await
+            .unwrap();
+        nodes
+            .patch(
+                NODE,
+                &PatchParams::default(),
+                &Patch::Merge(json!({"spec": {"taints": null}})),
+            )
+            .await
+            .unwrap();
+    }
+
+    /// A pod for the `tether-gpu` scheduler asking for `gpus`.
+    async fn create_pod(&self, name: &str, gpus: u32) -> Pod {
+        let pod: Pod = serde_json::from_value(json!({
+            "metadata": {"name": name},
+            "spec": {"schedulerName": "tether-gpu", "containers": [{
+                "name": "main", "image": "busybox",
+                "resources": {"limits": {RESOURCE: gpus.to_string()}},
+            }]},
+        }))
+        .unwrap();
+        self.pods
+            .create(&PostParams::default(), &pod)
+            .await
+            .unwrap()
+    }
+
+    /// Names of the test's pods bound to the node.
+    async fn bound(&self) -> Vec<String> {
+        self.pods
+            .list(&ListParams::default())
+            .await
+            .unwrap()
+            .items
+            .into_iter()
+            .filter(|p| p.spec.as_ref().and_then(|s| s.node_name.as_deref()) == Some(NODE))
+            .map(|p| p.metadata.name.unwrap())
+            .collect()
+    }
+
+    /// Waits for a bound pod the kubelet has not admitted, admits it
+    /// (Allocate through the plugin) and sets it Running; its name. Checks
+    /// on the way that the node's lock holds: never more than one pod bound
+    /// and not yet admitted (the lock passes on at the pod's Allocate).
+    async fn admit_next(&self) -> String {
+        let mut waiting = Vec::new();
+        self.wait_for("a newly bound pod", async || {
+            let admitted = self.admitted.lock().unwrap().clone();
+            waiting = self
+                .bound()
+                .await
+                .into_iter()
+                .filter(|n| !admitted.contains_key(n))
+                .collect();
+            !waiting.is_empty()
+        })
+        .await;
+        assert_eq!(
+            waiting.len(),
+            1,
+            "bound at once on one node without Allocate between: {waiting:?}"
+        );
+        let name = waiting.remove(0);
+        self.admit(&name).await;
+        name
+    }
+
+    async fn admit(&self, name: &str) {
+        let pod = self.pods.get(name).await.unwrap();
+        let answers = self
+            .kubelet
+            .admit(&pod, 7)
+            .await
+            .unwrap_or_else(|e| panic!("the kubelet could not admit {name}: {e}"));
+        let mut devices: Vec<String> = answers
+            .iter()
+            .flat_map(|(_, a)| a.envs["TETHER_DEVICES"].split(',').map(str::to_string))
+            .collect();
+        devices.sort();
+        self.admitted
+            .lock()
+            .unwrap()
+            .insert(name.to_string(), devices);
+        self.set_phase(name, "Running").await;
+    }
+
+    async fn set_phase(&self, name: &str, phase: &str) {
+        let state = if phase == "Running" {
+            json!({"running": {"startedAt": "2026-12-03T00:00:00Z"}})
+        } else {
+            json!({"terminated": {"exitCode": 0, "startedAt": "2026-12-03T00:00:00Z",
+                                  "finishedAt": "2026-12-03T00:00:00Z"}})
+        };
+        self.pods
+            .patch_status(
+                name,
+                &PatchParams::default(),
+                &Patch::Merge(json!({"status": {"phase": phase, "containerStatuses": [{
+                    "name": "main", "image": "busybox", "imageID": "", "ready": phase == "Running",
+                    "restartCount": 0, "started": phase == "Running", "state": state,
+                }]}})),
+            )
+            .await
+            .unwrap();
+    }
+
+    /// The scheduler's verdict on an unscheduled pod: the message of its
+    /// `PodScheduled=False` condition.
+    async fn unschedulable_message(&self, name: &str) -> Option<String> {
+        let pod = self.pods.get(name).await.unwrap();
+        pod.status?
+            .conditions?
+            .into_iter()
+            .find(|c| c.type_ == "PodScheduled" && c.status == "False")
+            .and_then(|c| c.message)
+    }
+
+    async fn waiters(&self) -> Vec<String> {
+        let state = self.client.get(&key()).await.unwrap();
+        state
+            .waiters
+            .iter()
+            .map(|w| w.pod.clone().unwrap().name)
+            .collect()
+    }
+
+    async fn holder(&self) -> Option<String> {
+        self.client
+            .holder(&key())
+            .await
+            .unwrap()
+            .map(|h| h.pod.unwrap().name)
+    }
+
+    /// Device claims on the node: device -> pod uid.
+    async fn claims(&self) -> BTreeMap<String, String> {
+        DeviceLedger::new(self.client.clone(), DEFAULT_LIFETIME)
+            .in_use(NODE)
+            .await
+            .unwrap()
+    }
+
+    fn binds(&self, replica: usize, outcome: &str) -> u64 {
+        let text = self.extenders[replica].metrics().render();
+        let prefix = format!("tether_extender_binds_total{{outcome=\"{outcome}\"}} ");
+        text.lines()
+            .find_map(|l| l.strip_prefix(&prefix))
+            .map_or(0, |v| v.parse().unwrap())
+    }
+
+    async fn wait_for(&self, what: &str, mut check: impl AsyncFnMut() -> bool) {
+        let deadline = tokio::time::Instant::now() + DEADLINE;
+        while !check().await {
+            assert!(
+                tokio::time::Instant::now() < deadline,
+                "timed out waiting for {what}\n{}",
+                self._scheduler.log_tail(40)
+            );
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
+
+    async fn shutdown(self) {
+        for task in &self.tasks {
+            task.abort();
+        }
+        self.cluster.shutdown().await;
+    }
+}
+
+/// No device is given to two pods, and Tether's claims say what the kubelet
+/// handed out.
+async fn assert_devices_distinct_and_claimed(rig: &Rig) {
+    let admitted = rig.admitted.lock().unwrap().clone();
+    let mut owner = BTreeMap::new();
+    for (pod, devices) in &admitted {
+        for device in devices {
+            if let Some(other) = owner.insert(device.clone(), pod.clone()) {
+                panic!("{device} given to both {other} and {pod}");
+            }
+        }
+    }
+    let uids: BTreeMap<String, String> = rig
+        .pods
+        .list(&ListParams::default())
+        .await
+        .unwrap()
+        .items
+        .into_iter()
+        .map(|p| (p.metadata.uid.unwrap(), p.metadata.name.unwrap()))
+        .collect();
+    let claimed: BTreeMap<String, String> = rig
+        .claims()
+        .await
+        .into_iter()
+        .map(|(device, uid)| (device, uids[&uid].clone()))
+        .collect();
+    assert_eq!(
+        claimed, owner,
+        "Tether's claims differ from what the kubelet gave"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn one_gpu_pods_racing_for_one_node_are_bound_one_at_a_time_and_share_no_device() {
+    let Some(rig) = Rig::start(
+        "one_gpu_pods_racing_for_one_node_are_bound_one_at_a_time_and_share_no_device",
+        4,
+        1,
+        DEPLOYED_WAIT,
+    )
+    .await
+    else {
+        return;
+    };
+    let started = Instant::now();
+    for i in 0..4 {
+        rig.create_pod(&format!("train-{i}"), 1).await;
+    }
+    for _ in 0..4 {
+        // While one pod is bound and not yet admitted it holds the node:
+        // nobody else is bound.
+        let name = rig.admit_next().await;
+        println!("{name} admitted at {:?}", started.elapsed());
+    }
+    assert_eq!(rig.bound().await.len(), 4);
+    assert_devices_distinct_and_claimed(&rig).await;
+    rig.wait_for("the last hold to end", async || {
+        rig.holder().await.is_none()
+    })
+    .await;
+    rig.shutdown().await;
+}
+
+/// A pod whose devices are still claimed by a pod the scheduler no longer
+/// counts (it has ended; its claim outlives it until the bridge revokes
+/// it) passes the scheduler's own resource fit, and the extender's filter
+/// refuses the node with its reason, which the scheduler reports on the
+/// pod. Once the claim is revoked the pod is bound, but only at the
+/// scheduler's next look: kube-scheduler v1.36 tries a pod an extender
+/// refused again on a Node update (here a label; on a real node the
+/// kubelet's status report, every 5 minutes when nothing changed) or after
+/// five minutes in its unschedulable queue; Tether freeing the devices is
+/// no event it sees. (The ended pod's deletion is none either: the
+/// scheduler forgot the pod when it reached Succeeded.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_pod_wider_than_the_unclaimed_devices_waits_with_the_extenders_reason() {
+    let Some(rig) = Rig::start(
+        "a_pod_wider_than_the_unclaimed_devices_waits_with_the_extenders_reason",
+        2,
+        1,
+        DEPLOYED_WAIT,
+    )
+    .await
+    else {
+        return;
+    };
+    let first = rig.create_pod("first", 1).await;
+    assert_eq!(rig.admit_next().await, "first");
+    rig.set_phase("first", "Succeeded").await;
+    rig.create_pod("wide", 2).await;
+    let mut message = None;
+    rig.wait_for(
+        "the scheduler to report the extender's reason",
+        async || {
+            message = rig.unschedulable_message("wide").await;
+            message.is_some()
+        },
+    )
+    .await;
+    let message = message.unwrap();
+    assert!(message.contains("1 of 2 free"), "{message}");
+    assert!(rig.bound().await == ["first"], "the wide pod was bound");
+    assert_eq!(rig.holder().await, None);
+    // The bridge's report that the first pod ended, then its claim's
+    // lifetime: the wide pod is scheduled again and bound.
+    rig.client
+        .revoke_pod(first.metadata.uid.as_deref().unwrap(), "pod succeeded")
+        .await
+        .unwrap();
+    rig.kubelet
+        .pod_ended(first.metadata.uid.as_deref().unwrap());
+    rig.wait_for("the first pod's claim to go", async || {
+        rig.claims().await.is_empty()
+    })
+    .await;
+    let nodes: Api<Node> = Api::all(rig.plane.client().await);
+    nodes
+        .patch(
+            NODE,
+            &PatchParams::default(),
+            &Patch::Merge(json!({"metadata": {"labels": {"example.com/touched": "1"}}})),
+        )
+        .await
+        .unwrap();
+    assert_eq!(rig.admit_next().await, "wide");
+    assert_eq!(rig.admitted.lock().unwrap()["wide"], ["gpu0", "gpu1"]);
+    rig.shutdown().await;
+}
+
+/// The node is held by a bound pod the kubelet has not admitted yet. The
+/// next pod's bind waits in the node's queue for the extender's wait (3 s,
+/// as deployed) and is refused: the scheduler gives up on that attempt and
+/// schedules the pod again after its back-off. Once the first pod is
+/// admitted, the second is bound.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_bind_refused_after_the_wait_is_scheduled_again_and_bound_once_the_node_is_free() {
+    let Some(rig) = Rig::start(
+        "a_bind_refused_after_the_wait_is_scheduled_again_and_bound_once_the_node_is_free",
+        2,
+        1,
+        DEPLOYED_WAIT,
+    )
+    .await
+    else {
+        return;
+    };
+    rig.create_pod("first", 1).await;
+    rig.wait_for("the first bind", async || rig.bound().await == ["first"])
+        .await;
+    rig.create_pod("second", 1).await;
+    rig.wait_for("a refused bind", async || rig.binds(0, "refused") > 0)
+        .await;
+    assert_eq!(rig.bound().await, ["first"]);
+    assert_eq!(rig.holder().await.as_deref(), Some("first"));
+    rig.admit("first").await;
+    assert_eq!(rig.admit_next().await, "second");
+    assert_devices_distinct_and_claimed(&rig).await;
+    rig.shutdown().await;
+}
+
+/// An extender whose wait (20 s) is longer than the manifest's `httpTimeout`
+/// (10 s): kube-scheduler closes the connection, the extender notices, leaves
+/// the node's queue and keeps nothing; the pod is scheduled again and bound
+/// once the node is free.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_bind_that_outlasts_http_timeout_leaves_the_queue_when_the_scheduler_hangs_up() {
+    let Some(rig) = Rig::start(
+        "a_bind_that_outlasts_http_timeout_leaves_the_queue_when_the_scheduler_hangs_up",
+        2,
+        1,
+        Duration::from_secs(20),
+    )
+    .await
+    else {
+        return;
+    };
+    rig.create_pod("first", 1).await;
+    rig.wait_for("the first bind", async || rig.bound().await == ["first"])
+        .await;
+    rig.create_pod("second", 1).await;
+    rig.wait_for("the second bind to queue", async || {
+        rig.waiters().await == ["second"]
+    })
+    .await;
+    let queued_at = Instant::now();
+    rig.wait_for(
+        "the scheduler to hang up and the bind to leave the queue",
+        async || rig.waiters().await.is_empty(),
+    )
+    .await;
+    let left_after = queued_at.elapsed();
+    println!("the queued bind left the queue {left_after:?} after it queued");
+    assert!(
+        left_after < Duration::from_secs(20),
+        "left at the extender's own wait, not when the scheduler hung up"
+    );
+    assert_eq!(rig.bound().await, ["first"]);
+    assert_eq!(rig.holder().await.as_deref(), Some("first"));
+    rig.admit("first").await;
+    assert_eq!(rig.admit_next().await, "second");
+    assert_devices_distinct_and_claimed(&rig).await;
+    rig.shutdown().await;
+}
+
+/// Two extender replicas behind one address (a Service), active-active:
+/// binds reach both, Tether serializes them, no device is shared.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn two_extender_replicas_bind_racing_pods_without_sharing_a_device() {
+    let Some(rig) = Rig::start(
+        "two_extender_replicas_bind_racing_pods_without_sharing_a_device",
+        4,
+        2,
+        DEPLOYED_WAIT,
+    )
+    .await
+    else {
+        return;
+    };
+    for i in 0..4 {
+        rig.create_pod(&format!("train-{i}"), 1).await;
+    }
+    for _ in 0..4 {
+        rig.admit_next().await;
+    }
+    assert_devices_distinct_and_claimed(&rig).await;
+    let bound: Vec<u64> = (0..2).map(|r| rig.binds(r, "bound")).collect();
+    println!("binds per replica: {bound:?}");
+    assert!(bound.iter().sum::<u64>() >= 4, "{bound:?}");
+    assert!(
+        bound.iter().all(|b| *b > 0),
+        "one replica served every bind: {bound:?}"
+    );
+    rig.shutdown().await;
+}
