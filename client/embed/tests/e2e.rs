@@ -263,7 +263,7 @@ struct RealApi {
 
 /// The Kubernetes API the extender reads and binds through.
 enum KubeSide {
-    Real(RealApi),
+    Real(Box<RealApi>),
     /// Only for what a real API server cannot be made to do on demand (see
     /// the module doc).
     Fake(Arc<FakeApi>),
@@ -547,13 +547,13 @@ impl Rig {
             )
             .await
             .unwrap();
-        let api = KubeSide::Real(RealApi {
+        let api = KubeSide::Real(Box::new(RealApi {
             pods: Api::namespaced(admin.clone(), "ml"),
             nodes: Api::all(admin),
             _plane: plane,
             uids: Mutex::default(),
             bound: Mutex::default(),
-        });
+        }));
         Some(Self::start_on(api, kube, wait).await)
     }
 
