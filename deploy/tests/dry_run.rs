@@ -15,11 +15,12 @@ use std::collections::BTreeSet;
 use std::path::{Path, PathBuf};
 
 use k8s_openapi::api::core::v1::Namespace;
-use kube::api::{Api, DynamicObject, GroupVersionKind, Patch, PatchParams, PostParams};
-use kube::discovery::{Discovery, Scope};
+use kube::api::{Api, DynamicObject, Patch, PatchParams, PostParams};
+use kube::discovery::Discovery;
 use serde_json::{Value, json};
 use tether_deploy::{kind, name, read_documents, render};
 use tether_kube_testenv::ControlPlane;
+use tether_kube_testenv::apply::{Mode, api_for, apply, gvk_of};
 
 /// The namespace every overlay deploys to.
 const NAMESPACE: &str = "tether-system";
@@ -29,12 +30,6 @@ const CRD_GROUPS: &[&str] = &["monitoring.coreos.com", "cert-manager.io"];
 
 fn deploy_dir() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).to_path_buf()
-}
-
-fn gvk_of(object: &Value) -> GroupVersionKind {
-    let api_version = object["apiVersion"].as_str().unwrap_or_default();
-    let (group, version) = api_version.split_once('/').unwrap_or(("", api_version));
-    GroupVersionKind::gvk(group, version, kind(object))
 }
 
 /// Creates `name` (with `labels`) for real, or leaves the one there.
@@ -49,46 +44,6 @@ async fn ensure_namespace(client: &kube::Client, name: &str, labels: Value) {
         Err(kube::Error::Api(e)) if e.code == 409 => {}
         Err(e) => panic!("namespace {name}: {e}"),
     }
-}
-
-/// The API of `object`'s kind, in its namespace when namespaced.
-fn api_for(client: &kube::Client, discovery: &Discovery, object: &Value) -> Api<DynamicObject> {
-    let gvk = gvk_of(object);
-    let (resource, capabilities) = discovery.resolve_gvk(&gvk).unwrap_or_else(|| {
-        panic!(
-            "{} {}: the API server serves no {gvk:?}",
-            kind(object),
-            name(object)
-        )
-    });
-    match capabilities.scope {
-        Scope::Namespaced => {
-            let namespace = object["metadata"]["namespace"]
-                .as_str()
-                .unwrap_or(NAMESPACE);
-            Api::namespaced_with(client.clone(), namespace, &resource)
-        }
-        Scope::Cluster => Api::all_with(client.clone(), &resource),
-    }
-}
-
-/// Server-side applies `object` with strict field validation: a dry run
-/// unless `for_real`.
-async fn apply(
-    client: &kube::Client,
-    discovery: &Discovery,
-    object: &Value,
-    for_real: bool,
-) -> Result<DynamicObject, kube::Error> {
-    let mut params = PatchParams::apply("tether-manifests-test")
-        .force()
-        .validation_strict();
-    if !for_real {
-        params = params.dry_run();
-    }
-    api_for(client, discovery, object)
-        .patch(name(object), &params, &Patch::Apply(object))
-        .await
 }
 
 /// Every object of the manifests, by where it comes from.
@@ -136,11 +91,9 @@ async fn every_overlay_and_optional_part_passes_a_server_side_dry_run() {
                 set_aside.insert(format!("{}/{}", gvk.group, gvk.kind));
                 continue;
             }
-            match apply(&client, &discovery, object, false).await {
+            match apply(&client, &discovery, object, NAMESPACE, Mode::DryRun).await {
                 Ok(_) => checked += 1,
-                Err(e) => {
-                    failures.push(format!("{source}: {} {}: {e}", kind(object), name(object)))
-                }
+                Err(e) => failures.push(format!("{source}: {e:#}")),
             }
         }
     }
@@ -180,16 +133,17 @@ async fn the_tls_patch_applies_to_the_prod_overlay() {
         if object["metadata"].get("namespace").is_some() {
             object["metadata"]["namespace"] = json!(namespace);
         }
-        apply(&client, &discovery, &object, true)
+        apply(&client, &discovery, &object, &namespace, Mode::ForReal)
             .await
-            .unwrap_or_else(|e| panic!("{} {}: {e}", kind(&object), name(&object)));
+            .unwrap_or_else(|e| panic!("{e:#}"));
     }
     let patches = read_documents(&deploy_dir().join("optional/tls/tls-patch.yaml")).unwrap();
     assert!(!patches.is_empty());
     for patch in &patches {
         let mut target = patch.clone();
         target["metadata"]["namespace"] = json!(namespace);
-        let patched = api_for(&client, &discovery, &target)
+        let patched = api_for(&client, &discovery, &target, &namespace)
+            .unwrap()
             .patch(
                 name(patch),
                 &PatchParams::default().dry_run().validation_strict(),

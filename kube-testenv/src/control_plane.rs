@@ -25,6 +25,7 @@ use kube::config::{KubeConfigOptions, Kubeconfig};
 use serde_json::json;
 use tether_tls::testing::TestCa;
 
+use crate::apply::Mode;
 use crate::assets::{Assets, assets_or_skip};
 use crate::process::Process;
 
@@ -238,27 +239,7 @@ impl ControlPlane {
             .run()
             .await?;
         for object in objects {
-            let api_version = object["apiVersion"].as_str().unwrap_or_default();
-            let (group, version) = api_version.split_once('/').unwrap_or(("", api_version));
-            let kind = object["kind"].as_str().unwrap_or_default();
-            let name = object["metadata"]["name"].as_str().unwrap_or_default();
-            let gvk = kube::api::GroupVersionKind::gvk(group, version, kind);
-            let (resource, capabilities) = discovery
-                .resolve_gvk(&gvk)
-                .with_context(|| format!("the API server serves no {api_version} {kind}"))?;
-            let api: Api<kube::api::DynamicObject> = match capabilities.scope {
-                kube::discovery::Scope::Namespaced => {
-                    let namespace = object["metadata"]["namespace"]
-                        .as_str()
-                        .unwrap_or(namespace);
-                    Api::namespaced_with(client.clone(), namespace, &resource)
-                }
-                kube::discovery::Scope::Cluster => Api::all_with(client.clone(), &resource),
-            };
-            let params = kube::api::PatchParams::apply("tether-kube-testenv").force();
-            api.patch(name, &params, &kube::api::Patch::Apply(object))
-                .await
-                .with_context(|| format!("applying {kind} {name}"))?;
+            crate::apply::apply(&client, &discovery, object, namespace, Mode::ForReal).await?;
         }
         Ok(())
     }

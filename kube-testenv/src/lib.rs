@@ -16,6 +16,8 @@
 //! ```
 //!
 //! # Layout
+//! - `apply.rs` — manifest objects of any kind applied (or dry-run) by
+//!   server-side apply with strict validation.
 //! - `assets.rs` — finding the compressed binaries, unpacking and checking
 //!   them once into the build cache, reporting skips.
 //! - `process.rs` — child processes that die with the test process (a
@@ -26,6 +28,7 @@
 //!   same etcd), etcd compaction; kube-scheduler and kube-controller-manager
 //!   on demand.
 
+pub mod apply;
 pub mod assets;
 pub mod control_plane;
 pub mod process;
