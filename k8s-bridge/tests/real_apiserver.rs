@@ -24,14 +24,12 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use k8s_openapi::api::core::v1::{Node, Pod};
-use kube::api::{
-    Api, DeleteParams, EvictParams, Patch, PatchParams, PostParams, WatchEvent, WatchParams,
-};
+use kube::api::{Api, DeleteParams, EvictParams, Patch, PatchParams, PostParams};
 use serde_json::json;
 use tether_client::proto::{self as pb, LockKey};
 use tether_client::{Client, Options, WatchUpdate};
 use tether_k8s_bridge::bridge::Bridge;
-use tether_kube_testenv::{ControlPlane, Plane, yaml_documents};
+use tether_kube_testenv::{ControlPlane, Plane, watch_error_code, yaml_documents};
 use tether_server::config::Config;
 use tether_server::testing::{Cluster, DEADLINE};
 use tokio::task::JoinHandle;
@@ -399,24 +397,6 @@ impl Rig {
     async fn shutdown(mut self) {
         self.stop_bridge();
         self.cluster.shutdown().await;
-    }
-}
-
-/// The HTTP code a watch from `version` fails with, if it fails.
-async fn watch_code(pods: &Api<Pod>, version: &str) -> Option<u16> {
-    use futures::StreamExt;
-    let mut stream = match pods
-        .watch(&WatchParams::default().timeout(5), version)
-        .await
-    {
-        Err(kube::Error::Api(e)) => return Some(e.code),
-        Err(e) => panic!("watch: {e}"),
-        Ok(stream) => stream.boxed(),
-    };
-    match stream.next().await {
-        Some(Ok(WatchEvent::Error(e))) => Some(e.code),
-        Some(Err(kube::Error::Api(e))) => Some(e.code),
-        _ => None,
     }
 }
 
@@ -845,7 +825,7 @@ async fn an_api_server_outage_with_a_compaction_ends_in_a_relist_that_releases_o
     // outage is gone.
     let pods: Api<Pod> = Api::namespaced(rig.plane.client().await, &namespace);
     let before = kept.metadata.resource_version.clone().unwrap();
-    assert_eq!(watch_code(&pods, &before).await, Some(410));
+    assert_eq!(watch_error_code(&pods, &before).await, Some(410));
     rig.until_released(&lost_node).await;
     assert_eq!(rig.holder_uid(&kept_node).await, Some(uid(&kept)));
     rig.pod_events_handled().await;

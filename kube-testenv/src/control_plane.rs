@@ -521,6 +521,26 @@ fn kubeconfig_text(dir: &Path, port: u16, user: &str, token: &str) -> String {
     .to_string()
 }
 
+/// The HTTP code a watch of `api` from `version` fails with (410 Gone for a
+/// version the API server no longer has), or `None` if it starts.
+pub async fn watch_error_code<K>(api: &Api<K>, version: &str) -> Option<u16>
+where
+    K: kube::Resource + Clone + serde::de::DeserializeOwned + std::fmt::Debug + Send + 'static,
+{
+    use futures::StreamExt;
+    let params = kube::api::WatchParams::default().timeout(5);
+    let mut stream = match api.watch(&params, version).await {
+        Err(kube::Error::Api(e)) => return Some(e.code),
+        Err(e) => panic!("watch: {e}"),
+        Ok(stream) => stream.boxed(),
+    };
+    match stream.next().await {
+        Some(Ok(kube::api::WatchEvent::Error(e))) => Some(e.code),
+        Some(Err(kube::Error::Api(e))) => Some(e.code),
+        _ => None,
+    }
+}
+
 /// Every YAML document of the file at `path` (empty ones skipped).
 pub fn yaml_documents(path: &Path) -> anyhow::Result<Vec<serde_json::Value>> {
     let text =

@@ -34,5 +34,7 @@ pub mod control_plane;
 pub mod process;
 
 pub use assets::{ASSETS_VAR, Assets, assets_or_skip};
-pub use control_plane::{ControlPlane, ExtraApiServer, Plane, client_from, yaml_documents};
+pub use control_plane::{
+    ControlPlane, ExtraApiServer, Plane, client_from, watch_error_code, yaml_documents,
+};
 pub use process::Process;

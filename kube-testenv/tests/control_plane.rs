@@ -6,9 +6,9 @@
 use std::time::{Duration, Instant};
 
 use k8s_openapi::api::core::v1::{ConfigMap, Pod};
-use kube::api::{Api, ListParams, PostParams, WatchEvent, WatchParams};
+use kube::api::{Api, ListParams, PostParams};
 use serde_json::json;
-use tether_kube_testenv::ControlPlane;
+use tether_kube_testenv::{ControlPlane, watch_error_code};
 
 /// Set in the child run of `the_watchdog_helper_aborts_holding_a_plane`.
 const HELPER_VAR: &str = "TETHER_TESTENV_WATCHDOG_HELPER";
@@ -83,25 +83,7 @@ async fn the_api_server_comes_back_after_a_stop_and_compaction_expires_old_versi
     plane.start_apiserver().await.unwrap();
     let maps: Api<ConfigMap> = Api::namespaced(plane.client().await, &namespace);
     let old = first.metadata.resource_version.unwrap();
-    assert_eq!(watch_code(&maps, &old).await, Some(410));
-}
-
-/// The HTTP code a watch from `version` fails with, if it fails.
-async fn watch_code(maps: &Api<ConfigMap>, version: &str) -> Option<u16> {
-    use futures::StreamExt;
-    let mut stream = match maps
-        .watch(&WatchParams::default().timeout(5), version)
-        .await
-    {
-        Err(kube::Error::Api(e)) => return Some(e.code),
-        Err(e) => panic!("watch: {e}"),
-        Ok(stream) => stream.boxed(),
-    };
-    match stream.next().await {
-        Some(Ok(WatchEvent::Error(e))) => Some(e.code),
-        Some(Err(kube::Error::Api(e))) => Some(e.code),
-        _ => None,
-    }
+    assert_eq!(watch_error_code(&maps, &old).await, Some(410));
 }
 
 /// Runs the helper below in a child test process that aborts (no unwinding,
