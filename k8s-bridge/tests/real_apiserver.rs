@@ -512,9 +512,9 @@ async fn a_graceful_delete_keeps_a_running_pods_hold_until_the_kubelet_confirms(
     rig.shutdown().await;
 }
 
-/// A bound pod deleted before any container started never reaches
-/// `Allocate`: its hold ends as soon as the deletion begins, without
-/// waiting for the kubelet.
+/// The bridge's rule for a bound pod none of whose containers has started
+/// (`PodView::state`): reported gone, and its hold ended, as soon as its
+/// deletion begins, while the API server still waits for the kubelet.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_bound_pod_deleted_before_it_started_is_released_when_its_deletion_begins() {
     let Some(rig) =
