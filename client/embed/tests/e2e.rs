@@ -27,7 +27,7 @@
 //! permission a part lacks fails its scenario.
 
 use std::collections::{BTreeMap, BTreeSet};
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -37,6 +37,7 @@ use axum::response::{IntoResponse, Response};
 use fake_kubelet::{Admitted, FakeKubelet};
 use k8s_openapi::api::core::v1::{Node, Pod};
 use kube::api::{Api, Patch, PatchParams, PostParams};
+use roles::{Identities, client_as, cluster_on_tls};
 use tether_client::proto::LockKey;
 use tether_client::{Client, Options};
 use tether_embed::accounting::{DEFAULT_LIFETIME, DeviceLedger};
@@ -49,13 +50,12 @@ use tether_embed::v1beta1 as api;
 use tether_embed::v1beta1::device_plugin_client::DevicePluginClient;
 use tether_kube_testenv::{Plane, yaml_documents};
 use tether_server::testing::{Cluster, DEADLINE};
-use tether_tls::TlsMaterial;
-use tether_tls::testing::TestCa;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::task::JoinHandle;
 
 mod fake_kubelet;
+mod roles;
 
 const NODE: &str = "gpu-node-1";
 const RESOURCE: &str = "tether.io/gpu";
@@ -422,49 +422,6 @@ struct Rig {
     _dir: tempfile::TempDir,
 }
 
-/// A throwaway CA and the certificates it issues, one directory a role.
-struct Identities {
-    ca: TestCa,
-    dir: tempfile::TempDir,
-}
-
-impl Identities {
-    fn new() -> Identities {
-        Identities {
-            ca: TestCa::new("tether-e2e"),
-            dir: tempfile::tempdir().unwrap(),
-        }
-    }
-
-    /// The replicas' certificate directory (one for all: they all listen
-    /// on 127.0.0.1).
-    fn replicas(&self) -> PathBuf {
-        let dir = self.dir.path().join("replica");
-        self.ca
-            .write_dir(&dir, "replica", &["127.0.0.1", "localhost"]);
-        dir
-    }
-
-    /// A client certificate naming `role`.
-    fn of(&self, role: &str) -> Arc<TlsMaterial> {
-        let dir = self.dir.path().join(role.replace(':', "-"));
-        TlsMaterial::load(self.ca.write_dir(&dir, role, &["localhost"])).unwrap()
-    }
-}
-
-/// A client of `cluster` with the certificate of `role`.
-fn client_as(cluster: &Cluster, identities: &Identities, role: &str) -> Client {
-    Client::new(
-        cluster.endpoints(),
-        Options {
-            retry_timeout: DEADLINE,
-            tls: Some(identities.of(role)),
-            ..Options::default()
-        },
-    )
-    .unwrap()
-}
-
 /// The plugin's role on the rig's node.
 fn plugin_role() -> String {
     format!("device-plugin:{NODE}")
@@ -586,11 +543,7 @@ impl Rig {
             )
             .try_init();
         let identities = Identities::new();
-        let replicas = identities.replicas();
-        let cluster = Cluster::start_with(3, move |config| {
-            config.tls_dir = Some(replicas.clone());
-        })
-        .await;
+        let cluster = cluster_on_tls(&identities).await;
         let client = client_as(&cluster, &identities, "admin");
         api.add_node(NODE, Some("8")).await;
         api.add_node("gpu-node-2", Some("8")).await;

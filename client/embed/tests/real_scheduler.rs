@@ -1,7 +1,9 @@
 //! The scheduler extender under a real kube-scheduler v1.36 and
-//! kube-apiserver (`tether-kube-testenv`), with a 3-replica Tether and the
-//! device plugin driven by the fake kubelet (`fake_kubelet/`: no real
-//! kubelet runs without a container runtime).
+//! kube-apiserver (`tether-kube-testenv`), with a 3-replica Tether on mutual
+//! TLS (the extender as role `scheduler`, the plugin as
+//! `device-plugin:<node>`, the test as `admin`) and the device plugin driven
+//! by the fake kubelet (`fake_kubelet/`: no real kubelet runs without a
+//! container runtime).
 //!
 //! kube-scheduler runs the KubeSchedulerConfiguration of
 //! `deploy/optional/gpu/scheduler.yaml`, read from the manifest, with two
@@ -18,6 +20,7 @@
 //! through the plugin, and sets the pod Running.
 
 mod fake_kubelet;
+mod roles;
 
 use std::collections::BTreeMap;
 use std::net::SocketAddr;
@@ -28,9 +31,10 @@ use std::time::{Duration, Instant};
 use fake_kubelet::FakeKubelet;
 use k8s_openapi::api::core::v1::{Node, Pod};
 use kube::api::{Api, ListParams, Patch, PatchParams, PostParams};
+use roles::{Identities, client_as, cluster_on_tls};
 use serde_json::{Value, json};
+use tether_client::Client;
 use tether_client::proto::LockKey;
-use tether_client::{Client, Options};
 use tether_embed::accounting::{DEFAULT_LIFETIME, DeviceLedger};
 use tether_embed::device_plugin::{GpuPlugin, Placement, PluginConfig, run, unix_channel};
 use tether_embed::extender::{Extender, ExtenderConfig, KubeBinder, serve_extender};
@@ -75,6 +79,8 @@ struct Rig {
     /// Pods admitted so far and the devices each got.
     admitted: std::sync::Mutex<BTreeMap<String, Vec<String>>>,
     _scheduler: Process,
+    /// The certificates each part presents to Tether.
+    _identities: Identities,
     plane: ControlPlane,
     _dir: tempfile::TempDir,
 }
@@ -145,19 +151,16 @@ impl Rig {
             .service_account_kubeconfig(SYSTEM, "tether-scheduler")
             .await;
 
-        let cluster = Cluster::start(3).await;
-        let options = Options {
-            retry_timeout: DEADLINE,
-            ..Options::default()
-        };
-        let client = Client::new(cluster.endpoints(), options.clone()).unwrap();
+        let identities = Identities::new();
+        let cluster = cluster_on_tls(&identities).await;
+        let client = client_as(&cluster, &identities, "admin");
 
         // The node's kubelet and device plugin.
         let dir = tempfile::tempdir().unwrap();
         let device_ids: Vec<String> = (0..devices).map(|i| format!("gpu{i}")).collect();
         let kubelet = FakeKubelet::start(dir.path(), RESOURCE, device_ids.clone());
         let plugin = Arc::new(GpuPlugin::new(
-            Client::new(cluster.endpoints(), options.clone()).unwrap(),
+            client_as(&cluster, &identities, &format!("device-plugin:{NODE}")),
             PluginConfig {
                 node: NODE.into(),
                 scope: "gpu-bind".into(),
@@ -179,7 +182,7 @@ impl Rig {
         let mut extenders = Vec::new();
         let mut addrs = Vec::new();
         for _ in 0..replicas {
-            let tether = Client::new(cluster.endpoints(), options.clone()).unwrap();
+            let tether = client_as(&cluster, &identities, "scheduler");
             let extender = Arc::new(Extender::new(
                 tether.clone(),
                 DeviceLedger::new(tether, DEFAULT_LIFETIME),
@@ -225,6 +228,7 @@ impl Rig {
             tasks,
             admitted: Default::default(),
             _scheduler: scheduler,
+            _identities: identities,
             plane,
             _dir: dir,
         };
