@@ -359,43 +359,44 @@ impl ControlPlane {
     /// Starts kube-controller-manager with only `controllers` (e.g.
     /// `["podgc"]`), as the admin. Stopped when the value drops.
     pub fn controller_manager(&self, controllers: &[&str]) -> anyhow::Result<Process> {
-        let mut command = Command::new(self.assets.binary("kube-controller-manager"));
-        command
-            .arg(format!("--kubeconfig={}", self.kubeconfig().display()))
-            .arg("--secure-port=0")
-            .arg("--leader-elect=false")
-            .arg(format!("--controllers={}", controllers.join(",")));
-        Ok(Process::spawn(
+        self.component(
             "kube-controller-manager",
-            command,
-            &self.dir.join(format!(
-                "kube-controller-manager-{}.log",
-                NAMESPACES.fetch_add(1, Ordering::Relaxed)
-            )),
-            None,
-        )?)
+            &[
+                format!("--kubeconfig={}", self.kubeconfig().display()),
+                "--secure-port=0".into(),
+                "--leader-elect=false".into(),
+                format!("--controllers={}", controllers.join(",")),
+            ],
+        )
     }
 
     /// Starts kube-scheduler with the configuration file `config` (a
     /// KubeSchedulerConfiguration whose `clientConnection.kubeconfig` the
     /// caller points at [`ControlPlane::kubeconfig`]). Stopped on drop.
     pub fn scheduler(&self, config: &Path) -> anyhow::Result<Process> {
-        let mut command = Command::new(self.assets.binary("kube-scheduler"));
-        command
-            .arg(format!("--config={}", config.display()))
-            .arg("--secure-port=0")
-            // Each scheduling attempt and queue move in the log a failing
-            // test prints.
-            .arg("--v=4");
-        Ok(Process::spawn(
+        self.component(
             "kube-scheduler",
-            command,
-            &self.dir.join(format!(
-                "kube-scheduler-{}.log",
-                NAMESPACES.fetch_add(1, Ordering::Relaxed)
-            )),
-            None,
-        )?)
+            &[
+                format!("--config={}", config.display()),
+                "--secure-port=0".into(),
+                // Each scheduling attempt and queue move in the log a
+                // failing test prints.
+                "--v=4".into(),
+            ],
+        )
+    }
+
+    /// Starts the asset `binary` with `args`, its output in a log of its
+    /// own in the plane's directory.
+    fn component(&self, binary: &str, args: &[String]) -> anyhow::Result<Process> {
+        static STARTED: AtomicU32 = AtomicU32::new(0);
+        let mut command = Command::new(self.assets.binary(binary));
+        command.args(args);
+        let log = self.dir.join(format!(
+            "{binary}-{}.log",
+            STARTED.fetch_add(1, Ordering::Relaxed)
+        ));
+        Ok(Process::spawn(binary, command, &log, None)?)
     }
 
     /// Compacts etcd's history up to its current revision (what etcd's
