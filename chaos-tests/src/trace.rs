@@ -223,10 +223,10 @@ fn pod_view(trace: &Trace, pod: usize) -> PodView {
         name: format!("{}-p{pod}", trace.prefix),
         phase: Phase::Pending,
         deleting: false,
-        grace_zero: false,
         started: false,
         // The trace does not model the bind's nodeName update: its pods
-        // are reported when they start.
+        // are reported when they start (and are bound from then on). A pod
+        // deleted before that is deleted unbound: gone at once.
         bound: false,
     }
 }
@@ -424,8 +424,10 @@ pub async fn replay(client: &Client, trace: &Trace) -> Result<Outcome, tether_cl
             }
             Step::Start(pod) | Step::Fail(pod) | Step::Delete(pod) => {
                 let change: &dyn Fn(&mut PodView) = match step {
+                    // Containers run only on the node it was bound to.
                     Step::Start(_) => &|v| {
                         v.started = true;
+                        v.bound = true;
                         v.phase = Phase::Running;
                     },
                     Step::Fail(_) => &|v| v.phase = Phase::Failed,

@@ -101,7 +101,6 @@ mod tests {
             name: "train-0".into(),
             phase,
             deleting: false,
-            grace_zero: false,
             started,
             bound: true,
         }
@@ -139,13 +138,19 @@ mod tests {
         };
         let force_deleted = PodView {
             deleting: true,
-            grace_zero: true,
             ..running.clone()
         };
-        // Deleted while bound and not started (Allocate never finished).
+        // Deleted while bound and not started (an image pull, or Allocate
+        // not yet answered): the kubelet may still count its devices.
         let deleted_before_start = PodView {
             deleting: true,
             ..bound.clone()
+        };
+        // Deleted before it was bound: the API server refuses a bind to a
+        // pod with a deletionTimestamp, so it never reaches a kubelet.
+        let deleted_unbound = PodView {
+            deleting: true,
+            ..unbound.clone()
         };
         // The phase is unknown (node unreachable) but a container ran.
         let unknown = pod(Phase::Unknown, true);
@@ -157,7 +162,7 @@ mod tests {
             PodState,
             Option<PodReport>,
         );
-        let cases: [Case; 12] = [
+        let cases: [Case; 13] = [
             (
                 "pending, not bound",
                 None,
@@ -222,16 +227,23 @@ mod tests {
                 None,
             ),
             (
-                "force-deleted",
+                "force-deleted (gone at its delete event)",
                 Some(&running),
                 &force_deleted,
-                PodState::Gone,
-                Some(PodReport::Gone),
+                PodState::Running,
+                None,
             ),
             (
-                "deleted before it started",
+                "deleted before it started (gone at its delete event)",
                 Some(&bound),
                 &deleted_before_start,
+                PodState::Starting,
+                None,
+            ),
+            (
+                "deleted before it was bound",
+                Some(&unbound),
+                &deleted_unbound,
                 PodState::Gone,
                 Some(PodReport::Gone),
             ),
@@ -264,7 +276,13 @@ mod tests {
             );
         }
         // The watch's Delete event, from any shape.
-        for old in [&unbound, &bound, &running, &terminating] {
+        for old in [
+            &unbound,
+            &bound,
+            &running,
+            &terminating,
+            &deleted_before_start,
+        ] {
             assert_eq!(
                 reports(pod_change(Some(old), None, true)),
                 [PodReport::Gone]

@@ -39,9 +39,8 @@ pub struct PodView {
     pub phase: Phase,
     /// `metadata.deletionTimestamp` is set.
     pub deleting: bool,
-    /// `metadata.deletionGracePeriodSeconds` is 0 (force delete).
-    pub grace_zero: bool,
-    /// Some container has started (so `Allocate` has happened).
+    /// Some container, init containers and sidecars included, has started
+    /// or run (so `Allocate` has happened).
     pub started: bool,
     /// `spec.nodeName` is set: the scheduler's bind has happened.
     pub bound: bool,
@@ -60,21 +59,29 @@ impl PodView {
             Some("Pending") | None => Phase::Pending,
             Some(_) => Phase::Unknown,
         };
-        let started = status
-            .and_then(|s| s.container_statuses.as_ref())
-            .is_some_and(|cs| {
-                cs.iter().any(|c| {
-                    c.started == Some(true)
-                        || c.state.as_ref().is_some_and(|st| st.running.is_some())
-                })
-            });
+        // Any container the kubelet has started, init containers and
+        // sidecars (restartable init containers) included: the kubelet calls
+        // `Allocate` at admission, before the first of them runs.
+        let started = status.is_some_and(|s| {
+            let init = s.init_container_statuses.iter().flatten();
+            let main = s.container_statuses.iter().flatten();
+            init.chain(main).any(|c| {
+                c.started == Some(true)
+                    || c.restart_count > 0
+                    || c.state
+                        .as_ref()
+                        .is_some_and(|st| st.running.is_some() || st.terminated.is_some())
+                    || c.last_state
+                        .as_ref()
+                        .is_some_and(|st| st.terminated.is_some())
+            })
+        });
         Some(PodView {
             uid,
             namespace: meta.namespace.clone().unwrap_or_default(),
             name: meta.name.clone().unwrap_or_default(),
             phase,
             deleting: meta.deletion_timestamp.is_some(),
-            grace_zero: meta.deletion_grace_period_seconds == Some(0),
             started,
             bound: pod
                 .spec
@@ -137,8 +144,12 @@ pub enum PodState {
     Running,
     /// Succeeded or Failed (evicted pods are Failed).
     Terminal,
-    /// Being force-deleted, or deleted before it ever started: it will
-    /// never use its devices.
+    /// Being deleted before it was bound: the API server refuses a bind
+    /// to a pod with a `deletionTimestamp`, so no kubelet will ever admit
+    /// it. A bound pod being deleted is not gone (its init container, a
+    /// sidecar or a stuck image pull may still hold what the kubelet
+    /// allocated): it is gone when its delete event arrives, or a GET
+    /// answers 404 or another UID.
     Gone,
 }
 
@@ -158,7 +169,7 @@ impl PodState {
 impl PodView {
     /// The pod's lifecycle state.
     pub fn state(&self) -> PodState {
-        if self.deleting && (self.grace_zero || !self.started) {
+        if self.deleting && !self.bound {
             PodState::Gone
         } else if self.phase.is_terminal() {
             PodState::Terminal
@@ -249,14 +260,8 @@ mod tests {
         .unwrap();
         let view = PodView::from_pod(&pod).unwrap();
         assert_eq!(
-            (
-                view.uid.as_str(),
-                view.phase,
-                view.deleting,
-                view.grace_zero,
-                view.started
-            ),
-            ("u1", Phase::Running, true, true, true)
+            (view.uid.as_str(), view.phase, view.deleting, view.started),
+            ("u1", Phase::Running, true, true)
         );
         let pending: Pod =
             serde_json::from_value(serde_json::json!({"metadata": {"uid": "u2"}})).unwrap();
@@ -265,6 +270,54 @@ mod tests {
             (view.phase, view.started, view.deleting),
             (Phase::Pending, false, false)
         );
+    }
+
+    /// What counts as started: any init container, sidecar or container
+    /// that runs, ran or restarted. Waiting for an image with nothing run
+    /// before is not started.
+    #[test]
+    fn init_containers_sidecars_and_restarts_count_as_started() {
+        let status = |status: serde_json::Value| {
+            let pod: Pod = serde_json::from_value(serde_json::json!({
+                "metadata": {"uid": "u"}, "status": status
+            }))
+            .unwrap();
+            PodView::from_pod(&pod).unwrap().started
+        };
+        let waiting = serde_json::json!({"name": "main", "image": "i", "imageID": "", "ready": false,
+            "restartCount": 0, "state": {"waiting": {"reason": "ImagePullBackOff"}}});
+        let init_running = serde_json::json!({"name": "init", "image": "i", "imageID": "", "ready": false,
+            "restartCount": 0, "state": {"running": {}}});
+        let init_done = serde_json::json!({"name": "init", "image": "i", "imageID": "", "ready": false,
+            "restartCount": 0, "state": {"terminated": {"exitCode": 0}}});
+        let sidecar_started = serde_json::json!({"name": "proxy", "image": "i", "imageID": "",
+            "ready": false, "restartCount": 0, "started": true, "state": {"waiting": {}}});
+        let crash_loop = serde_json::json!({"name": "main", "image": "i", "imageID": "", "ready": false,
+            "restartCount": 3, "state": {"waiting": {"reason": "CrashLoopBackOff"}},
+            "lastState": {"terminated": {"exitCode": 1}}});
+        assert!(!status(
+            serde_json::json!({"phase": "Pending", "containerStatuses": [waiting]})
+        ));
+        for (shape, started) in [
+            (
+                "init running",
+                serde_json::json!({"initContainerStatuses": [init_running], "containerStatuses": [waiting]}),
+            ),
+            (
+                "init done",
+                serde_json::json!({"initContainerStatuses": [init_done], "containerStatuses": [waiting]}),
+            ),
+            (
+                "sidecar started",
+                serde_json::json!({"initContainerStatuses": [sidecar_started]}),
+            ),
+            (
+                "crash loop",
+                serde_json::json!({"containerStatuses": [crash_loop]}),
+            ),
+        ] {
+            assert!(status(started), "{shape}");
+        }
     }
 
     #[test]

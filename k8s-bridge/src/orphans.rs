@@ -167,7 +167,6 @@ mod tests {
                 Phase::Pending
             },
             deleting: false,
-            grace_zero: false,
             started,
             bound,
         }

@@ -93,7 +93,6 @@ mod tests {
             name: "p".into(),
             phase,
             deleting: false,
-            grace_zero: false,
             started: false,
             bound: false,
         }

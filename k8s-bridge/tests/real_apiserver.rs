@@ -98,6 +98,39 @@ impl Kubelet {
             .unwrap()
     }
 
+    /// Creates a pod with an init container (a GPU check before the main
+    /// container, as GPU operators' validators run).
+    async fn create_pod_with_init(&self, name: &str) -> Pod {
+        let pod: Pod = serde_json::from_value(json!({
+            "metadata": {"name": name},
+            "spec": {"initContainers": [{"name": "gpu-init", "image": "busybox"}],
+                     "containers": [{"name": "main", "image": "busybox"}]},
+        }))
+        .unwrap();
+        self.pods
+            .create(&PostParams::default(), &pod)
+            .await
+            .unwrap()
+    }
+
+    /// The init container started (phase still Pending, main container
+    /// waiting), as the kubelet reports it.
+    async fn run_init(&self, name: &str) {
+        self.patch_status(
+            name,
+            json!({"phase": "Pending",
+                   "initContainerStatuses": [{
+                       "name": "gpu-init", "image": "busybox", "imageID": "", "ready": false,
+                       "restartCount": 0, "started": true,
+                       "state": {"running": {"startedAt": STARTED_AT}}}],
+                   "containerStatuses": [{
+                       "name": "main", "image": "busybox", "imageID": "", "ready": false,
+                       "restartCount": 0, "started": false,
+                       "state": {"waiting": {"reason": "PodInitializing"}}}]}),
+        )
+        .await;
+    }
+
     /// The scheduler's bind: `POST pods/<name>/binding`.
     async fn bind(&self, name: &str, node: &str) {
         let binding = json!({
@@ -512,28 +545,43 @@ async fn a_graceful_delete_keeps_a_running_pods_hold_until_the_kubelet_confirms(
     rig.shutdown().await;
 }
 
-/// The bridge's rule for a bound pod none of whose containers has started
-/// (`PodView::state`): reported gone, and its hold ended, as soon as its
-/// deletion begins, while the API server still waits for the kubelet.
+/// Deleting is not gone: a graceful delete of a bound pod whose GPU init
+/// container still runs, and of one stuck before any container started
+/// (an image pull), leaves each in the API with a `deletionTimestamp` while
+/// the kubelet still counts its devices. Each keeps its hold, and the next
+/// waiter waits, until the kubelet confirms the deletion.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-async fn a_bound_pod_deleted_before_it_started_is_released_when_its_deletion_begins() {
-    let Some(rig) =
-        Rig::shared("a_bound_pod_deleted_before_it_started_is_released_when_its_deletion_begins")
-            .await
+async fn a_terminating_pod_keeps_its_hold_until_it_is_gone_even_before_its_main_container_starts() {
+    let Some(rig) = Rig::shared(
+        "a_terminating_pod_keeps_its_hold_until_it_is_gone_even_before_its_main_container_starts",
+    )
+    .await
     else {
         return;
     };
-    let node = rig.node("n1");
-    let pod = rig.kubelet.create_pod("never-started").await;
-    rig.kubelet.bind("never-started", &node).await;
-    rig.hold(&node, &pod).await;
-    rig.until_interesting(&pod).await;
-    rig.kubelet.delete("never-started").await;
-    rig.until_released(&node).await;
-    assert!(
-        rig.kubelet.pod_exists("never-started").await,
-        "released while the API server still waits for the kubelet"
-    );
+    for (name, init_running) in [("gpu-init", true), ("image-pull", false)] {
+        let node = rig.node(name);
+        let pod = rig.kubelet.create_pod_with_init(name).await;
+        rig.kubelet.bind(name, &node).await;
+        if init_running {
+            rig.kubelet.run_init(name).await;
+        }
+        rig.hold(&node, &pod).await;
+        let next_name = format!("{name}-next");
+        let next = rig.kubelet.create_pod(&next_name).await;
+        let waiter = rig.wait_for(&node, &next);
+        rig.until_interesting(&pod).await;
+        rig.kubelet.delete(name).await;
+        let terminating = rig.kubelet.pods.get(name).await.unwrap();
+        assert!(terminating.metadata.deletion_timestamp.is_some(), "{name}");
+        rig.pod_events_handled().await;
+        assert_eq!(rig.holder_uid(&node).await, Some(uid(&pod)), "{name}");
+        assert!(!waiter.is_finished(), "{name}: the next pod was granted");
+        // The kubelet stopped what ran and confirms.
+        rig.kubelet.delete_now(name).await;
+        let granted = waiter.await.unwrap().expect("the next pod is granted");
+        assert_eq!(granted.pod_uid(), uid(&next), "{name}");
+    }
     rig.shutdown().await;
 }
 
