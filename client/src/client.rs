@@ -521,6 +521,29 @@ impl Client {
         .await
     }
 
+    /// Withdraws `pod_uid`'s acquire of `key` after its caller gave up on
+    /// it (a dropped [`Client::acquire`] does not): its wait ends, or the
+    /// hold it was granted meanwhile is given back and the next waiter
+    /// granted, in one entry. Idempotent, and retried as any write is.
+    pub async fn withdraw(&self, key: &LockKey, pod_uid: &str) -> Result<pb::WithdrawResponse> {
+        let (request_id, _in_flight) = self.begin_request().await;
+        let request = pb::WithdrawRequest {
+            request_id: Some(request_id),
+            key: Some(key.clone()),
+            pod_uid: pod_uid.to_string(),
+        };
+        self.with_leader(Duration::ZERO, |channel| {
+            let request = request.clone();
+            async move {
+                Ok(LockServiceClient::new(channel)
+                    .withdraw(request)
+                    .await?
+                    .into_inner())
+            }
+        })
+        .await
+    }
+
     /// Linearizable read of the current holder (None = free).
     pub async fn holder(&self, key: &LockKey) -> Result<Option<pb::Hold>> {
         let request = pb::HolderRequest {

@@ -3,7 +3,7 @@
 //! (coverage-guided, nightly) and by `tether-fuzz` (a mutation fuzzer on
 //! stable Rust that CI runs for a bounded time).
 //!
-//! - [`request`]: the first byte picks one of the 25 request messages;
+//! - [`request`]: the first byte picks one of the 26 request messages;
 //!   the rest is decoded as that protobuf message and, when it decodes, goes
 //!   through the same validation as the gRPC handler. Decoded messages must
 //!   re-encode to bytes that decode to the same message.
@@ -64,7 +64,7 @@ pub fn request(data: &[u8]) -> bool {
         return false;
     };
     let limit = 64 * 1024;
-    match which % 25 {
+    match which % 26 {
         0 => decoded::<pb::AcquireRequest>(bytes, |r| {
             let _ = validate::request_id(&crate::auth::Caller::anonymous(), r.request_id.as_ref());
             let _ = validate::lock_key(r.key.as_ref());
@@ -127,9 +127,14 @@ pub fn request(data: &[u8]) -> bool {
         21 => decoded::<pb::StatusRequest>(bytes, |_| {}),
         22 => decoded::<pb::SnapshotRequest>(bytes, |_| {}),
         23 => decoded::<pb::ExportSnapshotRequest>(bytes, |_| {}),
-        _ => decoded::<pb::RaftRequest>(bytes, |r| {
+        24 => decoded::<pb::RaftRequest>(bytes, |r| {
             // What the Raft service does with the bytes it carries.
             stored(&[[3].as_slice(), &r.data].concat());
+        }),
+        _ => decoded::<pb::WithdrawRequest>(bytes, |r| {
+            let _ = validate::request_id(&crate::auth::Caller::anonymous(), r.request_id.as_ref());
+            let _ = validate::lock_key(r.key.as_ref());
+            let _ = validate::pod_uid(&r.pod_uid);
         }),
     }
 }
@@ -312,17 +317,24 @@ fn next_command(c: &mut Choices<'_>, state: &State) -> Command {
             pod_uid: format!("p{uid}"),
             reason: "fuzz".into(),
         }),
-        7 if c.below(2) == 0 => Command::CancelWait(CancelWait {
-            key: lock,
-            pod_uid: format!("p{uid}"),
-        }),
-        7 => Command::AbandonWait(AbandonWait {
-            key: lock,
-            pod_uid: format!("p{uid}"),
-            client_id: format!("c{}", c.below(3)),
-            sequence: u64::from(c.byte()),
-            answered_at: u64::from(c.byte()),
-        }),
+        7 => match c.below(3) {
+            0 => Command::CancelWait(CancelWait {
+                key: lock,
+                pod_uid: format!("p{uid}"),
+            }),
+            1 => Command::AbandonWait(AbandonWait {
+                key: lock,
+                pod_uid: format!("p{uid}"),
+                client_id: format!("c{}", c.below(3)),
+                sequence: u64::from(c.byte()),
+                answered_at: u64::from(c.byte()),
+            }),
+            // A caller that gave up: its wait ends or its hold is given back.
+            _ => Command::Withdraw(Withdraw {
+                key: lock,
+                pod_uid: format!("p{uid}"),
+            }),
+        },
         8 => Command::ForceRelease(ForceRelease {
             key: lock,
             operator: "fuzz".into(),
@@ -849,6 +861,18 @@ fn request_seeds() -> Vec<Vec<u8>> {
                     openraft::Vote::new(3, 2),
                     None,
                 )),
+            },
+        ),
+        tagged(
+            25,
+            &pb::WithdrawRequest {
+                request_id: Some(pb::RequestId {
+                    client_id: "scheduler-1".into(),
+                    sequence: 10,
+                    first_incomplete: 7,
+                }),
+                key: key.clone(),
+                pod_uid: "6f1c2d9e-3b7a-4c1e-9f0a-2b5d8e7c1a4f".into(),
             },
         ),
     ]

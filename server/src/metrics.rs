@@ -110,8 +110,10 @@ impl Default for Metrics {
         registry.register(
             "tether_abandoned_waits",
             "Queued acquires served here whose caller went away, by what giving the wait up found: \
-             removed, taken_up (a retry of the request came back for it), granted (the grant won the race; \
-             the hold stays), not_waiting, failed (no leader took it before the wait's deadline)",
+             removed, taken_up (a retry of the request came back for it), given_back (the grant won the \
+             race and was handed to the next waiter), granted (the grant won the race and the client was \
+             seen since, or a member reads only format 6: the hold stays), not_waiting, failed (no leader \
+             took it before the wait's deadline)",
             abandoned_waits.clone(),
         );
         let mut counter = |name: &str, help: &str| {
@@ -197,7 +199,14 @@ impl Default for Metrics {
         for kind in ["wait", "lease", "hold", "session", "pin", "stuck_hold"] {
             drop(sweeps.get_or_create(&KindLabel { kind }));
         }
-        for outcome in ["removed", "taken_up", "granted", "not_waiting", "failed"] {
+        for outcome in [
+            "removed",
+            "taken_up",
+            "given_back",
+            "granted",
+            "not_waiting",
+            "failed",
+        ] {
             drop(abandoned_waits.get_or_create(&OutcomeLabel { outcome }));
         }
         for outcome in ["granted", "ended"] {

@@ -554,6 +554,49 @@ fn format_v6_log_entries_and_snapshot_still_decode() {
     assert_eq!(stored, snapshot);
 }
 
+/// Format 7: a withdrawal, and an abandoned wait whose grant nobody took
+/// up is given back.
+fn v7_entries() -> Vec<Entry> {
+    let next = v1_entries().len() as u64 + v2_entries().len() as u64 + 8;
+    let withdraw = Entry {
+        log_id: log_id(4, next),
+        payload: EntryPayload::Normal(Request {
+            format_version: 7,
+            request_id: Some(RequestId {
+                client_id: "token:extender/client.00112233aabbccdd".into(),
+                sequence: 13,
+                first_incomplete: 13,
+            }),
+            leader_time_ms: 1_790_000_600_000,
+            command: Command::Withdraw(Withdraw {
+                key: LockKey::new("gpu-bind", "node-9"),
+                pod_uid: "g".into(),
+            }),
+        }),
+    };
+    let abandon = Entry {
+        log_id: log_id(4, next + 1),
+        payload: EntryPayload::Normal(Request {
+            format_version: 7,
+            request_id: None,
+            leader_time_ms: 1_790_000_600_001,
+            command: Command::AbandonWait(AbandonWait {
+                key: LockKey::new("gpu-bind", "node-9"),
+                pod_uid: "h".into(),
+                client_id: "token:extender/client.00112233aabbccdd".into(),
+                sequence: 14,
+                answered_at: next - 1,
+            }),
+        }),
+    };
+    vec![withdraw, abandon]
+}
+
+#[test]
+fn format_v7_log_entries_still_decode() {
+    check_log_fixture(7, &v7_entries());
+}
+
 #[test]
 fn entries_are_written_in_the_oldest_format_that_expresses_them() {
     // A replica of an older build keeps reading single commands without a
@@ -576,6 +619,18 @@ fn entries_are_written_in_the_oldest_format_that_expresses_them() {
         "a sweep forgets pods from 6"
     );
     assert_eq!(newest(v6_entries()).format_version, 6);
+    // An abandoned wait gives back a grant nobody took up from 7, and has a
+    // format-6 form that keeps it; a withdrawal exists only from 7.
+    let v7 = |at: usize| {
+        let EntryPayload::Normal(request) = &v7_entries()[at].payload else {
+            unreachable!("a normal entry")
+        };
+        Request::new(request.request_id.clone(), 1, request.command.clone())
+    };
+    assert_eq!(v7(0).format_version, 7);
+    assert_eq!(v7(1).format_version, 7);
+    assert_eq!(v7(1).for_members(Some(6)).format_version, 6);
+    assert_eq!(v7(0).for_members(Some(6)).format_version, 7);
     // While a member is known to read only format 5 (a rolling upgrade),
     // each goes out in format 5 (no older than its oldest form), which that
     // member's build applies as it always has; with no member known to be
@@ -594,7 +649,7 @@ fn entries_are_written_in_the_oldest_format_that_expresses_them() {
     );
     assert_eq!(newest(v6_entries()).for_members(Some(6)).format_version, 6);
     assert_eq!(newest(v6_entries()).for_members(None).format_version, 6);
-    assert_eq!(FORMAT_VERSION, 6);
+    assert_eq!(FORMAT_VERSION, 7);
     assert_eq!(SNAPSHOT_FORMAT_VERSION, 6);
 }
 

@@ -740,3 +740,127 @@ async fn a_queued_acquire_retried_after_a_reset_keeps_its_place() {
     assert_eq!(served.metrics.abandoned_waits("removed"), 0);
     cluster.shutdown().await;
 }
+
+/// A queued acquire whose caller went away is granted during the abandoned
+/// wait grace (the holder released at once): nobody will use that hold, so
+/// the give-up hands it to the next waiter instead of leaving the node
+/// with a holder nobody serves until the hold timeout.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_grant_that_raced_an_abandoned_wait_is_given_back_to_the_next_waiter() {
+    let cluster = Cluster::start_with(3, |config| {
+        config.abandoned_wait_grace = Duration::from_secs(2);
+    })
+    .await;
+    let client = common::client(&cluster);
+    let key = lock("node-raced");
+    let hold = client
+        .acquire(&key, &pod("holder"), vec![], Duration::ZERO, 0)
+        .await
+        .unwrap();
+    let leader = cluster.wait_leader().await;
+    let mut raw = LockServiceClient::connect(format!("http://{}", cluster.addrs[&leader]))
+        .await
+        .unwrap();
+    let mut stream = raw
+        .acquire(queued_acquire(
+            "vanishing-caller",
+            "node-raced",
+            "abandoned",
+        ))
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(stream.message().await.unwrap().unwrap().queue_position, 1);
+    let next = {
+        let (client, key) = (client.clone(), key.clone());
+        tokio::spawn(async move {
+            client
+                .acquire(&key, &pod("next"), vec![], DEADLINE, 0)
+                .await
+        })
+    };
+    let deadline = tokio::time::Instant::now() + DEADLINE;
+    while client.get(&key).await.unwrap().waiters.len() < 2 {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "the next pod queued"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    // The caller goes; the holder releases at once, inside the grace: the
+    // abandoned wait is granted.
+    drop(stream);
+    drop(raw);
+    let released = client
+        .release(&key, "holder", hold.token, Outcome::Allocated)
+        .await
+        .unwrap();
+    assert_eq!(released.unwrap().pod.unwrap().uid, "abandoned");
+    let granted = tokio::time::timeout(DEADLINE, next)
+        .await
+        .expect("the next pod is granted once the abandoned grant is given back")
+        .unwrap()
+        .unwrap();
+    assert_eq!(granted.pod_uid(), "next");
+    let served = cluster.node(leader).ctx().clone();
+    assert_eq!(served.metrics.abandoned_waits("given_back"), 1);
+    let history = client
+        .history(&format!("lock/{}/{}", key.scope, key.name), 0, 0)
+        .await
+        .unwrap();
+    assert!(
+        history
+            .events
+            .iter()
+            .any(|e| e.kind == "LockReleased" && e.reason.contains("caller had gone away")),
+        "{history:?}"
+    );
+    cluster.shutdown().await;
+}
+
+/// `Withdraw` ends a pod's wait, or gives back its hold and grants the next
+/// waiter in the same entry; a second one finds nothing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn withdraw_ends_a_wait_or_gives_back_a_hold_and_a_second_finds_nothing() {
+    use pb::withdraw_response::Result as Withdrawn;
+    let cluster = Cluster::start(3).await;
+    let client = common::client(&cluster);
+    let key = lock("node-withdraw");
+    client
+        .acquire(&key, &pod("holder"), vec![], Duration::ZERO, 0)
+        .await
+        .unwrap();
+    let queue = |uid: &'static str| {
+        let (client, key) = (client.clone(), key.clone());
+        tokio::spawn(async move { client.acquire(&key, &pod(uid), vec![], DEADLINE, 0).await })
+    };
+    let leaving = queue("leaving");
+    let staying = queue("staying");
+    let waiters = || async { client.get(&key).await.unwrap().waiters.len() };
+    let deadline = tokio::time::Instant::now() + DEADLINE;
+    while waiters().await < 2 {
+        assert!(tokio::time::Instant::now() < deadline, "both queued");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let ended = client.withdraw(&key, "leaving").await.unwrap();
+    assert_eq!(ended.result, Withdrawn::WaitEnded as i32);
+    let err = leaving.await.unwrap().unwrap_err();
+    assert!(
+        matches!(&err, Error::Aborted(m) if m.contains("withdrew")),
+        "{err}"
+    );
+    let given = client.withdraw(&key, "holder").await.unwrap();
+    assert_eq!(given.result, Withdrawn::HoldGivenBack as i32);
+    assert_eq!(given.given_back.unwrap().pod.unwrap().uid, "holder");
+    assert_eq!(given.next_holder.unwrap().pod.unwrap().uid, "staying");
+    assert_eq!(staying.await.unwrap().unwrap().pod_uid(), "staying");
+    for uid in ["holder", "leaving", "nobody"] {
+        let again = client.withdraw(&key, uid).await.unwrap();
+        assert_eq!(again.result, Withdrawn::NotInvolved as i32, "{uid}");
+    }
+    assert_eq!(
+        client.holder(&key).await.unwrap().unwrap().pod.unwrap().uid,
+        "staying"
+    );
+    cluster.shutdown().await;
+}

@@ -109,6 +109,10 @@ async fn a_device_plugin_can_touch_only_its_own_nodes_locks() {
         plugin.force_release(&own, "mallory", "testing").await,
         "force-releasing its own node (admin only)",
     );
+    denied(
+        plugin.withdraw(&own, "pod-a").await,
+        "withdrawing a pod from its own node's lock (acquiring roles only)",
+    );
     denied(plugin.list("").await, "listing every node's locks");
     denied(
         plugin

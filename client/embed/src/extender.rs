@@ -451,9 +451,9 @@ impl<B: Binder> Extender<B> {
                 .client
                 .acquire(&key, &holder, calls.to_payload(), self.config.wait, 0) => acquired,
             () = scheduler.wait() => {
-                // Dropping the acquire takes the pod out of the queue; a
-                // grant that raced the departure is given back.
-                self.give_back(&key, args).await;
+                // One definite act: the wait ends, or a grant that raced the
+                // departure is given back to the next waiter.
+                self.withdraw(&key, args).await;
                 return Err(format!(
                     "the scheduler gave up on binding {who} while it waited for {}/{}; nothing \
                      was kept",
@@ -605,8 +605,31 @@ impl<B: Binder> Extender<B> {
         ))
     }
 
-    /// Releases `key` if the pod holds it (an acquire that was dropped may
-    /// have been granted as it was dropped).
+    /// Takes the pod out of `key`'s queue, or gives back the hold it was
+    /// granted as the scheduler left, in one command (`Withdraw`), retried
+    /// as any write until the client's retry timeout. Dropping the acquire
+    /// alone left the wait queued for the server's abandoned-wait grace, and
+    /// a grant in that window went to a pod nobody would bind.
+    async fn withdraw(&self, key: &LockKey, args: &ExtenderBindingArgs) {
+        match self.client.withdraw(key, &args.pod_uid).await {
+            Ok(withdrawn) => {
+                tracing::debug!(pod_uid = args.pod_uid, node = args.node, result = ?withdrawn.result(), "withdrew the acquire of a bind the scheduler left");
+            }
+            Err(err @ Error::FailedPrecondition(_)) => {
+                // A member still reads only format 6 (an upgrade under
+                // way): look for a hold once, as builds before did; the
+                // server gives the wait up after its grace.
+                tracing::warn!(pod_uid = args.pod_uid, node = args.node, %err, "cannot withdraw yet; releasing a hold if the pod has one");
+                self.give_back(key, args).await;
+            }
+            Err(err) => {
+                tracing::error!(pod_uid = args.pod_uid, node = args.node, %err, "cannot withdraw the acquire of a bind the scheduler left; the server gives the wait up after its abandoned-wait grace, and a hold nobody took up with it")
+            }
+        }
+    }
+
+    /// Releases `key` if the pod holds it (during an upgrade, when
+    /// [`Extender::withdraw`] is refused).
     async fn give_back(&self, key: &LockKey, args: &ExtenderBindingArgs) {
         match self.client.holder(key).await {
             Ok(Some(hold)) if hold.pod.as_ref().is_some_and(|p| p.uid == args.pod_uid) => {

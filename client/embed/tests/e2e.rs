@@ -37,7 +37,7 @@ use axum::response::{IntoResponse, Response};
 use fake_kubelet::{Admitted, FakeKubelet};
 use k8s_openapi::api::core::v1::{Node, Pod};
 use kube::api::{Api, Patch, PatchParams, PostParams};
-use roles::{Identities, client_as, cluster_on_tls};
+use roles::{Identities, client_as, cluster_on_tls_with};
 use tether_client::proto::LockKey;
 use tether_client::{Client, Options};
 use tether_embed::accounting::{DEFAULT_LIFETIME, DeviceLedger};
@@ -479,6 +479,16 @@ impl Rig {
     }
 
     async fn start_with_wait(test: &str, wait: Duration) -> Option<Rig> {
+        Self::start_with_grace(test, wait, None).await
+    }
+
+    /// [`Rig::start_with_wait`] with the replicas' `--abandoned-wait-grace`
+    /// set (its default when `None`).
+    async fn start_with_grace(
+        test: &str,
+        wait: Duration,
+        abandoned_wait_grace: Option<Duration>,
+    ) -> Option<Rig> {
         let plane = Plane::own_or_skip(test).await?;
         // The extender runs as its service account with the manifests' RBAC.
         let manifest =
@@ -511,7 +521,7 @@ impl Rig {
             uids: Mutex::default(),
             bound: Mutex::default(),
         }));
-        Some(Self::start_on(api, kube, wait).await)
+        Some(Self::start_on(api, kube, wait, abandoned_wait_grace).await)
     }
 
     /// A scenario on the fake API server (see the module doc for which).
@@ -531,10 +541,15 @@ impl Rig {
             std::future::pending(),
         ));
         let kube = kube::Client::try_from(kube::Config::new(api_url.parse().unwrap())).unwrap();
-        Self::start_on(KubeSide::Fake(api), kube, wait).await
+        Self::start_on(KubeSide::Fake(api), kube, wait, None).await
     }
 
-    async fn start_on(api: KubeSide, kube: kube::Client, wait: Duration) -> Rig {
+    async fn start_on(
+        api: KubeSide,
+        kube: kube::Client,
+        wait: Duration,
+        abandoned_wait_grace: Option<Duration>,
+    ) -> Rig {
         let _ = tracing_subscriber::fmt()
             .with_test_writer()
             .with_env_filter(
@@ -543,7 +558,12 @@ impl Rig {
             )
             .try_init();
         let identities = Identities::new();
-        let cluster = cluster_on_tls(&identities).await;
+        let cluster = cluster_on_tls_with(&identities, move |config| {
+            if let Some(grace) = abandoned_wait_grace {
+                config.abandoned_wait_grace = grace;
+            }
+        })
+        .await;
         let client = client_as(&cluster, &identities, "admin");
         api.add_node(NODE, Some("8")).await;
         api.add_node("gpu-node-2", Some("8")).await;
@@ -1608,5 +1628,45 @@ async fn a_bind_whose_scheduler_went_away_leaves_the_queue_and_keeps_nothing() {
     assert_eq!(rig.bind("second").await.error, "");
     let admitted = rig.admit("second").await.unwrap();
     assert_eq!(admitted[0].1.envs["TETHER_POD_UID"], rig.uid("second"));
+    rig.shutdown().await;
+}
+
+/// The scheduler gives up on a bind (its `httpTimeout`) and the node's
+/// holder releases right after: the extender withdraws the bind's acquire
+/// in one command, so the lock goes to the next pod, not to the pod nobody
+/// binds. The replicas' abandoned-wait grace is set longer than this test's
+/// deadline, so only the extender's withdrawal can free the node in time
+/// (before it, the grant that raced the departure kept the node for the
+/// hold timeout).
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_bind_abandoned_just_before_the_holder_releases_gives_the_node_to_the_next_pod() {
+    let Some(rig) = Rig::start_with_grace(
+        "a_bind_abandoned_just_before_the_holder_releases_gives_the_node_to_the_next_pod",
+        DEADLINE * 5,
+        Some(DEADLINE * 10),
+    )
+    .await
+    else {
+        return;
+    };
+    rig.add_pod("first", 1).await;
+    rig.add_pod("second", 1).await;
+    rig.add_pod("third", 1).await;
+    assert_eq!(rig.bind("first").await.error, "");
+    let gave_up = rig.bind_within("second", Duration::from_secs(2)).await;
+    assert!(gave_up.is_none(), "the scheduler's call timed out");
+    // The holder releases at once; the third pod's bind queues.
+    rig.admit("first").await.unwrap();
+    let third = rig.bind("third").await;
+    assert_eq!(third.error, "", "the next pod is bound");
+    assert_eq!(rig.holder().await.as_deref(), Some("third"));
+    assert!(
+        !rig.claims()
+            .await
+            .values()
+            .any(|uid| *uid == rig.uid("second")),
+        "the abandoned bind claimed devices"
+    );
+    assert!(!rig.api.bound().await.contains(&"second".to_string()));
     rig.shutdown().await;
 }

@@ -16,7 +16,7 @@ use super::{Ctx, unexpected, validate};
 use crate::error::{ApiError, Result};
 use crate::sm::command::{
     ABANDON_WAIT_FORMAT_VERSION, AbandonWait, Acquire, CancelOutcome, CancelWait, ForceRelease,
-    Release,
+    GIVE_BACK_FORMAT_VERSION, Release, Withdraw,
 };
 use crate::sm::{Command, EventKind, Hold, LockKey, Reply, RequestId, WaitEndReason};
 use crate::store::waiters::{WaitSignal, WaitTicket};
@@ -132,6 +132,10 @@ async fn follow_wait(
                                 "the wait of pod uid {pod_uid} for lock {key} ended: its caller \
                                  went away and no retry came back for it in time"
                             )),
+                            WaitEndReason::Withdrawn => ApiError::Aborted(format!(
+                                "the wait of pod uid {pod_uid} for lock {key} ended: its caller \
+                                 withdrew the acquire"
+                            )),
                             WaitEndReason::LeaseEnded { lease_id } => ApiError::Aborted(format!(
                                 "the wait of pod uid {pod_uid} for lock {key} ended: lease \
                                  {lease_id} expired or was revoked"
@@ -186,8 +190,10 @@ async fn follow_wait(
 /// `AbandonWait` that removes the wait only if no retry of its request has
 /// been answered since; while a member is not known to read format 6, a
 /// plain `CancelWait`. Retries until the wait's own deadline, after which
-/// the leader's sweep removes it anyway. A hold that won the race stays (the
-/// same pod acquiring again gets it back).
+/// the leader's sweep removes it anyway. A hold that won the race is given
+/// back (format 7) unless the client has been seen since the grant; with a
+/// member that reads only format 6, it stays (the same pod acquiring again
+/// gets it back).
 async fn give_up_wait(
     ctx: Arc<Ctx>,
     key: LockKey,
@@ -226,6 +232,7 @@ async fn give_up_wait(
                     CancelOutcome::TakenUp => "taken_up",
                     CancelOutcome::AlreadyGranted(_) => "granted",
                     CancelOutcome::NotWaiting => "not_waiting",
+                    CancelOutcome::GaveBack { .. } => "given_back",
                 });
                 return;
             }
@@ -471,6 +478,49 @@ impl LockApi {
         })
     }
 
+    async fn do_withdraw(
+        &self,
+        caller: &Caller,
+        req: pb::WithdrawRequest,
+    ) -> Result<pb::WithdrawResponse> {
+        let ctx = &self.ctx;
+        let request_id = validate::request_id(caller, req.request_id.as_ref())?;
+        let key = validate::lock_key(req.key.as_ref())?;
+        // Whoever may queue a pod for the lock may take it out again.
+        caller.require(Action::Acquire(&key))?;
+        validate::pod_uid(&req.pod_uid)?;
+        if let Some(format) = ctx
+            .peer_formats
+            .newest_members_read(&ctx.raft, ctx.id)
+            .filter(|format| *format < GIVE_BACK_FORMAT_VERSION)
+        {
+            return Err(ApiError::FailedPrecondition(format!(
+                "withdraw needs every member to read format {GIVE_BACK_FORMAT_VERSION}; one \
+                 reads only {format} (finish the upgrade, or release the hold by its token)"
+            )));
+        }
+        let command = Command::Withdraw(Withdraw {
+            key: key.clone(),
+            pod_uid: req.pod_uid.clone(),
+        });
+        use pb::withdraw_response::Result as Withdrawn;
+        let (result, given_back, next) = match ctx.write(request_id, command).await? {
+            Reply::WaitCancelled(CancelOutcome::Removed) => (Withdrawn::WaitEnded, None, None),
+            Reply::WaitCancelled(CancelOutcome::GaveBack { hold, next }) => {
+                (Withdrawn::HoldGivenBack, Some(hold), next)
+            }
+            Reply::WaitCancelled(CancelOutcome::NotWaiting) => (Withdrawn::NotInvolved, None, None),
+            other => return Err(unexpected(other)),
+        };
+        tracing::debug!(%key, pod_uid = req.pod_uid, ?result, "acquire withdrawn");
+        Ok(pb::WithdrawResponse {
+            result: result as i32,
+            given_back: given_back.as_ref().map(hold_to),
+            next_holder: next.as_ref().map(hold_to),
+            header: Some(ctx.header(false)),
+        })
+    }
+
     async fn do_force_release(
         &self,
         caller: &Caller,
@@ -575,5 +625,16 @@ impl LockService for LockApi {
             Err(err) => Err(err),
         };
         self.ctx.finish("ForceRelease", result).map(Response::new)
+    }
+
+    async fn withdraw(
+        &self,
+        request: Request<pb::WithdrawRequest>,
+    ) -> Result<Response<pb::WithdrawResponse>, Status> {
+        let result = match self.ctx.auth.caller(&request) {
+            Ok(caller) => self.do_withdraw(&caller, request.into_inner()).await,
+            Err(err) => Err(err),
+        };
+        self.ctx.finish("Withdraw", result).map(Response::new)
     }
 }

@@ -48,7 +48,9 @@ pub use types::*;
 /// nothing names ([`command::POD_CLEANUP_FORMAT_VERSION`]), a caller's
 /// abandoned wait is given up unless a retry came back for it
 /// (`AbandonWait`), and snapshots keep what sessions gained
-/// ([`SNAPSHOT_FORMAT_VERSION`]).
+/// ([`SNAPSHOT_FORMAT_VERSION`]); 7: an abandoned wait's grant that nobody
+/// took up is given back, and a caller can withdraw an acquire, wait or
+/// hold, in one command ([`command::GIVE_BACK_FORMAT_VERSION`]).
 ///
 /// An entry is written in the oldest format that can express it
 /// ([`Command::format_version`]) and snapshots in [`SNAPSHOT_FORMAT_VERSION`],
@@ -57,7 +59,7 @@ pub use types::*;
 /// every member has said that it reads them, and sweeps, node reports and
 /// client requests in the newest format unless a member has said that it
 /// reads only an older one (then in the oldest form, [`Command::oldest_form`]).
-pub const FORMAT_VERSION: u16 = 6;
+pub const FORMAT_VERSION: u16 = 7;
 
 /// From this format a client request's answer is kept with the fingerprint
 /// of its command, a retry is answered only when it carries the same
@@ -71,7 +73,9 @@ pub const SESSION_BINDING_FORMAT_VERSION: u16 = 6;
 /// hold): the state as of format 2; 6: session answers carry fingerprints
 /// ([`StoredAnswer`]). A snapshot shares the numbering of log entries, so a
 /// build that reads up to format 5 refuses a format-6 snapshot with "upgrade
-/// this replica" rather than misreading it.
+/// this replica" rather than misreading it. Format 7 changes no stored
+/// shape that a format-6 member could meet: the only new answer a session
+/// keeps (a withdrawal's `GaveBack`) exists once every member reads 7.
 pub const SNAPSHOT_FORMAT_VERSION: u16 = 6;
 
 /// One log entry's application payload.

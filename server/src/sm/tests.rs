@@ -1241,23 +1241,26 @@ fn random_command(rng: &mut Rng, m: &Machine) -> Command {
         }),
         // A wait's deadline on its replica, or its caller gone: the give-up
         // names a recent request, answered at or before a recent entry.
-        7 if rng.below(2) == 0 => Command::CancelWait(CancelWait {
-            key: key(&lock),
-            pod_uid: uid,
-        }),
+        7 if rng.below(2) == 0 => match rng.below(2) {
+            0 => Command::CancelWait(CancelWait {
+                key: key(&lock),
+                pod_uid: uid,
+            }),
+            // A caller that gave up on an acquire: mostly a pod that holds
+            // or waits.
+            _ => {
+                let involved = involved_pods(m);
+                let (key, pod_uid) = match involved.len() {
+                    0 => (key(&lock), uid),
+                    n => involved[rng.below(n as u64) as usize].clone(),
+                };
+                Command::Withdraw(Withdraw { key, pod_uid })
+            }
+        },
         7 => {
-            // Mostly a pod that waits, and a kept answer given at, or just
-            // after, the entry the abandoning stream names.
-            let waiting: Vec<(LockKey, String)> = m
-                .state
-                .locks
-                .iter()
-                .flat_map(|(k, l)| {
-                    l.waiters
-                        .iter()
-                        .map(move |w| (k.clone(), w.pod.uid.clone()))
-                })
-                .collect();
+            // Mostly a pod that waits or holds, and a kept answer given at,
+            // or just after, the entry the abandoning stream names.
+            let waiting = involved_pods(m);
             let answers: Vec<(String, u64, u64)> = m
                 .state
                 .sessions
@@ -1278,6 +1281,24 @@ fn random_command(rng: &mut Rng, m: &Machine) -> Command {
                     let (c, q, at) = answers[rng.below(n as u64) as usize].clone();
                     (c, q, at.saturating_sub(rng.below(2)))
                 }
+            };
+            // A third of them about a hold: the stream of the acquire that
+            // queued it went away before the grant (answered just before
+            // it), as when a holder releases inside the abandoned-wait
+            // grace.
+            let holders: Vec<(LockKey, Hold)> = m
+                .state
+                .locks
+                .iter()
+                .filter_map(|(k, l)| l.holder.clone().map(|h| (k.clone(), h)))
+                .collect();
+            let (key, pod_uid, client_id, answered_at) = match holders.len() {
+                n if n > 0 && rng.below(3) == 0 => {
+                    let (k, h) = holders[rng.below(n as u64) as usize].clone();
+                    let at = h.token.saturating_sub(1 + rng.below(3));
+                    (k, h.pod.uid, h.client_id, at)
+                }
+                _ => (key, pod_uid, client_id, answered_at),
             };
             Command::AbandonWait(AbandonWait {
                 key,
@@ -1783,6 +1804,100 @@ fn check_invariants(
     );
 }
 
+/// Every (lock, pod) that holds or waits, holders first.
+fn involved_pods(m: &Machine) -> Vec<(LockKey, String)> {
+    let holders = m
+        .state
+        .locks
+        .iter()
+        .filter_map(|(k, l)| l.holder.as_ref().map(|h| (k.clone(), h.pod.uid.clone())));
+    let waiters = m.state.locks.iter().flat_map(|(k, l)| {
+        l.waiters
+            .iter()
+            .map(move |w| (k.clone(), w.pod.uid.clone()))
+    });
+    holders.chain(waiters).collect()
+}
+
+/// Whether an `AbandonWait` finds a hold nobody will use, as format 7
+/// defines it: the pod holds the lock by a grant of the abandoning client's
+/// wait made after the abandoned answer, and nothing from that client has
+/// applied since the grant. Read before the command applies.
+fn grant_nobody_took_up(state: &State, abandon: &AbandonWait) -> bool {
+    let Some(hold) = state
+        .locks
+        .get(&abandon.key)
+        .and_then(|l| l.holder.as_ref())
+    else {
+        return false;
+    };
+    let retried = state
+        .sessions
+        .get(&abandon.client_id)
+        .and_then(|s| s.responses.get(&abandon.sequence))
+        .is_some_and(|a| a.answered_at > abandon.answered_at);
+    let seen = state
+        .sessions
+        .get(&abandon.client_id)
+        .is_some_and(|s| s.last_seen_ms >= hold.granted_at_ms);
+    hold.pod.uid == abandon.pod_uid
+        && hold.client_id == abandon.client_id
+        && hold.token > abandon.answered_at
+        && !retried
+        && !seen
+}
+
+/// After a `Withdraw` of `pod_uid` from `key` applied (not answered from the
+/// dedupe table): the pod neither holds nor waits for the lock. After an
+/// `AbandonWait`: a grant nobody took up was given back (and only such a
+/// grant), so the node goes to its next waiter rather than to nobody.
+fn check_give_ups(
+    before: &State,
+    after: &State,
+    command: &Command,
+    response: &Response,
+    seed: u64,
+) {
+    if response.deduplicated || response.result.is_err() {
+        return;
+    }
+    let holds_or_waits = |key: &LockKey, uid: &str| {
+        after.locks.get(key).is_some_and(|l| {
+            l.holder.as_ref().is_some_and(|h| h.pod.uid == uid)
+                || l.waiters.iter().any(|w| w.pod.uid == uid)
+        })
+    };
+    match command {
+        Command::Withdraw(withdraw) => assert!(
+            !holds_or_waits(&withdraw.key, &withdraw.pod_uid),
+            "seed {seed}: a withdrawn pod {} still holds or waits for {}: {:?}",
+            withdraw.pod_uid,
+            withdraw.key,
+            response.result
+        ),
+        Command::AbandonWait(abandon) => {
+            let nobody = grant_nobody_took_up(before, abandon);
+            let gave_back = matches!(
+                response.result,
+                Ok(Reply::WaitCancelled(CancelOutcome::GaveBack { .. }))
+            );
+            assert!(
+                !nobody || gave_back,
+                "seed {seed}: a grant nobody took up was kept for a caller that went away ({} on {})",
+                abandon.pod_uid,
+                abandon.key
+            );
+            assert!(
+                nobody || !gave_back,
+                "seed {seed}: a hold its client may have taken up was given back ({} on {})",
+                abandon.pod_uid,
+                abandon.key
+            );
+        }
+        _ => {}
+    }
+}
+
 /// How often the property test's generator reached what the invariants are
 /// about.
 #[derive(Debug, Default)]
@@ -1804,6 +1919,11 @@ struct Reached {
     /// Abandoned waits removed, and kept because a retry answered later.
     abandons_removed: u32,
     abandons_taken_up: u32,
+    /// Abandoned waits' grants given back to the next waiter.
+    abandons_given_back: u32,
+    /// Withdrawals that ended a wait, and that gave a hold back.
+    withdrawals_ended_a_wait: u32,
+    withdrawals_gave_back: u32,
 }
 
 /// A request under a kept `id`, first sent with `first`, now with `command`:
@@ -1898,6 +2018,12 @@ fn property_rounds(base_seed: u64, rounds: u64) -> Reached {
                         sequence: m.index + 1,
                         first_incomplete: m.index.saturating_sub(rng.below(4)),
                     });
+                    // As the server does: an acquire acts for the client of
+                    // its request (its holds and waits name it).
+                    let mut command = command;
+                    if let (Some(id), Command::Acquire(acquire)) = (&id, &mut command) {
+                        acquire.client_id = id.client_id.clone();
+                    }
                     (id, command, None)
                 }
             };
@@ -1921,7 +2047,12 @@ fn property_rounds(base_seed: u64, rounds: u64) -> Reached {
                 _ => false,
             };
             let pins_before = m.state.pins.clone();
+            let state_before = matches!(command, Command::AbandonWait(_) | Command::Withdraw(_))
+                .then(|| m.state.clone());
             let response = m.run_as(id.clone(), command.clone());
+            if let Some(state_before) = &state_before {
+                check_give_ups(state_before, &m.state, &command, &response, seed);
+            }
             check_pin_expiries(&pins_before, &m.events[before..], m.state.now_ms, seed);
             if taken_up {
                 let ended = m.events[before..]
@@ -1940,6 +2071,20 @@ fn property_rounds(base_seed: u64, rounds: u64) -> Reached {
                     }
                     Ok(Reply::WaitCancelled(CancelOutcome::TakenUp)) => {
                         reached.abandons_taken_up += 1
+                    }
+                    Ok(Reply::WaitCancelled(CancelOutcome::GaveBack { .. })) => {
+                        reached.abandons_given_back += 1
+                    }
+                    _ => {}
+                }
+            }
+            if matches!(command, Command::Withdraw(_)) && !response.deduplicated {
+                match &response.result {
+                    Ok(Reply::WaitCancelled(CancelOutcome::Removed)) => {
+                        reached.withdrawals_ended_a_wait += 1
+                    }
+                    Ok(Reply::WaitCancelled(CancelOutcome::GaveBack { .. })) => {
+                        reached.withdrawals_gave_back += 1
                     }
                     _ => {}
                 }
@@ -2081,7 +2226,10 @@ fn random_sequences_keep_mutual_exclusion_fifo_and_increasing_tokens() {
             && reached.retries > 100
             && reached.reused_ids > 100
             && reached.abandons_removed > 10
-            && reached.abandons_taken_up > 10,
+            && reached.abandons_taken_up > 10
+            && reached.abandons_given_back > 5
+            && reached.withdrawals_ended_a_wait > 10
+            && reached.withdrawals_gave_back > 10,
         "{reached:?}"
     );
 }
@@ -2165,6 +2313,27 @@ fn planted_abandon_ignoring_a_retry_is_caught_by_the_property_test() {
         message.contains("a wait a retry came back for was given up"),
         "{message}"
     );
+}
+
+/// `AbandonWait` keeping a grant that raced it for a caller that went
+/// away (format 6's rule): the node waited for the hold timeout.
+#[cfg(feature = "failpoints")]
+#[test]
+fn planted_abandon_keeping_a_raced_grant_is_caught_by_the_property_test() {
+    let message = caught_by_the_property_test("sm-abandon-keeps-grant");
+    assert!(
+        message.contains("a grant nobody took up was kept"),
+        "{message}"
+    );
+}
+
+/// `Withdraw` ending only waits: a pod granted before its caller gave up
+/// keeps the lock.
+#[cfg(feature = "failpoints")]
+#[test]
+fn planted_withdraw_keeping_a_hold_is_caught_by_the_property_test() {
+    let message = caught_by_the_property_test("sm-withdraw-keeps-hold");
+    assert!(message.contains("still holds or waits"), "{message}");
 }
 
 /// Pins expiring when half their lifetime has passed.

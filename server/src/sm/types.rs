@@ -189,6 +189,13 @@ pub enum ReleaseReason {
     },
     /// The node the lock is named after is gone.
     NodeGone,
+    /// Granted to a wait whose caller had gone away, given back because
+    /// nothing from that caller came after the grant (format 7,
+    /// [`crate::sm::command::AbandonWait`]).
+    Abandoned,
+    /// The pod's caller withdrew its acquire after the grant (format 7,
+    /// [`crate::sm::command::Withdraw`]).
+    Withdrawn,
 }
 
 impl fmt::Display for ReleaseReason {
@@ -205,6 +212,10 @@ impl fmt::Display for ReleaseReason {
                 write!(f, "hold timeout ({timeout_ms} ms) passed")
             }
             ReleaseReason::NodeGone => write!(f, "node gone"),
+            ReleaseReason::Abandoned => {
+                write!(f, "granted to a wait whose caller had gone away")
+            }
+            ReleaseReason::Withdrawn => write!(f, "withdrawn by its caller"),
         }
     }
 }
@@ -229,6 +240,9 @@ pub enum WaitEndReason {
     /// The caller that queued it went away and did not come back for it
     /// (format 6, [`crate::sm::command::AbandonWait`]).
     Abandoned,
+    /// Its caller withdrew the acquire (format 7,
+    /// [`crate::sm::command::Withdraw`]).
+    Withdrawn,
 }
 
 /// The identity of one client request, for exactly-once application.

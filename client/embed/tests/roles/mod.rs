@@ -55,10 +55,22 @@ pub fn client_as(cluster: &Cluster, identities: &Identities, role: &str) -> Clie
 
 /// Three replicas serving mutual TLS with the identities' replica
 /// certificate.
+// Each suite uses one of the two.
+#[allow(dead_code)]
 pub async fn cluster_on_tls(identities: &Identities) -> Cluster {
+    cluster_on_tls_with(identities, |_| {}).await
+}
+
+/// [`cluster_on_tls`] with the replicas' configuration changed by `tweak`.
+#[allow(dead_code)]
+pub async fn cluster_on_tls_with(
+    identities: &Identities,
+    tweak: impl Fn(&mut tether_server::config::Config) + Send + Sync + 'static,
+) -> Cluster {
     let replicas = identities.replicas();
     Cluster::start_with(3, move |config| {
         config.tls_dir = Some(replicas.clone());
+        tweak(config);
     })
     .await
 }

@@ -1,13 +1,15 @@
 //! `CancelWait`: a queued acquire gives up (its deadline passed on the
 //! replica serving it). `AbandonWait`: the caller of a queued acquire went
-//! away and no retry of its request came back for the wait.
+//! away and no retry of its request came back for the wait. `Withdraw`: the
+//! caller says it no longer wants the lock for the pod (kube-scheduler gave
+//! up on the bind), whether the pod still waits or has been granted.
 
 use serde::{Deserialize, Serialize};
 
 use super::{CommandError, Reply};
 use crate::sm::SESSION_BINDING_FORMAT_VERSION;
 use crate::sm::Txn;
-use crate::sm::types::{Hold, LockKey, WaitEndReason};
+use crate::sm::types::{Hold, LockKey, ReleaseReason, WaitEndReason};
 
 /// Remove `pod_uid`'s wait on `key`.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -31,6 +33,15 @@ pub enum CancelOutcome {
     /// The wait was kept: a retry of the acquire answered it after the
     /// answer the abandoning stream had ([`AbandonWait`]).
     TakenUp,
+    /// The pod had been granted the lock; the hold was ended and the lock
+    /// handed to the next waiter in the same entry ([`Withdraw`], and
+    /// [`AbandonWait`] from format 7).
+    GaveBack {
+        /// The hold that ended.
+        hold: Hold,
+        /// Who was granted in its place.
+        next: Option<Hold>,
+    },
 }
 
 /// The wait queued by one client request, whose stream's caller went away:
@@ -56,9 +67,65 @@ pub struct AbandonWait {
 /// Format in which [`AbandonWait`] first exists (it has no older form).
 pub const ABANDON_WAIT_FORMAT_VERSION: u16 = SESSION_BINDING_FORMAT_VERSION;
 
+/// From this format [`AbandonWait`] gives back a hold its wait became when
+/// nothing from its client came after the grant, and [`Withdraw`] exists.
+/// Before it, a grant that raced the give-up was kept for a caller that was
+/// gone, and its node waited for the hold timeout.
+pub const GIVE_BACK_FORMAT_VERSION: u16 = 7;
+
+/// `pod_uid` no longer wants `key`: its wait ends, or the hold it was
+/// granted is given back and the next waiter granted, in one entry. What a
+/// caller that gave up on an acquire sends (the extender, when
+/// kube-scheduler's `httpTimeout` ran out on a bind), instead of dropping
+/// the call and looking for a hold once (which a grant a moment later
+/// escaped). Idempotent: a second one finds nothing and answers
+/// [`CancelOutcome::NotWaiting`] (format 7).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Withdraw {
+    /// The lock.
+    pub key: LockKey,
+    /// The pod that no longer wants it.
+    pub pod_uid: String,
+}
+
+impl Withdraw {
+    /// Ends the pod's wait, or its hold (handing the lock over), or finds
+    /// neither.
+    pub fn apply(self, txn: &mut Txn<'_>) -> Result<Reply, CommandError> {
+        let holds = txn
+            .state
+            .locks
+            .get(&self.key)
+            .and_then(|l| l.holder.as_ref())
+            .is_some_and(|h| h.pod.uid == self.pod_uid);
+        // A deliberate bug for the checkers' "can fail" tests: end only
+        // waits, keeping a hold granted before the caller gave up. Only with
+        // the `failpoints` feature and FAILPOINTS=sm-withdraw-keeps-hold=return.
+        #[cfg(feature = "failpoints")]
+        let holds = holds && fail::eval("sm-withdraw-keeps-hold", |_| ()).is_none();
+        if holds {
+            return Ok(give_back(txn, &self.key, ReleaseReason::Withdrawn));
+        }
+        end_wait(txn, self.key, self.pod_uid, WaitEndReason::Withdrawn)
+    }
+}
+
+/// Ends the hold on `key` for `reason` and grants the next waiter.
+fn give_back(txn: &mut Txn<'_>, key: &LockKey, reason: ReleaseReason) -> Reply {
+    let (released, next) = txn.release_and_hand_over(key, reason);
+    match released {
+        Some(hold) => Reply::WaitCancelled(CancelOutcome::GaveBack { hold, next }),
+        None => Reply::WaitCancelled(CancelOutcome::NotWaiting),
+    }
+}
+
 impl AbandonWait {
-    /// Idempotent, like [`CancelWait`]; a grant that won the race is
-    /// reported and kept (the pod acquiring again gets it back).
+    /// Idempotent, like [`CancelWait`]. A grant that won the race is given
+    /// back (format 7) when it went to this client's wait after the
+    /// abandoned answer and nothing from the client has applied since the
+    /// grant (a later request of its own may have taken the hold up); before
+    /// format 7, or when the client has been seen since, it is reported and
+    /// kept (the pod acquiring again gets it back).
     pub fn apply(self, txn: &mut Txn<'_>) -> Result<Reply, CommandError> {
         let retried_since = txn
             .state
@@ -75,7 +142,43 @@ impl AbandonWait {
         if retried_since {
             return Ok(Reply::WaitCancelled(CancelOutcome::TakenUp));
         }
+        let give_back_rule = txn.format_version >= GIVE_BACK_FORMAT_VERSION;
+        // A deliberate bug for the checkers' "can fail" tests: keep a grant
+        // that raced the give-up (format 6's rule). Only with the
+        // `failpoints` feature and FAILPOINTS=sm-abandon-keeps-grant=return.
+        #[cfg(feature = "failpoints")]
+        let give_back_rule =
+            give_back_rule && fail::eval("sm-abandon-keeps-grant", |_| ()).is_none();
+        if give_back_rule && self.granted_to_nobody(txn) {
+            return Ok(give_back(txn, &self.key, ReleaseReason::Abandoned));
+        }
         end_wait(txn, self.key, self.pod_uid, WaitEndReason::Abandoned)
+    }
+
+    /// Whether the pod holds the lock by a grant of this client's wait made
+    /// after the abandoned answer, with nothing from the client applied at
+    /// or after the grant's committed time. (Committed time never goes
+    /// back, so a request of the client that applied after the grant has
+    /// `last_seen_ms` at or past `granted_at_ms`; one in the same
+    /// millisecond counts as after: the hold is kept.)
+    fn granted_to_nobody(&self, txn: &Txn<'_>) -> bool {
+        let Some(hold) = txn
+            .state
+            .locks
+            .get(&self.key)
+            .and_then(|l| l.holder.as_ref())
+        else {
+            return false;
+        };
+        let seen_since = txn
+            .state
+            .sessions
+            .get(&self.client_id)
+            .is_some_and(|s| s.last_seen_ms >= hold.granted_at_ms);
+        hold.pod.uid == self.pod_uid
+            && hold.client_id == self.client_id
+            && hold.token > self.answered_at
+            && !seen_since
     }
 }
 

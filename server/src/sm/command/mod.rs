@@ -23,7 +23,10 @@ pub use batch::{
     BATCH_FORMAT_VERSION, Batch, BatchItem, MAX_BATCH_ITEMS, SHARED_LOCK_BATCH_FORMAT_VERSION,
     batchable_lock,
 };
-pub use cancel_wait::{ABANDON_WAIT_FORMAT_VERSION, AbandonWait, CancelOutcome, CancelWait};
+pub use cancel_wait::{
+    ABANDON_WAIT_FORMAT_VERSION, AbandonWait, CancelOutcome, CancelWait, GIVE_BACK_FORMAT_VERSION,
+    Withdraw,
+};
 pub use force_release::ForceRelease;
 pub use lease::{GrantLease, KeepAliveLease, RevokeLease};
 pub use release::Release;
@@ -76,8 +79,11 @@ pub enum Command {
     /// Several clients' acquires and releases in one entry (format 3).
     Batch(Batch),
     /// Leave a queue whose caller went away, unless a retry took it up
-    /// (format 6).
+    /// (format 6); give back a grant nobody will use (format 7).
     AbandonWait(AbandonWait),
+    /// A caller no longer wants a lock for a pod: end its wait or give back
+    /// its hold (format 7).
+    Withdraw(Withdraw),
 }
 
 impl Command {
@@ -99,6 +105,7 @@ impl Command {
             Command::ReportPod(c) => c.apply(txn),
             Command::Audit(c) => c.apply(txn),
             Command::AbandonWait(c) => c.apply(txn),
+            Command::Withdraw(c) => c.apply(txn),
             // `sm::apply` applies a batch item by item; a batch can only get
             // here as an item of another, which `Batch::check` refuses.
             Command::Batch(_) => Err(CommandError::InvalidBatch {
@@ -119,7 +126,7 @@ impl Command {
                 NODE_GONE_UID_FORMAT_VERSION
             }
             Command::ReportNode(_) => NODE_UID_FORMAT_VERSION,
-            Command::AbandonWait(_) => ABANDON_WAIT_FORMAT_VERSION,
+            Command::AbandonWait(_) | Command::Withdraw(_) => GIVE_BACK_FORMAT_VERSION,
             _ => 2,
         }
     }
@@ -127,7 +134,8 @@ impl Command {
     /// The oldest format this command can be written in at all, applying as
     /// a build of that format applies it: a batch needs 3 (4 when it names
     /// a lock twice), an abandoned wait 6 (it is sent only once every member
-    /// reads 6); every other command, a sweep and a node report included,
+    /// reads 6; in 6 it keeps a grant that raced it), a withdrawal 7 (it is
+    /// sent only once every member reads 7); every other command, a sweep and a node report included,
     /// has a format-2 form. While a member is known to read only
     /// older formats than an entry's, the leader writes the entry in this
     /// one ([`crate::sm::Request::for_members`]).
@@ -136,6 +144,7 @@ impl Command {
             Command::Batch(batch) if batch.shares_a_lock() => SHARED_LOCK_BATCH_FORMAT_VERSION,
             Command::Batch(_) => BATCH_FORMAT_VERSION,
             Command::AbandonWait(_) => ABANDON_WAIT_FORMAT_VERSION,
+            Command::Withdraw(_) => GIVE_BACK_FORMAT_VERSION,
             _ => 2,
         }
     }
