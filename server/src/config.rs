@@ -150,6 +150,22 @@ pub struct Config {
     #[arg(long, env = "TETHER_MAX_WATCHERS_PER_CLIENT", default_value_t = 64)]
     pub max_watchers_per_client: usize,
 
+    /// Most exactly-once sessions (distinct client ids with a request
+    /// answered in the last `--session-idle`) one authenticated identity may
+    /// have; admin and replica identities are not counted. A new client of
+    /// an identity at its quota is refused with RESOURCE_EXHAUSTED, so one
+    /// caller (a device plugin's certificate) cannot fill the table.
+    #[arg(long, env = "TETHER_MAX_SESSIONS_PER_IDENTITY", default_value_t = 1024,
+          value_parser = clap::value_parser!(u32).range(1..=65_536))]
+    pub max_sessions_per_identity: u32,
+
+    /// Sessions of the cluster-wide table (65,536) kept for the bridge,
+    /// scheduler, admin and replica roles: other callers get no new session
+    /// once only these are left.
+    #[arg(long, env = "TETHER_RESERVED_SESSIONS", default_value_t = 8192,
+          value_parser = clap::value_parser!(u32).range(0..65_536))]
+    pub reserved_sessions: u32,
+
     /// Longest wait queue per lock.
     #[arg(long, env = "TETHER_MAX_QUEUE_LENGTH", default_value_t = 1024)]
     pub max_queue_length: u32,

@@ -18,6 +18,10 @@ pub enum ApiError {
     /// Input over a configured size; nothing was changed.
     #[error("{0}")]
     TooLarge(String),
+    /// The caller is at a quota (its identity's sessions); nothing was
+    /// changed.
+    #[error("{0}")]
+    QuotaExceeded(String),
     /// The state machine refused the command (deterministic).
     #[error(transparent)]
     Command(Box<CommandError>),
@@ -74,6 +78,7 @@ impl ApiError {
         match self {
             ApiError::InvalidArgument(_) => "invalid_argument",
             ApiError::TooLarge(_) => "too_large",
+            ApiError::QuotaExceeded(_) => "quota_exceeded",
             ApiError::Command(_) => "refused",
             ApiError::NotLeader { .. } => "not_leader",
             ApiError::DeadlineExceeded(_) => "deadline_exceeded",
@@ -92,7 +97,9 @@ impl From<ApiError> for Status {
         let message = err.to_string();
         match err {
             ApiError::InvalidArgument(_) => Status::invalid_argument(message),
-            ApiError::TooLarge(_) => Status::resource_exhausted(message),
+            ApiError::TooLarge(_) | ApiError::QuotaExceeded(_) => {
+                Status::resource_exhausted(message)
+            }
             ApiError::Command(cmd) => {
                 let code = match *cmd {
                     CommandError::QueueFull { .. }

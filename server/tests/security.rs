@@ -29,6 +29,16 @@ fn own_replica_dir(root: &Path, id: u64) -> std::path::PathBuf {
 }
 
 async fn tls_cluster(n: u64, root: &Path, ca: &TestCa) -> Cluster {
+    tls_cluster_with(n, root, ca, |_| {}).await
+}
+
+/// [`tls_cluster`] with the replicas' configuration changed by `tweak`.
+async fn tls_cluster_with(
+    n: u64,
+    root: &Path,
+    ca: &TestCa,
+    tweak: impl Fn(&mut tether_server::config::Config) + Send + Sync + 'static,
+) -> Cluster {
     let shared = replica_dir(root);
     ca.write_dir(&shared, "replica", &["127.0.0.1", "localhost"]);
     let root = root.to_path_buf();
@@ -36,6 +46,7 @@ async fn tls_cluster(n: u64, root: &Path, ca: &TestCa) -> Cluster {
         let own = own_replica_dir(&root, config.node_id);
         config.tls_dir = Some(if own.exists() { own } else { shared.clone() });
         config.tls_reload_interval = Duration::from_millis(100);
+        tweak(config);
     })
     .await
 }
@@ -611,5 +622,76 @@ async fn one_callers_request_ids_cannot_reach_another_callers_session() {
         .acquire(&lock("node-e"), &pod("victim"), vec![], Duration::ZERO, 0)
         .await
         .expect("and so is its next sequence");
+    cluster.shutdown().await;
+}
+
+/// One caller sending requests under ever new client ids (each a new
+/// exactly-once session, even when the request fails) is stopped at its
+/// identity's quota; every other role, and the caller's own existing
+/// clients, go on. Without the quota one device plugin's certificate filled
+/// the cluster's 65,536 sessions and every new client of every identity was
+/// refused.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn one_identity_at_its_session_quota_leaves_room_for_every_other_role() {
+    const QUOTA: usize = 20;
+    let root = tempfile::tempdir().unwrap();
+    let ca = TestCa::new("tether-test-ca");
+    let cluster = tls_cluster_with(3, root.path(), &ca, |config| {
+        config.max_sessions_per_identity = QUOTA as u32;
+    })
+    .await;
+    let plugin_identity = identity(root.path(), &ca, "device-plugin:node-a");
+    let own = lock("node-a");
+    // Releases of a hold nobody has: refused, but each opens a session.
+    let mut plugins = Vec::new();
+    for n in 0..QUOTA {
+        let plugin = client_as(&cluster, plugin_identity.clone());
+        let err = plugin
+            .release(&own, "pod-x", 1, Outcome::Failed)
+            .await
+            .unwrap_err();
+        assert!(
+            matches!(err, Error::FailedPrecondition(_)),
+            "client {n}: {err}"
+        );
+        plugins.push(plugin);
+    }
+    let one_more = client_as(&cluster, plugin_identity.clone());
+    let err = one_more
+        .release(&own, "pod-x", 1, Outcome::Failed)
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(&err, Error::ResourceExhausted(m)
+            if m.contains("device-plugin:node-a") && m.contains("--max-sessions-per-identity 20")),
+        "{err}"
+    );
+    // Its existing clients keep their sessions.
+    let err = plugins[0]
+        .release(&own, "pod-x", 1, Outcome::Failed)
+        .await
+        .unwrap_err();
+    assert!(matches!(err, Error::FailedPrecondition(_)), "{err}");
+    // Every other role opens new sessions.
+    let scheduler = client_as(&cluster, identity(root.path(), &ca, "scheduler"));
+    let hold = scheduler
+        .acquire(&own, &pod("pod-a"), vec![], Duration::ZERO, 0)
+        .await
+        .expect("the scheduler binds");
+    let bridge = client_as(&cluster, identity(root.path(), &ca, "bridge"));
+    bridge
+        .revoke_pod("pod-a", "deleted")
+        .await
+        .expect("the bridge revokes");
+    let admin = client_as(&cluster, identity(root.path(), &ca, "admin"));
+    admin
+        .force_release(&lock("node-b"), "oncall", "check")
+        .await
+        .expect("the admin acts");
+    assert!(
+        scheduler.holder(&own).await.unwrap().is_none(),
+        "hold {} revoked",
+        hold.token()
+    );
     cluster.shutdown().await;
 }

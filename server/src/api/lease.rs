@@ -50,7 +50,7 @@ impl LeaseApi {
         caller: &Caller,
         req: pb::RevokePodRequest,
     ) -> Result<pb::RevokePodResponse> {
-        let request_id = validate::request_id(caller, req.request_id.as_ref())?;
+        let request_id = self.ctx.request_id(caller, req.request_id.as_ref())?;
         validate::pod_uid(&req.pod_uid)?;
         validate::text("reason", &req.reason, false)?;
         let reason = if req.reason.is_empty() {
@@ -90,7 +90,7 @@ impl LeaseApi {
         caller: &Caller,
         req: pb::LeaseGrantRequest,
     ) -> Result<pb::LeaseGrantResponse> {
-        let request_id = validate::request_id(caller, req.request_id.as_ref())?;
+        let request_id = self.ctx.request_id(caller, req.request_id.as_ref())?;
         let min = self.ctx.config.min_lease_ttl().as_millis() as u64;
         if req.ttl_ms < min {
             return Err(ApiError::InvalidArgument(format!(
@@ -121,7 +121,7 @@ impl LeaseApi {
         caller: &Caller,
         req: pb::ReportPodRequest,
     ) -> Result<pb::ReportPodResponse> {
-        let request_id = validate::request_id(caller, req.request_id.as_ref())?;
+        let request_id = self.ctx.request_id(caller, req.request_id.as_ref())?;
         validate::pod_uid(&req.pod_uid)?;
         let phase = match pb::PodPhase::try_from(req.phase) {
             Ok(pb::PodPhase::PodStarting) => PodPhase::Starting,
@@ -167,7 +167,7 @@ impl LeaseApi {
         caller: &Caller,
         req: pb::LeaseRevokeRequest,
     ) -> Result<pb::LeaseRevokeResponse> {
-        let request_id = validate::request_id(caller, req.request_id.as_ref())?;
+        let request_id = self.ctx.request_id(caller, req.request_id.as_ref())?;
         let command = Command::RevokeLease(RevokeLease {
             lease_id: req.lease_id,
         });

@@ -325,7 +325,7 @@ impl LockApi {
         req: pb::AcquireRequest,
     ) -> Result<ReceiverStream<AcquireItem>> {
         let ctx = &self.ctx;
-        let request_id = validate::request_id(caller, req.request_id.as_ref())?;
+        let request_id = self.ctx.request_id(caller, req.request_id.as_ref())?;
         let key = validate::lock_key(req.key.as_ref())?;
         caller.require(Action::Acquire(&key))?;
         let pod = req
@@ -392,7 +392,7 @@ impl LockApi {
         caller: &Caller,
         req: pb::ReleaseRequest,
     ) -> Result<pb::ReleaseResponse> {
-        let request_id = validate::request_id(caller, req.request_id.as_ref())?;
+        let request_id = self.ctx.request_id(caller, req.request_id.as_ref())?;
         let key = validate::lock_key(req.key.as_ref())?;
         caller.require(Action::Release(&key))?;
         validate::pod_uid(&req.pod_uid)?;
@@ -484,7 +484,7 @@ impl LockApi {
         req: pb::WithdrawRequest,
     ) -> Result<pb::WithdrawResponse> {
         let ctx = &self.ctx;
-        let request_id = validate::request_id(caller, req.request_id.as_ref())?;
+        let request_id = self.ctx.request_id(caller, req.request_id.as_ref())?;
         let key = validate::lock_key(req.key.as_ref())?;
         // Whoever may queue a pod for the lock may take it out again.
         caller.require(Action::Acquire(&key))?;
@@ -526,7 +526,7 @@ impl LockApi {
         caller: &Caller,
         req: pb::ForceReleaseRequest,
     ) -> Result<pb::ForceReleaseResponse> {
-        let request_id = validate::request_id(caller, req.request_id.as_ref())?;
+        let request_id = self.ctx.request_id(caller, req.request_id.as_ref())?;
         let key = validate::lock_key(req.key.as_ref())?;
         caller.require(Action::ForceRelease(&key))?;
         validate::text("operator", &req.operator, true)?;

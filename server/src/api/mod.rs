@@ -10,6 +10,7 @@ pub mod node;
 pub mod pin;
 pub mod raft;
 pub mod reads;
+pub mod sessions;
 pub mod validate;
 pub mod watch;
 
@@ -154,6 +155,28 @@ impl Ctx {
     ) -> Request {
         Request::new(request_id, leader_time_ms, command)
             .for_members(self.peer_formats.oldest_member_known(&self.raft, self.id))
+    }
+
+    /// A request's id as the state machine keys it
+    /// ([`validate::request_id`]), admitted if it would open a new session
+    /// ([`sessions::admit_in`]: the caller's identity under its quota, the
+    /// table's reserved places only for the roles that need them).
+    pub fn request_id(
+        &self,
+        caller: &crate::auth::Caller,
+        id: Option<&tether_proto::RequestId>,
+    ) -> Result<Option<RequestId>> {
+        let id = validate::request_id(caller, id)?;
+        if let Some(id) = &id {
+            let limits = sessions::SessionLimits {
+                per_identity: self.config.max_sessions_per_identity as usize,
+                reserved: self.config.reserved_sessions as usize,
+            };
+            let applied = self.state.read();
+            sessions::admit_in(&applied.state, caller, &id.client_id, limits)
+                .map_err(ApiError::QuotaExceeded)?;
+        }
+        Ok(id)
     }
 
     /// Waits until this replica, as leader, has applied everything committed

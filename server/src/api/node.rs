@@ -29,7 +29,7 @@ impl NodeApi {
         caller: &Caller,
         req: pb::ReportNodeRequest,
     ) -> Result<pb::ReportNodeResponse> {
-        let request_id = validate::request_id(caller, req.request_id.as_ref())?;
+        let request_id = self.ctx.request_id(caller, req.request_id.as_ref())?;
         validate::dns1123_subdomain("node name", &req.name)?;
         validate::text("node uid", &req.uid, false)?;
         let state = match pb::NodeState::try_from(req.state) {

@@ -49,7 +49,7 @@ impl PinApi {
         caller: &Caller,
         req: pb::AssignRequest,
     ) -> Result<pb::AssignResponse> {
-        let request_id = validate::request_id(caller, req.request_id.as_ref())?;
+        let request_id = self.ctx.request_id(caller, req.request_id.as_ref())?;
         let key = validate::pin_key(req.key.as_ref())?;
         let candidates = validate::candidates(&req.candidates)?;
         if !req.pod_uid.is_empty() {
@@ -85,7 +85,7 @@ impl PinApi {
         caller: &Caller,
         req: pb::ReleasePinRequest,
     ) -> Result<pb::ReleasePinResponse> {
-        let request_id = validate::request_id(caller, req.request_id.as_ref())?;
+        let request_id = self.ctx.request_id(caller, req.request_id.as_ref())?;
         let key = validate::pin_key(req.key.as_ref())?;
         validate::text("reason", &req.reason, false)?;
         let reason = if req.reason.is_empty() {
