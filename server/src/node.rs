@@ -20,6 +20,7 @@ use tokio::net::TcpListener;
 use tokio::sync::watch;
 use tokio::task::JoinHandle;
 
+use crate::api::Ctx;
 use crate::api::cluster::{ClusterApi, transfer_leader};
 use crate::api::lease::LeaseApi;
 use crate::api::lock::LockApi;
@@ -27,7 +28,6 @@ use crate::api::node::NodeApi;
 use crate::api::pin::PinApi;
 use crate::api::raft::RaftApi;
 use crate::api::watch::WatchApi;
-use crate::api::{Ctx, wall_clock_ms};
 use crate::auth::Auth;
 use crate::config::{Config, parse_members};
 use crate::metrics::Metrics;
@@ -181,6 +181,7 @@ impl Node {
         let config = Arc::new(config);
         let (shutdown, shutdown_rx) = watch::channel(false);
         let shutdown = Arc::new(shutdown);
+        let clock = Arc::new(crate::api::clock::CommitClock::new(state.clone()));
         let proposer = (config.batch_max_commands > 1).then(|| {
             let limits = crate::api::batching::BatchLimits {
                 max_commands: config.batch_max_commands as usize,
@@ -196,6 +197,7 @@ impl Node {
                 state.clone(),
                 limits,
                 metrics.clone(),
+                clock.clone(),
             )
         });
         let reads = crate::api::reads::ReadBarrier::new(raft.clone(), metrics.clone());
@@ -217,6 +219,7 @@ impl Node {
             reads,
             peer_formats,
             cluster_id,
+            clock,
         });
 
         if set.is_none() {
@@ -691,7 +694,7 @@ async fn sweeper(ctx: Arc<Ctx>, mut shutdown: watch::Receiver<bool>) {
             session_idle_ms: ctx.config.session_idle.as_millis() as u64,
             node_tombstone_ms: ctx.config.node_tombstone.as_millis() as u64,
         };
-        let now = wall_clock_ms();
+        let now = ctx.clock.stamp(term);
         // Format 6 (grants after all ends, forgets unreferenced pods), or
         // an older one during a rolling upgrade: see `Ctx::request`.
         let request = ctx.request(None, now, Command::Sweep(sweep));

@@ -37,7 +37,7 @@ use std::time::Duration;
 use tokio::sync::{Semaphore, mpsc, oneshot};
 use tokio::time::Instant;
 
-use super::wall_clock_ms;
+use super::clock::CommitClock;
 use crate::error::{ApiError, Result, from_raft_error};
 use crate::metrics::Metrics;
 use crate::raft::Raft;
@@ -121,9 +121,17 @@ impl Proposer {
         state: StateHandle,
         limits: BatchLimits,
         metrics: Arc<Metrics>,
+        clock: Arc<CommitClock>,
     ) -> Self {
         let (queue, rx) = mpsc::channel(4 * MAX_BATCH_ITEMS);
-        tokio::spawn(form_batches(raft.clone(), rx, limits, state, metrics));
+        tokio::spawn(form_batches(
+            raft.clone(),
+            rx,
+            limits,
+            state,
+            metrics,
+            clock,
+        ));
         Self {
             queue,
             raft,
@@ -405,6 +413,7 @@ async fn form_batches(
     limits: BatchLimits,
     state: StateHandle,
     metrics: Arc<Metrics>,
+    clock: Arc<CommitClock>,
 ) {
     let in_flight = Arc::new(Semaphore::new(limits.in_flight.max(1)));
     // A proposal the last batch had no room for: it starts the next one.
@@ -492,10 +501,17 @@ async fn form_batches(
         metrics.proposed_entry(batch.proposals.len());
         let raft_for_batch = raft.clone();
         let metrics_for_batch = metrics.clone();
+        let clock_for_batch = clock.clone();
         let released = releasing.start(&batch.proposals);
         let releasing_for_batch = releasing.clone();
         tokio::spawn(async move {
-            propose(&raft_for_batch, &metrics_for_batch, batch.proposals).await;
+            propose(
+                &raft_for_batch,
+                &metrics_for_batch,
+                &clock_for_batch,
+                batch.proposals,
+            )
+            .await;
             releasing_for_batch.end(released);
             drop(permit);
         });
@@ -503,10 +519,11 @@ async fn form_batches(
             metrics.proposed_entry(1);
             let raft = raft.clone();
             let metrics = metrics.clone();
+            let clock = clock.clone();
             let released = releasing.start(std::slice::from_ref(&proposal));
             let releasing = releasing.clone();
             tokio::spawn(async move {
-                propose(&raft, &metrics, vec![proposal]).await;
+                propose(&raft, &metrics, &clock, vec![proposal]).await;
                 releasing.end(released);
             });
         }
@@ -514,10 +531,16 @@ async fn form_batches(
 }
 
 /// Proposes one entry for `proposals` and answers each of them.
-async fn propose(raft: &Raft, metrics: &Metrics, mut proposals: Vec<Proposal>) {
+async fn propose(
+    raft: &Raft,
+    metrics: &Metrics,
+    clock: &CommitClock,
+    mut proposals: Vec<Proposal>,
+) {
+    let stamp = clock.stamp(raft.metrics().borrow().current_term);
     if proposals.len() == 1 {
         let proposal = proposals.pop().expect("one proposal");
-        let request = Request::new(proposal.request_id, wall_clock_ms(), proposal.command)
+        let request = Request::new(proposal.request_id, stamp, proposal.command)
             .for_members(proposal.oldest_member_known);
         let result = metrics
             .time_commit(raft.client_write(request))
@@ -537,8 +560,8 @@ async fn propose(raft: &Raft, metrics: &Metrics, mut proposals: Vec<Proposal>) {
             command: proposal.command,
         });
     }
-    let request = Request::new(None, wall_clock_ms(), Command::Batch(Batch { items }))
-        .for_members(oldest_member_known);
+    let request =
+        Request::new(None, stamp, Command::Batch(Batch { items })).for_members(oldest_member_known);
     let answers: Vec<Result<(Response, u64)>> =
         match metrics.time_commit(raft.client_write(request)).await {
             Ok(written) => match written.data.result {

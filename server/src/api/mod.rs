@@ -2,6 +2,7 @@
 //! convert. Errors map to `Status` in one place (`crate::error`).
 
 pub mod batching;
+pub mod clock;
 pub mod cluster;
 pub mod convert;
 pub mod lease;
@@ -73,11 +74,13 @@ pub struct Ctx {
     pub peer_formats: Arc<crate::raft::network::PeerFormats>,
     /// The cluster's id as this replica knows it ([`crate::cluster_id`]).
     pub cluster_id: Arc<crate::cluster_id::ClusterIdCell>,
+    /// Stamps for the entries this replica proposes ([`clock`]).
+    pub clock: Arc<clock::CommitClock>,
 }
 
-/// Wall-clock time in ms since the epoch: only ever used to stamp entries
-/// this replica proposes as leader (and to judge what its sweep will find
-/// due), never inside apply.
+/// Wall-clock time in ms since the epoch: what the stamps of the entries
+/// this replica proposes as leader follow ([`clock::CommitClock`]), never
+/// read inside apply.
 ///
 /// With the `failpoints` feature, `FAILPOINTS=clock-offset-ms=return(N)`
 /// moves this replica's clock by N ms (negative: behind), as a host whose
@@ -127,7 +130,7 @@ impl Ctx {
         let (response, index) = match batching {
             Some((proposer, batching)) => proposer.propose(request_id, command, batching).await?,
             None => {
-                let request = self.request(request_id, wall_clock_ms(), command);
+                let request = self.request(request_id, self.stamp(), command);
                 let written = self
                     .metrics
                     .time_commit(self.raft.client_write(request))
@@ -155,6 +158,12 @@ impl Ctx {
     ) -> Request {
         Request::new(request_id, leader_time_ms, command)
             .for_members(self.peer_formats.oldest_member_known(&self.raft, self.id))
+    }
+
+    /// The stamp for an entry this replica proposes now ([`clock`]).
+    pub fn stamp(&self) -> u64 {
+        let term = self.raft.metrics().borrow().current_term;
+        self.clock.stamp(term)
     }
 
     /// A request's id as the state machine keys it
