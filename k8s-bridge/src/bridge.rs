@@ -1,7 +1,9 @@
 //! The bridge at run time: kube-rs watchers on Pods and Nodes, a watch on
-//! Tether's event stream for the interest set, and a periodic resync, all
-//! feeding the pure decisions of `mapping` and `orphans` and sending their
-//! commands to Tether.
+//! Tether's event stream for the interest set, a periodic resync, and a
+//! retry loop that resyncs with back-off after any failed send until
+//! everything is acknowledged, all feeding the pure decisions of
+//! `mapping`, `orphans` and `reconcile` and sending their commands to
+//! Tether.
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -27,6 +29,7 @@ use crate::orphans::{
     LiveView, Lookup, TetherView, confirm_node, confirm_pod, missing_joins, node_candidates,
     pod_candidates,
 };
+use crate::reconcile::{node_corrections, pod_corrections};
 use crate::tombstones::{Tombstones, late_interest};
 
 /// Tether events that make a pod UID interesting.
@@ -46,8 +49,10 @@ pub struct Metrics {
     pub events_seen: Counter,
     /// Commands Tether accepted.
     pub commands_sent: Counter,
-    /// Commands that failed (retried by the next resync if still needed).
+    /// Commands that failed (sent again, with back-off, while still needed).
     pub command_errors: Counter,
+    /// Resyncs run because a send failed.
+    pub retries: Counter,
     /// Orphans found by lists and resyncs (confirmed, reported).
     pub orphans_found: Counter,
     /// Candidates a resync could not confirm gone (alive, GET failed, or
@@ -69,7 +74,11 @@ impl Default for Metrics {
         let commands_sent = counter("tether_bridge_commands", "Commands Tether applied");
         let command_errors = counter(
             "tether_bridge_command_errors",
-            "Commands that failed (sent again by the next resync if still needed)",
+            "Commands that failed (sent again, with back-off, while still needed)",
+        );
+        let retries = counter(
+            "tether_bridge_retries",
+            "Resyncs run with back-off because a command failed",
         );
         let orphans_found = counter(
             "tether_bridge_orphans",
@@ -90,6 +99,7 @@ impl Default for Metrics {
             events_seen,
             commands_sent,
             command_errors,
+            retries,
             orphans_found,
             unconfirmed,
             lag,
@@ -107,9 +117,18 @@ pub struct Bridge {
     pods_listed: AtomicBool,
     nodes_listed: AtomicBool,
     tombstones: Mutex<Tombstones>,
+    /// The last pod report Tether acknowledged, by pod UID (for the pods it
+    /// cares about): a pod whose current report differs is due it.
+    acked: Mutex<HashMap<String, PodReport>>,
+    /// Woken by a failed send: the retry loop resyncs with back-off.
+    failed: tokio::sync::Notify,
     /// Counters.
     pub metrics: Metrics,
 }
+
+/// First and longest pause of the retry loop between resyncs.
+const RETRY_FIRST: Duration = Duration::from_millis(200);
+const RETRY_MAX: Duration = Duration::from_secs(30);
 
 /// Deleted pod UIDs remembered for late binds (about 10 MB at most).
 const TOMBSTONES: usize = 100_000;
@@ -176,12 +195,15 @@ impl Bridge {
             pods_listed: AtomicBool::new(false),
             nodes_listed: AtomicBool::new(false),
             tombstones: Mutex::new(Tombstones::new(TOMBSTONES)),
+            acked: Mutex::default(),
+            failed: tokio::sync::Notify::new(),
             metrics: Metrics::default(),
         })
     }
 
-    /// Runs until `shutdown` resolves: the pod and node watchers, the Tether
-    /// event watch, and a resync every `resync`.
+    /// Runs until `shutdown` resolves (or this future is dropped): the pod
+    /// and node watchers, the Tether event watch, a resync every `resync`,
+    /// and the retry loop.
     pub async fn run(
         self: Arc<Self>,
         resync: Duration,
@@ -206,16 +228,17 @@ impl Bridge {
         if let Err(err) = self.refresh_interest().await {
             tracing::warn!(%err, "cannot read Tether's state yet; the resync will retry");
         }
-        let tasks = [
-            tokio::spawn(self.clone().watch_pods()),
-            tokio::spawn(self.clone().watch_nodes()),
-            tokio::spawn(self.clone().watch_tether(watch)),
-            tokio::spawn(self.clone().resync_every(resync)),
-        ];
+        // A JoinSet aborts its tasks when dropped: on shutdown, and also
+        // when this future is dropped (a caller aborting the bridge's task
+        // must not leave its watchers running, a second bridge).
+        let mut tasks = tokio::task::JoinSet::new();
+        tasks.spawn(self.clone().watch_pods());
+        tasks.spawn(self.clone().watch_nodes());
+        tasks.spawn(self.clone().watch_tether(watch));
+        tasks.spawn(self.clone().resync_every(resync));
+        tasks.spawn(self.clone().retry_failed());
         shutdown.await;
-        for task in tasks {
-            task.abort();
-        }
+        tasks.abort_all();
     }
 
     /// Healthy once both the pod and the node list have completed (the
@@ -277,20 +300,34 @@ impl Bridge {
     }
 
     /// Sends one command; `seen_at` is when the Kubernetes event arrived.
-    async fn send(&self, command: Command, seen_at: Instant) {
+    /// False when it failed: the retry loop then resyncs until what is
+    /// still needed is acknowledged.
+    async fn send(&self, command: Command, seen_at: Instant) -> bool {
         let result = match &command {
             Command::Pod { .. } | Command::Node { .. } => send_report(&self.tether, &command).await,
             Command::ConfirmNodeGone { name, uid } => {
-                match confirm_node(name, uid, self.lookup_node(name).await) {
-                    Some(gone) => return Box::pin(self.send(gone, seen_at)).await,
-                    // Recreated under the same name, or the GET failed: a
-                    // failed GET never unpins, the next resync decides.
-                    None => return,
-                }
+                return match self.lookup_node(name).await {
+                    Lookup::Failed => {
+                        // A failed GET never unpins: the retry resyncs.
+                        self.failed.notify_one();
+                        false
+                    }
+                    lookup => match confirm_node(name, uid, lookup) {
+                        Some(gone) => Box::pin(self.send(gone, seen_at)).await,
+                        // Recreated under the same name: alive.
+                        None => true,
+                    },
+                };
             }
         };
         match result {
             Ok(()) => {
+                if let Command::Pod { uid, report } = &command {
+                    self.acked
+                        .lock()
+                        .unwrap_or_else(|p| p.into_inner())
+                        .insert(uid.clone(), *report);
+                }
                 let lag = seen_at.elapsed().as_micros() as u64;
                 self.metrics.commands_sent.inc();
                 self.metrics.lag.observe(lag as f64 / 1e6);
@@ -314,9 +351,12 @@ impl Bridge {
                         ("", name.as_str())
                     }
                 };
-                tracing::warn!(pod_uid, node, ?command, %err, "command not applied; the next resync repeats what is still needed");
+                tracing::warn!(pod_uid, node, ?command, %err, "command not applied; sent again with back-off while still needed");
+                self.failed.notify_one();
+                return false;
             }
         }
+        true
     }
 
     /// GET of a pod by namespace and name.
@@ -540,34 +580,48 @@ impl Bridge {
         }
     }
 
-    /// Pod orphans: interesting UIDs the pod cache lacks, each reported gone
+    /// The pods' side of a resync: every cached pod Tether cares about whose
+    /// current report Tether has not acknowledged ([`pod_corrections`]), and
+    /// the orphans: interesting UIDs the pod cache lacks, each reported gone
     /// only when known gone (seen deleted, or a GET of its name answers 404
-    /// or another UID); a candidate found alive is reported as it is.
-    async fn resync_pods(&self, seen_at: Instant) {
+    /// or another UID); a candidate found alive is reported as it is. False
+    /// when something could not be sent or checked.
+    async fn resync_pods(&self, seen_at: Instant) -> bool {
         if !self.pods_listed.load(Ordering::Relaxed) {
-            return;
+            return true;
         }
+        let interesting = self
+            .interest
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .uids()
+            .clone();
+        let (mut commands, cached) = {
+            let pods = self.pods.lock().unwrap_or_else(|p| p.into_inner());
+            let acked = self.acked.lock().unwrap_or_else(|p| p.into_inner());
+            let cached: BTreeSet<String> = pods.keys().cloned().collect();
+            (pod_corrections(&interesting, &pods, &acked), cached)
+        };
+        let corrections = commands.len();
         let live = LiveView {
-            pod_uids: self
-                .pods
-                .lock()
-                .unwrap_or_else(|p| p.into_inner())
-                .keys()
-                .cloned()
-                .collect(),
+            pod_uids: cached,
             nodes: BTreeMap::new(),
         };
         let tether = TetherView {
-            pod_uids: self
-                .interest
-                .lock()
-                .unwrap_or_else(|p| p.into_inner())
-                .uids()
-                .clone(),
+            pod_uids: interesting,
             nodes: BTreeMap::new(),
         };
-        let mut commands = Vec::new();
+        let mut complete = true;
         for uid in pod_candidates(&tether, &live) {
+            let acked_gone = self
+                .acked
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .get(&uid)
+                == Some(&PodReport::Gone);
+            if acked_gone {
+                continue;
+            }
             if self.knows_deleted(&uid) {
                 commands.push(Command::Pod {
                     uid,
@@ -588,51 +642,96 @@ impl Bridge {
                 tracing::debug!(pod_uid = %uid, "a pod Tether names is not in the cache and its name is unknown; not reported");
                 continue;
             };
-            match confirm_pod(&uid, self.lookup_pod(&namespace, &name).await) {
+            let lookup = self.lookup_pod(&namespace, &name).await;
+            complete &= !matches!(lookup, Lookup::Failed);
+            match confirm_pod(&uid, lookup) {
                 Some(command) => commands.push(command),
                 None => {
                     self.metrics.unconfirmed.inc();
                 }
             }
         }
-        self.send_orphans(commands, seen_at).await;
+        if corrections > 0 {
+            tracing::info!(
+                count = corrections,
+                "resync: pods whose report Tether has not acknowledged"
+            );
+        }
+        let orphans = commands.split_off(corrections);
+        for command in commands {
+            complete &= self.send(command, seen_at).await;
+        }
+        complete & self.send_orphans(orphans, seen_at).await
     }
 
-    /// Node orphans: registry nodes the cache lacks, each reported gone
-    /// only when a GET shows that node object gone; listed nodes the
-    /// registry lacks are reported joined.
-    async fn resync_nodes(&self, seen_at: Instant) {
+    /// The nodes' side of a resync: registry nodes the cache lacks, each
+    /// reported gone only when a GET shows that node object gone; listed
+    /// nodes the registry lacks, reported joined; and listed nodes whose
+    /// registry entry differs (labels, schedulability, readiness), corrected
+    /// ([`node_corrections`]). False when something could not be sent or
+    /// read.
+    async fn resync_nodes(&self, seen_at: Instant) -> bool {
         if !self.nodes_listed.load(Ordering::Relaxed) {
-            return;
+            return true;
         }
-        let registry = match self.tether.list_nodes(false).await {
-            Ok(nodes) => nodes.into_iter().map(|n| (n.name, n.uid)).collect(),
+        let listed = match self.tether.list_nodes(false).await {
+            Ok(nodes) => nodes,
             Err(err) => {
-                tracing::warn!(%err, "cannot read Tether's node registry; the next resync will retry");
-                return;
+                tracing::warn!(%err, "cannot read Tether's node registry; retrying with back-off");
+                self.failed.notify_one();
+                return false;
             }
         };
+        let registry: BTreeMap<String, NodeView> = listed
+            .into_iter()
+            .map(|n| {
+                let view = NodeView {
+                    name: n.name.clone(),
+                    uid: n.uid,
+                    labels: n.labels.into_iter().collect(),
+                    ready: n.ready,
+                    unschedulable: n.unschedulable,
+                };
+                (n.name, view)
+            })
+            .collect();
         let live = LiveView {
             pod_uids: BTreeSet::new(),
             nodes: self.nodes.lock().unwrap_or_else(|p| p.into_inner()).clone(),
         };
         let tether = TetherView {
             pod_uids: BTreeSet::new(),
-            nodes: registry,
+            nodes: registry
+                .iter()
+                .map(|(name, n)| (name.clone(), n.uid.clone()))
+                .collect(),
         };
         let mut commands = missing_joins(&tether, &live);
+        let mut complete = true;
         for (name, uid) in node_candidates(&tether, &live) {
-            match confirm_node(&name, &uid, self.lookup_node(&name).await) {
+            let lookup = self.lookup_node(&name).await;
+            complete &= !matches!(lookup, Lookup::Failed);
+            match confirm_node(&name, &uid, lookup) {
                 Some(gone) => commands.push(gone),
                 None => {
                     self.metrics.unconfirmed.inc();
                 }
             }
         }
-        self.send_orphans(commands, seen_at).await;
+        let corrections = node_corrections(&registry, &live.nodes);
+        if !corrections.is_empty() {
+            tracing::info!(
+                count = corrections.len(),
+                "resync: nodes whose registry entry differs from the API server's"
+            );
+        }
+        for command in corrections {
+            complete &= self.send(command, seen_at).await;
+        }
+        complete & self.send_orphans(commands, seen_at).await
     }
 
-    async fn send_orphans(&self, commands: Vec<Command>, seen_at: Instant) {
+    async fn send_orphans(&self, commands: Vec<Command>, seen_at: Instant) -> bool {
         if !commands.is_empty() {
             tracing::info!(
                 count = commands.len(),
@@ -640,8 +739,33 @@ impl Bridge {
             );
         }
         self.metrics.orphans_found.inc_by(commands.len() as u64);
+        let mut complete = true;
         for command in commands {
-            self.send(command, seen_at).await;
+            complete &= self.send(command, seen_at).await;
+        }
+        complete
+    }
+
+    /// After a failed send: resync with back-off (200 ms doubling to 30 s)
+    /// until a resync sends and checks everything it must. Nothing is
+    /// dropped: what is still needed is recomputed from the caches each
+    /// time, so a report a later event made moot is not sent.
+    async fn retry_failed(self: Arc<Self>) {
+        loop {
+            self.failed.notified().await;
+            let mut pause = RETRY_FIRST;
+            loop {
+                tokio::time::sleep(pause).await;
+                self.metrics.retries.inc();
+                let now = Instant::now();
+                let pods = self.resync_pods(now).await;
+                let nodes = self.resync_nodes(now).await;
+                if pods && nodes {
+                    tracing::info!("retry: everything Tether must hear is acknowledged");
+                    break;
+                }
+                pause = (pause * 2).min(RETRY_MAX);
+            }
         }
     }
 
@@ -654,9 +778,21 @@ impl Bridge {
                 tracing::warn!(%err, "resync: cannot read Tether's state");
                 continue;
             }
+            self.forget_acknowledged();
             let now = Instant::now();
             self.resync_pods(now).await;
             self.resync_nodes(now).await;
         }
+    }
+
+    /// Keeps acknowledged reports only for pods Tether still cares about or
+    /// the cache still has.
+    fn forget_acknowledged(&self) {
+        let interest = self.interest.lock().unwrap_or_else(|p| p.into_inner());
+        let pods = self.pods.lock().unwrap_or_else(|p| p.into_inner());
+        self.acked
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .retain(|uid, _| interest.contains(uid) || pods.contains_key(uid));
     }
 }

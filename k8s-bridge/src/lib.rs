@@ -19,6 +19,9 @@
 //! - `orphans.rs` — after a (re)list and on resync: what Tether knows that
 //!   the bridge's cache lacks (deletes missed while the bridge was down or
 //!   the watch broke), as candidates confirmed by GET before any report.
+//! - `reconcile.rs` — level-triggered: the reports cached pods and nodes
+//!   are due until Tether has acknowledged them (a lost report is sent
+//!   again, with back-off, not dropped).
 //! - `interest.rs` — the pod UIDs Tether cares about, from its state and
 //!   event stream; pods outside it produce nothing.
 //! - `tombstones.rs` — recently deleted pods, so a bind that lands after its
@@ -33,4 +36,5 @@ pub mod interest;
 pub mod mapping;
 pub mod model;
 pub mod orphans;
+pub mod reconcile;
 pub mod tombstones;

@@ -279,6 +279,8 @@ struct Rig {
     prefix: String,
     bridge_kube: kube::Client,
     bridge: Option<(Arc<Bridge>, JoinHandle<()>)>,
+    /// How long the bridge's Tether client retries a call before it fails.
+    bridge_retry: Duration,
     plane: Plane,
 }
 
@@ -330,6 +332,7 @@ impl Rig {
             prefix,
             bridge_kube,
             bridge: None,
+            bridge_retry: DEADLINE,
             plane,
         };
         rig.start_bridge();
@@ -344,7 +347,7 @@ impl Rig {
 
     fn spawn_bridge(&self) -> (Arc<Bridge>, JoinHandle<()>) {
         let options = Options {
-            retry_timeout: DEADLINE,
+            retry_timeout: self.bridge_retry,
             ..Options::default()
         };
         let tether = Client::new(self.cluster.endpoints(), options).unwrap();
@@ -359,6 +362,15 @@ impl Rig {
 
     fn start_bridge(&mut self) {
         self.bridge = Some(self.spawn_bridge());
+    }
+
+    /// Restarts the bridge with a Tether client that gives a call up after
+    /// `retry` (so that a send fails during an outage).
+    async fn restart_bridge_retrying_for(&mut self, retry: Duration) {
+        self.stop_bridge();
+        self.bridge_retry = retry;
+        self.start_bridge();
+        eventually("both lists done", async || self.bridge().healthy()).await;
     }
 
     fn stop_bridge(&mut self) {
@@ -582,6 +594,51 @@ async fn a_terminating_pod_keeps_its_hold_until_it_is_gone_even_before_its_main_
         let granted = waiter.await.unwrap().expect("the next pod is granted");
         assert_eq!(granted.pod_uid(), uid(&next), "{name}");
     }
+    rig.shutdown().await;
+}
+
+/// A pod fails while Tether has no quorum (the kubelet fails a pod whose
+/// `Allocate` could not reach Tether: the same outage). The bridge's report
+/// fails; once a quorum is back it is sent again, with back-off, and the
+/// node's hold ends. Before, the lost report was never sent again (the pod
+/// did not change any more) and the pod stayed `Starting` in Tether, keeping
+/// the node until the hourly resync at best.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_pod_that_fails_while_tether_has_no_quorum_is_reported_once_a_quorum_is_back() {
+    let Some(mut rig) = Rig::shared(
+        "a_pod_that_fails_while_tether_has_no_quorum_is_reported_once_a_quorum_is_back",
+    )
+    .await
+    else {
+        return;
+    };
+    rig.restart_bridge_retrying_for(Duration::from_secs(2))
+        .await;
+    let node = rig.node("n1");
+    let pod = rig.kubelet.create_pod("failing").await;
+    rig.kubelet.bind("failing", &node).await;
+    rig.hold(&node, &pod).await;
+    rig.until_interesting(&pod).await;
+    // The outage: the leader and one follower stop. The follower left
+    // cannot lead alone, so the report reaches no log at all (stopping
+    // only followers would leave it in the leader's log, to commit later).
+    let leader = rig.cluster.wait_leader().await;
+    let follower = (1..=3).find(|id| *id != leader).unwrap();
+    let stopped = [leader, follower];
+    for id in &stopped {
+        rig.cluster.stop(*id).await;
+    }
+    let errors_before = rig.bridge().metrics.command_errors.get();
+    rig.kubelet.finish("failing", "Failed", None).await;
+    eventually("the bridge's report to fail", async || {
+        rig.bridge().metrics.command_errors.get() > errors_before
+    })
+    .await;
+    for id in &stopped {
+        rig.cluster.restart(*id).await;
+    }
+    rig.until_released(&node).await;
+    assert!(rig.bridge().metrics.retries.get() >= 1);
     rig.shutdown().await;
 }
 
