@@ -372,18 +372,32 @@ impl Client {
         F: Fn(Conn) -> Fut,
         Fut: Future<Output = std::result::Result<T, Status>>,
     {
-        let give_up = Instant::now() + self.shared.options.retry_timeout + extra_timeout;
+        let budget = Instant::now() + self.shared.options.retry_timeout + extra_timeout;
+        // The caller's deadline for its whole operation, if it set one
+        // (`deadline::within`), cuts the budget and every attempt.
+        let caller_deadline = crate::deadline::current().map(Instant::from_std);
+        let give_up = caller_deadline.map_or(budget, |d| d.min(budget));
         let mut backoff = Duration::from_millis(20);
         let mut last_error;
         loop {
             let addr = self.preferred();
             let channel = self.channel(&addr)?;
-            match tokio::time::timeout(
-                self.shared.options.call_timeout + extra_timeout,
-                call(channel),
-            )
-            .await
-            {
+            let attempt = self.shared.options.call_timeout + extra_timeout;
+            let attempt = match caller_deadline {
+                Some(deadline) => {
+                    let left = deadline.saturating_duration_since(Instant::now());
+                    if left.is_zero() {
+                        return Err(Error::DeadlineExceeded(
+                            "the caller's deadline for this operation passed before the call \
+                             could be made"
+                                .into(),
+                        ));
+                    }
+                    attempt.min(left)
+                }
+                None => attempt,
+            };
+            match tokio::time::timeout(attempt, call(channel)).await {
                 Ok(Ok(value)) => return Ok(value),
                 Ok(Err(status)) if replica_unusable(&status) => {
                     let leader = status
@@ -408,12 +422,18 @@ impl Client {
                 }
                 Ok(Err(status)) => return Err(status.into()),
                 Err(_) => {
-                    last_error = format!(
-                        "{addr} did not answer within {:?}",
-                        self.shared.options.call_timeout + extra_timeout
-                    );
+                    last_error = format!("{addr} did not answer within {attempt:?}");
                     self.rotate(&addr);
                 }
+            }
+            if let Some(deadline) = caller_deadline
+                && deadline < budget
+                && Instant::now() + backoff >= deadline
+            {
+                return Err(Error::DeadlineExceeded(format!(
+                    "the caller's deadline for this operation passed while the call was retried; \
+                     last error: {last_error}"
+                )));
             }
             if Instant::now() + backoff >= give_up {
                 return Err(Error::Unavailable(format!(

@@ -35,6 +35,7 @@
 pub mod blocking;
 mod client;
 pub mod cluster;
+pub mod deadline;
 mod error;
 mod hold;
 pub mod security;

@@ -30,6 +30,13 @@ pub struct ExtenderArgs {
     /// before the scheduler does.
     #[arg(long, env = "TETHER_EXTENDER_BIND_WAIT", default_value = "3s", value_parser = humantime::parse_duration)]
     pub bind_wait: Duration,
+    /// The deadline of one whole bind (the wait, the device claim and the
+    /// binding call's Tether side together; giving back what it took is
+    /// not cut short). Keep it below the scheduler's `httpTimeout`
+    /// (`deploy/optional/gpu/scheduler.yaml`: 10 s), which is what the
+    /// scheduler allows the call.
+    #[arg(long, env = "TETHER_EXTENDER_BIND_DEADLINE", default_value = "8s", value_parser = humantime::parse_duration)]
+    pub bind_deadline: Duration,
     /// The extended resource whose devices are planned (what the device
     /// plugin advertises).
     #[arg(
@@ -83,10 +90,10 @@ pub struct DevicePluginArgs {
     /// This plugin's socket file name in that directory.
     #[arg(long, default_value = "tether-gpu.sock")]
     pub socket_name: String,
-    /// How long one `Allocate` keeps retrying Tether (across an election,
-    /// say) before it fails. The kubelet never retries a failed Allocate:
-    /// the pod fails. The kubelet waits for the answer while it admits the
-    /// pod, so keep this to seconds.
+    /// The deadline of one whole `Allocate`, all its Tether calls together
+    /// (retried across an election, say): past it, it fails. The kubelet
+    /// never retries a failed Allocate: the pod fails. The kubelet waits for
+    /// the answer while it admits the pod, so keep this to seconds.
     #[arg(long, env = "TETHER_ALLOCATE_TIMEOUT", default_value = "20s", value_parser = humantime::parse_duration)]
     pub allocate_timeout: Duration,
     /// Address of the HTTP server for `/health` and `/metrics`.

@@ -62,6 +62,11 @@ pub struct PluginConfig {
     pub resource_name: String,
     /// Device ids to advertise.
     pub devices: Vec<String>,
+    /// The deadline of one whole `Allocate`, every Tether call in it
+    /// together (`tether_client::deadline`): the kubelet admits the node's
+    /// pods one at a time and waits for the answer, so one slow call must
+    /// not chain several retry budgets.
+    pub allocate_deadline: std::time::Duration,
 }
 
 /// A hook run in `Allocate` after the holder is read and before the release
@@ -388,7 +393,11 @@ impl DevicePlugin for GpuPlugin {
         request: Request<api::AllocateRequest>,
     ) -> Result<Response<api::AllocateResponse>, Status> {
         let started = std::time::Instant::now();
-        let answer = self.serve_allocate(request.into_inner()).await;
+        let answer = tether_client::deadline::within(
+            started + self.config.allocate_deadline,
+            self.serve_allocate(request.into_inner()),
+        )
+        .await;
         self.metrics
             .allocate(answer.is_ok(), started.elapsed().as_secs_f64());
         if let Err(status) = &answer {

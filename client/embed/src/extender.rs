@@ -25,6 +25,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use serde::{Deserialize, Serialize};
+use tether_client::deadline::unbounded;
 use tether_client::proto::{LockKey, Outcome, Pod};
 use tether_client::{Client, Error};
 use tokio::net::TcpListener;
@@ -282,6 +283,10 @@ pub struct ExtenderConfig {
     /// below the scheduler's `httpTimeout` minus the binding call, so the
     /// extender gives up before the scheduler does.
     pub wait: Duration,
+    /// The deadline of one whole bind, every Tether call in it together
+    /// (`tether_client::deadline`); what undoes a failed bind is not cut
+    /// short. Below the scheduler's `httpTimeout`.
+    pub bind_deadline: Duration,
     /// Device ids are this prefix and a number, as the device plugin
     /// advertises them; how many a node has is its allocatable count of
     /// the resource.
@@ -361,7 +366,11 @@ impl<B: Binder> Extender<B> {
         scheduler: &Departure,
     ) -> ExtenderBindingResult {
         let started = Instant::now();
-        let result = self.try_bind(args, scheduler).await;
+        let result = tether_client::deadline::within(
+            started + self.config.bind_deadline,
+            self.try_bind(args, scheduler),
+        )
+        .await;
         let outcome = match result {
             Ok(_) => BindOutcome::Bound,
             Err(_) => BindOutcome::Refused,
@@ -476,7 +485,7 @@ impl<B: Binder> Extender<B> {
         let devices = match self.claim_devices(args, admission.devices() as usize).await {
             Ok(devices) => devices,
             Err(error) => {
-                if let Err(err) = held.release(Outcome::Failed).await {
+                if let Err(err) = unbounded(held.release(Outcome::Failed)).await {
                     tracing::error!(pod_uid = args.pod_uid, node = args.node, %err, "release after a failed claim failed; the hold timeout or a pod revoke will free it");
                 }
                 return Err(error);
@@ -484,7 +493,7 @@ impl<B: Binder> Extender<B> {
         };
         let token = held.token();
         if scheduler.is_gone() {
-            if let Err(err) = held.release(Outcome::Failed).await {
+            if let Err(err) = unbounded(held.release(Outcome::Failed)).await {
                 tracing::error!(pod_uid = args.pod_uid, node = args.node, token, %err, "release after the scheduler left failed; the hold timeout or a pod revoke will free it");
             }
             self.release_claim(args, "the scheduler gave up on the bind")
@@ -507,7 +516,7 @@ impl<B: Binder> Extender<B> {
                 ));
             }
             // Unreserve: give the node to the next waiter at once.
-            if let Err(err) = held.release(Outcome::Failed).await {
+            if let Err(err) = unbounded(held.release(Outcome::Failed)).await {
                 tracing::error!(pod_uid = args.pod_uid, node = args.node, token, %err, "release after a failed bind failed; the hold timeout or a pod revoke will free it");
             }
             self.release_claim(args, "the bind failed").await;
@@ -611,7 +620,7 @@ impl<B: Binder> Extender<B> {
     /// alone left the wait queued for the server's abandoned-wait grace, and
     /// a grant in that window went to a pod nobody would bind.
     async fn withdraw(&self, key: &LockKey, args: &ExtenderBindingArgs) {
-        match self.client.withdraw(key, &args.pod_uid).await {
+        match unbounded(self.client.withdraw(key, &args.pod_uid)).await {
             Ok(withdrawn) => {
                 tracing::debug!(pod_uid = args.pod_uid, node = args.node, result = ?withdrawn.result(), "withdrew the acquire of a bind the scheduler left");
             }
@@ -631,11 +640,13 @@ impl<B: Binder> Extender<B> {
     /// Releases `key` if the pod holds it (during an upgrade, when
     /// [`Extender::withdraw`] is refused).
     async fn give_back(&self, key: &LockKey, args: &ExtenderBindingArgs) {
-        match self.client.holder(key).await {
+        match unbounded(self.client.holder(key)).await {
             Ok(Some(hold)) if hold.pod.as_ref().is_some_and(|p| p.uid == args.pod_uid) => {
-                if let Err(err) = self
-                    .client
-                    .release(key, &args.pod_uid, hold.token, Outcome::Failed)
+                if let Err(err) =
+                    unbounded(
+                        self.client
+                            .release(key, &args.pod_uid, hold.token, Outcome::Failed),
+                    )
                     .await
                 {
                     tracing::error!(pod_uid = args.pod_uid, node = args.node, %err, "cannot give back a hold the scheduler left; the hold timeout or a pod revoke will free it");
@@ -649,7 +660,7 @@ impl<B: Binder> Extender<B> {
     }
 
     async fn release_claim(&self, args: &ExtenderBindingArgs, reason: &str) {
-        if let Err(err) = self.ledger.release(&args.pod_uid, reason).await {
+        if let Err(err) = unbounded(self.ledger.release(&args.pod_uid, reason)).await {
             tracing::error!(pod_uid = args.pod_uid, node = args.node, %err, "cannot release a device claim; it ends with its pod");
         }
     }

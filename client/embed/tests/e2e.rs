@@ -450,6 +450,7 @@ fn start_plugin(
         scope: "gpu-bind".into(),
         resource_name: RESOURCE.into(),
         devices: node_devices(),
+        allocate_deadline: DEADLINE,
     };
     let mut plugin = GpuPlugin::new(client_as(cluster, identities, &plugin_role()), config);
     if let Some(hook) = hook {
@@ -571,6 +572,7 @@ impl Rig {
             scope: "gpu-bind".into(),
             resource: RESOURCE.into(),
             wait,
+            bind_deadline: DEADLINE,
             device_prefix: "gpu".into(),
             inventory_ttl: Duration::from_secs(30),
         };
@@ -1272,6 +1274,7 @@ async fn the_plugin_lists_its_devices_to_the_kubelet() {
         scope: "gpu-bind".into(),
         resource_name: RESOURCE.into(),
         devices: vec!["gpu0".into(), "gpu1".into()],
+        allocate_deadline: DEADLINE,
     };
     let placement = Placement {
         dir: dir.path().to_path_buf(),

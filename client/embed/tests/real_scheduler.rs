@@ -166,6 +166,7 @@ impl Rig {
                 scope: "gpu-bind".into(),
                 resource_name: RESOURCE.into(),
                 devices: device_ids,
+                allocate_deadline: DEADLINE,
             },
         ));
         let placement = Placement {
@@ -191,6 +192,7 @@ impl Rig {
                     scope: "gpu-bind".into(),
                     resource: RESOURCE.into(),
                     wait,
+                    bind_deadline: DEADLINE,
                     device_prefix: "gpu".into(),
                     inventory_ttl: Duration::from_secs(30),
                 },

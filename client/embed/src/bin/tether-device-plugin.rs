@@ -33,6 +33,7 @@ async fn main() -> anyhow::Result<()> {
         devices: (0..args.devices)
             .map(|i| format!("{}{i}", args.device_prefix))
             .collect(),
+        allocate_deadline: args.allocate_timeout,
     };
     let placement = Placement {
         dir: args.plugin_dir,

@@ -33,6 +33,7 @@ async fn main() -> anyhow::Result<()> {
         scope: args.scope,
         resource: args.resource,
         wait: args.bind_wait,
+        bind_deadline: args.bind_deadline,
         device_prefix: args.device_prefix,
         inventory_ttl: args.inventory_ttl,
     };
