@@ -11,7 +11,12 @@
 //! the wait up through the leader (`AbandonWait`). `h` holds past the grace,
 //! then releases: the lock goes to `w` if it came back, else to `x` (or to
 //! `w` if a fault kept the wait from being given up in time; it is then
-//! revoked, as the bridge would revoke a pod that went away).
+//! revoked, as the bridge would revoke a pod that went away). In one
+//! stay-away round of two (the first round among them), `h` releases at
+//! once instead, inside the grace: the lock is granted to `w`, whom nobody
+//! will serve, and the give-up must hand it on to `x` (format 7). How long
+//! `x` waited from `h`'s release is recorded as a [`Recovery`] for the
+//! `progress` checker, which bounds it.
 //!
 //! What the checkers see: a client that came back, and is then told its
 //! wait was given up because its caller went away, is a violation
@@ -28,7 +33,7 @@ use tether_client::proto as pb;
 use tether_client::proto::lock_service_client::LockServiceClient;
 use tonic::Status;
 
-use crate::history::{Call, Outcome, Value, error_outcome};
+use crate::history::{Call, Outcome, Recovery, Value, error_outcome};
 use crate::rng::Rng;
 use crate::storm::{Session, acquire_request, first_answer, fresh_client};
 use crate::workers::{Shared, lock_event_key, use_and_release};
@@ -38,6 +43,11 @@ pub const ABANDONED_WAIT_GRACE: Duration = Duration::from_millis(400);
 
 /// How long `w` and `x` may wait.
 const WAIT: Duration = Duration::from_secs(3);
+
+/// How long `x` may wait in a round where `h` releases inside the grace:
+/// well past the `progress` checker's bound, so a lock that does not move
+/// on shows as a recovery that never came, not as a wait that ended.
+const INSIDE_GRACE_WAIT: Duration = Duration::from_secs(10);
 
 /// The phrase of the server's answer to a stream whose wait was given up
 /// because its caller went away (`server/src/api/lock.rs`).
@@ -115,9 +125,18 @@ pub async fn abandoner(shared: Arc<Shared>, process: u64, mut rng: Rng) {
             other => acquire_outcome(other),
         };
         shared.history.complete(invoked, first.clone());
+        let inside_grace = queued && !comes_back && round % 4 == 1;
+        let x_wait = if inside_grace {
+            INSIDE_GRACE_WAIT
+        } else {
+            WAIT
+        };
         let waiter_x = {
             let (shared, key, x) = (shared.clone(), key.clone(), x.clone());
-            tokio::spawn(async move { shared.acquire(process + 2, &key, &x, WAIT).await })
+            tokio::spawn(async move {
+                let outcome = shared.acquire(process + 2, &key, &x, x_wait).await;
+                (outcome, shared.history.now_us())
+            })
         };
         let back = queued && comes_back;
         let returned = back.then(|| {
@@ -149,10 +168,20 @@ pub async fn abandoner(shared: Arc<Shared>, process: u64, mut rng: Rng) {
             })
         });
         // h holds past the grace (and the leader's round trip), then
-        // releases.
-        tokio::time::sleep(ABANDONED_WAIT_GRACE + Duration::from_millis(rng.between(200, 400)))
-            .await;
-        use_and_release(&shared, process, &key, &h, token, &mut rng).await;
+        // releases; or, inside the grace, at once.
+        let mut released_at = None;
+        if inside_grace {
+            match shared.release(process, &key, &h, token).await {
+                Outcome::Ok(Value::Released) => released_at = Some(shared.history.now_us()),
+                _ => {
+                    shared.revoke(process, &h).await;
+                }
+            }
+        } else {
+            tokio::time::sleep(ABANDONED_WAIT_GRACE + Duration::from_millis(rng.between(200, 400)))
+                .await;
+            use_and_release(&shared, process, &key, &h, token, &mut rng).await;
+        }
         let w_outcome = match returned {
             Some(task) => task.await.expect("the returning caller"),
             None => first,
@@ -161,13 +190,31 @@ pub async fn abandoner(shared: Arc<Shared>, process: u64, mut rng: Rng) {
             Outcome::Ok(Value::Granted(next)) if back => {
                 use_and_release(&shared, process + 1, &key, &w, next, &mut rng).await;
             }
+            // Inside the grace, w's end waits until x is answered: a revoke
+            // now would hand the lock on itself and hide a grant kept for
+            // nobody.
+            _ if inside_grace => {}
             _ => {
                 // Gone for good (or unknown): whatever w still holds or
                 // waits for ends, as the bridge would end it.
                 shared.revoke(process + 1, &w).await;
             }
         }
-        match waiter_x.await.expect("x") {
+        let (x_outcome, x_answered_at) = waiter_x.await.expect("x");
+        if let Some(due_us) = released_at {
+            let granted_us =
+                matches!(x_outcome, Outcome::Ok(Value::Granted(_))).then_some(x_answered_at);
+            shared.history.record_recovery(Recovery {
+                key: lock_event_key(&key),
+                cause: "a grant raced an abandoned wait",
+                due_us,
+                granted_us,
+            });
+        }
+        if inside_grace {
+            shared.revoke(process + 1, &w).await;
+        }
+        match x_outcome {
             Outcome::Ok(Value::Granted(next)) => {
                 use_and_release(&shared, process + 2, &key, &x, next, &mut rng).await;
             }

@@ -72,6 +72,8 @@ pub struct Summary {
     pub failing: Vec<(u64, String)>,
     /// Wall time.
     pub elapsed: Duration,
+    /// Times for a lock due to move on to reach its next waiter.
+    pub recoveries: crate::stats::Samples,
 }
 
 impl Summary {
@@ -90,6 +92,9 @@ impl Summary {
         self.partial_logs += u64::from(!report.events_complete);
         self.relists += report.relists;
         self.undecided += report.undecided.len() as u64;
+        for time in &report.recoveries {
+            self.recoveries.push(*time);
+        }
         for (kind, n) in &report.faults {
             *self.faults.entry(kind).or_default() += n;
         }
@@ -119,8 +124,8 @@ impl Summary {
             .collect();
         format!(
             "chaos summary: schedules={} operations={} unknown={} faults[{}] failpoint_crashes={} \
-             core_restarts={} elections={} watch_relists={} partial_logs={} violations[{}] undecided_searches={} failed_seeds={} | {} replicas, {} lanes, \
-             first seed {}, {:.0} s",
+             core_restarts={} elections={} watch_relists={} partial_logs={} violations[{}] undecided_searches={} failed_seeds={} \
+             recovery_ms[n={} p50={} p99={} max={} bound={}] | {} replicas, {} lanes, first seed {}, {:.0} s",
             self.schedules,
             self.ops,
             self.unknown,
@@ -133,6 +138,11 @@ impl Summary {
             violations.join(" "),
             self.undecided,
             self.failing.len(),
+            self.recoveries.len(),
+            crate::stats::ms(self.recoveries.quantile(0.5)),
+            crate::stats::ms(self.recoveries.quantile(0.99)),
+            crate::stats::ms(self.recoveries.quantile(1.0)),
+            crate::stats::ms(crate::checkers::progress::BOUND),
             options.replicas,
             options.lanes,
             options.seed,

@@ -125,10 +125,28 @@ pub struct ShadowWrite {
     pub found: u64,
 }
 
+/// A lock whose holder was gone (or whose grant nobody would use) and
+/// which had to reach its next waiter: what the `progress` checker bounds.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Recovery {
+    /// `lock/<scope>/<name>`.
+    pub key: String,
+    /// What made the lock due to move on, e.g. "a grant raced an abandoned
+    /// wait".
+    pub cause: &'static str,
+    /// When it became due (µs on the history's clock).
+    pub due_us: u64,
+    /// When its next live waiter was told it was granted (None: it was
+    /// not, within its wait).
+    pub granted_us: Option<u64>,
+}
+
 /// All operations of one run.
 pub struct History {
     start: Instant,
     ops: Mutex<Vec<Op>>,
+    recoveries: Mutex<Vec<Recovery>>,
+    faults: Mutex<Vec<(u64, Option<u64>)>>,
 }
 
 /// Handle of an invoked operation.
@@ -147,11 +165,60 @@ impl History {
         Self {
             start: Instant::now(),
             ops: Mutex::new(Vec::new()),
+            recoveries: Mutex::new(Vec::new()),
+            faults: Mutex::new(Vec::new()),
         }
     }
 
-    fn now_us(&self) -> u64 {
+    /// Microseconds since the history began.
+    pub fn now_us(&self) -> u64 {
         self.start.elapsed().as_micros() as u64
+    }
+
+    /// Records a lock that had to reach its next waiter.
+    pub fn record_recovery(&self, recovery: Recovery) {
+        self.recoveries
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .push(recovery);
+    }
+
+    /// Every recovery recorded so far.
+    pub fn recoveries(&self) -> Vec<Recovery> {
+        self.recoveries
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone()
+    }
+
+    /// A fault begins now.
+    pub fn fault_began(&self) {
+        let now = self.now_us();
+        self.faults
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .push((now, None));
+    }
+
+    /// Every fault in force has healed now.
+    pub fn faults_healed(&self) {
+        let now = self.now_us();
+        for fault in self
+            .faults
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .iter_mut()
+        {
+            fault.1.get_or_insert(now);
+        }
+    }
+
+    /// The faults' windows: (began, healed; None while in force), µs.
+    pub fn fault_windows(&self) -> Vec<(u64, Option<u64>)> {
+        self.faults
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone()
     }
 
     /// Records an invocation.

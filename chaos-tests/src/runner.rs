@@ -102,6 +102,9 @@ pub struct Report {
     pub elections: u64,
     /// Where the time went: (phase, duration).
     pub phases: Vec<(&'static str, Duration)>,
+    /// Times for a lock due to move on to reach its next waiter
+    /// (`progress`).
+    pub recoveries: Vec<Duration>,
 }
 
 impl Report {
@@ -585,11 +588,14 @@ pub async fn run(
     let began = tokio::time::Instant::now();
     for step in &schedule.steps {
         tokio::time::sleep_until(began + step.at).await;
+        shared.history.fault_began();
         if inject(cluster, &control, &step.fault, step.lasts, &mut damage).await? {
             *report.faults.entry(step.fault.kind()).or_default() += 1;
         }
         tokio::time::sleep(step.lasts).await;
         report.crashes_fired += heal(cluster, &mut damage, &mut unexpected)?;
+        // The replicas heal from here; the progress bound is judged after.
+        shared.history.faults_healed();
     }
     tokio::time::sleep_until(began + schedule.workload).await;
     report.phases.push(("workload", began.elapsed()));
@@ -739,6 +745,8 @@ pub async fn run(
         .iter()
         .filter(|op| matches!(op.outcome, Outcome::Unknown(_) | Outcome::Pending))
         .count();
+    let recoveries = shared.history.recoveries();
+    report.recoveries = checkers::progress::recovery_times(&recoveries);
     let evidence = Evidence {
         ops,
         events,
@@ -747,6 +755,8 @@ pub async fn run(
         try_locks: try_locks.iter().map(workers::lock_event_key).collect(),
         pins,
         events_complete,
+        recoveries,
+        fault_windows: shared.history.fault_windows(),
     };
     (report.violations, report.undecided) = checkers::check_all(&evidence, config.search_budget);
     report.violations.insert("process", unexpected);

@@ -12,6 +12,9 @@
 //! - with `sm-force-release-reuses-token` or `sm-hold-timeout-reuses-token`
 //!   switched on, the grant after that end reuses the ended hold's token:
 //!   the ender workload must reach it and the tokens checker report it;
+//! - with `sm-abandon-keeps-grant` switched on, a grant that raced an
+//!   abandoned wait is kept for nobody: the abandoner's round that releases
+//!   inside the grace must reach it and the `progress` checker report it;
 //! - a leader whose clock runs 10 s ahead (`clock-offset-ms`) evicts no
 //!   session before it has led for the idle time.
 
@@ -173,6 +176,43 @@ async fn a_build_that_grants_twice_in_one_sweep_is_caught_with_its_seed() {
     )
     .await;
     assert!(violations["tokens"] > 0, "{violations:?}");
+}
+
+/// A give-up that keeps a grant which raced it (format 6's rule): the
+/// abandoner's round where the holder releases inside the abandoned-wait
+/// grace leaves the lock with a pod nobody serves, and the `progress`
+/// checker reports the waiter behind it never granted. Schedules without
+/// faults: the bound is judged only where no fault was in force.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_build_that_keeps_grants_nobody_took_up_is_caught_by_the_progress_checker() {
+    let mut cluster = chaos_cluster(
+        tetherd_failpoints(),
+        3,
+        Some("sm-abandon-keeps-grant=return".into()),
+    )
+    .await
+    .expect("a cluster");
+    let mut found = 0;
+    for seed in 92_000..92_002 {
+        let schedule = Schedule {
+            seed,
+            workload: Duration::from_millis(2500),
+            steps: Vec::new(),
+        };
+        let report = runner::run(
+            &mut cluster,
+            &schedule,
+            &format!("k{seed}"),
+            &RunConfig::default(),
+        )
+        .await
+        .unwrap_or_else(|e| panic!("{schedule}: {e:#}"));
+        for violation in &report.violations["progress"] {
+            println!("seed {seed} progress: {violation}");
+        }
+        found += report.violations["progress"].len();
+    }
+    assert!(found > 0, "the kept grant went unnoticed");
 }
 
 /// A leader whose clock runs 10 s ahead takes over: committed time jumps

@@ -14,6 +14,7 @@
 //! | `pins` | pins never break their anti-affinity rule |
 //! | `answers` | each pod is granted each lock at most once; a "granted" answer is the pod's own grant |
 //! | `ends` | a gone node's lock and a revoked pod are granted nothing by the entry that ended them; an ended wait never comes back; no present caller is told it went away |
+//! | `progress` | no waiter is left behind a free lock; a lock due to move on reaches its next waiter within a bound once faults have healed |
 
 pub mod answers;
 pub mod durability;
@@ -23,6 +24,7 @@ pub mod fifo;
 pub mod linearizability;
 pub mod mutual_exclusion;
 pub mod pins;
+pub mod progress;
 #[cfg(test)]
 mod testkit;
 pub mod tokens;
@@ -32,7 +34,7 @@ use std::collections::BTreeMap;
 
 use tether_client::proto as pb;
 
-use crate::history::{Op, ShadowWrite};
+use crate::history::{Op, Recovery, ShadowWrite};
 
 /// Everything a run leaves behind for the checkers.
 #[derive(Debug, Default, Clone)]
@@ -55,10 +57,15 @@ pub struct Evidence {
     /// the checkers that read the log skip it rather than report what is
     /// only missing history.
     pub events_complete: bool,
+    /// Locks that had to move on to a waiter, and when they did.
+    pub recoveries: Vec<Recovery>,
+    /// When faults were in force: (began, healed; None if never), µs on
+    /// the history's clock.
+    pub fault_windows: Vec<(u64, Option<u64>)>,
 }
 
 /// Names of every checker, in report order.
-pub const CHECKERS: [&str; 10] = [
+pub const CHECKERS: [&str; 11] = [
     "mutual_exclusion",
     "fencing",
     "tokens",
@@ -69,6 +76,7 @@ pub const CHECKERS: [&str; 10] = [
     "pins",
     "ends",
     "answers",
+    "progress",
 ];
 
 /// Runs every checker: violations by checker name, and the locks whose
@@ -89,6 +97,7 @@ pub fn check_all(
     out.insert("pins", pins::check(evidence));
     out.insert("ends", ends::check(evidence));
     out.insert("answers", answers::check(evidence));
+    out.insert("progress", progress::check(evidence));
     (out, undecided)
 }
 
