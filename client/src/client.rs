@@ -930,6 +930,41 @@ impl Client {
         .await
     }
 
+    /// Makes pin `key` carry exactly `labels` on `node` (created if absent),
+    /// taking each of them that starts with `exclusive_prefix` out of every
+    /// other pin of its set on the node, in one entry (a pin left with none
+    /// is released). No schedulability rule applies. Format 7.
+    pub async fn reclaim(
+        &self,
+        key: &pb::PinKey,
+        node: &str,
+        pod_uid: &str,
+        lifetime: Duration,
+        labels: HashMap<String, String>,
+        exclusive_prefix: &str,
+    ) -> Result<pb::ReclaimResponse> {
+        let (request_id, _in_flight) = self.begin_request().await;
+        let request = pb::ReclaimRequest {
+            request_id: Some(request_id),
+            key: Some(key.clone()),
+            node: node.to_string(),
+            pod_uid: pod_uid.to_string(),
+            lifetime_ms: lifetime.as_millis() as u64,
+            labels,
+            exclusive_prefix: exclusive_prefix.to_string(),
+        };
+        self.with_leader(Duration::ZERO, |channel| {
+            let request = request.clone();
+            async move {
+                Ok(PinServiceClient::new(channel)
+                    .reclaim(request)
+                    .await?
+                    .into_inner())
+            }
+        })
+        .await
+    }
+
     /// Releases a pin; returns it (None if there was none).
     pub async fn release_pin(&self, key: &pb::PinKey, reason: &str) -> Result<Option<pb::Pin>> {
         let (request_id, _in_flight) = self.begin_request().await;

@@ -3,7 +3,7 @@
 //! (coverage-guided, nightly) and by `tether-fuzz` (a mutation fuzzer on
 //! stable Rust that CI runs for a bounded time).
 //!
-//! - [`request`]: the first byte picks one of the 26 request messages;
+//! - [`request`]: the first byte picks one of the 27 request messages;
 //!   the rest is decoded as that protobuf message and, when it decodes, goes
 //!   through the same validation as the gRPC handler. Decoded messages must
 //!   re-encode to bytes that decode to the same message.
@@ -64,7 +64,7 @@ pub fn request(data: &[u8]) -> bool {
         return false;
     };
     let limit = 64 * 1024;
-    match which % 26 {
+    match which % 27 {
         0 => decoded::<pb::AcquireRequest>(bytes, |r| {
             let _ = validate::request_id(&crate::auth::Caller::anonymous(), r.request_id.as_ref());
             let _ = validate::lock_key(r.key.as_ref());
@@ -131,10 +131,18 @@ pub fn request(data: &[u8]) -> bool {
             // What the Raft service does with the bytes it carries.
             stored(&[[3].as_slice(), &r.data].concat());
         }),
-        _ => decoded::<pb::WithdrawRequest>(bytes, |r| {
+        25 => decoded::<pb::WithdrawRequest>(bytes, |r| {
             let _ = validate::request_id(&crate::auth::Caller::anonymous(), r.request_id.as_ref());
             let _ = validate::lock_key(r.key.as_ref());
             let _ = validate::pod_uid(&r.pod_uid);
+        }),
+        _ => decoded::<pb::ReclaimRequest>(bytes, |r| {
+            let _ = validate::request_id(&crate::auth::Caller::anonymous(), r.request_id.as_ref());
+            let _ = validate::pin_key(r.key.as_ref());
+            let _ = validate::dns1123_subdomain("node", &r.node);
+            let _ = validate::pod_uid(&r.pod_uid);
+            let _ = validate::labels("pin label", &r.labels, limit);
+            let _ = validate::text("exclusive prefix", &r.exclusive_prefix, false);
         }),
     }
 }
@@ -873,6 +881,25 @@ fn request_seeds() -> Vec<Vec<u8>> {
                 }),
                 key: key.clone(),
                 pod_uid: "6f1c2d9e-3b7a-4c1e-9f0a-2b5d8e7c1a4f".into(),
+            },
+        ),
+        tagged(
+            26,
+            &pb::ReclaimRequest {
+                request_id: Some(pb::RequestId {
+                    client_id: "plugin-1".into(),
+                    sequence: 4,
+                    first_incomplete: 4,
+                }),
+                key: Some(pb::PinKey {
+                    set: "gpu-devices".into(),
+                    member: "6f1c2d9e-3b7a-4c1e-9f0a-2b5d8e7c1a4f".into(),
+                }),
+                node: "node-7".into(),
+                pod_uid: "6f1c2d9e-3b7a-4c1e-9f0a-2b5d8e7c1a4f".into(),
+                lifetime_ms: 1000,
+                labels: [("devices.tether.io/gpu1".to_string(), "held".to_string())].into(),
+                exclusive_prefix: "devices.tether.io/".into(),
             },
         ),
     ]

@@ -554,8 +554,8 @@ fn format_v6_log_entries_and_snapshot_still_decode() {
     assert_eq!(stored, snapshot);
 }
 
-/// Format 7: a withdrawal, and an abandoned wait whose grant nobody took
-/// up is given back.
+/// Format 7: a withdrawal, an abandoned wait whose grant nobody took up
+/// given back, and a claim correction in one command.
 fn v7_entries() -> Vec<Entry> {
     let next = v1_entries().len() as u64 + v2_entries().len() as u64 + 8;
     let withdraw = Entry {
@@ -589,7 +589,27 @@ fn v7_entries() -> Vec<Entry> {
             }),
         }),
     };
-    vec![withdraw, abandon]
+    let reclaim = Entry {
+        log_id: log_id(4, next + 2),
+        payload: EntryPayload::Normal(Request {
+            format_version: 7,
+            request_id: Some(RequestId {
+                client_id: "token:plugin/client.0123456789abcdef".into(),
+                sequence: 3,
+                first_incomplete: 3,
+            }),
+            leader_time_ms: 1_790_000_600_002,
+            command: Command::Reclaim(Reclaim {
+                key: PinKey::new("gpu-devices", "i"),
+                node: "node-9".into(),
+                pod_uid: "i".into(),
+                lifetime_ms: 1000,
+                labels: BTreeMap::from([("devices.tether.io/gpu1".into(), "held".into())]),
+                exclusive_prefix: "devices.tether.io/".into(),
+            }),
+        }),
+    };
+    vec![withdraw, abandon, reclaim]
 }
 
 #[test]

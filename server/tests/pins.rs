@@ -580,3 +580,105 @@ async fn history_answers_who_held_a_lock_across_snapshot_and_restart() {
     assert_eq!(story, expected);
     cluster.shutdown().await;
 }
+
+/// The device plugin's claim correction on a cordoned node: the kubelet
+/// admitted pod A with the device pod B's stale claim names. Made in steps
+/// (release A's claim, assign it again), the second step is refused on a
+/// cordoned node and A is left without a claim; `Reclaim` does it in one
+/// entry, whatever the node's schedulability: A's claim names what it got
+/// and B's stale claim loses that device (released, as it names no other).
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_claim_correction_on_a_cordoned_node_is_one_step_that_cannot_be_refused_halfway() {
+    let cluster = Cluster::start(3).await;
+    let client = common::client(&cluster);
+    report_node(&client, "gpu-1", None, pb::NodeState::NodeJoined).await;
+    report_node(&client, "gpu-1", None, pb::NodeState::NodeReady).await;
+    let claim_key = |uid: &str| pb::PinKey {
+        set: "gpu-devices".into(),
+        member: uid.into(),
+    };
+    let device_labels = |devices: &[&str]| -> HashMap<String, String> {
+        devices
+            .iter()
+            .map(|d| (format!("devices.tether.io/{d}"), "held".to_string()))
+            .collect()
+    };
+    for (uid, device) in [("pod-a", "gpu0"), ("pod-b", "gpu1")] {
+        client
+            .assign(
+                &claim_key(uid),
+                vec!["gpu-1".into()],
+                uid,
+                Duration::from_secs(1),
+                device_labels(&[device]),
+                pb::Affinity::default(),
+            )
+            .await
+            .unwrap();
+    }
+    // Cordoned (the bridge reports spec.unschedulable).
+    client
+        .report_node(pb::ReportNodeRequest {
+            name: "gpu-1".into(),
+            uid: "uid-gpu-1".into(),
+            state: pb::NodeState::NodeJoined as i32,
+            unschedulable: Some(true),
+            ..Default::default()
+        })
+        .await
+        .unwrap();
+    // In steps, the claim made again is refused on the cordoned node.
+    let refused = client
+        .assign(
+            &claim_key("pod-c"),
+            vec!["gpu-1".into()],
+            "pod-c",
+            Duration::from_secs(1),
+            device_labels(&["gpu2"]),
+            pb::Affinity::default(),
+        )
+        .await
+        .unwrap_err();
+    assert!(matches!(refused, Error::ResourceExhausted(_)), "{refused}");
+    // In one step: the kubelet gave pod A gpu1.
+    let done = client
+        .reclaim(
+            &claim_key("pod-a"),
+            "gpu-1",
+            "pod-a",
+            Duration::from_secs(1),
+            device_labels(&["gpu1"]),
+            "devices.tether.io/",
+        )
+        .await
+        .unwrap();
+    let pin = done.pin.unwrap();
+    assert_eq!(
+        pin.labels.keys().collect::<Vec<_>>(),
+        ["devices.tether.io/gpu1"]
+    );
+    assert_eq!(
+        done.previous.unwrap().labels.keys().collect::<Vec<_>>(),
+        ["devices.tether.io/gpu0"]
+    );
+    assert_eq!(done.taken.len(), 1);
+    assert_eq!(done.taken[0].key.as_ref().unwrap().member, "pod-b");
+    let claims = client.list_pins("gpu-devices", "gpu-1").await.unwrap();
+    assert_eq!(claims.len(), 1, "{claims:?}");
+    assert_eq!(claims[0].pod_uid, "pod-a");
+    // Again: nothing more to do.
+    let again = client
+        .reclaim(
+            &claim_key("pod-a"),
+            "gpu-1",
+            "pod-a",
+            Duration::from_secs(1),
+            device_labels(&["gpu1"]),
+            "devices.tether.io/",
+        )
+        .await
+        .unwrap();
+    assert!(again.taken.is_empty());
+    assert_eq!(again.pin, again.previous);
+    cluster.shutdown().await;
+}

@@ -124,6 +124,22 @@ async fn a_device_plugin_can_touch_only_its_own_nodes_locks() {
         plugin.withdraw(&own, "pod-a").await,
         "withdrawing a pod from its own node's lock (acquiring roles only)",
     );
+    denied(
+        plugin
+            .reclaim(
+                &tether_client::proto::PinKey {
+                    set: "gpu-devices".into(),
+                    member: "pod-b".into(),
+                },
+                "node-b",
+                "pod-b",
+                Duration::from_secs(1),
+                Default::default(),
+                "devices.tether.io/",
+            )
+            .await,
+        "correcting a claim on node-b",
+    );
     denied(plugin.list("").await, "listing every node's locks");
     denied(
         plugin

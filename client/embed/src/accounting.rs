@@ -230,11 +230,73 @@ impl DeviceLedger {
     /// another claim naming one of them is stale (its pod was never
     /// admitted with it, or has ended): that device is taken out of it.
     ///
-    /// Not one atomic step: a claim is ended and made again. Call it only
-    /// while the pod holds the node's lock, as the device plugin's
-    /// `Allocate` does: claims on a node are made under that lock, so none
-    /// can slip in between.
+    /// One command in Tether (`Reclaim`, format 7): nothing can come
+    /// between the stale claims losing their devices and the pod's claim
+    /// being made again, and no schedulability rule applies (the kubelet
+    /// has admitted the pod; a cordoned or not-ready node must not fail it).
+    /// While a member still reads only format 6 (an upgrade), it falls back
+    /// to ending and making claims one by one, under the node's lock.
     pub async fn correct(
+        &self,
+        node: &str,
+        pod: ClaimOwner<'_>,
+        devices: &[String],
+    ) -> Result<Correction, Error> {
+        let mut sorted = devices.to_vec();
+        sorted.sort();
+        let (labels, _) = claim_request(&pod, &sorted);
+        let reclaimed = self
+            .client
+            .reclaim(
+                &key(pod.uid),
+                node,
+                pod.uid,
+                self.lifetime,
+                labels,
+                DEVICE_LABEL_PREFIX,
+            )
+            .await;
+        let done = match reclaimed {
+            Ok(done) => done,
+            Err(Error::FailedPrecondition(why)) if why.contains("format") => {
+                tracing::warn!(%why, "a replica reads only format 6: correcting the claim in steps");
+                return self.correct_in_steps(node, pod, devices).await;
+            }
+            Err(Error::ResourceExhausted(why)) if why.contains("the pin is on node") => {
+                return Err(Error::FailedPrecondition(format!(
+                    "pod uid {} has a device claim on another node: {why}",
+                    pod.uid
+                )));
+            }
+            Err(err) => return Err(err),
+        };
+        let planned = done.previous.as_ref().map(devices_of).unwrap_or_default();
+        let taken_from = done
+            .taken
+            .iter()
+            .map(|taken| {
+                let owner = taken.key.as_ref().map_or("", |k| k.member.as_str());
+                let lost = taken
+                    .labels
+                    .iter()
+                    .filter_map(|l| l.strip_prefix(DEVICE_LABEL_PREFIX))
+                    .map(str::to_string)
+                    .collect();
+                (owner.to_string(), lost)
+            })
+            .collect();
+        Ok(Correction {
+            changed: planned != sorted,
+            planned,
+            taken_from,
+        })
+    }
+
+    /// [`DeviceLedger::correct`] as builds before format 7 did it: a claim
+    /// is ended and made again, so call it only while the pod holds the
+    /// node's lock, as the device plugin's `Allocate` does (claims on a node
+    /// are made under that lock, so none can slip in between).
+    async fn correct_in_steps(
         &self,
         node: &str,
         pod: ClaimOwner<'_>,
@@ -266,7 +328,7 @@ impl DeviceLedger {
         )))
     }
 
-    /// One attempt of [`DeviceLedger::correct`]: the correction, or the
+    /// One attempt of [`DeviceLedger::correct_in_steps`]: the correction, or the
     /// devices the claim named and why a claim was lost.
     async fn correct_once(
         &self,

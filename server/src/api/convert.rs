@@ -84,13 +84,18 @@ pub fn granted_to(granted: &[(sm::LockKey, sm::Hold)]) -> Vec<pb::GrantedHold> {
         .collect()
 }
 
+/// Wire pin key.
+pub fn key_of_pin(key: &sm::PinKey) -> pb::PinKey {
+    pb::PinKey {
+        set: key.set.clone(),
+        member: key.member.clone(),
+    }
+}
+
 /// Wire pin.
 pub fn pin_to(key: &sm::PinKey, pin: &sm::Pin) -> pb::Pin {
     pb::Pin {
-        key: Some(pb::PinKey {
-            set: key.set.clone(),
-            member: key.member.clone(),
-        }),
+        key: Some(key_of_pin(key)),
         node: pin.node.clone(),
         pinned_at_ms: pin.pinned_at_ms,
         pod_uid: pin.pod_uid.clone(),

@@ -7,10 +7,10 @@ use tether_proto as pb;
 use tether_proto::pin_service_server::PinService;
 use tonic::{Request, Response, Status};
 
-use super::convert::pin_to;
+use super::convert::{key_of_pin, pin_to};
 use super::{Ctx, unexpected, validate};
 use crate::error::Result;
-use crate::sm::command::{Assign, ReleasePin};
+use crate::sm::command::{Assign, GIVE_BACK_FORMAT_VERSION, Reclaim, ReleasePin};
 use crate::sm::{Command, Reply};
 
 /// The `PinService` implementation.
@@ -112,6 +112,59 @@ impl PinApi {
         }
     }
 
+    async fn do_reclaim(
+        &self,
+        caller: &Caller,
+        req: pb::ReclaimRequest,
+    ) -> Result<pb::ReclaimResponse> {
+        let ctx = &self.ctx;
+        let request_id = ctx.request_id(caller, req.request_id.as_ref())?;
+        let key = validate::pin_key(req.key.as_ref())?;
+        validate::dns1123_subdomain("node", &req.node)?;
+        validate::pod_uid(&req.pod_uid)?;
+        let labels = validate::labels("pin label", &req.labels, ctx.config.max_labels)?;
+        validate::text("exclusive prefix", &req.exclusive_prefix, false)?;
+        if let Some(format) = ctx
+            .peer_formats
+            .newest_members_read(&ctx.raft, ctx.id)
+            .filter(|format| *format < GIVE_BACK_FORMAT_VERSION)
+        {
+            return Err(crate::error::ApiError::FailedPrecondition(format!(
+                "reclaim needs every member to read format {GIVE_BACK_FORMAT_VERSION}; one \
+                 reads only {format} (finish the upgrade, or release and assign again)"
+            )));
+        }
+        let command = Command::Reclaim(Reclaim {
+            key: key.clone(),
+            node: req.node,
+            pod_uid: req.pod_uid,
+            lifetime_ms: req.lifetime_ms,
+            labels,
+            exclusive_prefix: req.exclusive_prefix,
+        });
+        match ctx.write(request_id, command).await? {
+            Reply::Reclaimed(done) => {
+                if !done.taken_from.is_empty() || done.previous.as_ref() != Some(&done.pin) {
+                    tracing::info!(pin = %key, node = done.pin.node, taken = ?done.taken_from, "pin reclaimed");
+                }
+                Ok(pb::ReclaimResponse {
+                    pin: Some(pin_to(&key, &done.pin)),
+                    previous: done.previous.as_ref().map(|p| pin_to(&key, p)),
+                    taken: done
+                        .taken_from
+                        .iter()
+                        .map(|(k, labels)| pb::TakenLabels {
+                            key: Some(key_of_pin(k)),
+                            labels: labels.clone(),
+                        })
+                        .collect(),
+                    header: Some(ctx.header(false)),
+                })
+            }
+            other => Err(unexpected(other)),
+        }
+    }
+
     async fn do_get(&self, req: pb::GetPinRequest) -> Result<pb::GetPinResponse> {
         let key = validate::pin_key(req.key.as_ref())?;
         self.ctx.linearizable().await?;
@@ -200,5 +253,17 @@ impl PinService for PinApi {
             Err(err) => Err(err),
         };
         self.ctx.finish("ListPins", result).map(Response::new)
+    }
+
+    async fn reclaim(
+        &self,
+        request: Request<pb::ReclaimRequest>,
+    ) -> Result<Response<pb::ReclaimResponse>, Status> {
+        let node = [request.get_ref().node.clone()];
+        let result = match self.ctx.auth.check(&request, Action::WritePins(&node)) {
+            Ok(caller) => self.do_reclaim(&caller, request.into_inner()).await,
+            Err(err) => Err(err),
+        };
+        self.ctx.finish("Reclaim", result).map(Response::new)
     }
 }

@@ -49,8 +49,9 @@ pub use types::*;
 /// abandoned wait is given up unless a retry came back for it
 /// (`AbandonWait`), and snapshots keep what sessions gained
 /// ([`SNAPSHOT_FORMAT_VERSION`]); 7: an abandoned wait's grant that nobody
-/// took up is given back, and a caller can withdraw an acquire, wait or
-/// hold, in one command ([`command::GIVE_BACK_FORMAT_VERSION`]).
+/// took up is given back, a caller can withdraw an acquire, wait or hold,
+/// in one command, and a device claim is corrected in one command
+/// (`Reclaim`) ([`command::GIVE_BACK_FORMAT_VERSION`]).
 ///
 /// An entry is written in the oldest format that can express it
 /// ([`Command::format_version`]) and snapshots in [`SNAPSHOT_FORMAT_VERSION`],

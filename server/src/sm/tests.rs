@@ -1178,6 +1178,17 @@ fn random_command(rng: &mut Rng, m: &Machine) -> Command {
             }
             command
         }
+        // A third of them: a device plugin's claim correction, the kubelet
+        // having chosen one or two of a node's four devices.
+        10..=11 if rng.below(3) == 0 => {
+            let node = format!("n{}", rng.below(NODES));
+            let first = rng.below(4);
+            let mut devices = vec![first];
+            if rng.below(2) == 0 {
+                devices.push((first + 1 + rng.below(3)) % 4);
+            }
+            device_claim(&uid, &node, &devices)
+        }
         10..=11 => spread_assign(&format!("m{}", rng.below(6)), &uid, rng.below(3) * 1000),
         12 => Command::ReleasePin(ReleasePin {
             key: PinKey::new("spread", format!("m{}", rng.below(6))),
@@ -1728,6 +1739,27 @@ fn report_node(node: &str, state: NodeState) -> Command {
 
 /// An assignment in the `spread` set: required anti-affinity by zone
 /// against the set's own pins.
+/// The set device claims live in, in the property test, and the prefix of
+/// their device labels.
+const CLAIMS: &str = "claims";
+const DEVICE: &str = "dev/";
+
+/// `pod_uid`'s device claim on `node` made to name exactly `devices`
+/// (`Reclaim`), as the device plugin corrects it.
+fn device_claim(pod_uid: &str, node: &str, devices: &[u64]) -> Command {
+    Command::Reclaim(Reclaim {
+        key: PinKey::new(CLAIMS, pod_uid),
+        node: node.into(),
+        pod_uid: pod_uid.into(),
+        lifetime_ms: 1000,
+        labels: devices
+            .iter()
+            .map(|d| (format!("{DEVICE}d{d}"), "held".to_string()))
+            .collect(),
+        exclusive_prefix: DEVICE.into(),
+    })
+}
+
 fn spread_assign(member: &str, pod_uid: &str, lifetime_ms: u64) -> Command {
     let term = AffinityTerm {
         selector: LabelSelector {
@@ -1772,6 +1804,8 @@ fn check_pin_expiries(before: &BTreeMap<PinKey, Pin>, entry: &[Event], now_ms: u
 /// No pin on a gone node; no two `spread` pins in one zone.
 fn check_pin_invariants(state: &State, seed: u64) {
     let mut zones = BTreeMap::new();
+    // A device is named by one claim per node.
+    let mut devices: BTreeMap<(String, String), PinKey> = BTreeMap::new();
     for (key, pin) in &state.pins {
         let node = state.nodes.get(&pin.node);
         assert!(
@@ -1783,6 +1817,17 @@ fn check_pin_invariants(state: &State, seed: u64) {
             let zone = zone_of(&pin.node);
             if let Some(other) = zones.insert(zone.clone(), key.clone()) {
                 panic!("seed {seed}: pins {other} and {key} share zone {zone}");
+            }
+        }
+        if key.set == CLAIMS {
+            for (label, _) in pin.labels.iter().filter(|(l, _)| l.starts_with(DEVICE)) {
+                let device = (pin.node.clone(), label.clone());
+                if let Some(other) = devices.insert(device, key.clone()) {
+                    panic!(
+                        "seed {seed}: claims {other} and {key} both name device {label} on node {}",
+                        pin.node
+                    );
+                }
             }
         }
     }
@@ -1924,6 +1969,8 @@ struct Reached {
     /// Withdrawals that ended a wait, and that gave a hold back.
     withdrawals_ended_a_wait: u32,
     withdrawals_gave_back: u32,
+    /// Claim corrections that took a device from another claim.
+    reclaims_taking: u32,
 }
 
 /// A request under a kept `id`, first sent with `first`, now with `command`:
@@ -2078,6 +2125,12 @@ fn property_rounds(base_seed: u64, rounds: u64) -> Reached {
                     _ => {}
                 }
             }
+            if let Ok(Reply::Reclaimed(done)) = &response.result
+                && !response.deduplicated
+                && !done.taken_from.is_empty()
+            {
+                reached.reclaims_taking += 1;
+            }
             if matches!(command, Command::Withdraw(_)) && !response.deduplicated {
                 match &response.result {
                     Ok(Reply::WaitCancelled(CancelOutcome::Removed)) => {
@@ -2229,7 +2282,8 @@ fn random_sequences_keep_mutual_exclusion_fifo_and_increasing_tokens() {
             && reached.abandons_taken_up > 10
             && reached.abandons_given_back > 5
             && reached.withdrawals_ended_a_wait > 10
-            && reached.withdrawals_gave_back > 10,
+            && reached.withdrawals_gave_back > 10
+            && reached.reclaims_taking > 10,
         "{reached:?}"
     );
 }
@@ -2334,6 +2388,15 @@ fn planted_abandon_keeping_a_raced_grant_is_caught_by_the_property_test() {
 fn planted_withdraw_keeping_a_hold_is_caught_by_the_property_test() {
     let message = caught_by_the_property_test("sm-withdraw-keeps-hold");
     assert!(message.contains("still holds or waits"), "{message}");
+}
+
+/// A claim correction that leaves other claims their devices: two claims
+/// name one device on a node.
+#[cfg(feature = "failpoints")]
+#[test]
+fn planted_reclaim_keeping_other_claims_devices_is_caught_by_the_property_test() {
+    let message = caught_by_the_property_test("sm-reclaim-keeps-others");
+    assert!(message.contains("both name device"), "{message}");
 }
 
 /// Pins expiring when half their lifetime has passed.

@@ -9,6 +9,7 @@ mod batch;
 mod cancel_wait;
 mod force_release;
 mod lease;
+mod reclaim;
 mod release;
 mod release_pin;
 mod report_node;
@@ -29,6 +30,7 @@ pub use cancel_wait::{
 };
 pub use force_release::ForceRelease;
 pub use lease::{GrantLease, KeepAliveLease, RevokeLease};
+pub use reclaim::{Reclaim, Reclaimed};
 pub use release::Release;
 pub use release_pin::ReleasePin;
 pub use report_node::{NODE_GONE_UID_FORMAT_VERSION, NODE_UID_FORMAT_VERSION, ReportNode};
@@ -84,6 +86,9 @@ pub enum Command {
     /// A caller no longer wants a lock for a pod: end its wait or give back
     /// its hold (format 7).
     Withdraw(Withdraw),
+    /// Re-pin a pin with exactly the given labels, taking its exclusive
+    /// labels from the set's other pins on its node (format 7).
+    Reclaim(Reclaim),
 }
 
 impl Command {
@@ -106,6 +111,7 @@ impl Command {
             Command::Audit(c) => c.apply(txn),
             Command::AbandonWait(c) => c.apply(txn),
             Command::Withdraw(c) => c.apply(txn),
+            Command::Reclaim(c) => c.apply(txn),
             // `sm::apply` applies a batch item by item; a batch can only get
             // here as an item of another, which `Batch::check` refuses.
             Command::Batch(_) => Err(CommandError::InvalidBatch {
@@ -126,7 +132,9 @@ impl Command {
                 NODE_GONE_UID_FORMAT_VERSION
             }
             Command::ReportNode(_) => NODE_UID_FORMAT_VERSION,
-            Command::AbandonWait(_) | Command::Withdraw(_) => GIVE_BACK_FORMAT_VERSION,
+            Command::AbandonWait(_) | Command::Withdraw(_) | Command::Reclaim(_) => {
+                GIVE_BACK_FORMAT_VERSION
+            }
             _ => 2,
         }
     }
@@ -144,7 +152,7 @@ impl Command {
             Command::Batch(batch) if batch.shares_a_lock() => SHARED_LOCK_BATCH_FORMAT_VERSION,
             Command::Batch(_) => BATCH_FORMAT_VERSION,
             Command::AbandonWait(_) => ABANDON_WAIT_FORMAT_VERSION,
-            Command::Withdraw(_) => GIVE_BACK_FORMAT_VERSION,
+            Command::Withdraw(_) | Command::Reclaim(_) => GIVE_BACK_FORMAT_VERSION,
             _ => 2,
         }
     }
@@ -226,6 +234,8 @@ pub enum Reply {
     },
     /// The replies of a batch's items, in order.
     Batch(Vec<crate::sm::Response>),
+    /// What a reclaim did (format 7).
+    Reclaimed(Box<Reclaimed>),
 }
 
 /// Deterministic refusals: returned to the client, never a replica failure.
