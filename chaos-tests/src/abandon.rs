@@ -209,6 +209,8 @@ pub async fn abandoner(shared: Arc<Shared>, process: u64, mut rng: Rng) {
                 cause: "a grant raced an abandoned wait",
                 due_us,
                 granted_us,
+                answered_us: x_answered_at,
+                in_memory: true,
             });
         }
         if inside_grace {

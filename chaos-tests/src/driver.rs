@@ -74,6 +74,8 @@ pub struct Summary {
     pub elapsed: Duration,
     /// Times for a lock due to move on to reach its next waiter.
     pub recoveries: crate::stats::Samples,
+    /// Recoveries the progress bound was judged on.
+    pub recoveries_judged: u64,
 }
 
 impl Summary {
@@ -95,6 +97,7 @@ impl Summary {
         for time in &report.recoveries {
             self.recoveries.push(*time);
         }
+        self.recoveries_judged += report.recoveries_judged;
         for (kind, n) in &report.faults {
             *self.faults.entry(kind).or_default() += n;
         }
@@ -125,7 +128,7 @@ impl Summary {
         format!(
             "chaos summary: schedules={} operations={} unknown={} faults[{}] failpoint_crashes={} \
              core_restarts={} elections={} watch_relists={} partial_logs={} violations[{}] undecided_searches={} failed_seeds={} \
-             recovery_ms[n={} p50={} p99={} max={} bound={}] | {} replicas, {} lanes, first seed {}, {:.0} s",
+             recovery_ms[n={} judged={} p50={} p99={} max={} bound={}] | {} replicas, {} lanes, first seed {}, {:.0} s",
             self.schedules,
             self.ops,
             self.unknown,
@@ -139,6 +142,7 @@ impl Summary {
             self.undecided,
             self.failing.len(),
             self.recoveries.len(),
+            self.recoveries_judged,
             crate::stats::ms(self.recoveries.quantile(0.5)),
             crate::stats::ms(self.recoveries.quantile(0.99)),
             crate::stats::ms(self.recoveries.quantile(1.0)),

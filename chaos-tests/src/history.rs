@@ -139,6 +139,13 @@ pub struct Recovery {
     /// When its next live waiter was told it was granted (None: it was
     /// not, within its wait).
     pub granted_us: Option<u64>,
+    /// When that waiter's acquire ended, granted or not.
+    pub answered_us: u64,
+    /// The recovery rests on a give-up held only in the memory of the
+    /// replica that served the caller's stream (`AbandonWait`): a fault
+    /// from before it was due until the give-up can void it (the hold
+    /// timeout, or the pod's revoke, then ends the hold instead).
+    pub in_memory: bool,
 }
 
 /// All operations of one run.

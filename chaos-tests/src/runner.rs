@@ -103,8 +103,10 @@ pub struct Report {
     /// Where the time went: (phase, duration).
     pub phases: Vec<(&'static str, Duration)>,
     /// Times for a lock due to move on to reach its next waiter
-    /// (`progress`).
+    /// (`progress`), faults or not.
     pub recoveries: Vec<Duration>,
+    /// Recoveries the `progress` bound was judged on.
+    pub recoveries_judged: u64,
 }
 
 impl Report {
@@ -746,7 +748,9 @@ pub async fn run(
         .filter(|op| matches!(op.outcome, Outcome::Unknown(_) | Outcome::Pending))
         .count();
     let recoveries = shared.history.recoveries();
+    let fault_windows = shared.history.fault_windows();
     report.recoveries = checkers::progress::recovery_times(&recoveries);
+    report.recoveries_judged = checkers::progress::judged(&recoveries, &fault_windows) as u64;
     let evidence = Evidence {
         ops,
         events,
@@ -756,7 +760,7 @@ pub async fn run(
         pins,
         events_complete,
         recoveries,
-        fault_windows: shared.history.fault_windows(),
+        fault_windows,
     };
     (report.violations, report.undecided) = checkers::check_all(&evidence, config.search_budget);
     report.violations.insert("process", unexpected);

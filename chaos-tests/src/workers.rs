@@ -32,7 +32,7 @@ use std::time::Duration;
 use tether_client::proto as pb;
 use tether_client::{Client, Error, WatchUpdate};
 
-use crate::history::{Call, History, Outcome, ShadowWrite, Value, error_outcome};
+use crate::history::{Call, History, Outcome, Recovery, ShadowWrite, Value, error_outcome};
 use crate::rng::Rng;
 
 /// The scope every chaos lock lives in.
@@ -378,9 +378,13 @@ pub async fn lease_worker(
             tokio::time::sleep(Duration::from_millis(50)).await;
             continue;
         };
+        let leases_granted_us = shared.history.now_us();
         let uid = |who: &str| format!("{}-l{process}-{round}{who}", shared.prefix);
         let (a, b, c) = (uid("a"), uid("b"), uid("c"));
         let wait = ttl * 2;
+        // c outwaits the progress bound after a's lease ends, so a lock that
+        // does not move on shows as a recovery that never came.
+        let wait_c = ttl + crate::checkers::progress::BOUND + Duration::from_secs(2);
         let held = shared
             .acquire_on_lease(process, &key, &a, Duration::ZERO, first, None)
             .await;
@@ -399,8 +403,14 @@ pub async fn lease_worker(
         let _ = queued_rx.await;
         let waiter_c = {
             let (shared, key, c) = (shared.clone(), key.clone(), c.clone());
-            tokio::spawn(async move { shared.acquire(process + 2, &key, &c, wait).await })
+            tokio::spawn(async move {
+                let outcome = shared.acquire(process + 2, &key, &c, wait_c).await;
+                (outcome, shared.history.now_us())
+            })
         };
+        // In the rounds that abandon a's lease, the lock is due to move on
+        // to c (b's lease ends as a's does) once a's TTL has passed.
+        let abandoned = matches!(held, Outcome::Ok(Value::Granted(_))) && round % 2 == 1;
         match held {
             Outcome::Ok(Value::Granted(token)) if round % 2 == 0 => {
                 let _ = shared.client.keep_alive_once(first).await;
@@ -418,8 +428,21 @@ pub async fn lease_worker(
                 shared.revoke(process, &a).await;
             }
         }
-        for (waiter, uid, process) in [(waiter_b, b, process + 1), (waiter_c, c, process + 2)] {
-            match waiter.await.expect("a lease waiter") {
+        let b_outcome = waiter_b.await.expect("a lease waiter");
+        let (c_outcome, c_answered_us) = waiter_c.await.expect("a lease waiter");
+        if abandoned {
+            shared.history.record_recovery(Recovery {
+                key: lock_event_key(&key),
+                cause: "a TTL lease not kept alive",
+                due_us: leases_granted_us + ttl.as_micros() as u64,
+                granted_us: matches!(c_outcome, Outcome::Ok(Value::Granted(_)))
+                    .then_some(c_answered_us),
+                answered_us: c_answered_us,
+                in_memory: false,
+            });
+        }
+        for (outcome, uid, process) in [(b_outcome, b, process + 1), (c_outcome, c, process + 2)] {
+            match outcome {
                 Outcome::Ok(Value::Granted(token)) => {
                     use_and_release(&shared, process, &key, &uid, token, &mut rng).await;
                 }
@@ -491,20 +514,23 @@ pub async fn ender(shared: Arc<Shared>, process: u64, mut rng: Rng) {
             shared.revoke(process, &h).await;
             continue;
         };
+        let granted_us = shared.history.now_us();
+        // Past the hold timeout the lock is due to move on to w: w outwaits
+        // the progress bound after it.
+        let w_wait = match ending {
+            Ending::HoldTimeout => {
+                HOLD_TIMEOUT + crate::checkers::progress::BOUND + Duration::from_secs(2)
+            }
+            _ => Duration::from_secs(3),
+        };
         let (queued_tx, queued_rx) = tokio::sync::oneshot::channel();
         let waiter = {
             let (shared, key, w) = (shared.clone(), key.clone(), w.clone());
             tokio::spawn(async move {
-                shared
-                    .acquire_on_lease(
-                        process + 1,
-                        &key,
-                        &w,
-                        Duration::from_secs(3),
-                        0,
-                        Some(queued_tx),
-                    )
-                    .await
+                let outcome = shared
+                    .acquire_on_lease(process + 1, &key, &w, w_wait, 0, Some(queued_tx))
+                    .await;
+                (outcome, shared.history.now_us())
             })
         };
         let _ = queued_rx.await;
@@ -520,7 +546,19 @@ pub async fn ender(shared: Arc<Shared>, process: u64, mut rng: Rng) {
             }
             Ending::HoldTimeout => {}
         }
-        match waiter.await.expect("an ender's waiter") {
+        let (w_outcome, w_answered_us) = waiter.await.expect("an ender's waiter");
+        if matches!(ending, Ending::HoldTimeout) {
+            shared.history.record_recovery(Recovery {
+                key: lock_event_key(&key),
+                cause: "a hold past its timeout",
+                due_us: granted_us + HOLD_TIMEOUT.as_micros() as u64,
+                granted_us: matches!(w_outcome, Outcome::Ok(Value::Granted(_)))
+                    .then_some(w_answered_us),
+                answered_us: w_answered_us,
+                in_memory: false,
+            });
+        }
+        match w_outcome {
             Outcome::Ok(Value::Granted(next)) => {
                 use_and_release(&shared, process + 1, &key, &w, next, &mut rng).await;
             }
