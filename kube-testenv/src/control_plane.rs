@@ -419,12 +419,23 @@ impl ControlPlane {
         Ok(revision)
     }
 
+    /// Writes `<user>.kubeconfig` whole or not at all: tests on a shared
+    /// plane ask for the same account's kubeconfig at once, and one read a
+    /// file another was still writing ("failed to determine current
+    /// context"). Each writes a file of its own and renames it into place,
+    /// which readers see atomically.
     fn write_kubeconfig(&self, user: &str, token: &str) -> anyhow::Result<PathBuf> {
+        static NEXT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
         let path = self.dir.join(format!("{user}.kubeconfig"));
+        let n = NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let partial = self
+            .dir
+            .join(format!("{user}.kubeconfig.{}-{n}", std::process::id()));
         std::fs::write(
-            &path,
+            &partial,
             kubeconfig_text(&self.dir, self.apiserver_port, user, token),
         )?;
+        std::fs::rename(&partial, &path)?;
         Ok(path)
     }
 
