@@ -54,7 +54,7 @@ const DEPLOYED_WAIT: Duration = Duration::from_secs(3);
 
 fn gpu_manifest(file: &str) -> std::path::PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR"))
-        .join("../../deploy/optional/gpu")
+        .join("../deploy/optional/gpu")
         .join(file)
 }
 

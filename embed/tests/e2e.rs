@@ -493,7 +493,7 @@ impl Rig {
         let plane = Plane::own_or_skip(test).await?;
         // The extender runs as its service account with the manifests' RBAC.
         let manifest =
-            Path::new(env!("CARGO_MANIFEST_DIR")).join("../../deploy/optional/gpu/extender.yaml");
+            Path::new(env!("CARGO_MANIFEST_DIR")).join("../deploy/optional/gpu/extender.yaml");
         let rbac: Vec<serde_json::Value> = yaml_documents(&manifest)
             .unwrap()
             .into_iter()
