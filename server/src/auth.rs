@@ -28,6 +28,7 @@ use std::path::Path;
 use anyhow::Context as _;
 use tether_tls::PeerInfo;
 use tonic::Request;
+use tonic::metadata::{Ascii, MetadataValue};
 
 use crate::error::ApiError;
 use crate::sm::LockKey;
@@ -306,6 +307,20 @@ impl Auth {
         }
         anyhow::ensure!(!tokens.is_empty(), "{} holds no token", path.display());
         Ok(Auth::Tokens(tokens))
+    }
+
+    /// What this replica sends its peers as `authorization`: with tokens,
+    /// the token file's first `replica` token (every replica reads the same
+    /// file, so a peer knows it); None otherwise (certificates identify
+    /// replicas, and an open cluster asks nobody).
+    pub fn peer_authorization(&self) -> Option<MetadataValue<Ascii>> {
+        let Auth::Tokens(tokens) = self else {
+            return None;
+        };
+        tokens
+            .iter()
+            .find(|(_, caller)| caller.role == Some(Role::Replica))
+            .and_then(|(token, _)| format!("Bearer {token}").parse().ok())
     }
 
     /// The caller of `request`, or why it is refused.

@@ -159,6 +159,9 @@ impl Node {
             (None, Some(path)) => Auth::from_token_file(path)?,
             (None, None) => Auth::Open,
         };
+        if let Auth::Tokens(_) = &auth {
+            check_token_cluster(&config, auth.peer_authorization().is_some())?;
+        }
         let peer_formats = Arc::new(crate::raft::network::PeerFormats::default());
         let network = Network::new(
             config.peer_dial.clone(),
@@ -167,6 +170,7 @@ impl Node {
             config.raft_message_limit,
             metrics.clone(),
             cluster_id.clone(),
+            auth.peer_authorization(),
         );
         let raft = Raft::new(
             id,
@@ -497,6 +501,33 @@ fn load_tls(config: &Config) -> anyhow::Result<Option<Arc<TlsMaterial>>> {
         identity.name
     );
     Ok(Some(tls))
+}
+
+/// What development tokens (`--auth-tokens`) can carry: replicas send each
+/// other the token file's `replica` token, so a cluster of several needs
+/// one; the StatefulSet bootstrap's probes send none, so it needs TLS.
+fn check_token_cluster(config: &Config, has_replica_token: bool) -> anyhow::Result<()> {
+    anyhow::ensure!(
+        !config.statefulset,
+        "--statefulset does not work with --auth-tokens (its bootstrap probes carry no token); \
+         use --tls-dir"
+    );
+    let members = config
+        .initial_members
+        .as_deref()
+        .map_or(1, |m| m.split(',').filter(|s| !s.trim().is_empty()).count());
+    if !has_replica_token {
+        anyhow::ensure!(
+            members <= 1,
+            "--auth-tokens: a cluster of {members} replicas needs a `TOKEN replica` line in the \
+             token file: the replicas send it to each other"
+        );
+        tracing::warn!(
+            "the --auth-tokens file has no `replica` token: members added later cannot reach \
+             this replica"
+        );
+    }
+    Ok(())
 }
 
 /// The StatefulSet identity of this pod, from its hostname.

@@ -10,7 +10,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use common::{DEADLINE, lock, pod};
-use tether_client::proto::{Outcome, PinKey};
+use tether_client::proto::{LockKey, Outcome, PinKey};
 use tether_client::{Client, Error, Options};
 use tether_server::testing::Cluster;
 use tether_tls::testing::{TestCa, connect_without_certificate, server_certificate};
@@ -486,6 +486,115 @@ async fn certificates_rotate_without_a_restart() {
     cluster.shutdown().await;
 }
 
+/// Development tokens on three replicas. The replicas send each other the
+/// token file's `replica` token, so Raft runs; before, a cluster started
+/// with `--auth-tokens` on more than one replica never elected a leader
+/// (every vote was refused for want of a token). A file without a replica
+/// token is refused at start, saying what to add.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn development_tokens_run_a_cluster_of_three_replicas() {
+    let root = tempfile::tempdir().unwrap();
+    let tokens = root.path().join("tokens");
+    std::fs::write(
+        &tokens,
+        "replica-0123456789abcdef replica\nsched-0123456789abcdef scheduler\n",
+    )
+    .unwrap();
+    let cluster = {
+        let tokens = tokens.clone();
+        Cluster::start_with(3, move |config| {
+            config.auth_tokens = Some(tokens.clone());
+        })
+        .await
+    };
+    let scheduler = Client::new(
+        cluster.endpoints(),
+        Options {
+            retry_timeout: DEADLINE,
+            bearer_token: Some("sched-0123456789abcdef".into()),
+            ..Options::default()
+        },
+    )
+    .unwrap();
+    let held = scheduler
+        .acquire(&lock("node-a"), &pod("p1"), vec![], Duration::ZERO, 0)
+        .await
+        .expect("a three-replica cluster on tokens commits");
+    scheduler
+        .release(&lock("node-a"), "p1", held.token, Outcome::Allocated)
+        .await
+        .expect("and releases");
+    cluster.shutdown().await;
+
+    // Without a replica token, several replicas cannot talk: refused.
+    std::fs::write(&tokens, "sched-0123456789abcdef scheduler\n").unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let mut config = tether_server::testing::test_config(1, dir.path());
+    config.initial_members = Some("1=127.0.0.1:1,2=127.0.0.1:2,3=127.0.0.1:3".into());
+    config.auth_tokens = Some(tokens);
+    let err = tether_server::node::Node::start(config)
+        .await
+        .err()
+        .expect("refused");
+    assert!(
+        format!("{err:#}").contains("needs a `TOKEN replica` line"),
+        "{err:#}"
+    );
+}
+
+/// A leader transfer's `TimeoutNow` is a replica's message like any Raft
+/// message: on a cluster with tokens it carries the replica token, on one
+/// with TLS it is dialed with the replicas' certificate. Before, it went
+/// bare, and every transfer on such a cluster was refused ("no bearer
+/// token"; the chaos runs found it once their clusters ran with tokens).
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_leader_transfer_reaches_its_target_with_tokens_and_with_tls() {
+    let root = tempfile::tempdir().unwrap();
+    let tokens = root.path().join("tokens");
+    std::fs::write(
+        &tokens,
+        "replica-0123456789abcdef replica\nadmin-0123456789abcdef admin\n",
+    )
+    .unwrap();
+    let cluster = Cluster::start_with(3, move |config| {
+        config.auth_tokens = Some(tokens.clone());
+    })
+    .await;
+    let admin = Client::new(
+        cluster.endpoints(),
+        Options {
+            retry_timeout: DEADLINE,
+            bearer_token: Some("admin-0123456789abcdef".into()),
+            ..Options::default()
+        },
+    )
+    .unwrap();
+    let leader = cluster.wait_leader().await;
+    let target = (1..=3).find(|id| *id != leader).unwrap();
+    assert_eq!(
+        admin
+            .transfer_leader(target)
+            .await
+            .expect("a transfer with tokens"),
+        target
+    );
+    cluster.shutdown().await;
+
+    let ca = TestCa::new("tether-test-ca");
+    let cluster = tls_cluster(3, root.path(), &ca).await;
+    let admin = client_as(&cluster, identity(root.path(), &ca, "admin"));
+    let leader = cluster.wait_leader().await;
+    let target = (1..=3).find(|id| *id != leader).unwrap();
+    assert_eq!(
+        admin
+            .transfer_leader(target)
+            .await
+            .expect("a transfer with TLS"),
+        target
+    );
+    cluster.shutdown().await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn development_bearer_tokens_give_roles_without_tls() {
     let root = tempfile::tempdir().unwrap();
@@ -647,23 +756,25 @@ async fn one_callers_request_ids_cannot_reach_another_callers_session() {
 /// clients, go on. Without the quota one device plugin's certificate filled
 /// the cluster's 65,536 sessions and every new client of every identity was
 /// refused.
-#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-async fn one_identity_at_its_session_quota_leaves_room_for_every_other_role() {
-    const QUOTA: usize = 20;
-    let root = tempfile::tempdir().unwrap();
-    let ca = TestCa::new("tether-test-ca");
-    let cluster = tls_cluster_with(3, root.path(), &ca, |config| {
-        config.max_sessions_per_identity = QUOTA as u32;
-    })
-    .await;
-    let plugin_identity = identity(root.path(), &ca, "device-plugin:node-a");
-    let own = lock("node-a");
-    // Releases of a hold nobody has: refused, but each opens a session.
+/// The session quota of the tests below.
+const QUOTA: usize = 20;
+
+/// The quota tests take turns: the planted bug is on for the whole process.
+static QUOTA_TURN: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
+
+/// Opens `QUOTA` sessions as one device plugin's identity (each a refused
+/// release of a hold nobody has), then one more; returns the clients and
+/// what the one more was told.
+async fn flood_one_identity(
+    cluster: &Cluster,
+    plugin_identity: &Arc<TlsMaterial>,
+    own: &LockKey,
+) -> (Vec<Client>, Error) {
     let mut plugins = Vec::new();
     for n in 0..QUOTA {
-        let plugin = client_as(&cluster, plugin_identity.clone());
+        let plugin = client_as(cluster, plugin_identity.clone());
         let err = plugin
-            .release(&own, "pod-x", 1, Outcome::Failed)
+            .release(own, "pod-x", 1, Outcome::Failed)
             .await
             .unwrap_err();
         assert!(
@@ -672,16 +783,33 @@ async fn one_identity_at_its_session_quota_leaves_room_for_every_other_role() {
         );
         plugins.push(plugin);
     }
-    let one_more = client_as(&cluster, plugin_identity.clone());
+    let one_more = client_as(cluster, plugin_identity.clone());
     let err = one_more
-        .release(&own, "pod-x", 1, Outcome::Failed)
+        .release(own, "pod-x", 1, Outcome::Failed)
         .await
         .unwrap_err();
-    assert!(
-        matches!(&err, Error::ResourceExhausted(m)
-            if m.contains("device-plugin:node-a") && m.contains("--max-sessions-per-identity 20")),
-        "{err}"
-    );
+    (plugins, err)
+}
+
+/// Whether `err` is the quota's refusal of `device-plugin:node-a`.
+fn refused_by_the_quota(err: &Error) -> bool {
+    matches!(err, Error::ResourceExhausted(m)
+        if m.contains("device-plugin:node-a") && m.contains("--max-sessions-per-identity 20"))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn one_identity_at_its_session_quota_leaves_room_for_every_other_role() {
+    let _turn = QUOTA_TURN.lock().await;
+    let root = tempfile::tempdir().unwrap();
+    let ca = TestCa::new("tether-test-ca");
+    let cluster = tls_cluster_with(3, root.path(), &ca, |config| {
+        config.max_sessions_per_identity = QUOTA as u32;
+    })
+    .await;
+    let plugin_identity = identity(root.path(), &ca, "device-plugin:node-a");
+    let own = lock("node-a");
+    let (plugins, err) = flood_one_identity(&cluster, &plugin_identity, &own).await;
+    assert!(refused_by_the_quota(&err), "{err}");
     // Its existing clients keep their sessions.
     let err = plugins[0]
         .release(&own, "pod-x", 1, Outcome::Failed)
@@ -708,6 +836,36 @@ async fn one_identity_at_its_session_quota_leaves_room_for_every_other_role() {
         scheduler.holder(&own).await.unwrap().is_none(),
         "hold {} revoked",
         hold.token()
+    );
+    cluster.shutdown().await;
+}
+
+/// Issue 34's defect 5 planted (`sessions-no-quota`: no quota, as before):
+/// the check above must catch it, the flooding identity's one more client
+/// is let in.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_build_without_the_session_quota_is_caught() {
+    /// Switches the planted bug off again, a failed assertion included.
+    struct Planted;
+    impl Drop for Planted {
+        fn drop(&mut self) {
+            fail::remove("sessions-no-quota");
+        }
+    }
+    let _turn = QUOTA_TURN.lock().await;
+    let root = tempfile::tempdir().unwrap();
+    let ca = TestCa::new("tether-test-ca");
+    let cluster = tls_cluster_with(3, root.path(), &ca, |config| {
+        config.max_sessions_per_identity = QUOTA as u32;
+    })
+    .await;
+    fail::cfg("sessions-no-quota", "return").expect("a failpoint action");
+    let _planted = Planted;
+    let plugin_identity = identity(root.path(), &ca, "device-plugin:node-a");
+    let (_plugins, err) = flood_one_identity(&cluster, &plugin_identity, &lock("node-a")).await;
+    assert!(
+        !refused_by_the_quota(&err),
+        "the planted bug went unnoticed: {err}"
     );
     cluster.shutdown().await;
 }

@@ -256,10 +256,10 @@ async fn until_ids(pods: &[PodProcess]) {
         .filter(|p| p.child.is_some())
         .all(|p| p.data.join("node-id").exists())
     {
-        assert!(
-            tokio::time::Instant::now() < deadline,
-            "pods never wrote their ids"
-        );
+        if tokio::time::Instant::now() >= deadline {
+            print_log_tails(pods);
+            panic!("pods never wrote their ids");
+        }
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
 }

@@ -11,7 +11,6 @@ use std::time::Duration;
 use openraft::{BasicNode, ServerState};
 use tether_proto as pb;
 use tether_proto::cluster_service_server::ClusterService;
-use tether_proto::raft_service_client::RaftServiceClient;
 use tonic::{Request, Response, Status};
 
 use super::Ctx;
@@ -169,26 +168,9 @@ async fn hand_over(ctx: &Ctx, target: u64, addr: &str, timeout: Duration) -> Res
     ctx.raft.runtime_config().heartbeat(false);
     let result = async {
         tokio::time::sleep(ctx.config.election_timeout_max() + Duration::from_millis(50)).await;
-        // Dialed like any Raft message: through --peer-dial if it names the
-        // target, and marked for the target's id.
-        let dial = ctx
-            .config
-            .peer_dial
-            .get(&target)
-            .map_or(addr, String::as_str);
-        let mut client = RaftServiceClient::connect(format!("http://{dial}"))
-            .await
-            .map_err(|e| {
-                ApiError::Unavailable(format!("cannot reach node {target} at {dial}: {e}"))
-            })?;
-        let mut request = tonic::Request::new(pb::RaftRequest { data: Vec::new() });
-        if let Ok(id) = target.to_string().parse() {
-            request
-                .metadata_mut()
-                .insert(crate::api::raft::TARGET_METADATA, id);
-        }
-        client
-            .timeout_now(request)
+        // Dialed and marked like any Raft message (`peer`).
+        super::peer::client(ctx, target, addr, timeout)?
+            .timeout_now(super::peer::request(ctx, target, Vec::new()))
             .await
             .map_err(|e| ApiError::Unavailable(format!("node {target} refused to elect: {e}")))?;
         let mut rx = ctx.raft.metrics();

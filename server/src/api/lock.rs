@@ -269,31 +269,11 @@ async fn end_wait(ctx: &Ctx, command: Command) -> Result<CancelOutcome> {
         }) if id != ctx.id => (id, addr),
         Err(err) => return Err(err),
     };
-    let dial = ctx
-        .config
-        .peer_dial
-        .get(&leader_id)
-        .map_or(leader_addr.as_str(), String::as_str);
     let unreachable = |e: &dyn std::fmt::Display| {
-        ApiError::Unavailable(format!("leader {leader_id} at {dial}: {e}"))
+        ApiError::Unavailable(format!("leader {leader_id} at {leader_addr}: {e}"))
     };
-    let endpoint = tonic::transport::Endpoint::from_shared(format!("http://{dial}"))
-        .map_err(|e| unreachable(&e))?
-        .connect_timeout(Duration::from_secs(1))
-        .timeout(Duration::from_secs(5));
-    let channel = match &ctx.tls {
-        Some(tls) => tether_tls::lazy_channel(endpoint, tls.clone(), Duration::from_secs(1)),
-        None => endpoint.connect_lazy(),
-    };
-    let mut request = tonic::Request::new(pb::RaftRequest {
-        data: crate::store::encode(&command),
-    });
-    if let Ok(id) = leader_id.to_string().parse() {
-        request
-            .metadata_mut()
-            .insert(crate::api::raft::TARGET_METADATA, id);
-    }
-    let reply = pb::raft_service_client::RaftServiceClient::new(channel)
+    let request = super::peer::request(ctx, leader_id, crate::store::encode(&command));
+    let reply = super::peer::client(ctx, leader_id, &leader_addr, Duration::from_secs(5))?
         .end_wait(request)
         .await
         .map_err(|status| unreachable(&status.message()))?

@@ -8,6 +8,7 @@ pub mod convert;
 pub mod lease;
 pub mod lock;
 pub mod node;
+pub mod peer;
 pub mod pin;
 pub mod raft;
 pub mod reads;

@@ -23,6 +23,7 @@ use tether_proto::{RaftReply, RaftRequest};
 use tokio::sync::mpsc;
 use tokio_stream::wrappers::ReceiverStream;
 use tonic::Status;
+use tonic::metadata::{Ascii, MetadataValue};
 use tonic::transport::{Channel, Endpoint};
 
 use super::TypeConfig;
@@ -180,6 +181,9 @@ pub struct Network {
     /// This replica's cluster id, sent with every message so that a
     /// replica of another cluster refuses it.
     cluster_id: Arc<crate::cluster_id::ClusterIdCell>,
+    /// Sent as `authorization` with every message (`Auth::peer_authorization`:
+    /// the replica token of a cluster run with `--auth-tokens`).
+    authorization: Option<MetadataValue<Ascii>>,
 }
 
 impl Network {
@@ -194,8 +198,10 @@ impl Network {
         message_limit: usize,
         metrics: Arc<Metrics>,
         cluster_id: Arc<crate::cluster_id::ClusterIdCell>,
+        authorization: Option<MetadataValue<Ascii>>,
     ) -> Self {
         Self {
+            authorization,
             dial: Arc::new(dial),
             tls,
             formats,
@@ -267,6 +273,7 @@ impl RaftNetworkFactory<TypeConfig> for Network {
             append_stream: None,
             stream_refusals: self.stream_refusals.clone(),
             cluster_id: self.cluster_id.clone(),
+            authorization: self.authorization.clone(),
         }
     }
 }
@@ -286,6 +293,8 @@ pub struct PeerClient {
     stream_refusals: Arc<StreamRefusals>,
     /// This replica's cluster id, named on every message.
     cluster_id: Arc<crate::cluster_id::ClusterIdCell>,
+    /// Sent as `authorization` with every message, if any.
+    authorization: Option<MetadataValue<Ascii>>,
 }
 
 /// One AppendEntries stream to a follower. A request's answer is the next
@@ -360,18 +369,14 @@ impl PeerClient {
     /// cluster (see `api::raft::RaftApi::check_target`). Returns the
     /// cluster id named.
     fn name_target<T>(&self, request: &mut tonic::Request<T>) -> Option<String> {
-        if let Ok(target) = self.target.to_string().parse() {
-            request
-                .metadata_mut()
-                .insert(crate::api::raft::TARGET_METADATA, target);
-        }
-        let cluster_id = self.cluster_id.get()?;
-        if let Ok(value) = cluster_id.parse() {
-            request
-                .metadata_mut()
-                .insert(crate::cluster_id::METADATA, value);
-        }
-        Some(cluster_id)
+        let cluster_id = self.cluster_id.get();
+        crate::api::peer::mark(
+            request,
+            self.target,
+            self.authorization.as_ref(),
+            cluster_id.as_deref(),
+        );
+        cluster_id
     }
 
     /// Notes the log format the target's answer says it reads.
@@ -756,6 +761,7 @@ mod tests {
             crate::raft::MAX_RAFT_MESSAGE_BYTES,
             Arc::default(),
             Arc::default(),
+            None,
         )
     }
 
