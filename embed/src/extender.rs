@@ -366,11 +366,18 @@ impl<B: Binder> Extender<B> {
         scheduler: &Departure,
     ) -> ExtenderBindingResult {
         let started = Instant::now();
-        let result = tether_client::deadline::within(
-            started + self.config.bind_deadline,
-            self.try_bind(args, scheduler),
-        )
-        .await;
+        // A planted bug for `tests/bind_deadline.rs` (`extender-bind-unbounded`,
+        // set with `fail::cfg`): each call of the bind retries on its own
+        // budget, as before issue 34, past the scheduler's `httpTimeout`.
+        let result = if fail::eval("extender-bind-unbounded", |_| ()).is_some() {
+            self.try_bind(args, scheduler).await
+        } else {
+            tether_client::deadline::within(
+                started + self.config.bind_deadline,
+                self.try_bind(args, scheduler),
+            )
+            .await
+        };
         let outcome = match result {
             Ok(_) => BindOutcome::Bound,
             Err(_) => BindOutcome::Refused,
@@ -485,8 +492,26 @@ impl<B: Binder> Extender<B> {
         let devices = match self.claim_devices(args, admission.devices() as usize).await {
             Ok(devices) => devices,
             Err(error) => {
-                if let Err(err) = unbounded(held.release(Outcome::Failed)).await {
-                    tracing::error!(pod_uid = args.pod_uid, node = args.node, %err, "release after a failed claim failed; the hold timeout or a pod revoke will free it");
+                // The scheduler hears once the node is given back, or at
+                // the bind's deadline, whichever comes first; past the
+                // deadline the release goes on in the background for as
+                // long as it takes (a claim fails at the deadline when
+                // Tether has no quorum, and so would the release, after
+                // the client's whole retry budget).
+                let (pod_uid, node) = (args.pod_uid.clone(), args.node.clone());
+                let release = tokio::spawn(unbounded(async move {
+                    if let Err(err) = held.release(Outcome::Failed).await {
+                        tracing::error!(pod_uid, node, %err, "release after a failed claim failed; the hold timeout or a pod revoke will free it");
+                    }
+                }));
+                match tether_client::deadline::current() {
+                    Some(deadline) => {
+                        let deadline = tokio::time::Instant::from_std(deadline);
+                        let _ = tokio::time::timeout_at(deadline, release).await;
+                    }
+                    None => {
+                        let _ = release.await;
+                    }
                 }
                 return Err(error);
             }
