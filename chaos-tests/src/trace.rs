@@ -6,6 +6,10 @@
 //! `send_report` for the commands), with schedulers binding through the
 //! per-node `gpu-bind` lock and device plugins releasing it, as HAMi does.
 //!
+//! Some of the bridge's reports are lost (`LoseNextReport`: the send failed,
+//! as it does while Tether has no quorum); only the bridge's reconciliation
+//! (`reconcile::pod_corrections`, in the final resync) brings them.
+//!
 //! Checked:
 //! - a bind that lands after its pod's deletion (the scheduler lost the
 //!   race) is released as soon as the bridge learns of it (its tombstones);
@@ -14,6 +18,12 @@
 //! - once the bridge has synced (trace done, resync sent), no lock is held or
 //!   waited for by a pod that is gone, no lock of a removed node is held,
 //!   and no pin sits on a removed node;
+//! - once synced, every pin's owner state in Tether is what the pod object
+//!   shows (running, starting, stopped once terminal or gone), lost reports
+//!   included;
+//! - a bound pod that is being deleted (an init container runs, or its image
+//!   is still pulling) is not gone: right after its deletion is reported, its
+//!   pin's owner is not stopped;
 //! - the node locks' event logs pass the mutual exclusion, token and FIFO
 //!   checkers.
 //!
@@ -34,6 +44,7 @@ use tether_k8s_bridge::orphans::{
     LiveView, Lookup, TetherView, confirm_node, confirm_pod, missing_joins, node_candidates,
     pod_candidates,
 };
+use tether_k8s_bridge::reconcile::pod_corrections;
 use tether_k8s_bridge::tombstones::{Tombstones, late_interest};
 
 use crate::checkers::{self, Evidence};
@@ -61,6 +72,9 @@ pub enum Step {
         /// A worker of the pinned set.
         worker: bool,
     },
+    /// The scheduler's bind set the pod's nodeName; no container has
+    /// started yet (an image pull, an init container).
+    Bound(usize),
     /// Containers started.
     Start(usize),
     /// Phase Failed.
@@ -72,6 +86,10 @@ pub enum Step {
     /// The scheduler's bind of a pod already removed lands now (it raced
     /// the deletion and lost).
     LateBind(usize),
+    /// The bridge's next report of this pod is lost: its send failed (as
+    /// while Tether has no quorum) and nothing but reconciliation sends it
+    /// again.
+    LoseNextReport(usize),
     /// Pause before the next step.
     Wait(u64),
 }
@@ -130,7 +148,13 @@ impl Trace {
             }
             for &p in &burst {
                 steps.push(Step::Wait(rng.between(0, 15)));
-                match rng.below(10) {
+                // A pod's next report is lost about one time in three.
+                let maybe_lose = |steps: &mut Vec<Step>, rng: &mut Rng| {
+                    if rng.percent(35) {
+                        steps.push(Step::LoseNextReport(p));
+                    }
+                };
+                match rng.below(12) {
                     // Deleted mid-bind (perhaps while queued): HAMi #1271.
                     0 | 1 => {
                         steps.push(Step::Delete(p));
@@ -142,10 +166,24 @@ impl Trace {
                     }
                     2 => {
                         steps.push(Step::Wait(rng.between(10, 30)));
+                        maybe_lose(&mut steps, &mut rng);
                         steps.push(Step::Fail(p));
+                    }
+                    // Bound, then deleted before its containers start: it
+                    // keeps what it has until the object is gone.
+                    3 | 4 => {
+                        steps.push(Step::Wait(rng.between(10, 30)));
+                        maybe_lose(&mut steps, &mut rng);
+                        steps.push(Step::Bound(p));
+                        steps.push(Step::Wait(rng.between(0, 10)));
+                        steps.push(Step::Delete(p));
+                        steps.push(Step::Wait(rng.between(5, 20)));
+                        steps.push(Step::Remove(p));
+                        gone.insert(p);
                     }
                     _ => {
                         steps.push(Step::Wait(rng.between(10, 30)));
+                        maybe_lose(&mut steps, &mut rng);
                         steps.push(Step::Start(p));
                         let worker = workers.contains(&p);
                         if rng.percent(25) && !worker {
@@ -183,6 +221,10 @@ pub struct Outcome {
     /// Binds that ended without a grant (the pod was deleted while queued,
     /// or its node went).
     pub binds_abandoned: u64,
+    /// Pod reports lost (`LoseNextReport`) and left to reconciliation.
+    pub lost_reports: u64,
+    /// Reports the final resync's reconciliation sent.
+    pub corrections: u64,
     /// Problems found.
     pub violations: Vec<String>,
 }
@@ -245,6 +287,7 @@ async fn send_all(
     commands: Vec<Command>,
     objects: &Objects,
     outcome: &mut Outcome,
+    acked: &mut HashMap<String, PodReport>,
 ) -> Result<(), tether_client::Error> {
     for command in commands {
         let command = match command {
@@ -258,6 +301,10 @@ async fn send_all(
         };
         send_report(client, &command).await?;
         outcome.commands += 1;
+        // What the bridge remembers as acknowledged (`reconcile.rs`).
+        if let Command::Pod { uid, report } = &command {
+            acked.insert(uid.clone(), *report);
+        }
     }
     Ok(())
 }
@@ -337,6 +384,9 @@ pub async fn replay(client: &Client, trace: &Trace) -> Result<Outcome, tether_cl
     let workers_set = format!("{}-workers", trace.prefix);
     let mut removed_nodes = BTreeSet::new();
     let mut tombstones = Tombstones::new(10_000);
+    let mut acked: HashMap<String, PodReport> = HashMap::new();
+    let mut lose_next: BTreeSet<usize> = BTreeSet::new();
+    let mut workers: BTreeSet<usize> = BTreeSet::new();
     for step in &trace.steps {
         // The pod's view before and after this step, for `pod_change`.
         let mut pod_step = |pod: usize, change: &dyn Fn(&mut PodView)| {
@@ -348,6 +398,9 @@ pub async fn replay(client: &Client, trace: &Trace) -> Result<Outcome, tether_cl
         };
         match step {
             Step::Wait(ms) => tokio::time::sleep(Duration::from_millis(*ms)).await,
+            Step::LoseNextReport(pod) => {
+                lose_next.insert(*pod);
+            }
             Step::AddNode(name) => {
                 let view = NodeView {
                     name: name.clone(),
@@ -362,6 +415,7 @@ pub async fn replay(client: &Client, trace: &Trace) -> Result<Outcome, tether_cl
                     node_change(None, Some(&view)),
                     &objects,
                     &mut outcome,
+                    &mut acked,
                 )
                 .await?;
             }
@@ -373,6 +427,7 @@ pub async fn replay(client: &Client, trace: &Trace) -> Result<Outcome, tether_cl
                     node_change(old.as_ref(), None),
                     &objects,
                     &mut outcome,
+                    &mut acked,
                 )
                 .await?;
             }
@@ -385,6 +440,7 @@ pub async fn replay(client: &Client, trace: &Trace) -> Result<Outcome, tether_cl
                     name: view.name.clone(),
                 };
                 if *worker {
+                    workers.insert(*pod);
                     // Slinky-style: the worker is pinned to its node.
                     let key = pb::PinKey {
                         set: workers_set.clone(),
@@ -419,11 +475,13 @@ pub async fn replay(client: &Client, trace: &Trace) -> Result<Outcome, tether_cl
                     pod_change(None, Some(&view), true),
                     &objects,
                     &mut outcome,
+                    &mut acked,
                 )
                 .await?;
             }
-            Step::Start(pod) | Step::Fail(pod) | Step::Delete(pod) => {
+            Step::Bound(pod) | Step::Start(pod) | Step::Fail(pod) | Step::Delete(pod) => {
                 let change: &dyn Fn(&mut PodView) = match step {
+                    Step::Bound(_) => &|v| v.bound = true,
                     // Containers run only on the node it was bound to.
                     Step::Start(_) => &|v| {
                         v.started = true;
@@ -436,7 +494,12 @@ pub async fn replay(client: &Client, trace: &Trace) -> Result<Outcome, tether_cl
                 let Some((old, new, node)) = pod_step(*pod, change) else {
                     continue;
                 };
-                let commands = pod_change(Some(&old), Some(&new), true);
+                let mut commands = pod_change(Some(&old), Some(&new), true);
+                if lose_next.remove(pod) {
+                    let before = commands.len();
+                    commands.retain(|c| !matches!(c, Command::Pod { .. }));
+                    outcome.lost_reports += (before - commands.len()) as u64;
+                }
                 let ends = commands.iter().any(|c| {
                     matches!(
                         c,
@@ -447,12 +510,32 @@ pub async fn replay(client: &Client, trace: &Trace) -> Result<Outcome, tether_cl
                         }
                     )
                 });
-                send_all(client, commands, &objects, &mut outcome).await?;
+                send_all(client, commands, &objects, &mut outcome, &mut acked).await?;
                 if ends && involved(client, &bind_key(&node), &new.uid).await? {
                     outcome.violations.push(format!(
                         "{}: still holds or waits for {node}'s bind lock after its end was reported",
                         new.uid
                     ));
+                }
+                // A bound pod being deleted still exists: the kubelet runs
+                // or tears down its containers and counts its devices.
+                let terminating_bound = matches!(step, Step::Delete(_)) && new.bound;
+                if terminating_bound && !new.phase.is_terminal() && workers.contains(pod) {
+                    let key = pb::PinKey {
+                        set: workers_set.clone(),
+                        member: pod.to_string(),
+                    };
+                    let stopped = client
+                        .get_pin(&key)
+                        .await?
+                        .is_none_or(|pin| pin.owner() == pb::OwnerState::OwnerStopped);
+                    if stopped {
+                        outcome.violations.push(format!(
+                            "{}: bound and being deleted (its object still exists), yet Tether \
+                             already counts its pin's owner stopped",
+                            new.uid
+                        ));
+                    }
                 }
             }
             Step::LateBind(pod) => {
@@ -483,7 +566,14 @@ pub async fn replay(client: &Client, trace: &Trace) -> Result<Outcome, tether_cl
                     tokio::time::sleep(Duration::from_millis(2)).await;
                 }
                 let late = late_interest(&old.uid, None, &tombstones);
-                send_all(client, late.into_iter().collect(), &objects, &mut outcome).await?;
+                send_all(
+                    client,
+                    late.into_iter().collect(),
+                    &objects,
+                    &mut outcome,
+                    &mut acked,
+                )
+                .await?;
                 if involved(client, &key, &old.uid).await? {
                     outcome.violations.push(format!(
                         "{}: a bind that landed after the pod's deletion still holds or waits for {node}'s lock",
@@ -495,6 +585,7 @@ pub async fn replay(client: &Client, trace: &Trace) -> Result<Outcome, tether_cl
                 let Some((old, node)) = objects.pods.remove(pod) else {
                     continue;
                 };
+                lose_next.remove(pod);
                 tombstones.record(&old.uid);
                 objects.removed.insert(*pod, (old.clone(), node.clone()));
                 send_all(
@@ -502,6 +593,7 @@ pub async fn replay(client: &Client, trace: &Trace) -> Result<Outcome, tether_cl
                     pod_change(Some(&old), None, true),
                     &objects,
                     &mut outcome,
+                    &mut acked,
                 )
                 .await?;
                 if involved(client, &bind_key(&node), &old.uid).await? {
@@ -546,9 +638,18 @@ pub async fn replay(client: &Client, trace: &Trace) -> Result<Outcome, tether_cl
         pod_uids: interest.uids().clone(),
         nodes: registry,
     };
-    // Candidates confirmed as the bridge confirms them: seen deleted, or a
-    // GET of the name (here: the simulated objects).
-    let mut commands = missing_joins(&tether, &live);
+    // Reports Tether has not acknowledged for pods it cares about (the lost
+    // ones among them), then the orphans: candidates confirmed as the bridge
+    // confirms them, seen deleted or by a GET of the name (here: the
+    // simulated objects).
+    let cache: HashMap<String, PodView> = objects
+        .pods
+        .values()
+        .map(|(view, _)| (view.uid.clone(), view.clone()))
+        .collect();
+    let mut commands = pod_corrections(interest.uids(), &cache, &acked);
+    outcome.corrections = commands.len() as u64;
+    commands.extend(missing_joins(&tether, &live));
     for uid in pod_candidates(&tether, &live) {
         if tombstones.contains(&uid) {
             commands.push(Command::Pod {
@@ -562,7 +663,7 @@ pub async fn replay(client: &Client, trace: &Trace) -> Result<Outcome, tether_cl
     for (name, uid) in node_candidates(&tether, &live) {
         commands.extend(confirm_node(&name, &uid, objects.node_lookup(&name)));
     }
-    send_all(client, commands, &objects, &mut outcome).await?;
+    send_all(client, commands, &objects, &mut outcome, &mut acked).await?;
 
     // Synced: nothing refers to what is gone or terminal.
     let live_uids: BTreeSet<String> = objects
@@ -606,8 +707,26 @@ pub async fn replay(client: &Client, trace: &Trace) -> Result<Outcome, tether_cl
         if removed_nodes.contains(&pin.node) {
             outcome.violations.push(format!(
                 "pin {:?} is on {}, which is gone",
-                pin.key.map(|k| k.member),
+                pin.key.as_ref().map(|k| &k.member),
                 pin.node
+            ));
+        }
+        // What the API server shows of the owner, as Tether's owner state.
+        let shown = match objects.pods.values().find(|(v, _)| v.uid == pin.pod_uid) {
+            None => Some(pb::OwnerState::OwnerStopped),
+            Some((view, _)) => view.state().report().map(|report| match report {
+                PodReport::Starting => pb::OwnerState::OwnerStarting,
+                PodReport::Running => pb::OwnerState::OwnerRunning,
+                PodReport::Terminal | PodReport::Gone => pb::OwnerState::OwnerStopped,
+            }),
+        };
+        if let Some(shown) = shown.filter(|shown| *shown != pin.owner()) {
+            outcome.violations.push(format!(
+                "pin {:?}: Tether says its owner {} is {:?}, the API server shows {:?}",
+                pin.key.as_ref().map(|k| &k.member),
+                pin.pod_uid,
+                pin.owner(),
+                shown
             ));
         }
     }
