@@ -7,16 +7,26 @@
 //! round of two it comes back within half of the chaos clusters'
 //! [`ABANDONED_WAIT_GRACE`] with the same request id, on a fresh connection,
 //! and follows its wait to the end: the wait must have been kept, in its
-//! place. In the other it stays away, and the replica that served it gives
-//! the wait up through the leader (`AbandonWait`). `h` holds past the grace,
-//! then releases: the lock goes to `w` if it came back, else to `x` (or to
-//! `w` if a fault kept the wait from being given up in time; it is then
-//! revoked, as the bridge would revoke a pod that went away). In one
-//! stay-away round of two (the first round among them), `h` releases at
-//! once instead, inside the grace: the lock is granted to `w`, whom nobody
-//! will serve, and the give-up must hand it on to `x` (format 7). How long
-//! `x` waited from `h`'s release is recorded as a [`Recovery`] for the
-//! `progress` checker, which bounds it.
+//! place. In the other it stays away, in three kinds of round taking turns
+//! (rounds 1, 3, 5, then again):
+//! - **inside the grace**: `h` releases at once: the lock is granted to
+//!   `w`, whom nobody will serve, and the replica that served `w`'s stream
+//!   must give it up through the leader (`AbandonWait`), handing the lock
+//!   on to `x` (format 7);
+//! - **withdrawn**: the caller withdraws, as the extender does when
+//!   kube-scheduler hangs up on a bind (`LockService.Withdraw`, one entry
+//!   in the log), and `h` releases at once, before or after the withdrawal
+//!   (drawn from the seed alone): `w`'s wait ends, or the hold `w` was
+//!   granted is given back and `x` granted;
+//! - **past the grace**: `h` holds past the grace, then releases; the wait
+//!   was given up meanwhile (`AbandonWait`), so the lock goes to `x` (or to
+//!   `w` if a fault kept the wait from being given up in time; it is then
+//!   revoked, as the bridge would revoke a pod that went away).
+//!
+//! How long `x` waited from `h`'s release (inside the grace) or from the
+//! later answer of release and withdrawal is recorded as a [`Recovery`] for
+//! the `progress` checker, which bounds it; a withdrawn round's is judged
+//! even near faults (nothing rests on one replica's memory).
 //!
 //! What the checkers see: a client that came back, and is then told its
 //! wait was given up because its caller went away, is a violation
@@ -87,6 +97,9 @@ pub async fn abandoner(shared: Arc<Shared>, process: u64, mut rng: Rng) {
         client_id: format!("{}-abandon{process}", shared.prefix),
         last: Arc::new(AtomicU64::new(0)),
     };
+    // The withdrawing rounds' order, drawn apart from the rest so that it
+    // follows from the seed alone (the rest depends on what answers came).
+    let mut order = rng.fork(0x57D);
     let mut round = 0u64;
     while !shared.stopped() {
         round += 1;
@@ -125,8 +138,12 @@ pub async fn abandoner(shared: Arc<Shared>, process: u64, mut rng: Rng) {
             other => acquire_outcome(other),
         };
         shared.history.complete(invoked, first.clone());
-        let inside_grace = queued && !comes_back && round % 4 == 1;
-        let x_wait = if inside_grace {
+        // Stay-away rounds take turns: inside the grace, withdrawn, past the
+        // grace (rounds 1, 3, 5, then again).
+        let stay_away_turn = (round / 2) % 3;
+        let inside_grace = queued && !comes_back && stay_away_turn == 0;
+        let withdraws = queued && !comes_back && stay_away_turn == 1;
+        let x_wait = if inside_grace || withdraws {
             INSIDE_GRACE_WAIT
         } else {
             WAIT
@@ -170,7 +187,33 @@ pub async fn abandoner(shared: Arc<Shared>, process: u64, mut rng: Rng) {
         // h holds past the grace (and the leader's round trip), then
         // releases; or, inside the grace, at once.
         let mut released_at = None;
-        if inside_grace {
+        if withdraws {
+            let key = key.clone();
+            let withdraw = || async {
+                let answer = shared.client.withdraw(&key, &w).await;
+                answer.is_ok_and(|a| a.result() != pb::withdraw_response::Result::Unspecified)
+            };
+            let release = || async {
+                matches!(
+                    shared.release(process, &key, &h, token).await,
+                    Outcome::Ok(Value::Released)
+                )
+            };
+            let (withdrawn, released) = if order.percent(50) {
+                let withdrawn = withdraw().await;
+                (withdrawn, release().await)
+            } else {
+                let released = release().await;
+                (withdraw().await, released)
+            };
+            if withdrawn && released {
+                released_at = Some(shared.history.now_us());
+            } else {
+                // An unknown answer: end what is left as the bridge would.
+                shared.revoke(process, &h).await;
+                shared.revoke(process + 1, &w).await;
+            }
+        } else if inside_grace {
             match shared.release(process, &key, &h, token).await {
                 Outcome::Ok(Value::Released) => released_at = Some(shared.history.now_us()),
                 _ => {
@@ -192,8 +235,8 @@ pub async fn abandoner(shared: Arc<Shared>, process: u64, mut rng: Rng) {
             }
             // Inside the grace, w's end waits until x is answered: a revoke
             // now would hand the lock on itself and hide a grant kept for
-            // nobody.
-            _ if inside_grace => {}
+            // nobody. A withdrawal has ended it.
+            _ if inside_grace || withdraws => {}
             _ => {
                 // Gone for good (or unknown): whatever w still holds or
                 // waits for ends, as the bridge would end it.
@@ -206,11 +249,15 @@ pub async fn abandoner(shared: Arc<Shared>, process: u64, mut rng: Rng) {
                 matches!(x_outcome, Outcome::Ok(Value::Granted(_))).then_some(x_answered_at);
             shared.history.record_recovery(Recovery {
                 key: lock_event_key(&key),
-                cause: "a grant raced an abandoned wait",
+                cause: if withdraws {
+                    "a bind was withdrawn"
+                } else {
+                    "a grant raced an abandoned wait"
+                },
                 due_us,
                 granted_us,
                 answered_us: x_answered_at,
-                in_memory: true,
+                in_memory: !withdraws,
             });
         }
         if inside_grace {

@@ -38,6 +38,32 @@ pub struct ClusterSpec {
     pub failpoints: Option<String>,
     /// RUST_LOG of the replicas (`None` = warnings only).
     pub log_filter: Option<String>,
+    /// Run the replicas with development tokens (`--auth-tokens`, the
+    /// [`tokens`] module's): clients of the cluster then call as `admin`,
+    /// or as another role through [`ProcessCluster::client_as`].
+    pub tokens: bool,
+}
+
+/// The bearer tokens of a cluster started with [`ClusterSpec::tokens`].
+pub mod tokens {
+    /// Role `replica`: what the replicas send each other.
+    pub const REPLICA: &str = "chaos-replica-0123456789";
+    /// Role `admin`: every chaos worker's.
+    pub const ADMIN: &str = "chaos-admin-0123456789ab";
+    /// Role `device-plugin:chaos-node-0`: a node's device plugin.
+    pub const DEVICE_PLUGIN: &str = "chaos-plugin-0123456789a";
+    /// The identity of [`DEVICE_PLUGIN`], as quota refusals name it.
+    pub const DEVICE_PLUGIN_IDENTITY: &str = "token:device-plugin:chaos-node-0";
+    /// Role `bridge`.
+    pub const BRIDGE: &str = "chaos-bridge-0123456789a";
+
+    /// The token file: one `TOKEN ROLE` line each.
+    pub fn file() -> String {
+        format!(
+            "{REPLICA} replica\n{ADMIN} admin\n{DEVICE_PLUGIN} device-plugin:chaos-node-0\n\
+             {BRIDGE} bridge\n"
+        )
+    }
 }
 
 /// One id's ports and process.
@@ -59,6 +85,8 @@ pub struct ProcessCluster {
     pub endpoints: Vec<String>,
     initial_members: String,
     dir: tempfile::TempDir,
+    /// The cluster's one bridge client ([`ProcessCluster::bridge_client`]).
+    bridge: std::sync::OnceLock<Client>,
 }
 
 /// A loopback port that was free a moment ago.
@@ -124,6 +152,7 @@ impl ProcessCluster {
             extra_args: Vec::new(),
             failpoints: None,
             log_filter: None,
+            tokens: false,
         })
         .await
     }
@@ -137,6 +166,9 @@ impl ProcessCluster {
         );
         anyhow::ensure!(spec.voters >= 1 && spec.slots >= spec.voters);
         let dir = tempfile::tempdir()?;
+        if spec.tokens {
+            std::fs::write(dir.path().join("tokens"), tokens::file())?;
+        }
         let mut replicas = BTreeMap::new();
         for id in 1..=spec.slots as u64 {
             replicas.insert(
@@ -178,6 +210,7 @@ impl ProcessCluster {
             endpoints,
             initial_members,
             dir,
+            bridge: std::sync::OnceLock::new(),
         };
         for id in 1..=cluster.spec.voters as u64 {
             cluster.spawn(id, None)?;
@@ -194,6 +227,11 @@ impl ProcessCluster {
     /// Where `id` keeps its data.
     pub fn data_dir(&self, id: u64) -> PathBuf {
         self.dir.path().join(format!("d{id}"))
+    }
+
+    /// Every slot's id, running or not.
+    pub fn slots(&self) -> Vec<u64> {
+        (1..=self.spec.slots as u64).collect()
     }
 
     /// `id`'s log (stderr of all its runs, appended).
@@ -236,6 +274,11 @@ impl ProcessCluster {
             .arg(format!("--data-dir={}", self.data_dir(id).display()))
             .arg(format!("--initial-members={}", self.initial_members))
             .args(&self.spec.extra_args)
+            .args(
+                self.spec
+                    .tokens
+                    .then(|| format!("--auth-tokens={}", self.dir.path().join("tokens").display())),
+            )
             .env(
                 "RUST_LOG",
                 self.spec.log_filter.as_deref().unwrap_or("warn"),
@@ -272,14 +315,38 @@ impl ProcessCluster {
         self.client_with(Duration::from_secs(60))
     }
 
-    /// A client whose calls retry for at most `retry_timeout`.
+    /// A client whose calls retry for at most `retry_timeout` (as `admin`
+    /// on a cluster with tokens).
     pub fn client_with(&self, retry_timeout: Duration) -> Client {
+        self.client_as(tokens::ADMIN, retry_timeout)
+    }
+
+    /// A client calling with bearer `token` (on a cluster with tokens; on
+    /// one without, the token is not sent).
+    pub fn client_as(&self, token: &str, retry_timeout: Duration) -> Client {
         let options = Options {
             call_timeout: Duration::from_secs(2).min(retry_timeout),
             retry_timeout,
+            bearer_token: self.spec.tokens.then(|| token.to_string()),
             ..Options::default()
         };
         Client::new(self.endpoints.clone(), options).expect("endpoints are valid")
+    }
+
+    /// The cluster's bridge, as one long-lived process has it: the same
+    /// client (one session) for every run on this cluster, calling as the
+    /// `bridge` role on a cluster with tokens. Its calls retry for 800 ms,
+    /// as the runs' workers' do, so a fault in force at a run's end does
+    /// not hold up the wind-down.
+    pub fn bridge_client(&self) -> Client {
+        self.bridge
+            .get_or_init(|| self.client_as(tokens::BRIDGE, Duration::from_millis(800)))
+            .clone()
+    }
+
+    /// Whether the replicas run with development tokens.
+    pub fn has_tokens(&self) -> bool {
+        self.spec.tokens
     }
 
     /// Ids with a process (running or paused).
@@ -314,6 +381,42 @@ impl ProcessCluster {
             let _ = child.kill();
             let _ = child.wait();
         }
+    }
+
+    /// Sets (`Some(actions)`, as in `FAILPOINTS`) or removes (`None`)
+    /// failpoint `name` in `id`'s running process through its HTTP port
+    /// (`PUT` / `DELETE /failpoints/{name}`, served by `failpoints` builds
+    /// only).
+    ///
+    /// One HTTP/1.1 request over a blocking loopback socket, written out
+    /// here rather than pulling in an HTTP client for it: the harness sends
+    /// a handful per run to its own replicas, and `heal` is not async.
+    pub fn set_failpoint(&self, id: u64, name: &str, actions: Option<&str>) -> anyhow::Result<()> {
+        use std::io::{Read, Write};
+        let replica = self.replicas.get(&id).context("no such replica")?;
+        let addr = SocketAddr::from(([127, 0, 0, 1], replica.http));
+        let mut stream = std::net::TcpStream::connect_timeout(&addr, Duration::from_secs(2))
+            .with_context(|| format!("replica {id}'s HTTP port"))?;
+        stream.set_read_timeout(Some(Duration::from_secs(5)))?;
+        stream.set_write_timeout(Some(Duration::from_secs(5)))?;
+        let (method, body) = match actions {
+            Some(actions) => ("PUT", actions),
+            None => ("DELETE", ""),
+        };
+        write!(
+            stream,
+            "{method} /failpoints/{name} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Length: {}\r\n\
+             Connection: close\r\n\r\n{body}",
+            body.len()
+        )?;
+        let mut answer = String::new();
+        stream.read_to_string(&mut answer)?;
+        let status = answer.lines().next().unwrap_or_default();
+        anyhow::ensure!(
+            status.contains(" 200 "),
+            "replica {id}: {method} /failpoints/{name} answered {status:?} (a failpoints build?)"
+        );
+        Ok(())
     }
 
     /// Starts a stopped replica again with its data.

@@ -39,6 +39,12 @@ pub struct DriverOptions {
     pub run: RunConfig,
     /// Print every schedule, not only failing ones.
     pub verbose: bool,
+    /// RUST_LOG of the replicas (None: warnings only).
+    pub replica_log: Option<String>,
+    /// Keep each failing schedule's evidence and replica logs in a
+    /// directory of its own (the planted-bug tests, which expect
+    /// violations, do not).
+    pub keep_evidence: bool,
 }
 
 /// Totals of a driver run.
@@ -156,21 +162,34 @@ impl Summary {
 }
 
 async fn fresh_cluster(options: &DriverOptions) -> anyhow::Result<ProcessCluster> {
-    chaos_cluster(
+    chaos_cluster_logging(
         options.tetherd.clone(),
         options.replicas,
         options.failpoints_env.clone(),
+        options.replica_log.clone(),
     )
     .await
 }
 
 /// A cluster as the chaos runs use it: proxied links, short election
 /// timeouts, frequent snapshots, four spare ids for replacements, the pin
-/// nodes registered.
+/// nodes registered, development tokens (workers call as `admin`; the
+/// session flooder as a device plugin, under a small session quota).
 pub async fn chaos_cluster(
     tetherd: PathBuf,
     replicas: usize,
     failpoints: Option<String>,
+) -> anyhow::Result<ProcessCluster> {
+    chaos_cluster_logging(tetherd, replicas, failpoints, None).await
+}
+
+/// [`chaos_cluster`] whose replicas log with RUST_LOG `replica_log` (None:
+/// warnings only).
+pub async fn chaos_cluster_logging(
+    tetherd: PathBuf,
+    replicas: usize,
+    failpoints: Option<String>,
+    replica_log: Option<String>,
 ) -> anyhow::Result<ProcessCluster> {
     let cluster = ProcessCluster::start_spec(ClusterSpec {
         tetherd,
@@ -190,6 +209,11 @@ pub async fn chaos_cluster(
                 "--abandoned-wait-grace={}ms",
                 crate::abandon::ABANDONED_WAIT_GRACE.as_millis()
             ),
+            // The session flooder's identity meets its quota within a run.
+            format!(
+                "--max-sessions-per-identity={}",
+                crate::sessions::SESSION_QUOTA
+            ),
             // The ender's hold-timeout scope.
             format!(
                 "--scope-hold-timeouts={}={}ms",
@@ -198,12 +222,32 @@ pub async fn chaos_cluster(
             ),
         ],
         failpoints,
-        log_filter: None,
+        log_filter: replica_log,
+        tokens: true,
     })
     .await?;
     // The nodes the pin assigner places pins on, once per cluster.
     crate::workers::register_pin_nodes(&cluster.client()).await?;
     Ok(cluster)
+}
+
+/// Writes a failing schedule's evidence and copies its cluster's replica
+/// logs (every run of every slot so far) to a directory that outlives the
+/// run; returns it.
+fn keep_evidence(cluster: &ProcessCluster, seed: u64, dump: &str) -> anyhow::Result<PathBuf> {
+    let dir = std::env::temp_dir().join(format!(
+        "tether-chaos-s{seed}-{}",
+        std::process::id()
+    ));
+    std::fs::create_dir_all(&dir)?;
+    std::fs::write(dir.join("evidence.txt"), dump)?;
+    for id in cluster.slots() {
+        let log = cluster.log_path(id);
+        if log.exists() {
+            std::fs::copy(&log, dir.join(format!("tetherd-{id}.log")))?;
+        }
+    }
+    Ok(dir)
 }
 
 /// Runs schedules until the count or the time is reached.
@@ -256,6 +300,19 @@ pub async fn run_many(options: DriverOptions) -> anyhow::Result<Summary> {
                             for (checker, found) in &report.violations {
                                 for v in found.iter().take(5) {
                                     println!("  seed {seed} {checker}: {v}");
+                                }
+                            }
+                            if let Some(dump) =
+                                report.evidence_dump.as_ref().filter(|_| options.keep_evidence)
+                            {
+                                match keep_evidence(current, seed, dump) {
+                                    Ok(dir) => println!(
+                                        "  seed {seed}: evidence and replica logs in {}",
+                                        dir.display()
+                                    ),
+                                    Err(err) => {
+                                        println!("  seed {seed}: evidence not kept: {err:#}")
+                                    }
                                 }
                             }
                         }

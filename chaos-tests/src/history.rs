@@ -148,10 +148,59 @@ pub struct Recovery {
     pub in_memory: bool,
 }
 
+/// One round of the lease keeper (`keeper.rs`): a hold on a TTL lease its
+/// client kept alive, with a waiter behind it. What the `leases` checker
+/// judges.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct KeptLease {
+    /// `lock/<scope>/<name>`.
+    pub key: String,
+    /// The lease.
+    pub lease: u64,
+    /// Its TTL, ms.
+    pub ttl_ms: u64,
+    /// When each request that the lease was alive after was sent: its
+    /// grant, and every keep-alive answered with a TTL (µs on the
+    /// history's clock).
+    pub alive_sent_us: Vec<u64>,
+    /// When a keep-alive was first answered that the lease is gone (TTL 0).
+    pub gone_answered_us: Option<u64>,
+    /// When the keeper sent its release (None: it did not get to it).
+    pub release_sent_us: Option<u64>,
+    /// When the waiter sent its acquire.
+    pub waiter_sent_us: u64,
+    /// How long the waiter would wait, ms.
+    pub waiter_wait_ms: u64,
+    /// When the waiter was told it was granted (None: it was not).
+    pub waiter_granted_us: Option<u64>,
+    /// When the waiter was told its wait ended unserved (None: it was not).
+    pub waiter_ended_us: Option<u64>,
+}
+
+/// What the session flooder (`sessions.rs`) saw in one run.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct SessionFlood {
+    /// The flooding identity's session quota.
+    pub quota: usize,
+    /// New clients of the flooding identity that got a session.
+    pub admitted: usize,
+    /// New clients of the flooding identity refused by the quota.
+    pub refused: usize,
+    /// New clients whose answer was lost (a fault).
+    pub unknown: usize,
+    /// Calls of the bridge's client that were not refused a session.
+    pub bridge_calls: usize,
+    /// Refusals that should not have happened: the bridge refused a
+    /// session, or the flooder refused for another identity's sake.
+    pub wrong_refusals: Vec<String>,
+}
+
 /// All operations of one run.
 pub struct History {
     start: Instant,
     ops: Mutex<Vec<Op>>,
+    kept_leases: Mutex<Vec<KeptLease>>,
+    session_floods: Mutex<Vec<SessionFlood>>,
     recoveries: Mutex<Vec<Recovery>>,
     faults: Mutex<Vec<(u64, Option<u64>)>>,
 }
@@ -172,6 +221,8 @@ impl History {
         Self {
             start: Instant::now(),
             ops: Mutex::new(Vec::new()),
+            kept_leases: Mutex::new(Vec::new()),
+            session_floods: Mutex::new(Vec::new()),
             recoveries: Mutex::new(Vec::new()),
             faults: Mutex::new(Vec::new()),
         }
@@ -180,6 +231,38 @@ impl History {
     /// Microseconds since the history began.
     pub fn now_us(&self) -> u64 {
         self.start.elapsed().as_micros() as u64
+    }
+
+    /// Records a round of the lease keeper.
+    pub fn record_kept_lease(&self, kept: KeptLease) {
+        self.kept_leases
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .push(kept);
+    }
+
+    /// Every lease keeper round recorded so far.
+    pub fn kept_leases(&self) -> Vec<KeptLease> {
+        self.kept_leases
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone()
+    }
+
+    /// Records what the session flooder saw.
+    pub fn record_session_flood(&self, flood: SessionFlood) {
+        self.session_floods
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .push(flood);
+    }
+
+    /// Every session flood recorded so far.
+    pub fn session_floods(&self) -> Vec<SessionFlood> {
+        self.session_floods
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone()
     }
 
     /// Records a lock that had to reach its next waiter.

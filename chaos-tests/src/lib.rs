@@ -9,6 +9,11 @@
 //! - `workers.rs` — the chaos workload's clients and the fenced shadow resource.
 //! - `abandon.rs` — queued acquires whose caller goes away, and callers
 //!   that come back for their wait.
+//! - `claims.rs` — device claims corrected by `Reclaim`, racing.
+//! - `keeper.rs` — a hold on a TTL lease kept alive, with a waiter behind
+//!   it (the `leases` checker's workload).
+//! - `sessions.rs` — one device plugin opening ever new sessions, and the
+//!   bridge beside it (the `sessions` checker's workload).
 //! - `storm.rs` — the retry storm: duplicates, reconnects and a forging
 //!   caller under one client session.
 //! - `history.rs` — operations as invoke / ok / fail / unknown.
@@ -25,14 +30,17 @@
 pub mod abandon;
 pub mod chart;
 pub mod checkers;
+pub mod claims;
 pub mod cluster;
 pub mod driver;
 pub mod etcd;
 pub mod history;
+pub mod keeper;
 pub mod proxy;
 pub mod rng;
 pub mod runner;
 pub mod schedule;
+pub mod sessions;
 pub mod stats;
 pub mod storm;
 #[cfg(feature = "trace")]

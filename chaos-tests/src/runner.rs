@@ -38,6 +38,12 @@ pub struct RunConfig {
     /// Abandoners (three pods each): queued callers that go away, and come
     /// back.
     pub abandoners: usize,
+    /// Lease keepers (two pods each): holds on leases kept alive.
+    pub keepers: usize,
+    /// Claimers (three pods a round): device claims corrected by `Reclaim`.
+    pub claimers: usize,
+    /// The session flooder (clusters with tokens only).
+    pub session_flood: bool,
     /// TTL of the lease workers' leases: the replicas' shortest.
     pub lease_ttl: Duration,
     /// Pins placed with one-per-node anti-affinity.
@@ -60,6 +66,9 @@ impl Default for RunConfig {
             enders: 1,
             storms: 1,
             abandoners: 1,
+            keepers: 1,
+            claimers: 1,
+            session_flood: true,
             // 3 x the chaos clusters' election timeout upper bound (2 x
             // 300 ms), the shortest TTL a replica grants.
             lease_ttl: Duration::from_millis(1800),
@@ -107,6 +116,9 @@ pub struct Report {
     pub recoveries: Vec<Duration>,
     /// Recoveries the `progress` bound was judged on.
     pub recoveries_judged: u64,
+    /// When something was found: the run's evidence, printed in full, for
+    /// the driver to keep beside the replicas' logs.
+    pub evidence_dump: Option<String>,
 }
 
 impl Report {
@@ -121,6 +133,8 @@ impl Report {
 struct Damage {
     stopped: BTreeSet<u64>,
     armed: BTreeSet<u64>,
+    /// Replicas whose clock was stepped while they ran (`ClockStep`).
+    clock_stepped: BTreeSet<u64>,
     /// Failpoint crashes seen outside `heal`.
     fired: u64,
     /// Replicas that exited because their Raft core stopped, restarted as
@@ -270,7 +284,7 @@ async fn inject(
             else {
                 return Ok(false);
             };
-            cluster.restart(id, Some(&format!("clock-offset-ms=return({offset_ms})")))?;
+            cluster.restart(id, Some(&format!("{CLOCK_OFFSET}=return({offset_ms})")))?;
             // Restarted with a true clock when the fault ends, like an armed
             // replica (it does not crash, so nothing counts as fired).
             damage.armed.insert(id);
@@ -284,6 +298,13 @@ async fn inject(
             {
                 let _ = control.transfer_leader(id).await;
             }
+        }
+        Fault::ClockStep { offset_ms } => {
+            let Some(id) = leader else {
+                return Ok(false);
+            };
+            cluster.set_failpoint(id, CLOCK_OFFSET, Some(&format!("return({offset_ms})")))?;
+            damage.clock_stepped.insert(id);
         }
         Fault::CrashInMembershipChange => {
             let followers: Vec<u64> = voters
@@ -348,6 +369,9 @@ async fn inject(
 /// exits (`server/src/node.rs`, `watch_core`).
 const CORE_STOPPED_LINE: &str = "the Raft core stopped";
 
+/// The failpoint that moves a replica's wall clock (`api::wall_clock_ms`).
+const CLOCK_OFFSET: &str = "clock-offset-ms";
+
 fn heal(
     cluster: &mut ProcessCluster,
     damage: &mut Damage,
@@ -370,6 +394,13 @@ fn heal(
     }
     for id in std::mem::take(&mut damage.armed) {
         damage.stopped.insert(id);
+    }
+    // Step a stepped clock back; a replica that cannot be told is restarted,
+    // which clears it too.
+    for id in std::mem::take(&mut damage.clock_stepped) {
+        if !damage.stopped.contains(&id) && cluster.set_failpoint(id, CLOCK_OFFSET, None).is_err() {
+            damage.stopped.insert(id);
+        }
     }
     for id in std::mem::take(&mut damage.stopped) {
         cluster.restart(id, None)?;
@@ -559,6 +590,31 @@ pub async fn run(
         // Its three pods are processes `process` to `process + 2`.
         process += 2;
     }
+    for _ in 0..config.keepers {
+        process += 1;
+        tasks.push(tokio::spawn(crate::keeper::keeper(
+            shared.clone(),
+            process,
+            config.lease_ttl,
+            rng.fork(process),
+        )));
+        // Its waiter is process `process + 1`.
+        process += 1;
+    }
+    // The flooder needs roles: only on clusters with tokens.
+    if config.session_flood && cluster.has_tokens() {
+        tasks.push(tokio::spawn(crate::sessions::flooder(
+            shared.clone(),
+            cluster.bridge_client(),
+        )));
+    }
+    for _ in 0..config.claimers {
+        process += 1;
+        tasks.push(tokio::spawn(crate::claims::claimer(
+            shared.clone(),
+            rng.fork(process),
+        )));
+    }
     process += 1;
     tasks.push(tokio::spawn(workers::revoker(
         shared.clone(),
@@ -683,6 +739,10 @@ pub async fn run(
         .list_pins(prefix, "")
         .await
         .context("listing the run's pins")?;
+    let claims = control
+        .list_pins(&crate::claims::claims_set(prefix), "")
+        .await
+        .context("listing the run's device claims")?;
 
     let ops = shared.history.ops();
     report.ops = ops.len();
@@ -734,6 +794,8 @@ pub async fn run(
             ("lease", "lease end"),
             ("hold timeout", "hold timeout"),
             ("node gone", "node gone"),
+            ("granted to a wait whose caller", "give-back (caller gone)"),
+            ("withdrawn", "give-back (withdrawn)"),
         ]
         .iter()
         .find(|(prefix, _)| event.reason.starts_with(prefix))
@@ -758,11 +820,17 @@ pub async fn run(
         watches: vec![(watch_prefix, watched)],
         try_locks: try_locks.iter().map(workers::lock_event_key).collect(),
         pins,
+        claims,
         events_complete,
         recoveries,
         fault_windows,
+        kept_leases: shared.history.kept_leases(),
+        session_floods: shared.history.session_floods(),
     };
     (report.violations, report.undecided) = checkers::check_all(&evidence, config.search_budget);
     report.violations.insert("process", unexpected);
+    if report.violation_count() > 0 {
+        report.evidence_dump = Some(format!("{report:#?}\n{evidence:#?}"));
+    }
     Ok(report)
 }

@@ -73,6 +73,14 @@ pub enum Fault {
         /// How far its clock is off, ms.
         offset_ms: i64,
     },
+    /// The sitting leader's wall clock steps by `offset_ms` (a VM resumed,
+    /// an NTP step) while it leads, and steps back when the fault ends.
+    /// Needs a `failpoints` build (`clock-offset-ms`, set through the
+    /// replica's HTTP port).
+    ClockStep {
+        /// The step, ms (negative: back).
+        offset_ms: i64,
+    },
 }
 
 impl Fault {
@@ -91,6 +99,7 @@ impl Fault {
             Fault::Crash { .. } => "failpoint-crash",
             Fault::CrashInMembershipChange => "membership-crash",
             Fault::ClockSkew { .. } => "clock-skew",
+            Fault::ClockStep { .. } => "clock-step",
         }
     }
 }
@@ -146,7 +155,7 @@ pub struct FaultOptions {
 }
 
 /// Every fault kind's name.
-pub const KINDS: [&str; 12] = [
+pub const KINDS: [&str; 13] = [
     "partition",
     "isolate-leader",
     "one-way",
@@ -159,6 +168,7 @@ pub const KINDS: [&str; 12] = [
     "failpoint-crash",
     "membership-crash",
     "clock-skew",
+    "clock-step",
 ];
 
 impl Schedule {
@@ -200,7 +210,7 @@ fn target(rng: &mut Rng) -> Target {
 
 fn draw(rng: &mut Rng, options: FaultOptions) -> Fault {
     loop {
-        let fault = match rng.below(14) {
+        let fault = match rng.below(15) {
             0 | 1 => Fault::Partition {
                 pick: rng.next_u64(),
             },
@@ -227,6 +237,10 @@ fn draw(rng: &mut Rng, options: FaultOptions) -> Fault {
             // The issue's case: a leader whose clock is 10 s off.
             13 if options.failpoints => Fault::ClockSkew {
                 offset_ms: if rng.percent(50) { 10_000 } else { -10_000 },
+            },
+            // Issue 34's case: 10 minutes either way, on the sitting leader.
+            14 if options.failpoints => Fault::ClockStep {
+                offset_ms: if rng.percent(50) { 600_000 } else { -600_000 },
             },
             _ => continue,
         };

@@ -82,7 +82,7 @@ pub(crate) fn fresh_client(shared: &Shared) -> Client {
     let options = Options {
         call_timeout: Duration::from_millis(600),
         retry_timeout: COPY_RETRY,
-        ..Options::default()
+        ..shared.client.options().clone()
     };
     Client::new(shared.client.endpoints().to_vec(), options).expect("the run's endpoints")
 }

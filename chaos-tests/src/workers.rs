@@ -162,7 +162,7 @@ impl Shared {
     /// An acquire whose hold and wait belong to TTL lease `lease_id` (0 =
     /// none); `queued`, if given, is sent on once the acquire is told it
     /// waits in the queue (dropped unsent if it never is).
-    async fn acquire_on_lease(
+    pub(crate) async fn acquire_on_lease(
         &self,
         process: u64,
         key: &pb::LockKey,

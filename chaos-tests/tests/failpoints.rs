@@ -126,6 +126,8 @@ async fn planted_bug_runs(
         failpoints_env: Some(format!("{failpoint}=return")),
         run,
         verbose: false,
+        replica_log: None,
+        keep_evidence: false,
     };
     let summary = run_many(options.clone()).await.expect("the runs finish");
     println!("{}", summary.line(&options));
@@ -215,6 +217,88 @@ async fn a_build_that_keeps_grants_nobody_took_up_is_caught_by_the_progress_chec
     assert!(found > 0, "the kept grant went unnoticed");
 }
 
+/// Issue 34's defect 6 planted (`sm-reclaim-keeps-others`: a claim
+/// correction leaves the devices it claims in the other pins): the
+/// claimer's racing corrections leave a device of a node in two pins, and
+/// the `pins` checker reports it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_build_whose_claim_correction_keeps_other_claims_is_caught() {
+    let violations = planted_bug_runs(
+        "sm-reclaim-keeps-others",
+        99_000,
+        2,
+        Duration::from_millis(1500),
+        RunConfig::default(),
+    )
+    .await;
+    assert!(violations["pins"] > 0, "{violations:?}");
+}
+
+/// Issue 34's defect 5 planted (`sessions-no-quota`: no session quota):
+/// the session flooder's device plugin opens a session with every new
+/// client, past its quota of 16, and the `sessions` checker reports it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_build_without_the_session_quota_is_caught_by_the_sessions_checker() {
+    let violations = planted_bug_runs(
+        "sessions-no-quota",
+        93_100,
+        2,
+        Duration::from_millis(1500),
+        RunConfig::default(),
+    )
+    .await;
+    assert!(violations["sessions"] > 0, "{violations:?}");
+}
+
+/// Issue 34's defect 4 planted (`clock-stamps-wall`: entries stamped with
+/// the wall clock as read): the sitting leader's clock steps 10 minutes
+/// ahead while the lease keeper holds on a lease it keeps alive, committed
+/// time jumps with it, the lease ends at the next sweep and its waiter is
+/// granted while the keeper holds: the `leases` checker reports it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_build_that_stamps_the_stepped_wall_clock_is_caught_by_the_leases_checker() {
+    use tether_chaos::schedule::{Fault, Step};
+    let mut cluster = chaos_cluster(
+        tetherd_failpoints(),
+        3,
+        Some("clock-stamps-wall=return".into()),
+    )
+    .await
+    .expect("a cluster");
+    let mut found = 0;
+    for (n, seed) in (93_000..93_004).enumerate() {
+        // The step comes while the keeper's first round holds. Committed
+        // time keeps the highest stamp, so each step goes 10 minutes past
+        // the last. (The first schedule may pass unnoticed: a leader ends
+        // no lease before it has led for the lease's TTL.)
+        let schedule = Schedule {
+            seed,
+            workload: Duration::from_millis(2500),
+            steps: vec![Step {
+                at: Duration::from_millis(300),
+                lasts: Duration::from_millis(1000),
+                fault: Fault::ClockStep {
+                    offset_ms: 600_000 * (n as i64 + 1),
+                },
+            }],
+        };
+        let report = runner::run(
+            &mut cluster,
+            &schedule,
+            &format!("k{seed}"),
+            &RunConfig::default(),
+        )
+        .await
+        .unwrap_or_else(|e| panic!("{schedule}: {e:#}"));
+        assert_eq!(report.faults.get("clock-step"), Some(&1), "{schedule}");
+        for violation in &report.violations["leases"] {
+            println!("seed {seed} leases: {violation}");
+        }
+        found += report.violations["leases"].len();
+    }
+    assert!(found > 0, "the stepped stamps went unnoticed");
+}
+
 /// A leader whose clock runs 10 s ahead takes over: committed time jumps
 /// with its first entry, and an idle session is then past `--session-idle`
 /// by committed time. It must not be evicted before that leader has led for
@@ -242,6 +326,7 @@ async fn a_leader_whose_clock_runs_ahead_does_not_evict_a_session_early() {
         ],
         failpoints: None,
         log_filter: None,
+        tokens: false,
     })
     .await
     .expect("a cluster");
@@ -476,6 +561,7 @@ async fn a_replica_whose_raft_core_stops_exits_and_recovers_when_restarted() {
         ],
         failpoints: None,
         log_filter: None,
+        tokens: false,
     })
     .await
     .expect("a cluster");

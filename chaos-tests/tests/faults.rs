@@ -19,6 +19,7 @@ async fn cluster() -> ProcessCluster {
         ],
         failpoints: None,
         log_filter: None,
+        tokens: false,
     })
     .await
     .expect("a 3-replica cluster")

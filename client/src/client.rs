@@ -789,6 +789,12 @@ impl Client {
         &self.shared.endpoints
     }
 
+    /// The options it was made with (for another client of the same
+    /// cluster and credentials).
+    pub fn options(&self) -> &Options {
+        &self.shared.options
+    }
+
     /// Adds a learner (leader only; followed automatically).
     pub async fn add_learner(&self, node_id: u64, addr: &str, blocking: bool) -> Result<u64> {
         let request = pb::AddLearnerRequest {

@@ -1,7 +1,10 @@
 //! The HTTP side port: `GET /health` (a leader is known), `/ready` (member,
 //! leader known, caught up: for readiness probes), `/live` (the process
 //! answers and its Raft core runs: for liveness probes) and `/metrics`
-//! (OpenMetrics), served by axum through `tether_http`.
+//! (OpenMetrics), served by axum through `tether_http`. A `failpoints`
+//! build also serves `PUT /failpoints/{name}` (body: the actions, as in
+//! `FAILPOINTS`) and `DELETE /failpoints/{name}`, so the chaos suite can
+//! change a running replica, e.g. step the sitting leader's clock.
 
 use std::sync::Arc;
 
@@ -47,6 +50,7 @@ pub fn router(ctx: Arc<Ctx>) -> Router {
                 tether_http::metrics::response(metrics(&ctx))
             }),
         )
+        .merge(failpoint_routes())
         .fallback(|| async {
             tether_http::text(
                 StatusCode::NOT_FOUND,
@@ -54,6 +58,36 @@ pub fn router(ctx: Arc<Ctx>) -> Router {
             )
         })
         .with_state(ctx)
+}
+
+/// `PUT` / `DELETE /failpoints/{name}`: only in `failpoints` builds.
+#[cfg(feature = "failpoints")]
+fn failpoint_routes() -> Router<Arc<Ctx>> {
+    use axum::extract::Path;
+    use axum::routing::put;
+    Router::new().route(
+        "/failpoints/{name}",
+        put(|Path(name): Path<String>, actions: String| async move {
+            match fail::cfg(name.clone(), actions.trim()) {
+                Ok(()) => {
+                    tracing::warn!(failpoint = %name, actions = %actions.trim(), "failpoint set");
+                    tether_http::text(StatusCode::OK, "set\n")
+                }
+                Err(err) => tether_http::text(StatusCode::BAD_REQUEST, format!("{err}\n")),
+            }
+        })
+        .delete(|Path(name): Path<String>| async move {
+            fail::remove(&name);
+            tracing::warn!(failpoint = %name, "failpoint removed");
+            tether_http::text(StatusCode::OK, "removed\n")
+        }),
+    )
+}
+
+/// Without the `failpoints` feature there is nothing to change.
+#[cfg(not(feature = "failpoints"))]
+fn failpoint_routes() -> Router<Arc<Ctx>> {
+    Router::new()
 }
 
 /// 200 while the Raft core runs; 503 once it stopped on its own (the

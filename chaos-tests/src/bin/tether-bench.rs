@@ -614,6 +614,7 @@ fn cluster_spec(args: &Args, tetherd: &std::path::Path, extra_args: &[&str]) -> 
         extra_args: extra_args.iter().map(|a| a.to_string()).collect(),
         failpoints: None,
         log_filter: args.logs.as_ref().map(|_| "info,openraft=warn".to_string()),
+        tokens: false,
     }
 }
 

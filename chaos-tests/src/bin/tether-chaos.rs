@@ -64,6 +64,10 @@ struct Args {
     /// Print every schedule.
     #[arg(long, short)]
     verbose: bool,
+    /// RUST_LOG of the replicas, e.g. `info` (default: warnings only). A
+    /// failing schedule's replica logs are kept beside its evidence.
+    #[arg(long)]
+    replica_log: Option<String>,
 }
 
 #[tokio::main]
@@ -119,6 +123,8 @@ async fn main() -> anyhow::Result<()> {
         failpoints_env: args.broken,
         run: RunConfig::default(),
         verbose: args.verbose,
+        replica_log: args.replica_log,
+        keep_evidence: true,
     };
     println!(
         "tether-chaos: {} schedules from seed {seed} ({} replicas, {} lanes, failpoints {}, \

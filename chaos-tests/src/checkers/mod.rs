@@ -11,20 +11,24 @@
 //! | `fifo` | queued waiters are granted in the order they queued |
 //! | `watch` | watch streams are in order, without gaps or repeats |
 //! | `linearizability` | try-acquire / release / revoke match a sequential lock |
-//! | `pins` | pins never break their anti-affinity rule |
+//! | `pins` | pins never break their anti-affinity rule; no pin expires early; no device is claimed by two pins of a node |
 //! | `answers` | each pod is granted each lock at most once; a "granted" answer is the pod's own grant |
 //! | `ends` | a gone node's lock and a revoked pod are granted nothing by the entry that ended them; an ended wait never comes back; no present caller is told it went away |
 //! | `progress` | no waiter is left behind a free lock; a lock due to move on reaches its next waiter within a bound once faults have healed |
+//! | `sessions` | one identity gets at most its session quota; the bridge is never refused a session |
+//! | `leases` | a lease kept alive does not end before its TTL has run out in real time (clock steps included) |
 
 pub mod answers;
 pub mod durability;
 pub mod ends;
 pub mod fencing;
 pub mod fifo;
+pub mod leases;
 pub mod linearizability;
 pub mod mutual_exclusion;
 pub mod pins;
 pub mod progress;
+pub mod sessions;
 #[cfg(test)]
 mod testkit;
 pub mod tokens;
@@ -34,7 +38,7 @@ use std::collections::BTreeMap;
 
 use tether_client::proto as pb;
 
-use crate::history::{Op, Recovery, ShadowWrite};
+use crate::history::{KeptLease, Op, Recovery, SessionFlood, ShadowWrite};
 
 /// Everything a run leaves behind for the checkers.
 #[derive(Debug, Default, Clone)]
@@ -53,6 +57,9 @@ pub struct Evidence {
     pub try_locks: Vec<String>,
     /// Pins of the run (final state).
     pub pins: Vec<pb::Pin>,
+    /// The claimer's pins (final state), whose `dev/` labels are device
+    /// claims.
+    pub claims: Vec<pb::Pin>,
     /// `events` holds the run's whole log. When false (no replica kept it),
     /// the checkers that read the log skip it rather than report what is
     /// only missing history.
@@ -62,10 +69,14 @@ pub struct Evidence {
     /// When faults were in force: (began, healed; None if never), µs on
     /// the history's clock.
     pub fault_windows: Vec<(u64, Option<u64>)>,
+    /// The lease keeper's rounds.
+    pub kept_leases: Vec<KeptLease>,
+    /// What the session flooder saw.
+    pub session_floods: Vec<SessionFlood>,
 }
 
 /// Names of every checker, in report order.
-pub const CHECKERS: [&str; 11] = [
+pub const CHECKERS: [&str; 13] = [
     "mutual_exclusion",
     "fencing",
     "tokens",
@@ -77,6 +88,8 @@ pub const CHECKERS: [&str; 11] = [
     "ends",
     "answers",
     "progress",
+    "leases",
+    "sessions",
 ];
 
 /// Runs every checker: violations by checker name, and the locks whose
@@ -98,6 +111,8 @@ pub fn check_all(
     out.insert("ends", ends::check(evidence));
     out.insert("answers", answers::check(evidence));
     out.insert("progress", progress::check(evidence));
+    out.insert("leases", leases::check(evidence));
+    out.insert("sessions", sessions::check(evidence));
     (out, undecided)
 }
 

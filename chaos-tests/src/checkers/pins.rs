@@ -4,9 +4,13 @@
 //! since it was assigned (on committed time; the countdown starts no
 //! earlier than the assignment, when its owner stops).
 //!
+//! Device claims (the claimer's pins, corrected by `Reclaim`): in the final
+//! state no device label (`dev/...`) of a node is in two pins.
+//!
 //! Proves: affinity is evaluated atomically in apply even when assignments
 //! race and faults hit; a pin's lifetime is honoured across leader changes
-//! and clock skew. Does not check pins the run did not create.
+//! and clock skew; a claim correction takes a device out of every other pin
+//! in the entry that claims it. Does not check pins the run did not create.
 
 use std::collections::BTreeMap;
 
@@ -26,6 +30,32 @@ pub fn check(evidence: &Evidence) -> Vec<String> {
             format!("node {node} has pins {members:?} despite their anti-affinity")
         })
         .chain(early_expiries(evidence))
+        .chain(doubly_claimed(evidence))
+        .collect()
+}
+
+/// Devices of a node that two of the claimer's pins claim.
+fn doubly_claimed(evidence: &Evidence) -> Vec<String> {
+    let mut claimed: BTreeMap<(&str, &str), Vec<&str>> = BTreeMap::new();
+    for pin in &evidence.claims {
+        let member = pin.key.as_ref().map_or("?", |k| k.member.as_str());
+        for device in pin
+            .labels
+            .keys()
+            .filter(|l| l.starts_with(crate::claims::DEVICE_PREFIX))
+        {
+            claimed
+                .entry((pin.node.as_str(), device.as_str()))
+                .or_default()
+                .push(member);
+        }
+    }
+    claimed
+        .into_iter()
+        .filter(|(_, members)| members.len() > 1)
+        .map(|((node, device), members)| {
+            format!("{device} of node {node} is claimed by pins {members:?} at once")
+        })
         .collect()
 }
 
@@ -77,6 +107,38 @@ fn early_expiries(evidence: &Evidence) -> Vec<String> {
 mod tests {
     use super::*;
     use tether_client::proto as pb;
+
+    #[test]
+    fn a_device_claimed_by_two_pins_of_a_node_is_caught() {
+        let claim = |member: &str, node: &str, devices: &[&str]| pb::Pin {
+            key: Some(pb::PinKey {
+                set: "s-claims".into(),
+                member: member.into(),
+            }),
+            node: node.into(),
+            labels: devices
+                .iter()
+                .map(|d| (format!("dev/{d}"), member.to_string()))
+                .chain([("other".to_string(), "x".to_string())])
+                .collect(),
+            ..Default::default()
+        };
+        // The same device on two nodes, and two pins with other devices.
+        let mut evidence = Evidence {
+            claims: vec![
+                claim("1a", "n1", &["gpu0"]),
+                claim("1b", "n1", &["gpu1"]),
+                claim("1c", "n2", &["gpu0", "gpu1"]),
+            ],
+            ..Evidence::default()
+        };
+        assert!(check(&evidence).is_empty());
+        // The hand-made flaw: a correction that kept the other pin's label.
+        evidence.claims.push(claim("1d", "n1", &["gpu1", "gpu2"]));
+        let found = check(&evidence);
+        assert_eq!(found.len(), 1, "{found:?}");
+        assert!(found[0].contains("dev/gpu1 of node n1"), "{found:?}");
+    }
 
     #[test]
     fn two_pins_of_the_set_on_one_node_are_caught() {

@@ -69,6 +69,12 @@ impl CommitClock {
     pub fn stamp(&self, term: u64) -> u64 {
         let committed_ms = self.state.read().state.now_ms;
         let wall_ms = wall_clock_ms();
+        // A planted bug for the chaos suite (`clock-stamps-wall`, failpoints
+        // builds): stamps follow the wall clock as read, as before issue 34,
+        // which the `leases` checker must catch under a clock step.
+        if fail::eval("clock-stamps-wall", |_| ()).is_some() {
+            return wall_ms.max(committed_ms);
+        }
         let now = Instant::now();
         let mut anchor = self.anchor.lock().unwrap_or_else(|p| p.into_inner());
         let previous = anchor
