@@ -82,6 +82,57 @@ mod store_behaviour {
         let indexes: Vec<u64> = events.iter().map(|e| e.revision.index).collect();
         assert_eq!(indexes, (15..=20).collect::<Vec<_>>());
     }
+
+    /// openraft asks to purge up to an installed snapshot while the state
+    /// machine is still storing it; a purge written before the snapshot
+    /// (then a kill) left a replica whose log was purged past its stored
+    /// snapshot, which openraft refuses to start from (chaos seed 65 on
+    /// 2026-12-03). Once snapshots arrive, the log store never purges past
+    /// the stored one, whatever becomes of the install.
+    #[tokio::test]
+    async fn the_log_is_never_purged_past_the_stored_snapshot() {
+        use openraft::storage::RaftLogStorage;
+        use openraft::testing::log_id;
+        let dir = tempfile::tempdir().unwrap();
+        {
+            let (_db, mut log, mut sm) = store::open(dir.path()).await.unwrap();
+            sm.apply((1..=10).map(|i| super::acquire_entry(i, 1000 + i)))
+                .await
+                .unwrap();
+            sm.get_snapshot_builder()
+                .await
+                .build_snapshot()
+                .await
+                .unwrap();
+            // A snapshot up to 20 arrives and its install fails; openraft
+            // has already asked to purge up to it.
+            let _ = sm.begin_receiving_snapshot().await.unwrap();
+            let meta = openraft::SnapshotMeta {
+                last_log_id: Some(log_id(1, 1, 20)),
+                last_membership: Default::default(),
+                snapshot_id: "arrived".into(),
+            };
+            let garbage = Box::new(std::io::Cursor::new(b"not a snapshot".to_vec()));
+            assert!(sm.install_snapshot(&meta, garbage).await.is_err());
+            log.purge(log_id(1, 1, 20)).await.unwrap();
+            let state = log.get_log_state().await.unwrap();
+            assert_eq!(
+                state.last_purged_log_id, None,
+                "a purge past the stored snapshot (index 10) must not happen"
+            );
+            log.purge(log_id(1, 1, 8)).await.unwrap();
+        }
+        // What a restart reads: purged up to 8, a snapshot at 10.
+        let (_db, mut log, mut sm) = store::open(dir.path()).await.unwrap();
+        let state = log.get_log_state().await.unwrap();
+        assert_eq!(state.last_purged_log_id, Some(log_id(1, 1, 8)));
+        let snapshot = sm
+            .get_current_snapshot()
+            .await
+            .unwrap()
+            .expect("a snapshot");
+        assert_eq!(snapshot.meta.last_log_id.map(|l| l.index), Some(10));
+    }
 }
 
 mod age_retention {

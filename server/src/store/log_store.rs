@@ -256,6 +256,15 @@ impl RaftLogStorage<TypeConfig> for LogStore {
 
     async fn purge(&mut self, log_id: LogId) -> Result<(), StorageError> {
         self.gate.wait_before_purge(log_id.index).await;
+        // Never past the stored snapshot (see `SnapshotGate::may_purge`).
+        if !self.gate.may_purge(log_id.index) {
+            tracing::warn!(
+                purge = log_id.index,
+                snapshot = self.gate.covered(),
+                "not purging the log past the stored snapshot; a later purge will"
+            );
+            return Ok(());
+        }
         // Record the purge point first: if the deletion is interrupted, the
         // remaining entries below it are ignored, never a hole.
         self.put_meta(LAST_PURGED, &log_id)?;
