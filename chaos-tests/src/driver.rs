@@ -235,10 +235,7 @@ pub async fn chaos_cluster_logging(
 /// logs (every run of every slot so far) to a directory that outlives the
 /// run; returns it.
 fn keep_evidence(cluster: &ProcessCluster, seed: u64, dump: &str) -> anyhow::Result<PathBuf> {
-    let dir = std::env::temp_dir().join(format!(
-        "tether-chaos-s{seed}-{}",
-        std::process::id()
-    ));
+    let dir = std::env::temp_dir().join(format!("tether-chaos-s{seed}-{}", std::process::id()));
     std::fs::create_dir_all(&dir)?;
     std::fs::write(dir.join("evidence.txt"), dump)?;
     for id in cluster.slots() {
@@ -302,8 +299,10 @@ pub async fn run_many(options: DriverOptions) -> anyhow::Result<Summary> {
                                     println!("  seed {seed} {checker}: {v}");
                                 }
                             }
-                            if let Some(dump) =
-                                report.evidence_dump.as_ref().filter(|_| options.keep_evidence)
+                            if let Some(dump) = report
+                                .evidence_dump
+                                .as_ref()
+                                .filter(|_| options.keep_evidence)
                             {
                                 match keep_evidence(current, seed, dump) {
                                     Ok(dir) => println!(

@@ -12,8 +12,11 @@
 //!   will hear about.
 //! - [`metrics`] — the OpenMetrics answer of `/metrics`, from
 //!   `prometheus-client` registries.
+//! - [`logging`] — not HTTP, but shared by the same binaries: their one
+//!   `tracing` set-up.
 
 pub mod departure;
+pub mod logging;
 pub mod metrics;
 
 use std::future::Future;

@@ -15,14 +15,7 @@ use tether_k8s_bridge::config::BridgeConfig;
 
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
-    tracing_subscriber::fmt()
-        .with_writer(std::io::stderr)
-        // Colour codes only on a terminal, not in files or `kubectl logs`.
-        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
-        .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info".into()),
-        )
-        .init();
+    tether_http::logging::init("info");
     let args = BridgeConfig::parse();
     let config = match &args.kubeconfig {
         Some(path) => {

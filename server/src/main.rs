@@ -6,19 +6,10 @@
 
 use clap::Parser;
 use tether_server::{Config, Node};
-use tracing_subscriber::EnvFilter;
 
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
-    tracing_subscriber::fmt()
-        .with_writer(std::io::stderr)
-        // Colour codes only on a terminal, not in files or `kubectl logs`.
-        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
-        .with_env_filter(
-            EnvFilter::try_from_default_env()
-                .unwrap_or_else(|_| EnvFilter::new("info,openraft=warn")),
-        )
-        .init();
+    tether_http::logging::init("info,openraft=warn");
     #[cfg(feature = "failpoints")]
     let _failpoints = arm_failpoints();
     let config = Config::parse();

@@ -12,14 +12,7 @@ use tether_embed::device_plugin::{GpuPlugin, Placement, PluginConfig, router, ru
 
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
-    tracing_subscriber::fmt()
-        .with_writer(std::io::stderr)
-        // Colour codes only on a terminal, not in files or `kubectl logs`.
-        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
-        .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info".into()),
-        )
-        .init();
+    tether_http::logging::init("info");
     let args = DevicePluginArgs::parse();
     let options = Options {
         retry_timeout: args.allocate_timeout,
