@@ -30,7 +30,10 @@
 //! - `error.rs` — [`Error`]: what the caller should do about a failure.
 //! - `watch.rs` — [`Watcher`]: a watch that resumes from its last revision.
 //! - `selector.rs` — parsing of label selectors, affinity terms, pin keys.
-//! - `bin/lockctl.rs` — the admin CLI.
+//! - `deadline.rs` — one deadline for a caller's whole operation.
+//! - `cluster.rs` — keeps a client to the one cluster whose id it saw first.
+//! - `security.rs` — the credential flags (TLS, bearer token) every binary shares.
+//! - `bin/lockctl/` — the admin CLI.
 
 pub mod blocking;
 mod client;

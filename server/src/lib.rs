@@ -12,7 +12,12 @@
 //!   each), events. Pure and deterministic.
 //! - `store/` — RocksDB log store and state machine for openraft.
 //! - `raft/` — openraft type configuration and the replica network.
-//! - `api/` — gRPC handlers, validation and wire conversions.
+//! - `api/` — gRPC handlers, validation and wire conversions, and what they
+//!   lean on: write batching (`batching.rs`), linearizable reads
+//!   (`reads.rs`), the leader's entry stamps (`clock.rs`), session admission
+//!   (`sessions.rs`), calls to other replicas (`peer.rs`).
+//! - `auth.rs` — who is calling (certificate or development token) and what
+//!   each role may do.
 //! - `error.rs` — API errors and their mapping to gRPC status codes.
 //! - `http.rs`, `metrics.rs` — the probes and `/metrics` (axum through
 //!   `tether-http`; counters and histograms in a `prometheus-client`
@@ -20,6 +25,8 @@
 //! - `statefulset.rs` — identity and bootstrap by ordinal (`--statefulset`).
 //! - `cluster_id.rs` — the cluster's id, and the checks that keep clusters apart.
 //! - `testing.rs` — in-process test clusters (for tests, not `tetherd`).
+//! - `fuzzing.rs` — the fuzz targets, run by `bin/tether-fuzz.rs` (stable,
+//!   bounded, in CI) and by cargo-fuzz in `fuzz/`.
 
 pub mod api;
 pub mod auth;

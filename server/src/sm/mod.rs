@@ -9,9 +9,14 @@
 //! durable `last_applied`) and snapshots safe.
 //!
 //! # Layout
-//! - `types.rs` — locks, holds, waiters, leases, reasons.
+//! - `types.rs` — locks, holds, waiters, leases, pins, nodes, reasons.
 //! - `event.rs` — what applying an entry emits.
-//! - `command/` — one file per command, each with its `apply`.
+//! - `command/` — one file per command, each with its `apply`; `batch.rs`
+//!   applies several clients' lock commands in one entry, `sweep.rs` ends
+//!   what has timed out.
+//! - `affinity.rs` — where `Assign` places a pin (required terms filter,
+//!   preferred terms order).
+//! - `tests.rs` — the per-entry property test and its planted bugs.
 
 // Command errors are values of the replicated state (kept in the dedupe table
 // and returned whole), not errors bubbling through hot paths: their size is

@@ -3,8 +3,10 @@
 //! Exit codes: 0 success; 1 other error; 2 invalid arguments; 3 refused by
 //! the lock rules (held, not the holder, stale token, unknown lease, no such
 //! pin, wait aborted); 4 a wait's deadline passed; 5 no replica could serve
-//! (no leader, unreachable; for a write the outcome is then unknown) or no
-//! candidate node fits a pin; 6 a watch revision was compacted.
+//! (no leader, unreachable; for a write the outcome is then unknown), no
+//! candidate node fits a pin, or a quota was reached; 6 a watch revision
+//! was compacted; 7 permission denied or not authenticated; 8 a replica of
+//! another cluster than the one first seen answered (nothing was done).
 
 use std::io::Write;
 use std::process::ExitCode;
@@ -52,7 +54,8 @@ struct Cli {
 const EXIT_CODES: &str = "Exit codes: 0 ok, 1 other error, 2 invalid arguments, 3 refused by the lock \
 rules (held, not the holder, stale token, unknown lease, no such pin), 4 wait deadline passed, 5 no \
 replica could serve or no candidate fits (for a write the outcome is unknown), 6 watch revision \
-compacted, 7 permission denied or not authenticated (see --tls-dir, --token-file)";
+compacted, 7 permission denied or not authenticated (see --tls-dir, --token-file), 8 a replica of \
+another cluster than the one first seen answered (nothing was done)";
 
 #[derive(Clone, Copy, ValueEnum, PartialEq)]
 enum Format {
