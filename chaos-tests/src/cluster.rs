@@ -463,8 +463,11 @@ impl ProcessCluster {
     }
 
     /// SIGSTOP: the process freezes with its sockets open. Returns once the
-    /// kernel shows it stopped (a signal is delivered asynchronously).
-    pub fn pause(&mut self, id: u64) {
+    /// kernel shows it stopped (a signal is delivered asynchronously), or
+    /// gone (a process that already exited stops nothing). Polls with the
+    /// runtime's sleep: the proxies and clients of the run share this
+    /// process's runtime, and a blocked worker thread stalls them.
+    pub async fn pause(&mut self, id: u64) {
         self.signal(id, "-STOP", true);
         let Some(pid) = self
             .replicas
@@ -481,10 +484,11 @@ impl ProcessCluster {
             let state = stat
                 .rsplit_once(") ")
                 .and_then(|(_, rest)| rest.chars().next());
-            if state == Some('T') || state.is_none() {
+            // T: stopped; Z, X: exited (not reaped yet); none: gone.
+            if matches!(state, None | Some('T' | 'Z' | 'X')) {
                 return;
             }
-            std::thread::sleep(Duration::from_millis(1));
+            tokio::time::sleep(Duration::from_millis(1)).await;
         }
     }
 

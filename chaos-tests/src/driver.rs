@@ -268,8 +268,12 @@ pub async fn run_many(options: DriverOptions) -> anyhow::Result<Summary> {
                 }
                 let seed = options.seed + n;
                 if cluster.is_none() || used >= options.per_cluster {
-                    // Stop the old replicas before starting new ones.
-                    drop(cluster.take());
+                    // Stop the old replicas before starting new ones, off
+                    // the runtime's threads (killing, reaping and deleting
+                    // their data blocks).
+                    if let Some(old) = cluster.take() {
+                        let _ = tokio::task::spawn_blocking(move || drop(old)).await;
+                    }
                     cluster = Some(fresh_cluster(&options).await?);
                     used = 0;
                 }
@@ -278,6 +282,15 @@ pub async fn run_many(options: DriverOptions) -> anyhow::Result<Summary> {
                 let current = cluster.as_mut().expect("started above");
                 let result =
                     runner::run(current, &schedule, &format!("s{seed}"), &options.run).await;
+                // Written before the summary is locked: the other lanes
+                // wait for that lock.
+                let kept = match &result {
+                    Ok(report) if options.keep_evidence => report
+                        .evidence_dump
+                        .as_ref()
+                        .map(|dump| keep_evidence(current, seed, dump)),
+                    _ => None,
+                };
                 let mut summary = summary.lock().unwrap_or_else(|p| p.into_inner());
                 match result {
                     Ok(report) => {
@@ -299,20 +312,24 @@ pub async fn run_many(options: DriverOptions) -> anyhow::Result<Summary> {
                                     println!("  seed {seed} {checker}: {v}");
                                 }
                             }
-                            if let Some(dump) = report
-                                .evidence_dump
-                                .as_ref()
-                                .filter(|_| options.keep_evidence)
-                            {
-                                match keep_evidence(current, seed, dump) {
-                                    Ok(dir) => println!(
-                                        "  seed {seed}: evidence and replica logs in {}",
-                                        dir.display()
-                                    ),
-                                    Err(err) => {
-                                        println!("  seed {seed}: evidence not kept: {err:#}")
-                                    }
+                            if let Some(digest) = &report.progress_digest {
+                                println!("  seed {seed} progress evidence:\n{digest}");
+                                for id in current.running() {
+                                    println!(
+                                        "  tetherd {id} log tail:\n{}",
+                                        current.log_tail(id, 12)
+                                    );
                                 }
+                            }
+                            match &kept {
+                                Some(Ok(dir)) => println!(
+                                    "  seed {seed}: evidence and replica logs in {}",
+                                    dir.display()
+                                ),
+                                Some(Err(err)) => {
+                                    println!("  seed {seed}: evidence not kept: {err:#}")
+                                }
+                                None => {}
                             }
                         }
                         summary.add(seed, &report);

@@ -119,6 +119,10 @@ pub struct Report {
     /// When something was found: the run's evidence, printed in full, for
     /// the driver to keep beside the replicas' logs.
     pub evidence_dump: Option<String>,
+    /// When the progress checker found something: the operations and
+    /// events of each lock it names, short enough to print (a CI log is
+    /// all that is left of a CI run).
+    pub progress_digest: Option<String>,
 }
 
 impl Report {
@@ -234,7 +238,7 @@ async fn inject(
             let Some(id) = pick_target(*target, leader, &live) else {
                 return Ok(false);
             };
-            cluster.pause(id);
+            cluster.pause(id).await;
         }
         Fault::TransferLeader => {
             let Some(to) = pick_target(Target::Follower(lasts.as_millis() as u64), leader, &voters)
@@ -406,6 +410,77 @@ fn heal(
         cluster.restart(id, None)?;
     }
     Ok(fired)
+}
+
+/// The operations, recoveries and events of each lock a progress violation
+/// names, one line each, with the fault windows: what a CI log needs to
+/// tell a stalled cluster from a lost grant.
+fn progress_digest(found: &[String], evidence: &Evidence) -> String {
+    use std::fmt::Write as _;
+    let ms = |us: u64| us as f64 / 1000.0;
+    let mut out = String::new();
+    let windows: Vec<String> = evidence
+        .fault_windows
+        .iter()
+        .map(|(began, healed)| match healed {
+            Some(h) => format!("{:.0}-{:.0}", ms(*began), ms(*h)),
+            None => format!("{:.0}-", ms(*began)),
+        })
+        .collect();
+    let _ = writeln!(out, "    faults (ms): {}", windows.join(" "));
+    // Definite answers per 500 ms of the run: a stalled cluster (or test
+    // process) shows as a run of zeros.
+    let mut answered = Vec::new();
+    for op in evidence.ops.iter().filter(|o| o.is_ok()) {
+        if let Some(at) = op.complete_us {
+            let slot = (at / 500_000) as usize;
+            if answered.len() <= slot {
+                answered.resize(slot + 1, 0u32);
+            }
+            answered[slot] += 1;
+        }
+    }
+    let answered: Vec<String> = answered.iter().map(u32::to_string).collect();
+    let _ = writeln!(out, "    answers per 500 ms: {}", answered.join(" "));
+    let keys: std::collections::BTreeSet<&str> = found
+        .iter()
+        .filter_map(|v| v.split(' ').next())
+        .filter(|k| k.starts_with("lock/"))
+        .collect();
+    for key in keys {
+        let _ = writeln!(out, "    {key}:");
+        for r in evidence.recoveries.iter().filter(|r| r.key == key) {
+            let _ = writeln!(
+                out,
+                "      recovery ({}): due {:.0} ms, granted {:?}, answered {:.0} ms",
+                r.cause,
+                ms(r.due_us),
+                r.granted_us.map(|g| ms(g).round()),
+                ms(r.answered_us)
+            );
+        }
+        for op in evidence.ops.iter().filter(|o| o.key == key) {
+            let _ = writeln!(
+                out,
+                "      op p{} {:?} at {:.0} ms -> {:?} at {:?} ms",
+                op.process,
+                op.call,
+                ms(op.invoke_us),
+                op.outcome,
+                op.complete_us.map(|c| ms(c).round())
+            );
+        }
+        for event in evidence.events.get(key).into_iter().flatten() {
+            let _ = writeln!(
+                out,
+                "      event {} {} {}",
+                crate::checkers::rev(event),
+                event.kind,
+                event.reason
+            );
+        }
+    }
+    out
 }
 
 /// Every event of `key` from `from` on, paging; from replica `addr`, or
@@ -831,6 +906,9 @@ pub async fn run(
     report.violations.insert("process", unexpected);
     if report.violation_count() > 0 {
         report.evidence_dump = Some(format!("{report:#?}\n{evidence:#?}"));
+    }
+    if let Some(found) = report.violations.get("progress").filter(|v| !v.is_empty()) {
+        report.progress_digest = Some(progress_digest(found, &evidence));
     }
     Ok(report)
 }

@@ -212,6 +212,13 @@ async fn a_build_that_keeps_grants_nobody_took_up_is_caught_by_the_progress_chec
         for violation in &report.violations["progress"] {
             println!("seed {seed} progress: {violation}");
         }
+        if let Some(digest) = &report.progress_digest {
+            println!("{digest}");
+            assert!(
+                digest.contains("recovery (") && digest.contains("answers per 500 ms"),
+                "the digest names the late recovery and the run's answers"
+            );
+        }
         found += report.violations["progress"].len();
     }
     assert!(found > 0, "the kept grant went unnoticed");

@@ -155,7 +155,7 @@ async fn a_paused_replica_stops_answering_and_a_replaced_member_serves() {
         .into_iter()
         .find(|id| *id != leader.node_id)
         .unwrap();
-    cluster.pause(follower);
+    cluster.pause(follower).await;
     let addr = cluster.addr(follower);
     let answer = tokio::time::timeout(Duration::from_millis(500), client.status_of(&addr)).await;
     assert!(

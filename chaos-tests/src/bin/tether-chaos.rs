@@ -70,7 +70,12 @@ struct Args {
     replica_log: Option<String>,
 }
 
-#[tokio::main]
+// More worker threads than cores: the run's proxies (every replica link),
+// clients and fault injection share this runtime, and the harness makes a
+// few blocking calls (killing and reaping replicas, a failpoint's HTTP
+// request, dropping a cluster's data); with one thread per core, two lanes
+// blocked at once would stall every proxy and client of both clusters.
+#[tokio::main(flavor = "multi_thread", worker_threads = 8)]
 async fn main() -> anyhow::Result<()> {
     let args = Args::parse();
     let tetherd = args.tetherd.unwrap_or_else(|| {
