@@ -192,9 +192,8 @@ async fn release_copy(
         outcome: pb::Outcome::Allocated as i32,
     };
     let result = fresh_client(shared)
-        .with_leader(Duration::ZERO, |conn| {
-            let request = request.clone();
-            async move { LockServiceClient::new(conn).release(request).await }
+        .unary(request, |conn, request| async move {
+            LockServiceClient::new(conn).release(request).await
         })
         .await;
     let (outcome, reused) = match result {

@@ -447,6 +447,40 @@ impl Client {
         }
     }
 
+    /// One unary call through [`Client::with_leader`]: `call` sends
+    /// `request` on a channel to the believed leader, as often as the retry
+    /// rules say; the answer's message is returned. The same request (and
+    /// so the same request id) goes on every attempt.
+    pub async fn unary<Req, Resp, F, Fut>(&self, request: Req, call: F) -> Result<Resp>
+    where
+        Req: Clone,
+        F: Fn(Conn, Req) -> Fut,
+        Fut: Future<Output = std::result::Result<tonic::Response<Resp>, Status>>,
+    {
+        self.unary_within(Duration::ZERO, request, call).await
+    }
+
+    /// [`Client::unary`] for a call the server may take `extra` to answer
+    /// (a membership change, a snapshot): each attempt and the retry budget
+    /// get that much longer.
+    pub async fn unary_within<Req, Resp, F, Fut>(
+        &self,
+        extra: Duration,
+        request: Req,
+        call: F,
+    ) -> Result<Resp>
+    where
+        Req: Clone,
+        F: Fn(Conn, Req) -> Fut,
+        Fut: Future<Output = std::result::Result<tonic::Response<Resp>, Status>>,
+    {
+        self.with_leader(extra, |channel| {
+            let answer = call(channel, request.clone());
+            async move { Ok(answer.await?.into_inner()) }
+        })
+        .await
+    }
+
     /// Acquires `key` for `pod`, waiting up to `wait` in the FIFO queue
     /// (zero = fail at once if held). Returns the hold with its fencing token
     /// and payload. Re-acquiring for the same pod UID returns the same hold.
@@ -528,17 +562,11 @@ impl Client {
             token,
             outcome: outcome as i32,
         };
-        self.with_leader(Duration::ZERO, |channel| {
-            let request = request.clone();
-            async move {
-                Ok(LockServiceClient::new(channel)
-                    .release(request)
-                    .await?
-                    .into_inner()
-                    .next_holder)
-            }
+        self.unary(request, |channel, request| async move {
+            LockServiceClient::new(channel).release(request).await
         })
         .await
+        .map(|reply| reply.next_holder)
     }
 
     /// Withdraws `pod_uid`'s acquire of `key` after its caller gave up on
@@ -552,14 +580,8 @@ impl Client {
             key: Some(key.clone()),
             pod_uid: pod_uid.to_string(),
         };
-        self.with_leader(Duration::ZERO, |channel| {
-            let request = request.clone();
-            async move {
-                Ok(LockServiceClient::new(channel)
-                    .withdraw(request)
-                    .await?
-                    .into_inner())
-            }
+        self.unary(request, |channel, request| async move {
+            LockServiceClient::new(channel).withdraw(request).await
         })
         .await
     }
@@ -569,17 +591,11 @@ impl Client {
         let request = pb::HolderRequest {
             key: Some(key.clone()),
         };
-        self.with_leader(Duration::ZERO, |channel| {
-            let request = request.clone();
-            async move {
-                Ok(LockServiceClient::new(channel)
-                    .holder(request)
-                    .await?
-                    .into_inner()
-                    .hold)
-            }
+        self.unary(request, |channel, request| async move {
+            LockServiceClient::new(channel).holder(request).await
         })
         .await
+        .map(|reply| reply.hold)
     }
 
     /// Linearizable read of a lock's holder and queue.
@@ -587,18 +603,11 @@ impl Client {
         let request = pb::GetLockRequest {
             key: Some(key.clone()),
         };
-        self.with_leader(Duration::ZERO, |channel| {
-            let request = request.clone();
-            async move {
-                Ok(LockServiceClient::new(channel)
-                    .get(request)
-                    .await?
-                    .into_inner()
-                    .lock
-                    .unwrap_or_default())
-            }
+        self.unary(request, |channel, request| async move {
+            LockServiceClient::new(channel).get(request).await
         })
         .await
+        .map(|reply| reply.lock.unwrap_or_default())
     }
 
     /// Locks with a holder or waiters (empty scope = all), as the answering
@@ -607,17 +616,11 @@ impl Client {
         let request = pb::ListLocksRequest {
             scope: scope.to_string(),
         };
-        self.with_leader(Duration::ZERO, |channel| {
-            let request = request.clone();
-            async move {
-                Ok(LockServiceClient::new(channel)
-                    .list(request)
-                    .await?
-                    .into_inner()
-                    .locks)
-            }
+        self.unary(request, |channel, request| async move {
+            LockServiceClient::new(channel).list(request).await
         })
         .await
+        .map(|reply| reply.locks)
     }
 
     /// Admin: releases whatever holds `key`, audited.
@@ -634,14 +637,8 @@ impl Client {
             operator: operator.to_string(),
             reason: reason.to_string(),
         };
-        self.with_leader(Duration::ZERO, |channel| {
-            let request = request.clone();
-            async move {
-                Ok(LockServiceClient::new(channel)
-                    .force_release(request)
-                    .await?
-                    .into_inner())
-            }
+        self.unary(request, |channel, request| async move {
+            LockServiceClient::new(channel).force_release(request).await
         })
         .await
     }
@@ -654,14 +651,8 @@ impl Client {
             pod_uid: pod_uid.to_string(),
             reason: reason.to_string(),
         };
-        self.with_leader(Duration::ZERO, |channel| {
-            let request = request.clone();
-            async move {
-                Ok(LeaseServiceClient::new(channel)
-                    .revoke_pod(request)
-                    .await?
-                    .into_inner())
-            }
+        self.unary(request, |channel, request| async move {
+            LeaseServiceClient::new(channel).revoke_pod(request).await
         })
         .await
     }
@@ -673,17 +664,11 @@ impl Client {
             request_id: Some(request_id),
             ttl_ms: ttl.as_millis() as u64,
         };
-        self.with_leader(Duration::ZERO, |channel| {
-            let request = request.clone();
-            async move {
-                Ok(LeaseServiceClient::new(channel)
-                    .grant(request)
-                    .await?
-                    .into_inner()
-                    .lease_id)
-            }
+        self.unary(request, |channel, request| async move {
+            LeaseServiceClient::new(channel).grant(request).await
         })
         .await
+        .map(|reply| reply.lease_id)
     }
 
     /// Refreshes a TTL lease once; returns the TTL restarted (0 = gone).
@@ -711,14 +696,8 @@ impl Client {
             request_id: Some(request_id),
             lease_id,
         };
-        self.with_leader(Duration::ZERO, |channel| {
-            let request = request.clone();
-            async move {
-                Ok(LeaseServiceClient::new(channel)
-                    .revoke(request)
-                    .await?
-                    .into_inner())
-            }
+        self.unary(request, |channel, request| async move {
+            LeaseServiceClient::new(channel).revoke(request).await
         })
         .await
     }
@@ -802,17 +781,17 @@ impl Client {
             addr: addr.to_string(),
             blocking,
         };
-        self.with_leader(Duration::from_secs(60), |channel| {
-            let request = request.clone();
-            async move {
-                Ok(ClusterServiceClient::new(channel)
+        self.unary_within(
+            Duration::from_secs(60),
+            request,
+            |channel, request| async move {
+                ClusterServiceClient::new(channel)
                     .add_learner(request)
-                    .await?
-                    .into_inner()
-                    .log_index)
-            }
-        })
+                    .await
+            },
+        )
         .await
+        .map(|reply| reply.log_index)
     }
 
     /// Sets the voters.
@@ -826,17 +805,17 @@ impl Client {
             retain_as_learners,
             remove_learners: vec![],
         };
-        self.with_leader(Duration::from_secs(30), |channel| {
-            let request = request.clone();
-            async move {
-                Ok(ClusterServiceClient::new(channel)
+        self.unary_within(
+            Duration::from_secs(30),
+            request,
+            |channel, request| async move {
+                ClusterServiceClient::new(channel)
                     .change_membership(request)
-                    .await?
-                    .into_inner()
-                    .log_index)
-            }
-        })
+                    .await
+            },
+        )
         .await
+        .map(|reply| reply.log_index)
     }
 
     /// Removes learners (non-voting members).
@@ -846,17 +825,17 @@ impl Client {
             retain_as_learners: false,
             remove_learners: node_ids,
         };
-        self.with_leader(Duration::from_secs(30), |channel| {
-            let request = request.clone();
-            async move {
-                Ok(ClusterServiceClient::new(channel)
+        self.unary_within(
+            Duration::from_secs(30),
+            request,
+            |channel, request| async move {
+                ClusterServiceClient::new(channel)
                     .change_membership(request)
-                    .await?
-                    .into_inner()
-                    .log_index)
-            }
-        })
+                    .await
+            },
+        )
         .await
+        .map(|reply| reply.log_index)
     }
 
     /// The leader's status (its view of members and replication).
@@ -877,29 +856,31 @@ impl Client {
 
     /// Hands leadership to `target`; returns the new leader id.
     pub async fn transfer_leader(&self, target: u64) -> Result<u64> {
-        self.with_leader(Duration::from_secs(30), |channel| async move {
-            let request = pb::TransferLeaderRequest {
-                target_node_id: target,
-            };
-            Ok(ClusterServiceClient::new(channel)
-                .transfer_leader(request)
-                .await?
-                .into_inner()
-                .leader_id)
-        })
+        let request = pb::TransferLeaderRequest {
+            target_node_id: target,
+        };
+        self.unary_within(
+            Duration::from_secs(30),
+            request,
+            |channel, request| async move {
+                ClusterServiceClient::new(channel)
+                    .transfer_leader(request)
+                    .await
+            },
+        )
         .await
+        .map(|reply| reply.leader_id)
     }
 
     /// Builds a snapshot on the leader now.
     pub async fn snapshot(&self) -> Result<u64> {
-        self.with_leader(Duration::from_secs(60), |channel| async move {
-            Ok(ClusterServiceClient::new(channel)
-                .snapshot(pb::SnapshotRequest {})
-                .await?
-                .into_inner()
-                .snapshot_index)
-        })
+        self.unary_within(
+            Duration::from_secs(60),
+            pb::SnapshotRequest {},
+            |channel, request| async move { ClusterServiceClient::new(channel).snapshot(request).await },
+        )
         .await
+        .map(|reply| reply.snapshot_index)
     }
 }
 
@@ -924,14 +905,8 @@ impl Client {
             labels,
             affinity: Some(affinity),
         };
-        self.with_leader(Duration::ZERO, |channel| {
-            let request = request.clone();
-            async move {
-                Ok(PinServiceClient::new(channel)
-                    .assign(request)
-                    .await?
-                    .into_inner())
-            }
+        self.unary(request, |channel, request| async move {
+            PinServiceClient::new(channel).assign(request).await
         })
         .await
     }
@@ -959,14 +934,8 @@ impl Client {
             labels,
             exclusive_prefix: exclusive_prefix.to_string(),
         };
-        self.with_leader(Duration::ZERO, |channel| {
-            let request = request.clone();
-            async move {
-                Ok(PinServiceClient::new(channel)
-                    .reclaim(request)
-                    .await?
-                    .into_inner())
-            }
+        self.unary(request, |channel, request| async move {
+            PinServiceClient::new(channel).reclaim(request).await
         })
         .await
     }
@@ -979,17 +948,11 @@ impl Client {
             key: Some(key.clone()),
             reason: reason.to_string(),
         };
-        self.with_leader(Duration::ZERO, |channel| {
-            let request = request.clone();
-            async move {
-                Ok(PinServiceClient::new(channel)
-                    .release(request)
-                    .await?
-                    .into_inner()
-                    .released)
-            }
+        self.unary(request, |channel, request| async move {
+            PinServiceClient::new(channel).release(request).await
         })
         .await
+        .map(|reply| reply.released)
     }
 
     /// Linearizable read of one pin.
@@ -997,17 +960,11 @@ impl Client {
         let request = pb::GetPinRequest {
             key: Some(key.clone()),
         };
-        self.with_leader(Duration::ZERO, |channel| {
-            let request = request.clone();
-            async move {
-                Ok(PinServiceClient::new(channel)
-                    .get(request)
-                    .await?
-                    .into_inner()
-                    .pin)
-            }
+        self.unary(request, |channel, request| async move {
+            PinServiceClient::new(channel).get(request).await
         })
         .await
+        .map(|reply| reply.pin)
     }
 
     /// Pins of a set and/or on a node (empty = any).
@@ -1016,17 +973,11 @@ impl Client {
             set: set.to_string(),
             node: node.to_string(),
         };
-        self.with_leader(Duration::ZERO, |channel| {
-            let request = request.clone();
-            async move {
-                Ok(PinServiceClient::new(channel)
-                    .list(request)
-                    .await?
-                    .into_inner()
-                    .pins)
-            }
+        self.unary(request, |channel, request| async move {
+            PinServiceClient::new(channel).list(request).await
         })
         .await
+        .map(|reply| reply.pins)
     }
 
     /// Reports a node (what the bridge sends).
@@ -1036,29 +987,20 @@ impl Client {
     ) -> Result<pb::ReportNodeResponse> {
         let (request_id, _in_flight) = self.begin_request().await;
         request.request_id = Some(request_id);
-        self.with_leader(Duration::ZERO, |channel| {
-            let request = request.clone();
-            async move {
-                Ok(NodeServiceClient::new(channel)
-                    .report(request)
-                    .await?
-                    .into_inner())
-            }
+        self.unary(request, |channel, request| async move {
+            NodeServiceClient::new(channel).report(request).await
         })
         .await
     }
 
     /// The node registry.
     pub async fn list_nodes(&self, include_gone: bool) -> Result<Vec<pb::Node>> {
-        self.with_leader(Duration::ZERO, |channel| async move {
-            let request = pb::ListNodesRequest { include_gone };
-            Ok(NodeServiceClient::new(channel)
-                .list(request)
-                .await?
-                .into_inner()
-                .nodes)
+        let request = pb::ListNodesRequest { include_gone };
+        self.unary(request, |channel, request| async move {
+            NodeServiceClient::new(channel).list(request).await
         })
         .await
+        .map(|reply| reply.nodes)
     }
 
     /// Reports a pod's phase (what the bridge sends).
@@ -1073,14 +1015,8 @@ impl Client {
             pod_uid: pod_uid.to_string(),
             phase: phase as i32,
         };
-        self.with_leader(Duration::ZERO, |channel| {
-            let request = request.clone();
-            async move {
-                Ok(LeaseServiceClient::new(channel)
-                    .report_pod(request)
-                    .await?
-                    .into_inner())
-            }
+        self.unary(request, |channel, request| async move {
+            LeaseServiceClient::new(channel).report_pod(request).await
         })
         .await
     }
@@ -1136,14 +1072,8 @@ impl Client {
     /// [`pb::HistoryRequest`] (the server answers at most 1,000 per call:
     /// page by asking again from the last revision + 1).
     pub async fn history_query(&self, request: pb::HistoryRequest) -> Result<pb::HistoryResponse> {
-        self.with_leader(Duration::ZERO, |channel| {
-            let request = request.clone();
-            async move {
-                Ok(WatchServiceClient::new(channel)
-                    .history(request)
-                    .await?
-                    .into_inner())
-            }
+        self.unary(request, |channel, request| async move {
+            WatchServiceClient::new(channel).history(request).await
         })
         .await
     }
