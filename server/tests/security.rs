@@ -51,6 +51,17 @@ async fn tls_cluster_with(
     .await
 }
 
+/// A cluster of `n` replicas run with development tokens; `lines` is the
+/// token file (`TOKEN ROLE [NAME]` per line), written as `root/tokens`.
+async fn token_cluster(n: u64, root: &Path, lines: &str) -> Cluster {
+    let tokens = root.join("tokens");
+    std::fs::write(&tokens, lines).unwrap();
+    Cluster::start_with(n, move |config| {
+        config.auth_tokens = Some(tokens.clone());
+    })
+    .await
+}
+
 fn client_as(cluster: &Cluster, tls: Arc<TlsMaterial>) -> Client {
     Client::new(
         cluster.endpoints(),
@@ -494,19 +505,13 @@ async fn certificates_rotate_without_a_restart() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn development_tokens_run_a_cluster_of_three_replicas() {
     let root = tempfile::tempdir().unwrap();
-    let tokens = root.path().join("tokens");
-    std::fs::write(
-        &tokens,
+    let cluster = token_cluster(
+        3,
+        root.path(),
         "replica-0123456789abcdef replica\nsched-0123456789abcdef scheduler\n",
     )
-    .unwrap();
-    let cluster = {
-        let tokens = tokens.clone();
-        Cluster::start_with(3, move |config| {
-            config.auth_tokens = Some(tokens.clone());
-        })
-        .await
-    };
+    .await;
+    let tokens = root.path().join("tokens");
     let scheduler = Client::new(
         cluster.endpoints(),
         Options {
@@ -550,15 +555,11 @@ async fn development_tokens_run_a_cluster_of_three_replicas() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_leader_transfer_reaches_its_target_with_tokens_and_with_tls() {
     let root = tempfile::tempdir().unwrap();
-    let tokens = root.path().join("tokens");
-    std::fs::write(
-        &tokens,
+    let cluster = token_cluster(
+        3,
+        root.path(),
         "replica-0123456789abcdef replica\nadmin-0123456789abcdef admin\n",
     )
-    .unwrap();
-    let cluster = Cluster::start_with(3, move |config| {
-        config.auth_tokens = Some(tokens.clone());
-    })
     .await;
     let admin = Client::new(
         cluster.endpoints(),
@@ -598,15 +599,11 @@ async fn a_leader_transfer_reaches_its_target_with_tokens_and_with_tls() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn development_bearer_tokens_give_roles_without_tls() {
     let root = tempfile::tempdir().unwrap();
-    let tokens = root.path().join("tokens");
-    std::fs::write(
-        &tokens,
+    let cluster = token_cluster(
+        1,
+        root.path(),
         "# dev only\nsched-0123456789abcdef scheduler\nplugin-0123456789abcdef device-plugin:node-a\n",
     )
-    .unwrap();
-    let cluster = Cluster::start_with(1, move |config| {
-        config.auth_tokens = Some(tokens.clone());
-    })
     .await;
     let with_token = |token: Option<&str>| {
         Client::new(
@@ -663,15 +660,11 @@ async fn one_callers_request_ids_cannot_reach_another_callers_session() {
     use tether_client::proto::{AcquireRequest, RequestId};
 
     let root = tempfile::tempdir().unwrap();
-    let tokens = root.path().join("tokens");
-    std::fs::write(
-        &tokens,
+    let cluster = token_cluster(
+        1,
+        root.path(),
         "victim-0123456789abcdef scheduler sched-a\nforger-0123456789abcdef scheduler sched-b\n",
     )
-    .unwrap();
-    let cluster = Cluster::start_with(1, move |config| {
-        config.auth_tokens = Some(tokens.clone());
-    })
     .await;
     let with_token = |token: &str| {
         Client::new(
