@@ -6,7 +6,8 @@
 //!   pause, membership changes, per-link network faults.
 //! - `proxy.rs` — the fault-injecting TCP proxy of one directed link.
 //! - `schedule.rs` — seeded fault schedules.
-//! - `workers.rs` — the chaos workload's clients and the fenced shadow resource.
+//! - `workers/` — the chaos workload's clients (one file per worker) and the
+//!   fenced shadow resource.
 //! - `abandon.rs` — queued acquires whose caller goes away, and callers
 //!   that come back for their wait.
 //! - `claims.rs` — device claims corrected by `Reclaim`, racing.

@@ -1,0 +1,138 @@
+//! The ender: ends holds the other ways, each on a fresh lock with a holder
+//! and a waiter (its node reported gone, a force release, the hold
+//! timeout).
+
+use super::*;
+
+/// How an ender round ends its holder's hold.
+#[derive(Debug, Clone, Copy)]
+enum Ending {
+    /// The node the lock is named after is reported gone (the waiter's
+    /// wait ends too).
+    NodeGone,
+    /// An operator force-releases it (the waiter is granted).
+    ForceRelease,
+    /// The holder never releases: the scope's hold timeout ends it.
+    HoldTimeout,
+}
+
+/// Ends holds the ways the other workers do not, until stopped. Each round
+/// takes a fresh lock: pod `h` takes it, pod `w` queues behind it, and the
+/// hold is ended by its node being reported gone, a force release, or the
+/// hold timeout of [`HOLD_TIMEOUT_SCOPE`], in turn. Then `w` uses and
+/// releases what it was granted, and `h` tries its release (refused, unless
+/// the end did not happen). Pods `h` and `w` are processes `process` and
+/// `process + 1`.
+pub async fn ender(shared: Arc<Shared>, process: u64, mut rng: Rng) {
+    let mut round = 0u64;
+    while !shared.stopped() {
+        round += 1;
+        let ending =
+            [Ending::NodeGone, Ending::ForceRelease, Ending::HoldTimeout][(round % 3) as usize];
+        let name = format!("{}-e{process}-{round}", shared.prefix);
+        let key = pb::LockKey {
+            scope: match ending {
+                Ending::HoldTimeout => HOLD_TIMEOUT_SCOPE.into(),
+                _ => SCOPE.into(),
+            },
+            name: name.clone(),
+        };
+        shared
+            .extra_locks
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .push(key.clone());
+        if matches!(ending, Ending::NodeGone)
+            && report_ender_node(&shared, &name, pb::NodeState::NodeReady)
+                .await
+                .is_err()
+        {
+            continue;
+        }
+        let (h, w) = (format!("{name}h"), format!("{name}w"));
+        let Outcome::Ok(Value::Granted(token)) =
+            shared.acquire(process, &key, &h, Duration::ZERO).await
+        else {
+            shared.revoke(process, &h).await;
+            continue;
+        };
+        let granted_us = shared.history.now_us();
+        // Past the hold timeout the lock is due to move on to w: w outwaits
+        // the progress bound after it.
+        let w_wait = match ending {
+            Ending::HoldTimeout => {
+                HOLD_TIMEOUT + crate::checkers::progress::BOUND + Duration::from_secs(2)
+            }
+            _ => Duration::from_secs(3),
+        };
+        let (queued_tx, queued_rx) = tokio::sync::oneshot::channel();
+        let waiter = {
+            let (shared, key, w) = (shared.clone(), key.clone(), w.clone());
+            tokio::spawn(async move {
+                let outcome = shared
+                    .acquire_on_lease(process + 1, &key, &w, w_wait, 0, Some(queued_tx))
+                    .await;
+                (outcome, shared.history.now_us())
+            })
+        };
+        let _ = queued_rx.await;
+        match ending {
+            Ending::NodeGone => {
+                let _ = report_ender_node(&shared, &name, pb::NodeState::NodeGone).await;
+            }
+            Ending::ForceRelease => {
+                let _ = shared
+                    .client
+                    .force_release(&key, "chaos", "chaos: force release")
+                    .await;
+            }
+            Ending::HoldTimeout => {}
+        }
+        let (w_outcome, w_answered_us) = waiter.await.expect("an ender's waiter");
+        if matches!(ending, Ending::HoldTimeout) {
+            shared.history.record_recovery(Recovery {
+                key: lock_event_key(&key),
+                cause: "a hold past its timeout",
+                due_us: granted_us + HOLD_TIMEOUT.as_micros() as u64,
+                granted_us: matches!(w_outcome, Outcome::Ok(Value::Granted(_)))
+                    .then_some(w_answered_us),
+                answered_us: w_answered_us,
+                in_memory: false,
+            });
+        }
+        match w_outcome {
+            Outcome::Ok(Value::Granted(next)) => {
+                use_and_release(&shared, process + 1, &key, &w, next, &mut rng).await;
+            }
+            Outcome::Ok(_) | Outcome::Fail(_) => {}
+            Outcome::Unknown(_) | Outcome::Pending => {
+                shared.revoke(process + 1, &w).await;
+            }
+        }
+        if !matches!(
+            shared.release(process, &key, &h, token).await,
+            Outcome::Ok(_)
+        ) {
+            shared.revoke(process, &h).await;
+        }
+    }
+}
+
+/// Reports the node an ender round's lock is named after (one UID per
+/// round's node).
+async fn report_ender_node(
+    shared: &Shared,
+    name: &str,
+    state: pb::NodeState,
+) -> tether_client::Result<()> {
+    shared
+        .client
+        .report_node(pb::ReportNodeRequest {
+            name: name.to_string(),
+            uid: format!("{name}-uid"),
+            state: state as i32,
+            ..Default::default()
+        })
+        .await
+        .map(|_| ())
+}
