@@ -171,8 +171,14 @@ impl RaftLogStorage<TypeConfig> for LogStore {
     type LogReader = Self;
 
     async fn get_log_state(&mut self) -> Result<LogState<TypeConfig>, StorageError> {
-        let last_purged_log_id: Option<LogId> = self.get_meta(LAST_PURGED)?;
-        let last_log_id = self.last_entry_log_id()?.or(last_purged_log_id);
+        // What the stored snapshot covers counts as purged: openraft never
+        // reads those entries again, and a purge it asked for may have been
+        // left undone (`SnapshotGate::may_purge`), so entries kept below the
+        // snapshot need not join up with those after it.
+        let purged: Option<LogId> = self.get_meta(LAST_PURGED)?;
+        let last_purged_log_id =
+            purged.max(super::state_machine::stored_snapshot_log_id(&self.db)?);
+        let last_log_id = self.last_entry_log_id()?.max(last_purged_log_id);
         Ok(LogState {
             last_purged_log_id,
             last_log_id,

@@ -745,6 +745,20 @@ impl StateMachineStore {
     }
 }
 
+/// The last log id the stored snapshot covers, read without its data
+/// (postcard writes the meta first).
+pub fn stored_snapshot_log_id(db: &DB) -> Result<Option<LogId>, StorageError> {
+    let Some(bytes) = db
+        .get_cf(cf(db, CF_META), SNAPSHOT)
+        .map_err(|e| err::read(&e))?
+    else {
+        return Ok(None);
+    };
+    let (meta, _) = postcard::take_from_bytes::<SnapshotMeta<u64, openraft::BasicNode>>(&bytes)
+        .map_err(|e| err::read(&e))?;
+    Ok(meta.last_log_id)
+}
+
 /// The stored snapshot's data (a [`SnapshotFile`]) and the index it covers:
 /// what a backup exports.
 pub fn stored_snapshot(db: &DB) -> Result<Option<(u64, Vec<u8>)>, StorageError> {
