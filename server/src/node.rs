@@ -163,14 +163,17 @@ impl Node {
             check_token_cluster(&config, auth.peer_authorization().is_some())?;
         }
         let peer_formats = Arc::new(crate::raft::network::PeerFormats::default());
-        let network = Network::new(
+        let dialer = Arc::new(crate::raft::dial::PeerDialer::new(
             config.peer_dial.clone(),
             tls.clone(),
+            auth.peer_authorization(),
+            cluster_id.clone(),
+        ));
+        let network = Network::new(
+            dialer.clone(),
             peer_formats.clone(),
             config.raft_message_limit,
             metrics.clone(),
-            cluster_id.clone(),
-            auth.peer_authorization(),
         );
         let raft = Raft::new(
             id,
@@ -217,7 +220,7 @@ impl Node {
             core_stopped: Default::default(),
             transferring: Default::default(),
             auth,
-            tls: tls.clone(),
+            dialer,
             watchers: Default::default(),
             proposer,
             reads,

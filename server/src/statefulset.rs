@@ -29,14 +29,13 @@
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::Path;
-use std::sync::Arc;
 use std::time::Duration;
 
+use crate::raft::dial::PeerDialer;
 use anyhow::Context;
 use openraft::BasicNode;
 use tether_proto as pb;
 use tether_proto::cluster_service_client::ClusterServiceClient;
-use tether_tls::TlsMaterial;
 
 use crate::api::Ctx;
 
@@ -106,37 +105,50 @@ pub struct Membership {
     pub probe: u32,
 }
 
-/// A cluster-service client of `addr`: connected within a second, each
-/// call bounded by `timeout`.
-async fn cluster_client(
+/// How long a status probe of another replica may take.
+const PROBE_TIMEOUT: Duration = Duration::from_secs(2);
+
+/// How long each call of a join may take (adding a learner returns once it
+/// has caught up).
+const JOIN_CALL_TIMEOUT: Duration = Duration::from_secs(120);
+
+/// A cluster-service client of `addr`, on the channel the replica's
+/// [`PeerDialer`] keeps for it; each call is bounded by its caller.
+fn cluster_client(
+    dialer: &PeerDialer,
     addr: &str,
-    timeout: Duration,
-    tls: Option<&Arc<TlsMaterial>>,
 ) -> anyhow::Result<ClusterServiceClient<tonic::transport::Channel>> {
-    let endpoint = tonic::transport::Endpoint::from_shared(format!("http://{addr}"))?
-        .connect_timeout(Duration::from_secs(1))
-        .timeout(timeout);
-    let channel = match tls {
-        Some(tls) => tether_tls::lazy_channel(endpoint, tls.clone(), Duration::from_secs(1)),
-        None => endpoint.connect().await?,
-    };
+    let channel = dialer
+        .channel(addr)
+        .with_context(|| format!("{addr:?} is not an address that can be dialed"))?;
     Ok(ClusterServiceClient::new(channel))
 }
 
+/// `call`'s answer, or an error naming `what` if it fails or takes longer
+/// than `timeout`.
+async fn bounded<T>(
+    what: &str,
+    timeout: Duration,
+    call: impl std::future::Future<Output = Result<tonic::Response<T>, tonic::Status>>,
+) -> anyhow::Result<T> {
+    match tokio::time::timeout(timeout, call).await {
+        Ok(Ok(response)) => Ok(response.into_inner()),
+        Ok(Err(status)) => Err(anyhow::anyhow!("{what}: {status}")),
+        Err(_) => Err(anyhow::anyhow!("{what}: no answer within {timeout:?}")),
+    }
+}
+
 /// `addr`'s status.
-async fn status_of(addr: &str, tls: Option<&Arc<TlsMaterial>>) -> Option<pb::StatusResponse> {
-    let mut client = cluster_client(addr, Duration::from_secs(2), tls)
+async fn status_of(addr: &str, dialer: &PeerDialer) -> Option<pb::StatusResponse> {
+    let mut client = cluster_client(dialer, addr).ok()?;
+    bounded("Status", PROBE_TIMEOUT, client.status(pb::StatusRequest {}))
         .await
-        .ok()?;
-    Some(client.status(pb::StatusRequest {}).await.ok()?.into_inner())
+        .ok()
 }
 
 /// Asks `addr` for its status; the leader's address when it knows one.
-async fn leader_of(
-    addr: &str,
-    tls: Option<&Arc<TlsMaterial>>,
-) -> Option<(String, pb::StatusResponse)> {
-    let status = status_of(addr, tls).await?;
+async fn leader_of(addr: &str, dialer: &PeerDialer) -> Option<(String, pb::StatusResponse)> {
+    let status = status_of(addr, dialer).await?;
     if status.role == "leader" {
         return Some((addr.to_string(), status));
     }
@@ -144,27 +156,29 @@ async fn leader_of(
         return None;
     }
     let leader = status.leader_addr.clone();
-    let status = status_of(&leader, tls).await?;
+    let status = status_of(&leader, dialer).await?;
     (status.role == "leader").then_some((leader, status))
 }
 
 /// Joins through the leader at `leader`: learner first (returns once caught
 /// up), then voter, replacing any older member at this address.
 async fn join(ctx: &Ctx, leader: &str, status: &pb::StatusResponse) -> anyhow::Result<()> {
-    // Adding a learner returns once it has caught up: allow for that.
-    let mut client = cluster_client(leader, Duration::from_secs(120), ctx.tls.as_ref()).await?;
+    let mut client = cluster_client(&ctx.dialer, leader)?;
     if !status.members.iter().any(|m| m.node_id == ctx.id) {
         tracing::info!(leader, "joining as a learner");
-        client
-            .add_learner(pb::AddLearnerRequest {
-                node_id: ctx.id,
-                addr: ctx.addr.clone(),
-                blocking: true,
-            })
-            .await
-            .context("AddLearner")?;
+        let learner = pb::AddLearnerRequest {
+            node_id: ctx.id,
+            addr: ctx.addr.clone(),
+            blocking: true,
+        };
+        bounded("AddLearner", JOIN_CALL_TIMEOUT, client.add_learner(learner)).await?;
     }
-    let status = client.status(pb::StatusRequest {}).await?.into_inner();
+    let status = bounded(
+        "Status",
+        JOIN_CALL_TIMEOUT,
+        client.status(pb::StatusRequest {}),
+    )
+    .await?;
     let stale: BTreeSet<u64> = status
         .members
         .iter()
@@ -190,14 +204,17 @@ async fn join(ctx: &Ctx, leader: &str, status: &pb::StatusResponse) -> anyhow::R
     voters.insert(ctx.id);
     tracing::info!(?voters, replaced = ?stale, "promoting to voter");
     // Stale voters leave with this change (they are not kept as learners).
-    client
-        .change_membership(pb::ChangeMembershipRequest {
-            voters: voters.into_iter().collect(),
-            retain_as_learners: false,
-            remove_learners: vec![],
-        })
-        .await
-        .context("promoting to voter")?;
+    let promote = pb::ChangeMembershipRequest {
+        voters: voters.into_iter().collect(),
+        retain_as_learners: false,
+        remove_learners: vec![],
+    };
+    bounded(
+        "promoting to voter",
+        JOIN_CALL_TIMEOUT,
+        client.change_membership(promote),
+    )
+    .await?;
     // A stale learner (its volume lost before it was promoted) is removed
     // on its own.
     let stale_learners: Vec<u64> = status
@@ -207,14 +224,17 @@ async fn join(ctx: &Ctx, leader: &str, status: &pb::StatusResponse) -> anyhow::R
         .map(|m| m.node_id)
         .collect();
     if !stale_learners.is_empty() {
-        client
-            .change_membership(pb::ChangeMembershipRequest {
-                voters: vec![],
-                retain_as_learners: false,
-                remove_learners: stale_learners,
-            })
-            .await
-            .context("removing a stale learner")?;
+        let remove = pb::ChangeMembershipRequest {
+            voters: vec![],
+            retain_as_learners: false,
+            remove_learners: stale_learners,
+        };
+        bounded(
+            "removing a stale learner",
+            JOIN_CALL_TIMEOUT,
+            client.change_membership(remove),
+        )
+        .await?;
     }
     Ok(())
 }
@@ -238,9 +258,9 @@ pub async fn join_or_bootstrap(ctx: &Ctx, set: &Membership) -> anyhow::Result<()
         if ctx.raft.is_initialized().await? && is_voter(ctx) {
             return Ok(());
         }
-        let answers = survey(set, ctx.tls.as_ref()).await;
+        let answers = survey(set, &ctx.dialer).await;
         let leader = match answers.values().find_map(leader_hint) {
-            Some(addr) => leader_of(&addr, ctx.tls.as_ref()).await,
+            Some(addr) => leader_of(&addr, &ctx.dialer).await,
             None => None,
         };
         if let Some((leader, status)) = leader {
@@ -294,13 +314,10 @@ pub async fn join_or_bootstrap(ctx: &Ctx, set: &Membership) -> anyhow::Result<()
 }
 
 /// The statuses of the other ordinals that answer (0..`probe`).
-async fn survey(
-    set: &Membership,
-    tls: Option<&Arc<TlsMaterial>>,
-) -> BTreeMap<u32, pb::StatusResponse> {
+async fn survey(set: &Membership, dialer: &PeerDialer) -> BTreeMap<u32, pb::StatusResponse> {
     let mut answers = BTreeMap::new();
     for ordinal in (0..set.probe).filter(|o| *o != set.ordinal) {
-        if let Some(status) = status_of(&peer_address(&set.template, ordinal), tls).await {
+        if let Some(status) = status_of(&peer_address(&set.template, ordinal), dialer).await {
             answers.insert(ordinal, status);
         }
     }
@@ -310,10 +327,10 @@ async fn survey(
 /// The leader, asked through the other ordinals.
 async fn find_leader(
     set: &Membership,
-    tls: Option<&Arc<TlsMaterial>>,
+    dialer: &PeerDialer,
 ) -> Option<(String, pb::StatusResponse)> {
     for ordinal in (0..set.probe).filter(|o| *o != set.ordinal) {
-        if let Some(leader) = leader_of(&peer_address(&set.template, ordinal), tls).await {
+        if let Some(leader) = leader_of(&peer_address(&set.template, ordinal), dialer).await {
             return Some(leader);
         }
     }
@@ -453,7 +470,7 @@ pub async fn keep_membership(ctx: &Ctx, set: &Membership, scale_in_after: Durati
         // stale: one removed while it was down restarts with the old
         // configuration and the old leader's vote. Ask the leader.
         let asked = match &leader_addr {
-            Some(addr) => leader_of(addr, ctx.tls.as_ref()).await,
+            Some(addr) => leader_of(addr, &ctx.dialer).await,
             None => None,
         };
         let asked = match asked {
@@ -466,7 +483,7 @@ pub async fn keep_membership(ctx: &Ctx, set: &Membership, scale_in_after: Durati
                 if since.elapsed() < KEEP_INTERVAL * 3 {
                     continue;
                 }
-                find_leader(set, ctx.tls.as_ref()).await
+                find_leader(set, &ctx.dialer).await
             }
         };
         // Not a voter: removed while away, or added as a learner whose
@@ -496,8 +513,10 @@ async fn wait_shutdown(ctx: &Ctx) {
 }
 
 /// Whether `addr` answers as node `id`.
-async fn answers_as(addr: &str, id: u64, tls: Option<&Arc<TlsMaterial>>) -> bool {
-    status_of(addr, tls).await.is_some_and(|s| s.node_id == id)
+async fn answers_as(addr: &str, id: u64, dialer: &PeerDialer) -> bool {
+    status_of(addr, dialer)
+        .await
+        .is_some_and(|s| s.node_id == id)
 }
 
 /// The leader's half of [`keep_membership`].
@@ -527,7 +546,7 @@ async fn scale_in(
         if *id == ctx.id {
             continue;
         }
-        if answers_as(addr, *id, ctx.tls.as_ref()).await {
+        if answers_as(addr, *id, &ctx.dialer).await {
             down_since.remove(id);
             if let Some(ordinal) = ordinal_of(addr) {
                 highest_up = highest_up.max(ordinal);

@@ -168,11 +168,21 @@ async fn hand_over(ctx: &Ctx, target: u64, addr: &str, timeout: Duration) -> Res
     ctx.raft.runtime_config().heartbeat(false);
     let result = async {
         tokio::time::sleep(ctx.config.election_timeout_max() + Duration::from_millis(50)).await;
-        // Dialed and marked like any Raft message (`peer`).
-        super::peer::client(ctx, target, addr, timeout)?
-            .timeout_now(super::peer::request(ctx, target, Vec::new()))
-            .await
-            .map_err(|e| ApiError::Unavailable(format!("node {target} refused to elect: {e}")))?;
+        // Dialed and marked like any Raft message.
+        let mut client = ctx.dialer.raft_client(target, addr).ok_or_else(|| {
+            ApiError::Unavailable(format!(
+                "node {target} has an address that cannot be dialed: {addr}"
+            ))
+        })?;
+        tokio::time::timeout(
+            timeout,
+            client.timeout_now(ctx.dialer.message(target, Vec::new())),
+        )
+        .await
+        .map_err(|_| {
+            ApiError::Unavailable(format!("node {target} did not answer within {timeout:?}"))
+        })?
+        .map_err(|e| ApiError::Unavailable(format!("node {target} refused to elect: {e}")))?;
         let mut rx = ctx.raft.metrics();
         tokio::time::timeout(timeout, async {
             loop {

@@ -259,6 +259,9 @@ async fn give_up_wait(
 /// Applies `command` (a `CancelWait` or `AbandonWait`) through the leader:
 /// here when this replica leads, else by the leader's `RaftService.EndWait`
 /// (dialed as Raft messages are, with this replica's credentials).
+/// How long the leader may take to answer an `EndWait`.
+const END_WAIT_TIMEOUT: Duration = Duration::from_secs(5);
+
 async fn end_wait(ctx: &Ctx, command: Command) -> Result<CancelOutcome> {
     let (leader_id, leader_addr) = match ctx.write(None, command.clone()).await {
         Ok(Reply::WaitCancelled(outcome)) => return Ok(outcome),
@@ -272,10 +275,16 @@ async fn end_wait(ctx: &Ctx, command: Command) -> Result<CancelOutcome> {
     let unreachable = |e: &dyn std::fmt::Display| {
         ApiError::Unavailable(format!("leader {leader_id} at {leader_addr}: {e}"))
     };
-    let request = super::peer::request(ctx, leader_id, crate::store::encode(&command));
-    let reply = super::peer::client(ctx, leader_id, &leader_addr, Duration::from_secs(5))?
-        .end_wait(request)
+    let request = ctx
+        .dialer
+        .message(leader_id, crate::store::encode(&command));
+    let mut client = ctx
+        .dialer
+        .raft_client(leader_id, &leader_addr)
+        .ok_or_else(|| unreachable(&"not an address that can be dialed"))?;
+    let reply = tokio::time::timeout(END_WAIT_TIMEOUT, client.end_wait(request))
         .await
+        .map_err(|_| unreachable(&"no answer within 5 s"))?
         .map_err(|status| unreachable(&status.message()))?
         .into_inner();
     match crate::store::decode(&reply.data) {

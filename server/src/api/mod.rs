@@ -8,7 +8,6 @@ pub mod convert;
 pub mod lease;
 pub mod lock;
 pub mod node;
-pub mod peer;
 pub mod pin;
 pub mod raft;
 pub mod reads;
@@ -60,8 +59,8 @@ pub struct Ctx {
     pub transferring: std::sync::atomic::AtomicBool,
     /// How callers are identified and what their roles allow.
     pub auth: crate::auth::Auth,
-    /// This replica's TLS material, for calls it makes to the others.
-    pub tls: Option<Arc<tether_tls::TlsMaterial>>,
+    /// How this replica dials the others.
+    pub dialer: Arc<crate::raft::dial::PeerDialer>,
     /// Open watches per owner (identity or IP), for
     /// `--max-watchers-per-client`.
     pub watchers: std::sync::Mutex<std::collections::HashMap<String, usize>>,

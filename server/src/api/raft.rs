@@ -15,6 +15,7 @@ use tether_proto::{RaftReply, RaftRequest};
 use tonic::{Request, Response, Status, Streaming};
 
 use super::Ctx;
+use crate::raft::dial::{FORMAT_METADATA, TARGET_METADATA};
 use crate::sm::{Command, FORMAT_VERSION};
 use crate::store::{decode, encode};
 
@@ -34,14 +35,6 @@ impl RaftApi {
         }
     }
 }
-
-/// Metadata naming the replica a Raft message is meant for.
-pub const TARGET_METADATA: &str = "x-tether-target-node";
-
-/// Response metadata: the newest log format this replica reads
-/// ([`FORMAT_VERSION`]), so that a leader writes entries of a new format
-/// only once every member can read them.
-pub const FORMAT_METADATA: &str = "x-tether-format";
 
 impl RaftApi {
     /// Refuses a message meant for another node id. Raft messages do not

@@ -1,6 +1,7 @@
 //! Raft wiring: the openraft type configuration and the network between
 //! replicas.
 
+pub mod dial;
 pub mod network;
 
 use std::io::Cursor;

@@ -23,15 +23,12 @@ use tether_proto::{RaftReply, RaftRequest};
 use tokio::sync::mpsc;
 use tokio_stream::wrappers::ReceiverStream;
 use tonic::Status;
-use tonic::metadata::{Ascii, MetadataValue};
-use tonic::transport::{Channel, Endpoint};
+use tonic::transport::Channel;
 
 use super::TypeConfig;
-use crate::api::raft::FORMAT_METADATA;
-use crate::config::PeerDial;
+use super::dial::{FORMAT_METADATA, PeerDialer};
 use crate::metrics::{Metrics, RaftAppend};
 use crate::store::{decode, encode};
-use tether_tls::TlsMaterial;
 
 /// The newest log format each other replica said it reads, learned from
 /// the answers to Raft messages (metadata [`FORMAT_METADATA`]). A replica of
@@ -160,63 +157,37 @@ impl StreamRefusals {
 /// stream and, for every linearizable read, one per voter (the read's
 /// heartbeat round); they share one connection per address, kept here, so
 /// that a read does not open a TCP connection to each voter.
-#[derive(Clone, Default)]
+#[derive(Clone)]
 pub struct Network {
-    /// Addresses that replace the membership's for some targets
-    /// (`--peer-dial`).
-    dial: Arc<PeerDial>,
-    /// Mutual TLS to the other replicas, when on.
-    tls: Option<Arc<TlsMaterial>>,
+    /// How the other replicas are dialed (one channel per address).
+    dialer: Arc<PeerDialer>,
     /// What each peer reads, filled in by the clients.
     formats: Arc<PeerFormats>,
     /// Largest Raft message a peer accepts, in bytes.
     message_limit: usize,
     /// Where the clients count how they sent AppendEntries.
     metrics: Arc<Metrics>,
-    /// One lazily connected channel per address dialed. A tonic channel
-    /// reconnects on its own after a failure, and clones share it.
-    channels: Arc<Mutex<BTreeMap<String, Channel>>>,
     /// Addresses that refused the AppendEntries stream lately.
     stream_refusals: Arc<StreamRefusals>,
-    /// This replica's cluster id, sent with every message so that a
-    /// replica of another cluster refuses it.
-    cluster_id: Arc<crate::cluster_id::ClusterIdCell>,
-    /// Sent as `authorization` with every message (`Auth::peer_authorization`:
-    /// the replica token of a cluster run with `--auth-tokens`).
-    authorization: Option<MetadataValue<Ascii>>,
 }
 
 impl Network {
-    /// A network dialing `dial`'s address for the replicas it names and the
-    /// membership address for the rest, recording the peers' formats in
+    /// A network dialing through `dialer`, recording the peers' formats in
     /// `formats`, keeping messages within `message_limit` bytes and
     /// counting AppendEntries streams in `metrics`.
     pub fn new(
-        dial: PeerDial,
-        tls: Option<Arc<TlsMaterial>>,
+        dialer: Arc<PeerDialer>,
         formats: Arc<PeerFormats>,
         message_limit: usize,
         metrics: Arc<Metrics>,
-        cluster_id: Arc<crate::cluster_id::ClusterIdCell>,
-        authorization: Option<MetadataValue<Ascii>>,
     ) -> Self {
         Self {
-            authorization,
-            dial: Arc::new(dial),
-            tls,
+            dialer,
             formats,
             message_limit,
             metrics,
-            channels: Arc::default(),
             stream_refusals: Arc::default(),
-            cluster_id,
         }
-    }
-
-    /// The address dialed for replica `target`, whose membership address
-    /// is `addr`.
-    fn dialed<'a>(&'a self, target: u64, addr: &'a str) -> &'a str {
-        self.dial.get(&target).map_or(addr, String::as_str)
     }
 
     /// Drops the cached connections, and stream refusals, of addresses at
@@ -226,35 +197,14 @@ impl Network {
     pub fn forget_departed<'a>(&self, members: impl IntoIterator<Item = (&'a u64, &'a BasicNode)>) {
         let dialed: std::collections::BTreeSet<&str> = members
             .into_iter()
-            .map(|(id, node)| self.dialed(*id, &node.addr))
+            .map(|(id, node)| self.dialer.dialed(*id, &node.addr))
             .collect();
-        let mut channels = self.channels.lock().unwrap_or_else(|p| p.into_inner());
-        channels.retain(|addr, _| dialed.contains(addr.as_str()));
+        self.dialer.keep_only(&dialed);
         self.stream_refusals
             .refused_at
             .lock()
             .unwrap_or_else(|p| p.into_inner())
             .retain(|addr, _| dialed.contains(addr.as_str()));
-    }
-
-    /// The channel to `addr`, created on first use; None when `addr` is no
-    /// valid address.
-    fn channel(&self, addr: &str) -> Option<Channel> {
-        let mut channels = self.channels.lock().unwrap_or_else(|p| p.into_inner());
-        if let Some(channel) = channels.get(addr) {
-            return Some(channel.clone());
-        }
-        let endpoint = Endpoint::from_shared(format!("http://{addr}"))
-            .ok()?
-            .connect_timeout(Duration::from_secs(1))
-            .tcp_nodelay(true)
-            .http2_keep_alive_interval(Duration::from_secs(5));
-        let channel = match &self.tls {
-            Some(tls) => tether_tls::lazy_channel(endpoint, tls.clone(), Duration::from_secs(1)),
-            None => endpoint.connect_lazy(),
-        };
-        channels.insert(addr.to_string(), channel.clone());
-        Some(channel)
     }
 }
 
@@ -262,18 +212,16 @@ impl RaftNetworkFactory<TypeConfig> for Network {
     type Network = PeerClient;
 
     async fn new_client(&mut self, target: u64, node: &BasicNode) -> PeerClient {
-        let addr = self.dialed(target, &node.addr);
         PeerClient {
             target,
-            addr: addr.to_string(),
-            client: self.channel(addr).map(RaftServiceClient::new),
+            addr: self.dialer.dialed(target, &node.addr).to_string(),
+            client: self.dialer.raft_client(target, &node.addr),
             formats: self.formats.clone(),
             message_limit: self.message_limit,
             metrics: self.metrics.clone(),
             append_stream: None,
             stream_refusals: self.stream_refusals.clone(),
-            cluster_id: self.cluster_id.clone(),
-            authorization: self.authorization.clone(),
+            dialer: self.dialer.clone(),
         }
     }
 }
@@ -291,10 +239,8 @@ pub struct PeerClient {
     /// Addresses that said they have no AppendEntries stream: to them,
     /// AppendEntries go as unary calls for a while.
     stream_refusals: Arc<StreamRefusals>,
-    /// This replica's cluster id, named on every message.
-    cluster_id: Arc<crate::cluster_id::ClusterIdCell>,
-    /// Sent as `authorization` with every message, if any.
-    authorization: Option<MetadataValue<Ascii>>,
+    /// Marks every message (target, cluster id, authorization).
+    dialer: Arc<PeerDialer>,
 }
 
 /// One AppendEntries stream to a follower. A request's answer is the next
@@ -366,17 +312,9 @@ impl PeerClient {
 
     /// The metadata naming the target and this replica's cluster; the
     /// receiver refuses messages meant for another id or from another
-    /// cluster (see `api::raft::RaftApi::check_target`). Returns the
-    /// cluster id named.
+    /// cluster ([`PeerDialer::mark`]). Returns the cluster id named.
     fn name_target<T>(&self, request: &mut tonic::Request<T>) -> Option<String> {
-        let cluster_id = self.cluster_id.get();
-        crate::api::peer::mark(
-            request,
-            self.target,
-            self.authorization.as_ref(),
-            cluster_id.as_deref(),
-        );
-        cluster_id
+        self.dialer.mark(request, self.target)
     }
 
     /// Notes the log format the target's answer says it reads.
@@ -476,7 +414,7 @@ impl PeerClient {
         if self
             .append_stream
             .as_ref()
-            .is_some_and(|stream| stream.cluster_id.is_none() && self.cluster_id.get().is_some())
+            .is_some_and(|stream| stream.cluster_id.is_none() && self.dialer.cluster_id().is_some())
         {
             // Opened before this replica knew its cluster id: reopen, so
             // the follower learns it (and checks it) from the new stream's
@@ -630,6 +568,7 @@ impl RaftNetwork<TypeConfig> for PeerClient {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::config::PeerDial;
     use crate::raft::LogId;
     use openraft::{CommittedLeaderId, Vote};
     use std::pin::Pin;
@@ -753,16 +692,17 @@ mod tests {
         addr.to_string()
     }
 
-    fn network() -> Network {
+    fn network_dialing(dial: PeerDial) -> Network {
         Network::new(
-            PeerDial::default(),
-            None,
+            Arc::new(PeerDialer::new(dial, None, None, Arc::default())),
             Arc::default(),
             crate::raft::MAX_RAFT_MESSAGE_BYTES,
             Arc::default(),
-            Arc::default(),
-            None,
         )
+    }
+
+    fn network() -> Network {
+        network_dialing(PeerDial::default())
     }
 
     /// A client of a new network to replica 2 at `addr`.
@@ -904,10 +844,7 @@ mod tests {
 
     #[tokio::test]
     async fn connections_to_departed_addresses_are_forgotten() {
-        let mut network = Network {
-            dial: Arc::new(PeerDial::from([(3, "127.0.0.1:9003".to_string())])),
-            ..network()
-        };
+        let mut network = network_dialing(PeerDial::from([(3, "127.0.0.1:9003".to_string())]));
         let members = BTreeMap::from([
             (2, BasicNode::new("127.0.0.1:8002")),
             (3, BasicNode::new("unreachable-name:8003")),
@@ -917,9 +854,7 @@ mod tests {
             network.new_client(*id, node).await;
         }
         network.stream_refusals.refused("127.0.0.1:8004");
-        let cached = |network: &Network| -> Vec<String> {
-            network.channels.lock().unwrap().keys().cloned().collect()
-        };
+        let cached = |network: &Network| -> Vec<String> { network.dialer.dialed_addresses() };
         assert_eq!(
             cached(&network),
             ["127.0.0.1:8002", "127.0.0.1:8004", "127.0.0.1:9003"]
