@@ -373,7 +373,7 @@ async fn inject(
 /// exits (`server/src/node.rs`, `watch_core`).
 const CORE_STOPPED_LINE: &str = "the Raft core stopped";
 
-/// The failpoint that moves a replica's wall clock (`api::wall_clock_ms`).
+/// The failpoint that moves a replica's wall clock (`replica::wall_clock_ms`).
 const CLOCK_OFFSET: &str = "clock-offset-ms";
 
 fn heal(

@@ -130,7 +130,7 @@ async fn lockctl_output_matches_the_golden_file() {
     let endpoint = node.addr().to_string();
     // Drawn at random: shown as <cluster-id>.
     let cluster_id = node
-        .ctx()
+        .core()
         .cluster_id
         .get()
         .expect("single_node waits for it");

@@ -88,7 +88,7 @@ async fn a_retry_after_a_lost_answer_returns_the_original_answer_and_applies_onc
         .expect("the retry succeeds");
     eprintln!("grant with a lost answer took {:?}", started.elapsed());
     let leases: Vec<u64> = node
-        .ctx()
+        .core()
         .state
         .read()
         .state
@@ -158,7 +158,7 @@ async fn a_restarted_client_with_a_stable_id_gets_a_session_of_its_own() {
         .expect("applied as a new request");
     assert_eq!(other.pod.as_ref().unwrap().uid, "b");
     assert_ne!(other.token, held.token);
-    let state = node.ctx().state.read();
+    let state = node.core().state.read();
     assert!(
         state
             .state

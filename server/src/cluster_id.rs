@@ -15,7 +15,7 @@
 //!   member that was sent a snapshot past it, from the Raft messages of its
 //!   leader, which carry the id in [`METADATA`].
 //! - **Checked**: a replica refuses Raft messages of another cluster
-//!   (`api::raft`); every gRPC response carries [`METADATA`] and the
+//!   (`replica::peer_service`); every gRPC response carries [`METADATA`] and the
 //!   response header's `cluster_id`; a client that has seen one id names it
 //!   on its requests and a replica of another cluster refuses them before
 //!   doing anything ([`check_expected`]); the client also refuses an answer

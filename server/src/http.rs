@@ -13,12 +13,12 @@ use axum::extract::State;
 use axum::http::StatusCode;
 use axum::response::Response;
 use axum::routing::get;
-use openraft::ServerState;
 use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::registry::Registry;
 use tokio::net::TcpListener;
 
 use crate::api::Ctx;
+use crate::replica::Role;
 
 /// Serves until `shutdown` resolves.
 pub async fn serve(
@@ -93,7 +93,7 @@ fn failpoint_routes() -> Router<Arc<Ctx>> {
 /// 200 while the Raft core runs; 503 once it stopped on its own (the
 /// process is about to exit; until then the probe fails too).
 fn live(ctx: &Ctx) -> Response {
-    match ctx.core_stopped.get() {
+    match ctx.core.core_stopped.get() {
         Some(reason) => tether_http::text(
             StatusCode::SERVICE_UNAVAILABLE,
             format!("the Raft core stopped: {reason}\n"),
@@ -104,15 +104,15 @@ fn live(ctx: &Ctx) -> Response {
 
 /// 200 when this replica is running and knows a leader; 503 otherwise.
 fn health(ctx: &Ctx) -> Response {
-    let m = ctx.raft.metrics().borrow().clone();
-    let healthy = m.running_state.is_ok() && m.current_leader.is_some();
+    let view = ctx.core.view();
+    let healthy = view.fatal.is_none() && view.leader_id.is_some();
     let body = serde_json::json!({
         "healthy": healthy,
-        "node_id": ctx.id,
-        "state": format!("{:?}", m.state),
-        "leader": m.current_leader,
-        "term": m.current_term,
-        "applied_index": m.last_applied.map_or(0, |l| l.index),
+        "node_id": ctx.core.id,
+        "state": format!("{:?}", view.role),
+        "leader": view.leader_id,
+        "term": view.term,
+        "applied_index": view.applied_index,
     });
     let status = if healthy {
         StatusCode::OK
@@ -130,20 +130,16 @@ const READY_APPLY_LAG: u64 = 1000;
 /// knows a leader, and has applied nearly all of its log — a StatefulSet's
 /// readiness probe, so clients are only sent to replicas that can answer.
 fn ready(ctx: &Ctx) -> Response {
-    let m = ctx.raft.metrics().borrow().clone();
-    let member = m
-        .membership_config
-        .membership()
-        .nodes()
-        .any(|(id, _)| *id == ctx.id);
-    let last_log = m.last_log_index.unwrap_or(0);
-    let applied = m.last_applied.map_or(0, |l| l.index);
+    let view = ctx.core.view();
+    let member = view.member(ctx.core.id).is_some();
+    let last_log = view.last_log_index.unwrap_or(0);
+    let applied = view.applied_index;
     let caught_up = last_log.saturating_sub(applied) <= READY_APPLY_LAG;
-    let ready = m.running_state.is_ok() && m.current_leader.is_some() && member && caught_up;
+    let ready = view.fatal.is_none() && view.leader_id.is_some() && member && caught_up;
     let body = serde_json::json!({
         "ready": ready,
         "member": member,
-        "leader": m.current_leader,
+        "leader": view.leader_id,
         "last_log_index": last_log,
         "applied_index": applied,
     });
@@ -158,41 +154,41 @@ fn ready(ctx: &Ctx) -> Response {
 /// The replica's counters and histograms, then gauges read from its Raft
 /// metrics and applied state now.
 fn metrics(ctx: &Ctx) -> String {
-    let m = ctx.raft.metrics().borrow().clone();
+    let view = ctx.core.view();
     let mut now = Registry::default();
     let mut gauge = |name: &str, help: &str, value: u64| {
         let gauge: Gauge = Gauge::default();
         gauge.set(i64::try_from(value).unwrap_or(i64::MAX));
         now.register(name, help, gauge);
     };
-    gauge("tether_raft_term", "Current Raft term", m.current_term);
+    gauge("tether_raft_term", "Current Raft term", view.term);
     gauge(
         "tether_raft_is_leader",
         "1 if this replica leads",
-        u64::from(m.state == ServerState::Leader),
+        u64::from(view.role == Role::Leader),
     );
     gauge(
         "tether_raft_last_log_index",
         "Last log index",
-        m.last_log_index.unwrap_or(0),
+        view.last_log_index.unwrap_or(0),
     );
     gauge(
         "tether_raft_applied_index",
         "Last applied log index",
-        m.last_applied.map_or(0, |l| l.index),
+        view.applied_index,
     );
     gauge(
         "tether_raft_snapshot_index",
         "Last snapshot's log index",
-        m.snapshot.map_or(0, |l| l.index),
+        view.snapshot_index.unwrap_or(0),
     );
     gauge(
         "tether_raft_leader_id",
         "Id of the leader this replica follows (0 while it knows none)",
-        m.current_leader.unwrap_or(0),
+        view.leader_id.unwrap_or(0),
     );
     {
-        let applied = ctx.state.read();
+        let applied = ctx.core.state.read();
         let state = &applied.state;
         let held = state.locks.values().filter(|l| l.holder.is_some()).count();
         let waiting: usize = state.locks.values().map(|l| l.waiters.len()).sum();
@@ -230,5 +226,5 @@ fn metrics(ctx: &Ctx) -> String {
         gauge("tether_pins", "Pod-to-node pins", state.pins.len() as u64);
         gauge("tether_nodes", "Live nodes in the registry", live as u64);
     }
-    tether_http::metrics::encode(&[ctx.metrics.registry(), &now])
+    tether_http::metrics::encode(&[ctx.core.metrics.registry(), &now])
 }

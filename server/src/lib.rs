@@ -6,16 +6,20 @@
 //!
 //! # Layout
 //! - `config.rs` — the `tetherd` flags (each also a `TETHER_*` variable).
-//! - `node.rs` — wires store, Raft, gRPC and HTTP; bootstrap; the leader's
-//!   sweeper (wait deadlines, TTL leases, hold timeouts).
+//! - `node.rs` — wiring only: store, Raft, the replica core, gRPC and HTTP.
 //! - `sm/` — the replicated state machine: domain types, commands (one file
 //!   each), events. Pure and deterministic.
 //! - `store/` — RocksDB log store and state machine for openraft.
-//! - `raft/` — openraft type configuration and the replica network.
-//! - `api/` — gRPC handlers, validation and wire conversions, and what they
-//!   lean on: write batching (`batching.rs`), linearizable reads
-//!   (`reads.rs`), the leader's entry stamps (`clock.rs`), session admission
-//!   (`sessions.rs`), calls to other replicas (`peer.rs`).
+//! - `raft/` — openraft type configuration, its start, the replica network
+//!   and the one dialer of other replicas (`dial.rs`).
+//! - `replica/` — the replica core between the handlers and Raft: writes
+//!   (batched, stamped), linearizable reads, the wait lifecycle, membership
+//!   and leader transfer, the leader's sweeper and the other tasks, the
+//!   Raft service the other replicas call. Only it and `raft/` name
+//!   openraft's types.
+//! - `api/` — gRPC handlers (decode, validate, authorize, call the core,
+//!   convert), validation and wire conversions, session admission
+//!   (`sessions.rs`).
 //! - `auth.rs` — who is calling (certificate or development token) and what
 //!   each role may do.
 //! - `error.rs` — API errors and their mapping to gRPC status codes.
@@ -38,6 +42,7 @@ pub mod http;
 pub mod metrics;
 pub mod node;
 pub mod raft;
+pub mod replica;
 pub mod sm;
 pub mod statefulset;
 pub mod store;

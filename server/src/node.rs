@@ -1,13 +1,12 @@
-//! One running replica: opens the store, starts openraft, serves gRPC and
-//! HTTP, bootstraps the cluster when asked to, and runs the leader's sweeper.
+//! One running replica, wired: opens the store, starts openraft, builds the
+//! replica core ([`crate::replica`]) and the handlers over it, serves gRPC
+//! and HTTP, and starts the core's tasks (bootstrap, sweeper, ...).
 
-use std::collections::BTreeMap;
 use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use anyhow::Context as _;
-use openraft::{BasicNode, ServerState, SnapshotPolicy};
 use tether_proto::cluster_service_server::ClusterServiceServer;
 use tether_proto::lease_service_server::LeaseServiceServer;
 use tether_proto::lock_service_server::LockServiceServer;
@@ -21,20 +20,19 @@ use tokio::sync::watch;
 use tokio::task::JoinHandle;
 
 use crate::api::Ctx;
-use crate::api::cluster::{ClusterApi, transfer_leader};
+use crate::api::cluster::ClusterApi;
 use crate::api::lease::LeaseApi;
 use crate::api::lock::LockApi;
 use crate::api::node::NodeApi;
 use crate::api::pin::PinApi;
-use crate::api::raft::RaftApi;
 use crate::api::watch::WatchApi;
 use crate::auth::Auth;
-use crate::config::{Config, parse_members};
+use crate::config::Config;
 use crate::metrics::Metrics;
 use crate::raft::Raft;
 use crate::raft::network::Network;
-use crate::sm::command::{Sweep, sweep_due};
-use crate::sm::{Command, Reply};
+use crate::replica::peer_service::RaftApi;
+use crate::replica::{Parts, Replica, Role, tasks};
 use crate::statefulset;
 use crate::store;
 
@@ -88,78 +86,17 @@ impl Node {
             Some(_) => statefulset::node_id(&config.data_dir)?,
             None => config.node_id,
         };
-        anyhow::ensure!(id > 0, "node id must be at least 1");
-        anyhow::ensure!(
-            config.max_request_bytes >= config.max_payload_bytes + REQUEST_OVERHEAD,
-            "--max-request-bytes {} leaves no room for a payload of --max-payload-bytes {} \
-             (it must be at least {} more)",
-            config.max_request_bytes,
-            config.max_payload_bytes,
-            REQUEST_OVERHEAD
-        );
-        anyhow::ensure!(
-            config.max_request_bytes <= config.raft_message_limit / 4,
-            "--max-request-bytes {} is too large: at most {} (a quarter of the {} byte Raft \
-             message limit, so that any one log entry fits a message to the other replicas)",
-            config.max_request_bytes,
-            config.raft_message_limit / 4,
-            config.raft_message_limit
-        );
-
-        std::fs::create_dir_all(&config.data_dir).with_context(|| {
-            format!("cannot create data directory {}", config.data_dir.display())
-        })?;
-        let (db, log_store, mut sm_store) = store::open(&config.data_dir)
-            .await
-            .with_context(|| format!("cannot open the store in {}", config.data_dir.display()))?;
-        let metrics = Arc::new(Metrics::default());
-        sm_store.set_metrics(metrics.clone());
-        let log_store = log_store.with_metrics(metrics.clone());
-        sm_store.set_event_retention(store::EventRetention {
-            entries: config.event_retention_entries,
-            age_ms: config.event_retention_age.as_millis() as u64,
-        });
-        if let Some(path) = &config.restore_from {
-            let data = std::fs::read(path)
-                .with_context(|| format!("cannot read the backup {}", path.display()))?;
-            let empty = store::state_machine::stored_snapshot(&db)?.is_none()
-                && sm_store.handle().read().last_applied.is_none();
-            anyhow::ensure!(
-                empty,
-                "--restore-from needs an empty data directory; {} already holds a replica",
-                config.data_dir.display()
-            );
-            let last = sm_store
-                .restore_backup(&data, id, &advertise)
-                .with_context(|| format!("cannot restore {}", path.display()))?;
-            log_store.start_after(last, id)?;
-            tracing::info!(backup = %path.display(), index = last.index, "restored a backup as a one-member cluster");
-        }
+        check_limits(&config, id)?;
+        let (db, log_store, sm_store, metrics) = open_store(&config, id, &advertise).await?;
         let state = sm_store.handle();
         let cluster_id = state.cluster_id();
-
-        let election_ms = config.election_timeout.as_millis() as u64;
-        let raft_config = openraft::Config {
-            cluster_name: "tether".to_string(),
-            heartbeat_interval: config.heartbeat_interval.as_millis() as u64,
-            election_timeout_min: election_ms,
-            election_timeout_max: election_ms * 2,
-            snapshot_policy: SnapshotPolicy::LogsSinceLast(config.snapshot_every),
-            max_in_snapshot_log_to_keep: config.keep_logs_after_snapshot,
-            // openraft's 3 MiB chunks, or half the Raft message limit when
-            // that is lower, so a chunk and its metadata fit one message.
-            snapshot_max_chunk_size: (config.raft_message_limit as u64 / 2).min(3 * 1024 * 1024),
-            ..Default::default()
-        }
-        .validate()
-        .context("invalid Raft timing (the heartbeat must be shorter than the election timeout)")?;
         let tls = load_tls(&config)?;
-        let auth = match (&tls, &config.auth_tokens) {
+        let auth = Arc::new(match (&tls, &config.auth_tokens) {
             (Some(_), _) => Auth::Certificates,
             (None, Some(path)) => Auth::from_token_file(path)?,
             (None, None) => Auth::Open,
-        };
-        if let Auth::Tokens(_) = &auth {
+        });
+        if let Auth::Tokens(_) = auth.as_ref() {
             check_token_cluster(&config, auth.peer_authorization().is_some())?;
         }
         let peer_formats = Arc::new(crate::raft::network::PeerFormats::default());
@@ -175,162 +112,68 @@ impl Node {
             config.raft_message_limit,
             metrics.clone(),
         );
-        let raft = Raft::new(
-            id,
-            Arc::new(raft_config),
-            network.clone(),
-            log_store,
-            sm_store,
-        )
-        .await
-        .context("cannot start Raft")?;
+        let raft = crate::raft::start(id, &config, network.clone(), log_store, sm_store).await?;
 
         let config = Arc::new(config);
         let (shutdown, shutdown_rx) = watch::channel(false);
         let shutdown = Arc::new(shutdown);
-        let clock = Arc::new(crate::api::clock::CommitClock::new(state.clone()));
-        let proposer = (config.batch_max_commands > 1).then(|| {
-            let limits = crate::api::batching::BatchLimits {
-                max_commands: config.batch_max_commands as usize,
-                // Keeps a batch entry well inside one Raft message.
-                max_payload_bytes: config.max_request_bytes,
-                in_flight: config.batch_in_flight as usize,
-                hold_queued: config.batch_hold_queued,
-            };
-            crate::api::batching::Proposer::start(
-                raft.clone(),
-                id,
-                peer_formats.clone(),
-                state.clone(),
-                limits,
-                metrics.clone(),
-                clock.clone(),
-            )
-        });
-        let reads = crate::api::reads::ReadBarrier::new(raft.clone(), metrics.clone());
-        let ctx = Arc::new(Ctx {
+        let core = Arc::new(Replica::new(Parts {
             id,
             addr: advertise.clone(),
-            raft: raft.clone(),
+            raft,
             state,
             db: Arc::downgrade(&db),
             config: config.clone(),
             metrics,
             shutdown: shutdown_rx.clone(),
-            core_stopped: Default::default(),
-            transferring: Default::default(),
-            auth,
             dialer,
-            watchers: Default::default(),
-            proposer,
-            reads,
             peer_formats,
             cluster_id,
-            clock,
-        });
-
+        }));
+        let ctx = Arc::new(Ctx::new(core.clone(), auth.clone()));
         if set.is_none() {
-            bootstrap(&ctx, &advertise).await?;
+            tasks::bootstrap(&core, &advertise).await?;
         }
 
         let mut tasks = Vec::new();
         if let Some(tls) = &tls {
             tasks.push(tls.watch(config.tls_reload_interval));
         }
-        let request_limit = config.max_request_bytes;
-        // Every response names the cluster (`cluster_id`): clients refuse a
-        // replica of another cluster than the one they have been using.
-        let cluster_id = ctx.cluster_id.clone();
-        let name_cluster = tower::util::MapResponseLayer::new(
-            move |mut response: tonic::codegen::http::Response<tonic::body::Body>| {
-                if let Some(value) = cluster_id.get().and_then(|id| id.parse().ok()) {
-                    response
-                        .headers_mut()
-                        .insert(crate::cluster_id::METADATA, value);
-                }
-                response
-            },
-        );
-        let expected = ctx.cluster_id.clone();
-        let check_cluster =
-            tonic::service::InterceptorLayer::new(move |request: tonic::Request<()>| {
-                crate::cluster_id::check_expected(&expected, request.metadata())?;
-                Ok(request)
-            });
-        let grpc_server = tonic::transport::Server::builder()
-            // Outermost: every call is timed, refused ones too.
-            .layer(crate::metrics::GrpcTimingLayer(ctx.metrics.clone()))
-            // Then: a refused request reaches no handler (its refusal
-            // names this replica's cluster in its own metadata).
-            .layer(check_cluster)
-            .layer(name_cluster)
-            .add_service(
-                LockServiceServer::new(LockApi::new(ctx.clone()))
-                    .max_decoding_message_size(request_limit),
-            )
-            .add_service(
-                LeaseServiceServer::new(LeaseApi::new(ctx.clone()))
-                    .max_decoding_message_size(request_limit),
-            )
-            .add_service(
-                PinServiceServer::new(PinApi::new(ctx.clone()))
-                    .max_decoding_message_size(request_limit),
-            )
-            .add_service(
-                NodeServiceServer::new(NodeApi::new(ctx.clone()))
-                    .max_decoding_message_size(request_limit),
-            )
-            .add_service(
-                WatchServiceServer::new(WatchApi::new(ctx.clone()))
-                    .max_decoding_message_size(request_limit),
-            )
-            .add_service(
-                ClusterServiceServer::new(ClusterApi::new(ctx.clone()))
-                    .max_decoding_message_size(request_limit),
-            )
-            .add_service(
-                RaftServiceServer::new(RaftApi::new(ctx.clone()))
-                    .max_decoding_message_size(config.raft_message_limit)
-                    .max_encoding_message_size(config.raft_message_limit),
-            );
-        let stop = wait_for(shutdown_rx.clone());
-        let incoming = tether_tls::incoming(grpc, tls.clone());
-        tasks.push(tokio::spawn(async move {
-            if let Err(err) = grpc_server
-                .serve_with_incoming_shutdown(incoming, stop)
-                .await
-            {
-                tracing::error!(%err, "gRPC server failed");
-            }
-        }));
+        tasks.push(serve_grpc(
+            &ctx,
+            RaftApi::new(core.clone(), auth),
+            grpc,
+            tls.clone(),
+            wait_for(shutdown_rx.clone()),
+        ));
         tasks.push(tokio::spawn(crate::http::serve(
             http,
             ctx.clone(),
             wait_for(shutdown_rx.clone()),
         )));
-        tasks.push(tokio::spawn(forget_departed_peers(
-            ctx.raft.clone(),
+        tasks.push(tokio::spawn(tasks::forget_departed_peers(
+            core.clone(),
             network,
             shutdown_rx.clone(),
         )));
-        tasks.push(tokio::spawn(claim_cluster_id(
-            ctx.clone(),
+        tasks.push(tokio::spawn(tasks::claim_cluster_id(
+            core.clone(),
             shutdown_rx.clone(),
         )));
-        tasks.push(tokio::spawn(sweeper(ctx.clone(), shutdown_rx)));
-        let (core_tx, core) = watch::channel(None);
-        tasks.push(tokio::spawn(watch_core(
-            ctx.clone(),
+        tasks.push(tokio::spawn(tasks::sweeper(core.clone(), shutdown_rx)));
+        let (core_tx, core_stopped) = watch::channel(None);
+        tasks.push(tokio::spawn(tasks::watch_core(
+            core.clone(),
             shutdown.clone(),
             core_tx,
         )));
         if let Some(set) = set {
-            let ctx = ctx.clone();
+            let core = core.clone();
             tasks.push(tokio::spawn(async move {
-                if let Err(err) = statefulset::join_or_bootstrap(&ctx, &set).await {
+                if let Err(err) = statefulset::join_or_bootstrap(&core, &set).await {
                     tracing::error!(%err, "cannot join the StatefulSet's cluster");
                 }
-                statefulset::keep_membership(&ctx, &set, ctx.config.scale_in_after).await;
+                statefulset::keep_membership(&core, &set, core.config.scale_in_after).await;
             }));
         }
 
@@ -340,7 +183,7 @@ impl Node {
             grpc_addr,
             http_addr,
             shutdown,
-            core,
+            core: core_stopped,
             tasks,
             db,
         })
@@ -375,15 +218,20 @@ impl Node {
 
     /// The node id.
     pub fn id(&self) -> u64 {
-        self.ctx.id
+        self.ctx.core.id
     }
 
     /// The Raft handle (tests wait on its metrics).
     pub fn raft(&self) -> &Raft {
-        &self.ctx.raft
+        self.ctx.core.raft_handle()
     }
 
-    /// The replica's context (state handle, config).
+    /// The replica core (state handle, config, metrics).
+    pub fn core(&self) -> &Arc<Replica> {
+        &self.ctx.core
+    }
+
+    /// The handlers' context (the core, authentication, open watches).
     pub fn ctx(&self) -> &Arc<Ctx> {
         &self.ctx
     }
@@ -392,10 +240,11 @@ impl Node {
     /// other voter (so clients see no election timeout), then the servers and
     /// Raft stop.
     pub async fn shutdown(self) {
-        let leading = self.ctx.raft.metrics().borrow().state == ServerState::Leader;
-        if leading && let Some(target) = best_successor(&self.ctx) {
+        let core = &self.ctx.core;
+        let leading = core.view().role == Role::Leader;
+        if leading && let Some(target) = tasks::best_successor(core) {
             {
-                match transfer_leader(&self.ctx, target).await {
+                match core.transfer_leader(target).await {
                     Ok(leader) => tracing::info!(
                         new_leader = leader,
                         "leadership handed over before shutdown"
@@ -419,11 +268,9 @@ impl Node {
             db,
             ..
         } = self;
-        let id = ctx.id;
+        let id = ctx.core.id;
         let _ = shutdown.send(true);
-        if let Err(err) = ctx.raft.shutdown().await {
-            tracing::warn!(%err, "Raft shutdown failed");
-        }
+        ctx.core.stop_raft().await;
         for task in tasks {
             task.abort();
             let _ = task.await;
@@ -443,47 +290,152 @@ impl Node {
     }
 }
 
-/// Watches Raft's core. When it stops on its own, this replica can neither
-/// replicate nor apply, yet its gRPC and HTTP servers would keep answering
-/// (and its watches would wait forever for events that never come). So:
-/// record why (for `/live`), end every watch and queued acquire with
-/// `UNAVAILABLE` (the shutdown signal), and report it to the caller
-/// ([`Node::core_stopped`]). An asked-for shutdown is not a stop.
-async fn watch_core(
-    ctx: Arc<Ctx>,
-    shutdown: Arc<watch::Sender<bool>>,
-    stopped: watch::Sender<Option<String>>,
-) {
-    let mut metrics = ctx.raft.metrics();
-    let reason = loop {
-        if let Err(fatal) = &metrics.borrow_and_update().running_state {
-            break fatal.to_string();
-        }
-        if metrics.changed().await.is_err() {
-            // The core task is gone without a last report: it panicked.
-            break "the Raft core task ended without a report (panicked)".to_string();
-        }
-    };
-    if *ctx.shutdown.borrow() {
-        return;
-    }
-    tracing::error!(
-        node_id = ctx.id,
-        reason,
-        "the Raft core stopped: this replica cannot serve; ending its watches and exiting so that \
-         it is restarted and recovers from its data directory"
-    );
-    let _ = ctx.core_stopped.set(reason.clone());
-    let _ = shutdown.send(true);
-    let _ = stopped.send(Some(reason));
-}
-
 async fn wait_for(mut rx: watch::Receiver<bool>) {
     while !*rx.borrow() {
         if rx.changed().await.is_err() {
             return;
         }
     }
+}
+
+/// Refuses limits that cannot work together.
+fn check_limits(config: &Config, id: u64) -> anyhow::Result<()> {
+    anyhow::ensure!(id > 0, "node id must be at least 1");
+    anyhow::ensure!(
+        config.max_request_bytes >= config.max_payload_bytes + REQUEST_OVERHEAD,
+        "--max-request-bytes {} leaves no room for a payload of --max-payload-bytes {} \
+         (it must be at least {} more)",
+        config.max_request_bytes,
+        config.max_payload_bytes,
+        REQUEST_OVERHEAD
+    );
+    anyhow::ensure!(
+        config.max_request_bytes <= config.raft_message_limit / 4,
+        "--max-request-bytes {} is too large: at most {} (a quarter of the {} byte Raft \
+         message limit, so that any one log entry fits a message to the other replicas)",
+        config.max_request_bytes,
+        config.raft_message_limit / 4,
+        config.raft_message_limit
+    );
+    Ok(())
+}
+
+/// Opens (creating it if needed) the data directory's store, restoring
+/// `--restore-from` into it when asked; the replica's counters record its
+/// work.
+async fn open_store(
+    config: &Config,
+    id: u64,
+    advertise: &str,
+) -> anyhow::Result<(
+    Arc<rocksdb::DB>,
+    store::LogStore,
+    store::StateMachineStore,
+    Arc<Metrics>,
+)> {
+    std::fs::create_dir_all(&config.data_dir)
+        .with_context(|| format!("cannot create data directory {}", config.data_dir.display()))?;
+    let (db, log_store, mut sm_store) = store::open(&config.data_dir)
+        .await
+        .with_context(|| format!("cannot open the store in {}", config.data_dir.display()))?;
+    let metrics = Arc::new(Metrics::default());
+    sm_store.set_metrics(metrics.clone());
+    let log_store = log_store.with_metrics(metrics.clone());
+    sm_store.set_event_retention(store::EventRetention {
+        entries: config.event_retention_entries,
+        age_ms: config.event_retention_age.as_millis() as u64,
+    });
+    if let Some(path) = &config.restore_from {
+        let data = std::fs::read(path)
+            .with_context(|| format!("cannot read the backup {}", path.display()))?;
+        let empty = store::state_machine::stored_snapshot(&db)?.is_none()
+            && sm_store.handle().read().last_applied.is_none();
+        anyhow::ensure!(
+            empty,
+            "--restore-from needs an empty data directory; {} already holds a replica",
+            config.data_dir.display()
+        );
+        let last = sm_store
+            .restore_backup(&data, id, advertise)
+            .with_context(|| format!("cannot restore {}", path.display()))?;
+        log_store.start_after(last, id)?;
+        tracing::info!(backup = %path.display(), index = last.index, "restored a backup as a one-member cluster");
+    }
+    Ok((db, log_store, sm_store, metrics))
+}
+
+/// Serves gRPC on `listener` until `stop`: every API the handlers serve
+/// and the Raft service the other replicas call, behind the timing layer
+/// and the cluster-id checks.
+fn serve_grpc(
+    ctx: &Arc<Ctx>,
+    raft_api: RaftApi,
+    listener: TcpListener,
+    tls: Option<Arc<TlsMaterial>>,
+    stop: impl std::future::Future<Output = ()> + Send + 'static,
+) -> JoinHandle<()> {
+    let config = &ctx.core.config;
+    let request_limit = config.max_request_bytes;
+    // Every response names the cluster (`cluster_id`): clients refuse a
+    // replica of another cluster than the one they have been using.
+    let cluster_id = ctx.core.cluster_id.clone();
+    let name_cluster = tower::util::MapResponseLayer::new(
+        move |mut response: tonic::codegen::http::Response<tonic::body::Body>| {
+            if let Some(value) = cluster_id.get().and_then(|id| id.parse().ok()) {
+                response
+                    .headers_mut()
+                    .insert(crate::cluster_id::METADATA, value);
+            }
+            response
+        },
+    );
+    let expected = ctx.core.cluster_id.clone();
+    let check_cluster = tonic::service::InterceptorLayer::new(move |request: tonic::Request<()>| {
+        crate::cluster_id::check_expected(&expected, request.metadata())?;
+        Ok(request)
+    });
+    let server = tonic::transport::Server::builder()
+        // Outermost: every call is timed, refused ones too.
+        .layer(crate::metrics::GrpcTimingLayer(ctx.core.metrics.clone()))
+        // Then: a refused request reaches no handler (its refusal
+        // names this replica's cluster in its own metadata).
+        .layer(check_cluster)
+        .layer(name_cluster)
+        .add_service(
+            LockServiceServer::new(LockApi::new(ctx.clone()))
+                .max_decoding_message_size(request_limit),
+        )
+        .add_service(
+            LeaseServiceServer::new(LeaseApi::new(ctx.clone()))
+                .max_decoding_message_size(request_limit),
+        )
+        .add_service(
+            PinServiceServer::new(PinApi::new(ctx.clone()))
+                .max_decoding_message_size(request_limit),
+        )
+        .add_service(
+            NodeServiceServer::new(NodeApi::new(ctx.clone()))
+                .max_decoding_message_size(request_limit),
+        )
+        .add_service(
+            WatchServiceServer::new(WatchApi::new(ctx.clone()))
+                .max_decoding_message_size(request_limit),
+        )
+        .add_service(
+            ClusterServiceServer::new(ClusterApi::new(ctx.clone()))
+                .max_decoding_message_size(request_limit),
+        )
+        .add_service(
+            RaftServiceServer::new(raft_api)
+                .max_decoding_message_size(config.raft_message_limit)
+                .max_encoding_message_size(config.raft_message_limit),
+        );
+    let incoming = tether_tls::incoming(listener, tls);
+    tokio::spawn(async move {
+        if let Err(err) = server.serve_with_incoming_shutdown(incoming, stop).await {
+            tracing::error!(%err, "gRPC server failed");
+        }
+    })
 }
 
 /// The replica's TLS material when `--tls-dir` is set. Its certificate
@@ -575,215 +527,4 @@ fn statefulset_membership(config: &Config, port: u16) -> anyhow::Result<stateful
         expect,
         probe: config.probe_ordinals.max(ordinal + 1).max(expect),
     })
-}
-
-/// Initializes a new cluster if this replica has no Raft state yet and has
-/// the lowest id among the initial members; otherwise it waits to be
-/// contacted (by the bootstrapping replica, or by AddLearner).
-async fn bootstrap(ctx: &Ctx, advertise: &str) -> anyhow::Result<()> {
-    let members: BTreeMap<u64, String> = match &ctx.config.initial_members {
-        Some(text) => parse_members(text).map_err(|e| anyhow::anyhow!("--initial-members: {e}"))?,
-        None => BTreeMap::from([(ctx.id, advertise.to_string())]),
-    };
-    if ctx.raft.is_initialized().await? {
-        tracing::info!("existing Raft state found; --initial-members is ignored");
-        return Ok(());
-    }
-    let lowest = *members
-        .keys()
-        .next()
-        .expect("parse_members refuses an empty list");
-    if lowest != ctx.id {
-        tracing::info!(
-            bootstrapper = lowest,
-            "waiting to be contacted by the cluster"
-        );
-        return Ok(());
-    }
-    let nodes: BTreeMap<u64, BasicNode> = members
-        .into_iter()
-        .map(|(id, addr)| (id, BasicNode { addr }))
-        .collect();
-    tracing::info!(members = ?nodes.keys().collect::<Vec<_>>(), "initializing a new cluster");
-    ctx.raft
-        .initialize(nodes)
-        .await
-        .context("cannot initialize the cluster")?;
-    Ok(())
-}
-
-/// The voter other than this one with the highest replicated index.
-fn best_successor(ctx: &Ctx) -> Option<u64> {
-    let m = ctx.raft.metrics().borrow().clone();
-    let replication = m.replication.clone().unwrap_or_default();
-    m.membership_config
-        .membership()
-        .voter_ids()
-        .filter(|id| *id != ctx.id)
-        .max_by_key(|id| {
-            replication
-                .get(id)
-                .copied()
-                .flatten()
-                .map_or(0, |l| l.index)
-        })
-}
-
-/// How often the cached peer connections are checked against the
-/// membership.
-const FORGET_DEPARTED_EVERY: Duration = Duration::from_secs(30);
-
-/// Keeps the Raft network's cached connections to the membership's
-/// addresses: after a membership change, the connections to replicas that
-/// left (or moved) are dropped at the next check.
-async fn forget_departed_peers(raft: Raft, network: Network, mut shutdown: watch::Receiver<bool>) {
-    let mut tick = tokio::time::interval(FORGET_DEPARTED_EVERY);
-    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-    let mut checked = None;
-    loop {
-        tokio::select! {
-            _ = tick.tick() => {}
-            _ = shutdown.changed() => return,
-        }
-        let membership = raft.metrics().borrow().membership_config.clone();
-        if checked.as_ref() == Some(membership.log_id()) {
-            continue;
-        }
-        network.forget_departed(membership.membership().nodes());
-        checked = Some(*membership.log_id());
-    }
-}
-
-/// While this replica leads, proposes a [`Sweep`] whenever its applied state
-/// shows a wait, lease, hold or session due on the leader's clock.
-/// As leader, gives the cluster its id when none is applied yet: right
-/// after the cluster was initialized, or once on a cluster an older build
-/// started. The id goes through the log ([`crate::cluster_id`]), so all
-/// members take the same one even if two leaders in a row each propose
-/// one.
-async fn claim_cluster_id(ctx: Arc<Ctx>, mut shutdown: watch::Receiver<bool>) {
-    let mut metrics = ctx.raft.metrics();
-    loop {
-        let leading = metrics.borrow_and_update().state == ServerState::Leader;
-        if leading && ctx.cluster_id.get().is_none() {
-            let id = crate::cluster_id::draw();
-            let command = Command::Audit(crate::sm::command::Audit {
-                identity: "tetherd".into(),
-                action: crate::cluster_id::AUDIT_ACTION.into(),
-                detail: id.clone(),
-            });
-            match ctx.write(None, command).await {
-                Ok(_) => tracing::info!(
-                    proposed = id,
-                    cluster_id = ctx.cluster_id.get(),
-                    "gave the cluster its id"
-                ),
-                Err(err) => tracing::debug!(%err, "could not record a cluster id yet"),
-            }
-            // A failed proposal (leadership lost) is retried after a pause.
-            tokio::select! {
-                _ = tokio::time::sleep(Duration::from_millis(500)) => {}
-                _ = shutdown.changed() => return,
-            }
-            continue;
-        }
-        tokio::select! {
-            changed = metrics.changed() => if changed.is_err() { return },
-            _ = shutdown.changed() => return,
-        }
-    }
-}
-
-async fn sweeper(ctx: Arc<Ctx>, mut shutdown: watch::Receiver<bool>) {
-    let mut tick = tokio::time::interval(ctx.config.sweep_interval);
-    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-    let mut leading_since: Option<(u64, Instant)> = None;
-    loop {
-        tokio::select! {
-            _ = tick.tick() => {}
-            _ = shutdown.changed() => return,
-        }
-        let (state, term) = {
-            let m = ctx.raft.metrics();
-            let m = m.borrow();
-            (m.state, m.current_term)
-        };
-        if state != ServerState::Leader {
-            leading_since = None;
-            continue;
-        }
-        let since = match leading_since {
-            Some((t, since)) if t == term => since,
-            _ => leading_since.insert((term, Instant::now())).1,
-        };
-        let sweep = Sweep {
-            leader_tenure_ms: since.elapsed().as_millis() as u64,
-            hold_timeout_ms: ctx.config.hold_timeout.as_millis() as u64,
-            scope_hold_timeout_ms: ctx
-                .config
-                .scope_hold_timeouts
-                .iter()
-                .map(|(scope, d)| (scope.clone(), d.as_millis() as u64))
-                .collect(),
-            session_idle_ms: ctx.config.session_idle.as_millis() as u64,
-            node_tombstone_ms: ctx.config.node_tombstone.as_millis() as u64,
-        };
-        let now = ctx.clock.stamp(term);
-        // Format 6 (grants after all ends, forgets unreferenced pods), or
-        // an older one during a rolling upgrade: see `Ctx::request`.
-        let request = ctx.request(None, now, Command::Sweep(sweep));
-        let Command::Sweep(sweep) = &request.command else {
-            unreachable!("a sweep was built")
-        };
-        // Due on committed time, as apply will judge it: the entry applies
-        // at the later of this leader's clock and the committed time (which
-        // stays ahead while an earlier leader's clock ran ahead of this one).
-        let due = {
-            let applied = ctx.state.read();
-            let at = now.max(applied.state.now_ms);
-            sweep_due(&applied.state, at, sweep, request.format_version)
-        };
-        if !due {
-            continue;
-        }
-        match ctx
-            .metrics
-            .time_commit(ctx.raft.client_write(request))
-            .await
-        {
-            Ok(response) => {
-                if let Ok(Reply::Swept {
-                    waits,
-                    leases,
-                    holds,
-                    sessions,
-                    pins,
-                    stuck,
-                }) = response.data.result
-                {
-                    ctx.metrics.swept("wait", waits.into());
-                    ctx.metrics.swept("lease", leases.into());
-                    ctx.metrics.swept("hold", holds.into());
-                    ctx.metrics.swept("session", sessions.into());
-                    ctx.metrics.swept("pin", pins.into());
-                    ctx.metrics.swept("stuck_hold", stuck.into());
-                    if holds > 0 || leases > 0 || pins > 0 || stuck > 0 {
-                        tracing::info!(
-                            waits,
-                            leases,
-                            holds,
-                            sessions,
-                            pins,
-                            stuck,
-                            "sweep expired or reported"
-                        );
-                    }
-                }
-            }
-            Err(err) => {
-                tracing::debug!(%err, "sweep not committed");
-                tokio::time::sleep(Duration::from_millis(100)).await;
-            }
-        }
-    }
 }

@@ -33,11 +33,10 @@ use std::time::Duration;
 
 use crate::raft::dial::PeerDialer;
 use anyhow::Context;
-use openraft::BasicNode;
 use tether_proto as pb;
 use tether_proto::cluster_service_client::ClusterServiceClient;
 
-use crate::api::Ctx;
+use crate::replica::Replica;
 
 /// File in the data directory holding this replica's node id.
 const NODE_ID_FILE: &str = "node-id";
@@ -162,13 +161,13 @@ async fn leader_of(addr: &str, dialer: &PeerDialer) -> Option<(String, pb::Statu
 
 /// Joins through the leader at `leader`: learner first (returns once caught
 /// up), then voter, replacing any older member at this address.
-async fn join(ctx: &Ctx, leader: &str, status: &pb::StatusResponse) -> anyhow::Result<()> {
-    let mut client = cluster_client(&ctx.dialer, leader)?;
-    if !status.members.iter().any(|m| m.node_id == ctx.id) {
+async fn join(core: &Replica, leader: &str, status: &pb::StatusResponse) -> anyhow::Result<()> {
+    let mut client = cluster_client(&core.dialer, leader)?;
+    if !status.members.iter().any(|m| m.node_id == core.id) {
         tracing::info!(leader, "joining as a learner");
         let learner = pb::AddLearnerRequest {
-            node_id: ctx.id,
-            addr: ctx.addr.clone(),
+            node_id: core.id,
+            addr: core.addr.clone(),
             blocking: true,
         };
         bounded("AddLearner", JOIN_CALL_TIMEOUT, client.add_learner(learner)).await?;
@@ -182,7 +181,7 @@ async fn join(ctx: &Ctx, leader: &str, status: &pb::StatusResponse) -> anyhow::R
     let stale: BTreeSet<u64> = status
         .members
         .iter()
-        .filter(|m| m.addr == ctx.addr && m.node_id != ctx.id)
+        .filter(|m| m.addr == core.addr && m.node_id != core.id)
         .map(|m| m.node_id)
         .collect();
     // Made a voter by the cluster's initialization (or an earlier join that
@@ -191,7 +190,7 @@ async fn join(ctx: &Ctx, leader: &str, status: &pb::StatusResponse) -> anyhow::R
         && status
             .members
             .iter()
-            .any(|m| m.node_id == ctx.id && m.voter)
+            .any(|m| m.node_id == core.id && m.voter)
     {
         return Ok(());
     }
@@ -201,7 +200,7 @@ async fn join(ctx: &Ctx, leader: &str, status: &pb::StatusResponse) -> anyhow::R
         .filter(|m| m.voter && !stale.contains(&m.node_id))
         .map(|m| m.node_id)
         .collect();
-    voters.insert(ctx.id);
+    voters.insert(core.id);
     tracing::info!(?voters, replaced = ?stale, "promoting to voter");
     // Stale voters leave with this change (they are not kept as learners).
     let promote = pb::ChangeMembershipRequest {
@@ -243,28 +242,28 @@ async fn join(ctx: &Ctx, leader: &str, status: &pb::StatusResponse) -> anyhow::R
 /// ([`bootstrap_step`]). Returns once this replica is a voter or the
 /// cluster was initialized; retries until then. A replica with Raft state
 /// returns at once ([`keep_membership`] takes it from there).
-pub async fn join_or_bootstrap(ctx: &Ctx, set: &Membership) -> anyhow::Result<()> {
-    if ctx.raft.is_initialized().await? {
-        tracing::info!("existing Raft state: rejoining as node {}", ctx.id);
+pub async fn join_or_bootstrap(core: &Replica, set: &Membership) -> anyhow::Result<()> {
+    if core.is_initialized().await? {
+        tracing::info!("existing Raft state: rejoining as node {}", core.id);
         return Ok(());
     }
     let mut last_wait = String::new();
     loop {
-        if *ctx.shutdown.borrow() {
+        if *core.shutdown.borrow() {
             return Ok(());
         }
         // Initialized by ordinal 0 (with this replica among the voters),
         // or added by a leader while this loop slept.
-        if ctx.raft.is_initialized().await? && is_voter(ctx) {
+        if core.is_initialized().await? && is_voter(core) {
             return Ok(());
         }
-        let answers = survey(set, &ctx.dialer).await;
+        let answers = survey(set, &core.dialer).await;
         let leader = match answers.values().find_map(leader_hint) {
-            Some(addr) => leader_of(&addr, &ctx.dialer).await,
+            Some(addr) => leader_of(&addr, &core.dialer).await,
             None => None,
         };
         if let Some((leader, status)) = leader {
-            match join(ctx, &leader, &status).await {
+            match join(core, &leader, &status).await {
                 Ok(()) => return Ok(()),
                 Err(err) => {
                     tracing::warn!(err = format!("{err:#}"), leader, "joining failed; retrying")
@@ -272,9 +271,9 @@ pub async fn join_or_bootstrap(ctx: &Ctx, set: &Membership) -> anyhow::Result<()
             }
         } else {
             let me = PeerView {
-                node_id: ctx.id,
-                addr: ctx.addr.clone(),
-                has_raft_state: ctx.raft.is_initialized().await?,
+                node_id: core.id,
+                addr: core.addr.clone(),
+                has_raft_state: core.is_initialized().await?,
             };
             let views: BTreeMap<u32, PeerView> = answers
                 .iter()
@@ -288,16 +287,10 @@ pub async fn join_or_bootstrap(ctx: &Ctx, set: &Membership) -> anyhow::Result<()
                          initializes a new cluster with all of them as voters",
                         set.expect
                     );
-                    match ctx.raft.initialize(members).await {
-                        Ok(()) => return Ok(()),
-                        // Raft state appeared since the survey (a peer's
-                        // vote request): someone else started it.
-                        Err(openraft::error::RaftError::APIError(
-                            openraft::error::InitializeError::NotAllowed(_),
-                        )) => {}
-                        Err(err) => {
-                            return Err(err).context("cannot initialize the cluster");
-                        }
+                    // Not initialized: Raft state appeared since the survey
+                    // (a peer's vote request), someone else started it.
+                    if core.initialize(members).await? {
+                        return Ok(());
                     }
                 }
                 Step::Wait(why) => {
@@ -371,7 +364,7 @@ impl From<&pb::StatusResponse> for PeerView {
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Step {
     /// Initialize a new cluster with these voters.
-    Initialize(BTreeMap<u64, BasicNode>),
+    Initialize(BTreeMap<u64, String>),
     /// Keep asking; the reason, for the log.
     Wait(String),
 }
@@ -410,19 +403,9 @@ pub fn bootstrap_step(set: &Membership, me: &PeerView, answers: &BTreeMap<u32, P
         ));
     }
     let mut members = BTreeMap::new();
-    members.insert(
-        me.node_id,
-        BasicNode {
-            addr: me.addr.clone(),
-        },
-    );
+    members.insert(me.node_id, me.addr.clone());
     for (_, peer) in answers.range(1..set.expect) {
-        members.insert(
-            peer.node_id,
-            BasicNode {
-                addr: peer.addr.clone(),
-            },
-        );
+        members.insert(peer.node_id, peer.addr.clone());
     }
     Step::Initialize(members)
 }
@@ -440,28 +423,22 @@ const KEEP_INTERVAL: Duration = Duration::from_secs(2);
 ///   the set — a StatefulSet scales in from the top, so that is a scale-in.
 ///   Removing a member that is down never costs availability; one that was
 ///   only cut off rejoins by the first rule when it is back.
-pub async fn keep_membership(ctx: &Ctx, set: &Membership, scale_in_after: Duration) {
+pub async fn keep_membership(core: &Replica, set: &Membership, scale_in_after: Duration) {
     let mut leaderless_since: Option<tokio::time::Instant> = None;
     let mut down_since: std::collections::BTreeMap<u64, tokio::time::Instant> = Default::default();
     loop {
         tokio::select! {
             _ = tokio::time::sleep(KEEP_INTERVAL) => {}
-            _ = wait_shutdown(ctx) => return,
+            _ = wait_shutdown(core) => return,
         }
         let (leader_addr, is_leader) = {
-            let m = ctx.raft.metrics().borrow().clone();
-            let addr = m.current_leader.and_then(|id| {
-                m.membership_config
-                    .membership()
-                    .get_node(&id)
-                    .map(|n| n.addr.clone())
-            });
-            (addr, m.current_leader == Some(ctx.id))
+            let view = core.view();
+            (view.leader_addr, view.leader_id == Some(core.id))
         };
         if is_leader {
             leaderless_since = None;
             if !scale_in_after.is_zero() {
-                scale_in(ctx, set, scale_in_after, &mut down_since).await;
+                scale_in(core, set, scale_in_after, &mut down_since).await;
             }
             continue;
         }
@@ -470,7 +447,7 @@ pub async fn keep_membership(ctx: &Ctx, set: &Membership, scale_in_after: Durati
         // stale: one removed while it was down restarts with the old
         // configuration and the old leader's vote. Ask the leader.
         let asked = match &leader_addr {
-            Some(addr) => leader_of(addr, &ctx.dialer).await,
+            Some(addr) => leader_of(addr, &core.dialer).await,
             None => None,
         };
         let asked = match asked {
@@ -483,7 +460,7 @@ pub async fn keep_membership(ctx: &Ctx, set: &Membership, scale_in_after: Durati
                 if since.elapsed() < KEEP_INTERVAL * 3 {
                     continue;
                 }
-                find_leader(set, &ctx.dialer).await
+                find_leader(set, &core.dialer).await
             }
         };
         // Not a voter: removed while away, or added as a learner whose
@@ -493,18 +470,18 @@ pub async fn keep_membership(ctx: &Ctx, set: &Membership, scale_in_after: Durati
             && !status
                 .members
                 .iter()
-                .any(|m| m.node_id == ctx.id && m.voter)
+                .any(|m| m.node_id == core.id && m.voter)
         {
             tracing::info!(leader = addr, "not a voter: joining again");
-            if let Err(err) = join(ctx, &addr, &status).await {
+            if let Err(err) = join(core, &addr, &status).await {
                 tracing::warn!(err = format!("{err:#}"), "joining again failed; retrying");
             }
         }
     }
 }
 
-async fn wait_shutdown(ctx: &Ctx) {
-    let mut rx = ctx.shutdown.clone();
+async fn wait_shutdown(core: &Replica) {
+    let mut rx = core.shutdown.clone();
     while !*rx.borrow() {
         if rx.changed().await.is_err() {
             return;
@@ -521,32 +498,26 @@ async fn answers_as(addr: &str, id: u64, dialer: &PeerDialer) -> bool {
 
 /// The leader's half of [`keep_membership`].
 async fn scale_in(
-    ctx: &Ctx,
+    core: &Replica,
     set: &Membership,
     after: Duration,
     down_since: &mut std::collections::BTreeMap<u64, tokio::time::Instant>,
 ) {
     let voters: Vec<(u64, String)> = {
-        let m = ctx.raft.metrics().borrow().clone();
-        let membership = m.membership_config.membership().clone();
-        membership
-            .voter_ids()
-            .map(|id| {
-                let addr = membership
-                    .get_node(&id)
-                    .map(|n| n.addr.clone())
-                    .unwrap_or_default();
-                (id, addr)
-            })
+        let view = core.view();
+        view.members
+            .into_iter()
+            .filter(|m| m.voter)
+            .map(|m| (m.id, m.addr))
             .collect()
     };
     let ordinal_of = |addr: &str| (0..set.probe).find(|o| peer_address(&set.template, *o) == addr);
     let mut highest_up = set.ordinal;
     for (id, addr) in &voters {
-        if *id == ctx.id {
+        if *id == core.id {
             continue;
         }
-        if answers_as(addr, *id, &ctx.dialer).await {
+        if answers_as(addr, *id, &core.dialer).await {
             down_since.remove(id);
             if let Some(ordinal) = ordinal_of(addr) {
                 highest_up = highest_up.max(ordinal);
@@ -579,7 +550,7 @@ async fn scale_in(
         ?remaining,
         "scale-in: removing the highest ordinals, down for {after:?}"
     );
-    match ctx.raft.change_membership(remaining, false).await {
+    match core.change_voters(&remaining, false).await {
         Ok(_) => {
             for id in &leaving {
                 down_since.remove(id);
@@ -589,14 +560,8 @@ async fn scale_in(
     }
 }
 
-fn is_voter(ctx: &Ctx) -> bool {
-    ctx.raft
-        .metrics()
-        .borrow()
-        .membership_config
-        .membership()
-        .voter_ids()
-        .any(|id| id == ctx.id)
+fn is_voter(core: &Replica) -> bool {
+    core.view().is_voter(core.id)
 }
 
 #[cfg(test)]
@@ -657,7 +622,7 @@ mod tests {
         };
         let voters: Vec<(u64, String)> = members
             .iter()
-            .map(|(id, node)| (*id, node.addr.clone()))
+            .map(|(id, addr)| (*id, addr.clone()))
             .collect();
         assert_eq!(
             voters,

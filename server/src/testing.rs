@@ -268,7 +268,7 @@ pub async fn single_node_with(dir: &std::path::Path, tweak: impl FnOnce(&mut Con
     // The leader's first entry of its own gives the cluster its id: wait
     // for it, so that tests start from the same log position every time.
     let deadline = tokio::time::Instant::now() + DEADLINE;
-    while node.ctx().cluster_id.get().is_none() {
+    while node.core().cluster_id.get().is_none() {
         assert!(
             tokio::time::Instant::now() < deadline,
             "the single node never recorded a cluster id"

@@ -1,7 +1,7 @@
 //! The sitting leader's wall clock steps while it leads (a VM resumed, an
 //! NTP step), 10 minutes ahead and then 10 minutes behind, on 3 replicas.
 //! Committed time follows the leader's monotonic clock and only slews
-//! towards the stepped wall clock (`api/clock.rs`), so a TTL lease kept
+//! towards the stepped wall clock (`replica/clock.rs`), so a TTL lease kept
 //! alive every third of its TTL keeps its hold through the forward step
 //! (before, it expired within seconds and its waiter was granted while the
 //! keeper believed it held), and committed time keeps moving through the
@@ -27,7 +27,7 @@ async fn a_clock_step_on_the_sitting_leader_neither_expires_kept_alive_leases_no
     let cluster = Cluster::start(3).await;
     let client = common::client(&cluster);
     let leader = cluster.wait_leader().await;
-    let committed = || cluster.node(leader).ctx().state.read().state.now_ms;
+    let committed = || cluster.node(leader).core().state.read().state.now_ms;
     let key = lock("node-clock");
     let lease = client.grant_lease(TTL).await.unwrap();
     client
@@ -94,8 +94,7 @@ async fn a_clock_step_on_the_sitting_leader_neither_expires_kept_alive_leases_no
     assert_eq!(
         cluster
             .node(leader)
-            .ctx()
-            .raft
+            .raft()
             .metrics()
             .borrow()
             .current_leader,

@@ -65,7 +65,7 @@ async fn acquire_release_round_trip_and_holder_read() {
 
 /// The leader's counter `name` from its `/metrics` text.
 fn leader_counter(cluster: &Cluster, leader: u64, name: &str) -> u64 {
-    let text = cluster.node(leader).ctx().metrics.render();
+    let text = cluster.node(leader).core().metrics.render();
     text.lines()
         .find_map(|line| line.strip_prefix(name)?.trim().parse().ok())
         .unwrap_or_else(|| panic!("no {name} in:\n{text}"))
@@ -155,7 +155,7 @@ async fn concurrent_acquires_and_releases_share_entries_and_tokens_still_rise_pe
     );
     println!("{commands} acquires and releases in {entries} entries");
     // Replication went over AppendEntries streams, not unary calls.
-    let metrics = &cluster.node(leader).ctx().metrics;
+    let metrics = &cluster.node(leader).core().metrics;
     for follower in (1..=3).filter(|id| *id != leader) {
         let opened = metrics.raft_appends(follower, RaftAppend::StreamOpened);
         println!("AppendEntries streams opened to replica {follower}: {opened}");
@@ -675,7 +675,7 @@ async fn a_wait_whose_caller_went_away_is_given_up_through_the_new_leader() {
     assert_eq!(client.transfer_leader(target).await.unwrap(), target);
     drop(stream);
     drop(raw);
-    let served = cluster.node(leader).ctx().clone();
+    let served = cluster.node(leader).core().clone();
     eventually("the abandoned wait removed through the new leader", || {
         served.metrics.abandoned_waits("removed") == 1
     })
@@ -719,7 +719,7 @@ async fn a_queued_acquire_retried_after_a_reset_keeps_its_place() {
         (pb::acquire_response::State::Queued as i32, 1),
         "the retry is told where it stands"
     );
-    let served = cluster.node(leader).ctx().clone();
+    let served = cluster.node(leader).core().clone();
     eventually("the first stream's give-up applied", || {
         served.metrics.abandoned_waits("taken_up") == 1
     })
@@ -802,7 +802,7 @@ async fn a_grant_that_raced_an_abandoned_wait_is_given_back_to_the_next_waiter()
         .unwrap()
         .unwrap();
     assert_eq!(granted.pod_uid(), "next");
-    let served = cluster.node(leader).ctx().clone();
+    let served = cluster.node(leader).core().clone();
     assert_eq!(served.metrics.abandoned_waits("given_back"), 1);
     let history = client
         .history(&format!("lock/{}/{}", key.scope, key.name), 0, 0)

@@ -432,7 +432,7 @@ async fn watch_resumes_without_gaps_across_a_leader_change() {
     // Compare with what a surviving replica stored: nothing missing.
     let leader = cluster.wait_leader().await;
     let stored = tether_server::store::read_events(
-        &cluster.node(leader).ctx().db().unwrap(),
+        &cluster.node(leader).core().db().unwrap(),
         tether_server::sm::Revision { index: 0, sub: 0 },
         10_000,
     )

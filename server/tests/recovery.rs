@@ -11,7 +11,7 @@ use tether_client::proto::Outcome;
 
 /// The state every replica must agree on (what a snapshot carries).
 fn state_bytes(cluster: &Cluster, id: u64) -> Vec<u8> {
-    tether_server::store::encode(&cluster.node(id).ctx().state.read().state)
+    tether_server::store::encode(&cluster.node(id).core().state.read().state)
 }
 
 /// Waits until `leader` has purged its log up to `index`.

@@ -360,7 +360,7 @@ async fn a_replica_with_a_certificate_from_another_ca_cannot_join() {
         .unwrap()
         .events;
     // First the cluster's id, recorded by its first leader.
-    let cluster_id = cluster.node(leader).ctx().cluster_id.get().unwrap();
+    let cluster_id = cluster.node(leader).core().cluster_id.get().unwrap();
     let recorded: Vec<(String, String, String)> = events
         .iter()
         .map(|e| {

@@ -24,7 +24,7 @@ use crate::history::KeptLease;
 use super::Evidence;
 
 /// How much faster than real time committed time may run (the server's
-/// `api::clock::SLEW_PERCENT`).
+/// `replica::clock::SLEW_PERCENT`).
 pub const SLEW_PERCENT: u64 = 10;
 
 /// What the checker found: violations.

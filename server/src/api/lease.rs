@@ -36,6 +36,7 @@ fn keys_to(keys: &[LockKey]) -> Vec<pb::LockKey> {
 
 async fn keep_alive(ctx: &Ctx, lease_id: u64) -> Result<pb::LeaseKeepAliveResponse> {
     match ctx
+        .core
         .write(None, Command::KeepAliveLease(KeepAliveLease { lease_id }))
         .await?
     {
@@ -62,7 +63,7 @@ impl LeaseApi {
             pod_uid: req.pod_uid.clone(),
             reason,
         });
-        match self.ctx.write(request_id, command).await? {
+        match self.ctx.core.write(request_id, command).await? {
             Reply::Revoked {
                 released,
                 dequeued,
@@ -91,7 +92,7 @@ impl LeaseApi {
         req: pb::LeaseGrantRequest,
     ) -> Result<pb::LeaseGrantResponse> {
         let request_id = self.ctx.request_id(caller, req.request_id.as_ref())?;
-        let min = self.ctx.config.min_lease_ttl().as_millis() as u64;
+        let min = self.ctx.core.config.min_lease_ttl().as_millis() as u64;
         if req.ttl_ms < min {
             return Err(ApiError::InvalidArgument(format!(
                 "lease TTL of {} ms is below the minimum of {min} ms (3 x the election timeout), \
@@ -101,6 +102,7 @@ impl LeaseApi {
         }
         match self
             .ctx
+            .core
             .write(
                 request_id,
                 Command::GrantLease(GrantLease { ttl_ms: req.ttl_ms }),
@@ -139,7 +141,7 @@ impl LeaseApi {
             pod_uid: req.pod_uid.clone(),
             phase,
         });
-        match self.ctx.write(request_id, command).await? {
+        match self.ctx.core.write(request_id, command).await? {
             Reply::Revoked {
                 released,
                 dequeued,
@@ -171,7 +173,7 @@ impl LeaseApi {
         let command = Command::RevokeLease(RevokeLease {
             lease_id: req.lease_id,
         });
-        match self.ctx.write(request_id, command).await? {
+        match self.ctx.core.write(request_id, command).await? {
             Reply::Revoked {
                 released,
                 dequeued,
@@ -198,22 +200,28 @@ impl LeaseService for LeaseApi {
         &self,
         request: Request<pb::RevokePodRequest>,
     ) -> Result<Response<pb::RevokePodResponse>, Status> {
-        let result = match self.ctx.auth.check(&request, Action::RevokePod) {
-            Ok(caller) => self.do_revoke_pod(&caller, request.into_inner()).await,
-            Err(err) => Err(err),
-        };
-        self.ctx.finish("RevokePod", result).map(Response::new)
+        self.ctx
+            .serve(
+                "RevokePod",
+                request,
+                Some(Action::RevokePod),
+                |caller, req| async move { self.do_revoke_pod(&caller, req).await },
+            )
+            .await
     }
 
     async fn grant(
         &self,
         request: Request<pb::LeaseGrantRequest>,
     ) -> Result<Response<pb::LeaseGrantResponse>, Status> {
-        let result = match self.ctx.auth.check(&request, Action::Leases) {
-            Ok(caller) => self.do_grant(&caller, request.into_inner()).await,
-            Err(err) => Err(err),
-        };
-        self.ctx.finish("LeaseGrant", result).map(Response::new)
+        self.ctx
+            .serve(
+                "LeaseGrant",
+                request,
+                Some(Action::Leases),
+                |caller, req| async move { self.do_grant(&caller, req).await },
+            )
+            .await
     }
 
     async fn keep_alive(
@@ -249,21 +257,27 @@ impl LeaseService for LeaseApi {
         &self,
         request: Request<pb::ReportPodRequest>,
     ) -> Result<Response<pb::ReportPodResponse>, Status> {
-        let result = match self.ctx.auth.check(&request, Action::Report) {
-            Ok(caller) => self.do_report_pod(&caller, request.into_inner()).await,
-            Err(err) => Err(err),
-        };
-        self.ctx.finish("ReportPod", result).map(Response::new)
+        self.ctx
+            .serve(
+                "ReportPod",
+                request,
+                Some(Action::Report),
+                |caller, req| async move { self.do_report_pod(&caller, req).await },
+            )
+            .await
     }
 
     async fn revoke(
         &self,
         request: Request<pb::LeaseRevokeRequest>,
     ) -> Result<Response<pb::LeaseRevokeResponse>, Status> {
-        let result = match self.ctx.auth.check(&request, Action::Leases) {
-            Ok(caller) => self.do_revoke(&caller, request.into_inner()).await,
-            Err(err) => Err(err),
-        };
-        self.ctx.finish("LeaseRevoke", result).map(Response::new)
+        self.ctx
+            .serve(
+                "LeaseRevoke",
+                request,
+                Some(Action::Leases),
+                |caller, req| async move { self.do_revoke(&caller, req).await },
+            )
+            .await
     }
 }

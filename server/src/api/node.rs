@@ -48,7 +48,7 @@ impl NodeApi {
             Some(validate::labels(
                 "node label",
                 &req.labels,
-                self.ctx.config.max_labels,
+                self.ctx.core.config.max_labels,
             )?)
         } else if !req.labels.is_empty() {
             return Err(ApiError::InvalidArgument(
@@ -66,7 +66,7 @@ impl NodeApi {
             labels,
             unschedulable: req.unschedulable,
         });
-        match self.ctx.write(request_id, command).await? {
+        match self.ctx.core.write(request_id, command).await? {
             Reply::NodeReported {
                 changed,
                 pins_released,
@@ -93,7 +93,7 @@ impl NodeApi {
     }
 
     fn do_list(&self, req: pb::ListNodesRequest) -> pb::ListNodesResponse {
-        let applied = self.ctx.state.read();
+        let applied = self.ctx.core.state.read();
         let nodes = applied
             .state
             .nodes
@@ -114,11 +114,14 @@ impl NodeService for NodeApi {
         &self,
         request: Request<pb::ReportNodeRequest>,
     ) -> Result<Response<pb::ReportNodeResponse>, Status> {
-        let result = match self.ctx.auth.check(&request, Action::Report) {
-            Ok(caller) => self.do_report(&caller, request.into_inner()).await,
-            Err(err) => Err(err),
-        };
-        self.ctx.finish("ReportNode", result).map(Response::new)
+        self.ctx
+            .serve(
+                "ReportNode",
+                request,
+                Some(Action::Report),
+                |caller, req| async move { self.do_report(&caller, req).await },
+            )
+            .await
     }
 
     async fn list(

@@ -34,6 +34,7 @@ impl PinApi {
             return Vec::new();
         };
         self.ctx
+            .core
             .state
             .read()
             .state
@@ -55,7 +56,7 @@ impl PinApi {
         if !req.pod_uid.is_empty() {
             validate::pod_uid(&req.pod_uid)?;
         }
-        let labels = validate::labels("pin label", &req.labels, self.ctx.config.max_labels)?;
+        let labels = validate::labels("pin label", &req.labels, self.ctx.core.config.max_labels)?;
         let affinity = validate::affinity(req.affinity.as_ref())?;
         let command = Command::Assign(Assign {
             key: key.clone(),
@@ -65,7 +66,7 @@ impl PinApi {
             labels,
             affinity,
         });
-        match self.ctx.write(request_id, command).await? {
+        match self.ctx.core.write(request_id, command).await? {
             Reply::Pinned { pin, created } => {
                 if created {
                     tracing::info!(pin = %key, node = pin.node, pod_uid = pin.pod_uid, "pin assigned");
@@ -95,6 +96,7 @@ impl PinApi {
         };
         match self
             .ctx
+            .core
             .write(
                 request_id,
                 Command::ReleasePin(ReleasePin {
@@ -122,18 +124,13 @@ impl PinApi {
         let key = validate::pin_key(req.key.as_ref())?;
         validate::dns1123_subdomain("node", &req.node)?;
         validate::pod_uid(&req.pod_uid)?;
-        let labels = validate::labels("pin label", &req.labels, ctx.config.max_labels)?;
+        let labels = validate::labels("pin label", &req.labels, ctx.core.config.max_labels)?;
         validate::text("exclusive prefix", &req.exclusive_prefix, false)?;
-        if let Some(format) = ctx
-            .peer_formats
-            .newest_members_read(&ctx.raft, ctx.id)
-            .filter(|format| *format < GIVE_BACK_FORMAT_VERSION)
-        {
-            return Err(crate::error::ApiError::FailedPrecondition(format!(
-                "reclaim needs every member to read format {GIVE_BACK_FORMAT_VERSION}; one \
-                 reads only {format} (finish the upgrade, or release and assign again)"
-            )));
-        }
+        ctx.core.require_format(
+            GIVE_BACK_FORMAT_VERSION,
+            "reclaim",
+            "finish the upgrade, or release and assign again",
+        )?;
         let command = Command::Reclaim(Reclaim {
             key: key.clone(),
             node: req.node,
@@ -142,7 +139,7 @@ impl PinApi {
             labels,
             exclusive_prefix: req.exclusive_prefix,
         });
-        match ctx.write(request_id, command).await? {
+        match ctx.core.write(request_id, command).await? {
             Reply::Reclaimed(done) => {
                 if !done.taken_from.is_empty() || done.previous.as_ref() != Some(&done.pin) {
                     tracing::info!(pin = %key, node = done.pin.node, taken = ?done.taken_from, "pin reclaimed");
@@ -167,9 +164,10 @@ impl PinApi {
 
     async fn do_get(&self, req: pb::GetPinRequest) -> Result<pb::GetPinResponse> {
         let key = validate::pin_key(req.key.as_ref())?;
-        self.ctx.linearizable().await?;
+        self.ctx.core.linearizable().await?;
         let pin = self
             .ctx
+            .core
             .state
             .read()
             .state
@@ -186,7 +184,7 @@ impl PinApi {
         if !req.node.is_empty() {
             validate::dns1123_subdomain("node", &req.node)?;
         }
-        let applied = self.ctx.state.read();
+        let applied = self.ctx.core.state.read();
         let pins = applied
             .state
             .pins
@@ -226,33 +224,42 @@ impl PinService for PinApi {
         request: Request<pb::ReleasePinRequest>,
     ) -> Result<Response<pb::ReleasePinResponse>, Status> {
         let node = self.node_of(request.get_ref().key.as_ref());
-        let result = match self.ctx.auth.check(&request, Action::WritePins(&node)) {
-            Ok(caller) => self.do_release(&caller, request.into_inner()).await,
-            Err(err) => Err(err),
-        };
-        self.ctx.finish("ReleasePin", result).map(Response::new)
+        self.ctx
+            .serve(
+                "ReleasePin",
+                request,
+                Some(Action::WritePins(&node)),
+                |caller, req| async move { self.do_release(&caller, req).await },
+            )
+            .await
     }
 
     async fn get(
         &self,
         request: Request<pb::GetPinRequest>,
     ) -> Result<Response<pb::GetPinResponse>, Status> {
-        let result = match self.ctx.auth.check(&request, Action::ReadPins) {
-            Ok(_) => self.do_get(request.into_inner()).await,
-            Err(err) => Err(err),
-        };
-        self.ctx.finish("GetPin", result).map(Response::new)
+        self.ctx
+            .serve(
+                "GetPin",
+                request,
+                Some(Action::ReadPins),
+                |_, req| async move { self.do_get(req).await },
+            )
+            .await
     }
 
     async fn list(
         &self,
         request: Request<pb::ListPinsRequest>,
     ) -> Result<Response<pb::ListPinsResponse>, Status> {
-        let result = match self.ctx.auth.check(&request, Action::ReadPins) {
-            Ok(_) => self.do_list(request.into_inner()),
-            Err(err) => Err(err),
-        };
-        self.ctx.finish("ListPins", result).map(Response::new)
+        self.ctx
+            .serve(
+                "ListPins",
+                request,
+                Some(Action::ReadPins),
+                |_, req| async move { self.do_list(req) },
+            )
+            .await
     }
 
     async fn reclaim(
@@ -260,10 +267,13 @@ impl PinService for PinApi {
         request: Request<pb::ReclaimRequest>,
     ) -> Result<Response<pb::ReclaimResponse>, Status> {
         let node = [request.get_ref().node.clone()];
-        let result = match self.ctx.auth.check(&request, Action::WritePins(&node)) {
-            Ok(caller) => self.do_reclaim(&caller, request.into_inner()).await,
-            Err(err) => Err(err),
-        };
-        self.ctx.finish("Reclaim", result).map(Response::new)
+        self.ctx
+            .serve(
+                "Reclaim",
+                request,
+                Some(Action::WritePins(&node)),
+                |caller, req| async move { self.do_reclaim(&caller, req).await },
+            )
+            .await
     }
 }

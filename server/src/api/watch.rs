@@ -82,7 +82,7 @@ struct WatcherSlot {
 
 impl WatcherSlot {
     fn take(ctx: &Arc<Ctx>, owner: String) -> Result<WatcherSlot, ApiError> {
-        let limit = ctx.config.max_watchers_per_client;
+        let limit = ctx.core.config.max_watchers_per_client;
         let mut open = ctx.watchers.lock().unwrap_or_else(|p| p.into_inner());
         let count = open.entry(owner.clone()).or_insert(0);
         if *count >= limit {
@@ -129,7 +129,7 @@ async fn follow(
     tx: mpsc::Sender<WatchItem>,
 ) {
     loop {
-        let db = match ctx.db() {
+        let db = match ctx.core.db() {
             Ok(db) => db,
             Err(err) => {
                 let _ = tx.send(Err(err.into())).await;
@@ -145,7 +145,7 @@ async fn follow(
         };
         // Checked after the read: the compaction point is raised before
         // events are deleted, so a read that met a deletion sees it here.
-        let first = ctx.state.events_first();
+        let first = ctx.core.state.events_first();
         if next.index < first {
             let _ = tx.send(Err(compacted(next, first))).await;
             return;
@@ -188,7 +188,7 @@ async fn follow(
             // Any message, or "lagged", means new events exist.
             _ = wake.recv() => {}
             _ = installs.changed() => {}
-            _ = ctx.shutting_down() => {
+            _ = ctx.core.shutting_down() => {
                 let err = ApiError::Unavailable(format!(
                     "this replica is shutting down; watch again from revision {}.{} on another replica",
                     next.index, next.sub
@@ -217,15 +217,15 @@ impl WatchApi {
         let slot = WatcherSlot::take(ctx, owner)?;
         // Subscribe before reading so an apply (or a snapshot install)
         // between the read and the wait still wakes the watcher.
-        let wake = ctx.state.subscribe();
-        let installs = ctx.state.snapshot_installs();
+        let wake = ctx.core.state.subscribe();
+        let installs = ctx.core.state.snapshot_installs();
         let start = match req.start {
             Some(r) if r.index > 0 => Revision {
                 index: r.index,
                 sub: r.sub,
             },
             _ => {
-                let applied = ctx.state.read().last_applied.map_or(0, |l| l.index);
+                let applied = ctx.core.state.read().last_applied.map_or(0, |l| l.index);
                 Revision {
                     index: applied + 1,
                     sub: 0,
@@ -233,8 +233,8 @@ impl WatchApi {
             }
         };
         // Refused once this replica is shutting down.
-        ctx.db()?;
-        let first = ctx.state.events_first();
+        ctx.core.db()?;
+        let first = ctx.core.state.events_first();
         if start.index < first {
             return Err(compacted(start, first));
         }
@@ -265,8 +265,8 @@ impl WatchApi {
             0 => HISTORY_LIMIT,
             n => n.min(HISTORY_LIMIT),
         };
-        let db = self.ctx.db()?;
-        let first = self.ctx.state.events_first();
+        let db = self.ctx.core.db()?;
+        let first = self.ctx.core.state.events_first();
         let from = req
             .from
             .map_or(Revision { index: 0, sub: 0 }, |r| Revision {
@@ -337,6 +337,7 @@ impl WatchService for WatchApi {
             Err(err) => Err(Status::from(err)),
         };
         self.ctx
+            .core
             .metrics
             .request("Watch", if result.is_ok() { "ok" } else { "refused" });
         result.map(Response::new)
@@ -346,10 +347,13 @@ impl WatchService for WatchApi {
         &self,
         request: Request<pb::HistoryRequest>,
     ) -> Result<Response<pb::HistoryResponse>, Status> {
-        let result = match self.ctx.auth.check(&request, Action::Watch) {
-            Ok(_) => self.do_history(request.into_inner()),
-            Err(err) => Err(err),
-        };
-        self.ctx.finish("History", result).map(Response::new)
+        self.ctx
+            .serve(
+                "History",
+                request,
+                Some(Action::Watch),
+                |_, req| async move { self.do_history(req) },
+            )
+            .await
     }
 }

@@ -36,3 +36,39 @@ pub type StoredMembership = openraft::StoredMembership<u64, openraft::BasicNode>
 pub type Entry = openraft::Entry<TypeConfig>;
 /// Storage errors.
 pub type StorageError = openraft::StorageError<u64>;
+
+/// Starts replica `id`'s Raft node over `network` and the two stores, with
+/// the timing, snapshot policy and message limit of `config`.
+pub async fn start(
+    id: u64,
+    config: &crate::config::Config,
+    network: network::Network,
+    log_store: crate::store::LogStore,
+    sm_store: crate::store::StateMachineStore,
+) -> anyhow::Result<Raft> {
+    use anyhow::Context as _;
+    let election_ms = config.election_timeout.as_millis() as u64;
+    let raft_config = openraft::Config {
+        cluster_name: "tether".to_string(),
+        heartbeat_interval: config.heartbeat_interval.as_millis() as u64,
+        election_timeout_min: election_ms,
+        election_timeout_max: election_ms * 2,
+        snapshot_policy: openraft::SnapshotPolicy::LogsSinceLast(config.snapshot_every),
+        max_in_snapshot_log_to_keep: config.keep_logs_after_snapshot,
+        // openraft's 3 MiB chunks, or half the Raft message limit when
+        // that is lower, so a chunk and its metadata fit one message.
+        snapshot_max_chunk_size: (config.raft_message_limit as u64 / 2).min(3 * 1024 * 1024),
+        ..Default::default()
+    }
+    .validate()
+    .context("invalid Raft timing (the heartbeat must be shorter than the election timeout)")?;
+    Raft::new(
+        id,
+        std::sync::Arc::new(raft_config),
+        network,
+        log_store,
+        sm_store,
+    )
+    .await
+    .context("cannot start Raft")
+}

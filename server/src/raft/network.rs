@@ -80,7 +80,7 @@ impl PeerFormats {
     /// if none has). Unlike [`PeerFormats::newest_members_read`], a member
     /// that has not answered does not count: for a format whose entries fix
     /// a safety bug, a member that is down must not hold the fix back
-    /// (`Ctx::request`).
+    /// (`Replica::request`).
     pub fn oldest_member_known(&self, raft: &crate::raft::Raft, id: u64) -> Option<u16> {
         let formats = self.formats.lock().unwrap_or_else(|p| p.into_inner());
         Self::other_members(raft, id)

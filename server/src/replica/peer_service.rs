@@ -1,4 +1,6 @@
-//! The internal `RaftService`: hands replica-to-replica messages to openraft.
+//! The internal `RaftService` the other replicas call: hands their Raft
+//! messages to openraft, starts an election when a leader transfer asks,
+//! and applies a follower's `EndWait` on the leader.
 
 use crate::auth::Action;
 use crate::cluster_id::AdoptError;
@@ -14,23 +16,27 @@ use tether_proto::raft_service_server::RaftService;
 use tether_proto::{RaftReply, RaftRequest};
 use tonic::{Request, Response, Status, Streaming};
 
-use super::Ctx;
+use super::Replica;
+use crate::auth::Auth;
 use crate::raft::dial::{FORMAT_METADATA, TARGET_METADATA};
 use crate::sm::{Command, FORMAT_VERSION};
 use crate::store::{decode, encode};
 
 /// The `RaftService` implementation.
 pub struct RaftApi {
-    ctx: Arc<Ctx>,
+    core: Arc<Replica>,
+    /// Checks that a caller is a replica.
+    auth: Arc<Auth>,
     /// When a message of another cluster was last logged.
     last_other_cluster_warning: std::sync::Mutex<Option<std::time::Instant>>,
 }
 
 impl RaftApi {
-    /// A service over a replica's context.
-    pub fn new(ctx: Arc<Ctx>) -> Self {
+    /// The service of replica `core`, whose callers `auth` identifies.
+    pub fn new(core: Arc<Replica>, auth: Arc<Auth>) -> Self {
         Self {
-            ctx,
+            core,
+            auth,
             last_other_cluster_warning: Default::default(),
         }
     }
@@ -43,18 +49,17 @@ impl RaftApi {
     /// the member that used to live there, and the leader would see that
     /// member's log go backwards.
     fn check_target<T>(&self, request: &Request<T>) -> Result<(), Status> {
-        self.ctx
-            .auth
+        self.auth
             .check(request, Action::Raft)
             .map_err(Status::from)?;
         let Some(target) = request.metadata().get(TARGET_METADATA) else {
             return Ok(());
         };
         match target.to_str().ok().and_then(|t| t.parse::<u64>().ok()) {
-            Some(id) if id == self.ctx.id => Ok(()),
+            Some(id) if id == self.core.id => Ok(()),
             _ => Err(Status::unavailable(format!(
                 "this address now serves node {}, not node {target:?}",
-                self.ctx.id
+                self.core.id
             ))),
         }
     }
@@ -75,8 +80,8 @@ impl RaftApi {
             return Ok(());
         };
         let result = if from_leader {
-            let db = self.ctx.db().map_err(Status::from)?;
-            self.ctx.cluster_id.adopt(theirs, |id| {
+            let db = self.core.db().map_err(Status::from)?;
+            self.core.cluster_id.adopt(theirs, |id| {
                 crate::store::write_cluster_id(&db, id)?;
                 tracing::info!(
                     cluster_id = id,
@@ -85,7 +90,7 @@ impl RaftApi {
                 Ok(())
             })
         } else {
-            match self.ctx.cluster_id.get() {
+            match self.core.cluster_id.get() {
                 Some(ours) if ours != theirs => Err(AdoptError::Other(ours)),
                 _ => Ok(()),
             }
@@ -100,7 +105,7 @@ impl RaftApi {
                 Err(Status::failed_precondition(format!(
                     "this replica (node {}) belongs to cluster {ours}, the sender to cluster \
                      {theirs}: clusters never mix their logs",
-                    self.ctx.id
+                    self.core.id
                 )))
             }
         }
@@ -171,13 +176,13 @@ fn reply<T: Serialize, E: Serialize>(result: Result<T, E>) -> Result<Response<Ra
 /// and the gRPC server's graceful shutdown waits for every open one).
 fn append_replies(
     requests: Streaming<RaftRequest>,
-    ctx: Arc<Ctx>,
+    core: Arc<Replica>,
 ) -> impl Stream<Item = Result<RaftReply, Status>> + Send + 'static {
-    futures::stream::unfold(Some((requests, ctx)), |state| async move {
-        let (mut requests, ctx) = state?;
+    futures::stream::unfold(Some((requests, core)), |state| async move {
+        let (mut requests, core) = state?;
         let next = tokio::select! {
             next = requests.message() => next,
-            () = ctx.shutting_down() => {
+            () = core.shutting_down() => {
                 let status = Status::unavailable("this replica is shutting down");
                 return Some((Err(status), None));
             }
@@ -189,8 +194,8 @@ fn append_replies(
             Ok(rpc) => rpc,
             Err(status) => return Some((Err(status), None)),
         };
-        let answer = reply_message(ctx.raft.append_entries(rpc).await);
-        Some((Ok(answer), Some((requests, ctx))))
+        let answer = reply_message(core.raft.append_entries(rpc).await);
+        Some((Ok(answer), Some((requests, core))))
     })
 }
 
@@ -205,7 +210,7 @@ impl RaftService for RaftApi {
     ) -> Result<Response<Self::AppendEntriesStreamStream>, Status> {
         self.check_target(&request)?;
         self.check_cluster(&request, true)?;
-        let replies = append_replies(request.into_inner(), self.ctx.clone());
+        let replies = append_replies(request.into_inner(), self.core.clone());
         Ok(with_format(Box::pin(replies)))
     }
 
@@ -216,14 +221,14 @@ impl RaftService for RaftApi {
         self.check_target(&request)?;
         self.check_cluster(&request, true)?;
         let rpc = decode_request(request)?;
-        reply(self.ctx.raft.append_entries(rpc).await)
+        reply(self.core.raft.append_entries(rpc).await)
     }
 
     async fn vote(&self, request: Request<RaftRequest>) -> Result<Response<RaftReply>, Status> {
         self.check_target(&request)?;
         self.check_cluster(&request, false)?;
         let rpc = decode_request(request)?;
-        reply(self.ctx.raft.vote(rpc).await)
+        reply(self.core.raft.vote(rpc).await)
     }
 
     async fn install_snapshot(
@@ -233,7 +238,7 @@ impl RaftService for RaftApi {
         self.check_target(&request)?;
         self.check_cluster(&request, true)?;
         let rpc = decode_request(request)?;
-        reply(self.ctx.raft.install_snapshot(rpc).await)
+        reply(self.core.raft.install_snapshot(rpc).await)
     }
 
     async fn timeout_now(
@@ -244,7 +249,7 @@ impl RaftService for RaftApi {
         self.check_cluster(&request, false)?;
         tracing::info!("leader transfer: starting an election at the leader's request");
         let result = self
-            .ctx
+            .core
             .raft
             .trigger()
             .elect()
@@ -262,7 +267,7 @@ impl RaftService for RaftApi {
                 "EndWait carries only CancelWait or AbandonWait",
             ));
         }
-        let reply = self.ctx.write(None, command).await.map_err(Status::from)?;
+        let reply = self.core.write(None, command).await.map_err(Status::from)?;
         Ok(Response::new(RaftReply {
             data: encode(&reply),
             error: Vec::new(),
