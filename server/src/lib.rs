@@ -28,15 +28,18 @@
 //!   registry, and the gRPC timing layer).
 //! - `statefulset.rs` — identity and bootstrap by ordinal (`--statefulset`).
 //! - `cluster_id.rs` — the cluster's id, and the checks that keep clusters apart.
-//! - `testing.rs` — in-process test clusters (for tests, not `tetherd`).
-//! - `fuzzing.rs` — the fuzz targets, run by `bin/tether-fuzz.rs` (stable,
-//!   bounded, in CI) and by cargo-fuzz in `fuzz/`.
+//! - `testing.rs` — in-process test clusters (feature `testing`: for
+//!   tests, never in `tetherd`'s product build).
+//! - `fuzzing.rs` — the fuzz targets (feature `testing`), run by
+//!   `bin/tether-fuzz.rs` (stable, bounded, in CI) and by cargo-fuzz in
+//!   `fuzz/`.
 
 pub mod api;
 pub mod auth;
 pub mod cluster_id;
 pub mod config;
 pub mod error;
+#[cfg(any(test, feature = "testing"))]
 pub mod fuzzing;
 pub mod http;
 pub mod metrics;
@@ -46,6 +49,7 @@ pub mod replica;
 pub mod sm;
 pub mod statefulset;
 pub mod store;
+#[cfg(feature = "testing")]
 pub mod testing;
 
 pub use config::Config;
