@@ -550,58 +550,67 @@ async fn run_events(
     Ok(None)
 }
 
-/// Runs `schedule` on `cluster`; keys and pods are prefixed with `prefix`
-/// (unique per run on one cluster).
-pub async fn run(
-    cluster: &mut ProcessCluster,
-    schedule: &Schedule,
-    prefix: &str,
-    config: &RunConfig,
-) -> anyhow::Result<Report> {
-    let control = cluster.client_with(Duration::from_secs(10));
-    let leader = cluster
-        .wait_converged(config.converge_within)
-        .await
-        .context("cluster not converged before the run")?;
-    let start = pb::Revision {
-        index: leader.applied_index + 1,
-        sub: 0,
-    };
-    let shared = Arc::new(Shared {
-        // A short retry budget: calls that cannot finish during a fault end
-        // as unknown, which the checkers must handle.
-        client: cluster.client_with(Duration::from_millis(800)),
-        history: History::new(),
-        shadow: Shadow::default(),
-        holding: Mutex::new(Vec::new()),
-        stop: AtomicBool::new(false),
-        prefix: prefix.to_string(),
-        extra_locks: Mutex::new(Vec::new()),
-    });
-    let mut rng = Rng::new(schedule.seed ^ 0x5EED);
-    let try_locks: Vec<pb::LockKey> = (0..config.try_locks)
-        .map(|n| shared.lock(&format!("t{n}")))
-        .collect();
-    let queue_lock = shared.lock("q");
-    // One lease lock per lease worker: each worker's round is a scenario of
-    // its own.
-    let lease_locks: Vec<pb::LockKey> = (0..config.lease_workers)
-        .map(|n| shared.lock(&format!("l{n}")))
-        .collect();
-    let storm_locks: Vec<pb::LockKey> = (0..config.storms)
-        .map(|n| shared.lock(&format!("rs{n}")))
-        .collect();
+/// The locks a run's workers share, named under the run's prefix.
+struct RunLocks {
+    /// Taken with try-acquires.
+    try_locks: Vec<pb::LockKey>,
+    /// Queued for by the queue workers.
+    queue_lock: pb::LockKey,
+    /// One per lease worker: each worker's round is a scenario of its own.
+    lease_locks: Vec<pb::LockKey>,
+    /// One per retry storm.
+    storm_locks: Vec<pb::LockKey>,
+}
 
-    let watch_stop = Arc::new(AtomicBool::new(false));
-    let watch_until = Arc::new(Mutex::new(None));
-    let watch_prefix = format!("lock/{}/{prefix}-", workers::SCOPE);
-    let watch_task = tokio::spawn(workers::watcher(
-        cluster.client(),
-        start,
-        watch_prefix.clone(),
-        watch_stop.clone(),
-        watch_until.clone(),
-    ));
+impl RunLocks {
+    fn new(shared: &Shared, config: &RunConfig) -> Self {
+        Self {
+            try_locks: (0..config.try_locks)
+                .map(|n| shared.lock(&format!("t{n}")))
+                .collect(),
+            queue_lock: shared.lock("q"),
+            lease_locks: (0..config.lease_workers)
+                .map(|n| shared.lock(&format!("l{n}")))
+                .collect(),
+            storm_locks: (0..config.storms)
+                .map(|n| shared.lock(&format!("rs{n}")))
+                .collect(),
+        }
+    }
+
+    /// The event-log key of every lock and pin set the run touched.
+    fn event_keys(&self, shared: &Shared, prefix: &str, config: &RunConfig) -> Vec<String> {
+        let mut keys: Vec<String> = self.try_locks.iter().map(workers::lock_event_key).collect();
+        keys.push(workers::lock_event_key(&self.queue_lock));
+        keys.extend(self.lease_locks.iter().map(workers::lock_event_key));
+        keys.extend(self.storm_locks.iter().map(workers::lock_event_key));
+        keys.extend(
+            shared
+                .extra_locks
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .iter()
+                .map(workers::lock_event_key),
+        );
+        for member in 0..config.pins {
+            keys.push(format!("pin/{prefix}/{member}"));
+        }
+        if config.pin_lifetime_rounds > 0 {
+            keys.push(workers::pin_lifetime_event_key(prefix));
+        }
+        keys
+    }
+}
+
+/// Starts every worker of the workload; each has its own process numbers
+/// (the history's) and its own fork of `rng`.
+fn spawn_workers(
+    cluster: &ProcessCluster,
+    shared: &Arc<Shared>,
+    locks: &RunLocks,
+    config: &RunConfig,
+    rng: &mut Rng,
+) -> Vec<tokio::task::JoinHandle<()>> {
     let mut tasks = Vec::new();
     let mut process = 0;
     for _ in 0..config.try_workers {
@@ -609,7 +618,7 @@ pub async fn run(
         tasks.push(tokio::spawn(workers::try_lock_worker(
             shared.clone(),
             process,
-            try_locks.clone(),
+            locks.try_locks.clone(),
             rng.fork(process),
         )));
     }
@@ -618,11 +627,11 @@ pub async fn run(
         tasks.push(tokio::spawn(workers::queue_worker(
             shared.clone(),
             process,
-            queue_lock.clone(),
+            locks.queue_lock.clone(),
             rng.fork(process),
         )));
     }
-    for lease_lock in &lease_locks {
+    for lease_lock in &locks.lease_locks {
         process += 1;
         tasks.push(tokio::spawn(workers::lease_worker(
             shared.clone(),
@@ -644,7 +653,7 @@ pub async fn run(
         // Its two pods are processes `process` and `process + 1`.
         process += 1;
     }
-    for storm_lock in &storm_locks {
+    for storm_lock in &locks.storm_locks {
         process += 1;
         tasks.push(tokio::spawn(crate::storm::retry_storm(
             shared.clone(),
@@ -711,6 +720,146 @@ pub async fn run(
         rng.fork(process),
     )));
 
+    tasks
+}
+
+/// Injects the schedule's faults in order on the workload's clock, which
+/// starts now, healing each after it lasted; counts them in the report.
+/// Returns when the clock started.
+async fn drive_faults(
+    cluster: &mut ProcessCluster,
+    control: &Client,
+    schedule: &Schedule,
+    shared: &Shared,
+    report: &mut Report,
+    damage: &mut Damage,
+    unexpected: &mut Vec<String>,
+) -> anyhow::Result<tokio::time::Instant> {
+    let began = tokio::time::Instant::now();
+    for step in &schedule.steps {
+        tokio::time::sleep_until(began + step.at).await;
+        shared.history.fault_began();
+        if inject(cluster, control, &step.fault, step.lasts, damage).await? {
+            *report.faults.entry(step.fault.kind()).or_default() += 1;
+        }
+        tokio::time::sleep(step.lasts).await;
+        report.crashes_fired += heal(cluster, damage, unexpected)?;
+        // The replicas heal from here; the progress bound is judged after.
+        shared.history.faults_healed();
+    }
+    Ok(began)
+}
+
+/// Counts each kind of call by outcome, and how the run's holds and waits
+/// ended in the log: shows that the workload drove each path that ends one
+/// (printed with -v).
+fn tally_outcomes(
+    report: &mut Report,
+    ops: &[crate::history::Op],
+    events: &BTreeMap<String, Vec<pb::Event>>,
+) {
+    for op in ops {
+        let call = match op.call {
+            crate::history::Call::Acquire { wait_ms: 0, .. } => "try-acquire",
+            crate::history::Call::Acquire { .. } => "acquire",
+            crate::history::Call::Release { .. } => "release",
+            crate::history::Call::RevokePod { .. } => "revoke",
+            crate::history::Call::Assign { .. } => "assign",
+        };
+        let outcome = match &op.outcome {
+            Outcome::Ok(value) => format!("{value:?}")
+                .split(['(', ' '])
+                .next()
+                .unwrap_or("")
+                .to_string(),
+            Outcome::Fail(why) => format!("fail({})", why.chars().take(40).collect::<String>()),
+            Outcome::Unknown(_) | Outcome::Pending => "unknown".to_string(),
+        };
+        *report
+            .outcomes
+            .entry(format!("{call} {outcome}"))
+            .or_default() += 1;
+    }
+    for event in events.values().flatten() {
+        if event.kind == "WaitEnded" {
+            // `WaitEndReason`'s debug form: its variant name first.
+            let how: String = event
+                .reason
+                .chars()
+                .take_while(|c| c.is_alphanumeric())
+                .collect();
+            *report
+                .outcomes
+                .entry(format!("wait ended by {how}"))
+                .or_default() += 1;
+            continue;
+        }
+        if event.kind != "LockReleased" {
+            continue;
+        }
+        let how = [
+            ("released", "released"),
+            ("force-released", "force release"),
+            ("pod revoked", "pod revoke"),
+            ("lease", "lease end"),
+            ("hold timeout", "hold timeout"),
+            ("node gone", "node gone"),
+            ("granted to a wait whose caller", "give-back (caller gone)"),
+            ("withdrawn", "give-back (withdrawn)"),
+        ]
+        .iter()
+        .find(|(prefix, _)| event.reason.starts_with(prefix))
+        .map_or("other", |(_, how)| how);
+        *report
+            .outcomes
+            .entry(format!("hold ended by {how}"))
+            .or_default() += 1;
+    }
+}
+
+/// Runs `schedule` on `cluster`; keys and pods are prefixed with `prefix`
+/// (unique per run on one cluster).
+pub async fn run(
+    cluster: &mut ProcessCluster,
+    schedule: &Schedule,
+    prefix: &str,
+    config: &RunConfig,
+) -> anyhow::Result<Report> {
+    let control = cluster.client_with(Duration::from_secs(10));
+    let leader = cluster
+        .wait_converged(config.converge_within)
+        .await
+        .context("cluster not converged before the run")?;
+    let start = pb::Revision {
+        index: leader.applied_index + 1,
+        sub: 0,
+    };
+    let shared = Arc::new(Shared {
+        // A short retry budget: calls that cannot finish during a fault end
+        // as unknown, which the checkers must handle.
+        client: cluster.client_with(Duration::from_millis(800)),
+        history: History::new(),
+        shadow: Shadow::default(),
+        holding: Mutex::new(Vec::new()),
+        stop: AtomicBool::new(false),
+        prefix: prefix.to_string(),
+        extra_locks: Mutex::new(Vec::new()),
+    });
+    let mut rng = Rng::new(schedule.seed ^ 0x5EED);
+    let locks = RunLocks::new(&shared, config);
+
+    let watch_stop = Arc::new(AtomicBool::new(false));
+    let watch_until = Arc::new(Mutex::new(None));
+    let watch_prefix = format!("lock/{}/{prefix}-", workers::SCOPE);
+    let watch_task = tokio::spawn(workers::watcher(
+        cluster.client(),
+        start,
+        watch_prefix.clone(),
+        watch_stop.clone(),
+        watch_until.clone(),
+    ));
+    let tasks = spawn_workers(cluster, &shared, &locks, config, &mut rng);
+
     // Faults, in order, on the workload's clock.
     let mut report = Report {
         schedule: schedule.to_string(),
@@ -718,18 +867,16 @@ pub async fn run(
     };
     let mut damage = Damage::default();
     let mut unexpected = Vec::new();
-    let began = tokio::time::Instant::now();
-    for step in &schedule.steps {
-        tokio::time::sleep_until(began + step.at).await;
-        shared.history.fault_began();
-        if inject(cluster, &control, &step.fault, step.lasts, &mut damage).await? {
-            *report.faults.entry(step.fault.kind()).or_default() += 1;
-        }
-        tokio::time::sleep(step.lasts).await;
-        report.crashes_fired += heal(cluster, &mut damage, &mut unexpected)?;
-        // The replicas heal from here; the progress bound is judged after.
-        shared.history.faults_healed();
-    }
+    let began = drive_faults(
+        cluster,
+        &control,
+        schedule,
+        &shared,
+        &mut report,
+        &mut damage,
+        &mut unexpected,
+    )
+    .await?;
     tokio::time::sleep_until(began + schedule.workload).await;
     report.phases.push(("workload", began.elapsed()));
     let mut phase = tokio::time::Instant::now();
@@ -751,24 +898,7 @@ pub async fn run(
     phase = tokio::time::Instant::now();
 
     // The log of every key the run touched.
-    let mut keys: Vec<String> = try_locks.iter().map(workers::lock_event_key).collect();
-    keys.push(workers::lock_event_key(&queue_lock));
-    keys.extend(lease_locks.iter().map(workers::lock_event_key));
-    keys.extend(storm_locks.iter().map(workers::lock_event_key));
-    keys.extend(
-        shared
-            .extra_locks
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .iter()
-            .map(workers::lock_event_key),
-    );
-    for member in 0..config.pins {
-        keys.push(format!("pin/{prefix}/{member}"));
-    }
-    if config.pin_lifetime_rounds > 0 {
-        keys.push(workers::pin_lifetime_event_key(prefix));
-    }
+    let keys = locks.event_keys(&shared, prefix, config);
     let events = run_events(cluster, &control, &keys, start).await?;
     let events_complete = events.is_some();
     report.events_complete = events_complete;
@@ -821,65 +951,7 @@ pub async fn run(
 
     let ops = shared.history.ops();
     report.ops = ops.len();
-    for op in &ops {
-        let call = match op.call {
-            crate::history::Call::Acquire { wait_ms: 0, .. } => "try-acquire",
-            crate::history::Call::Acquire { .. } => "acquire",
-            crate::history::Call::Release { .. } => "release",
-            crate::history::Call::RevokePod { .. } => "revoke",
-            crate::history::Call::Assign { .. } => "assign",
-        };
-        let outcome = match &op.outcome {
-            Outcome::Ok(value) => format!("{value:?}")
-                .split(['(', ' '])
-                .next()
-                .unwrap_or("")
-                .to_string(),
-            Outcome::Fail(why) => format!("fail({})", why.chars().take(40).collect::<String>()),
-            Outcome::Unknown(_) | Outcome::Pending => "unknown".to_string(),
-        };
-        *report
-            .outcomes
-            .entry(format!("{call} {outcome}"))
-            .or_default() += 1;
-    }
-    // How the run's holds and waits ended, from the log: shows that the
-    // workload drove each path that ends one (printed with -v).
-    for event in events.values().flatten() {
-        if event.kind == "WaitEnded" {
-            // `WaitEndReason`'s debug form: its variant name first.
-            let how: String = event
-                .reason
-                .chars()
-                .take_while(|c| c.is_alphanumeric())
-                .collect();
-            *report
-                .outcomes
-                .entry(format!("wait ended by {how}"))
-                .or_default() += 1;
-            continue;
-        }
-        if event.kind != "LockReleased" {
-            continue;
-        }
-        let how = [
-            ("released", "released"),
-            ("force-released", "force release"),
-            ("pod revoked", "pod revoke"),
-            ("lease", "lease end"),
-            ("hold timeout", "hold timeout"),
-            ("node gone", "node gone"),
-            ("granted to a wait whose caller", "give-back (caller gone)"),
-            ("withdrawn", "give-back (withdrawn)"),
-        ]
-        .iter()
-        .find(|(prefix, _)| event.reason.starts_with(prefix))
-        .map_or("other", |(_, how)| how);
-        *report
-            .outcomes
-            .entry(format!("hold ended by {how}"))
-            .or_default() += 1;
-    }
+    tally_outcomes(&mut report, &ops, &events);
     report.unknown = ops
         .iter()
         .filter(|op| matches!(op.outcome, Outcome::Unknown(_) | Outcome::Pending))
@@ -893,7 +965,11 @@ pub async fn run(
         events,
         shadow: shared.shadow.writes(),
         watches: vec![(watch_prefix, watched)],
-        try_locks: try_locks.iter().map(workers::lock_event_key).collect(),
+        try_locks: locks
+            .try_locks
+            .iter()
+            .map(workers::lock_event_key)
+            .collect(),
         pins,
         claims,
         events_complete,

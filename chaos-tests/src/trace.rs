@@ -375,31 +375,112 @@ async fn involved(
     Ok(holds || waits)
 }
 
-/// Plays `trace` against the cluster `client` talks to.
+/// Plays `trace` against the cluster `client` talks to: every step, then
+/// the bridge's resync, then the checks of the synced state and of the node
+/// locks' logs.
 pub async fn replay(client: &Client, trace: &Trace) -> Result<Outcome, tether_client::Error> {
-    let mut outcome = Outcome::default();
-    let mut objects = Objects::default();
-    let binds = Arc::new(Mutex::new((0, 0)));
-    let mut tasks = Vec::new();
-    let workers_set = format!("{}-workers", trace.prefix);
-    let mut removed_nodes = BTreeSet::new();
-    let mut tombstones = Tombstones::new(10_000);
-    let mut acked: HashMap<String, PodReport> = HashMap::new();
-    let mut lose_next: BTreeSet<usize> = BTreeSet::new();
-    let mut workers: BTreeSet<usize> = BTreeSet::new();
+    let mut replay = Replay::new(client, trace);
     for step in &trace.steps {
-        // The pod's view before and after this step, for `pod_change`.
-        let mut pod_step = |pod: usize, change: &dyn Fn(&mut PodView)| {
-            let (view, node) = objects.pods.get(&pod).cloned()?;
-            let mut new = view.clone();
-            change(&mut new);
-            objects.pods.insert(pod, (new.clone(), node.clone()));
-            Some((view, new, node))
+        replay.step(step).await?;
+    }
+    for task in std::mem::take(&mut replay.tasks) {
+        let _ = task.await;
+    }
+    let binds = *replay.binds.lock().unwrap_or_else(|p| p.into_inner());
+    (replay.outcome.binds, replay.outcome.binds_abandoned) = binds;
+    replay.resync().await?;
+    replay.check_synced().await?;
+    replay.check_node_logs().await?;
+    Ok(replay.outcome)
+}
+
+/// A replay in progress: the simulated objects, what the bridge has sent
+/// and had acknowledged, and the binds running.
+struct Replay<'a> {
+    client: &'a Client,
+    trace: &'a Trace,
+    outcome: Outcome,
+    objects: Objects,
+    /// Binds that took their lock, and that gave up.
+    binds: Arc<Mutex<(u64, u64)>>,
+    tasks: Vec<tokio::task::JoinHandle<()>>,
+    /// The pin set of the trace's workers.
+    workers_set: String,
+    removed_nodes: BTreeSet<String>,
+    tombstones: Tombstones,
+    /// The last report Tether acknowledged for each pod.
+    acked: HashMap<String, PodReport>,
+    /// Pods whose next report is lost.
+    lose_next: BTreeSet<usize>,
+    /// The pods that are workers (pinned to their node).
+    workers: BTreeSet<usize>,
+}
+
+impl<'a> Replay<'a> {
+    fn new(client: &'a Client, trace: &'a Trace) -> Self {
+        Self {
+            client,
+            trace,
+            outcome: Outcome::default(),
+            objects: Objects::default(),
+            binds: Arc::new(Mutex::new((0, 0))),
+            tasks: Vec::new(),
+            workers_set: format!("{}-workers", trace.prefix),
+            removed_nodes: BTreeSet::new(),
+            tombstones: Tombstones::new(10_000),
+            acked: HashMap::new(),
+            lose_next: BTreeSet::new(),
+            workers: BTreeSet::new(),
+        }
+    }
+
+    /// Sends `commands` as the bridge does, recording what was acknowledged.
+    async fn send(&mut self, commands: Vec<Command>) -> Result<(), tether_client::Error> {
+        send_all(
+            self.client,
+            commands,
+            &self.objects,
+            &mut self.outcome,
+            &mut self.acked,
+        )
+        .await
+    }
+
+    /// The pin key of worker `pod`.
+    fn worker_pin(&self, pod: usize) -> pb::PinKey {
+        pb::PinKey {
+            set: self.workers_set.clone(),
+            member: pod.to_string(),
+        }
+    }
+
+    /// Starts a bind of `pod` through `key` (the node's lock); `applied`
+    /// fires once Tether has its acquire.
+    fn start_bind(
+        &mut self,
+        key: pb::LockKey,
+        pod: &PodView,
+        applied: tokio::sync::oneshot::Sender<()>,
+    ) {
+        let pb_pod = pb::Pod {
+            uid: pod.uid.clone(),
+            namespace: pod.namespace.clone(),
+            name: pod.name.clone(),
         };
+        self.tasks.push(tokio::spawn(bind(
+            self.client.clone(),
+            key,
+            pb_pod,
+            self.binds.clone(),
+            applied,
+        )));
+    }
+
+    async fn step(&mut self, step: &Step) -> Result<(), tether_client::Error> {
         match step {
             Step::Wait(ms) => tokio::time::sleep(Duration::from_millis(*ms)).await,
             Step::LoseNextReport(pod) => {
-                lose_next.insert(*pod);
+                self.lose_next.insert(*pod);
             }
             Step::AddNode(name) => {
                 let view = NodeView {
@@ -409,359 +490,341 @@ pub async fn replay(client: &Client, trace: &Trace) -> Result<Outcome, tether_cl
                     ready: true,
                     unschedulable: false,
                 };
-                objects.nodes.insert(name.clone(), view.clone());
-                send_all(
-                    client,
-                    node_change(None, Some(&view)),
-                    &objects,
-                    &mut outcome,
-                    &mut acked,
-                )
-                .await?;
+                self.objects.nodes.insert(name.clone(), view.clone());
+                self.send(node_change(None, Some(&view))).await?;
             }
             Step::RemoveNode(name) => {
-                let old = objects.nodes.remove(name);
-                removed_nodes.insert(name.clone());
-                send_all(
-                    client,
-                    node_change(old.as_ref(), None),
-                    &objects,
-                    &mut outcome,
-                    &mut acked,
-                )
-                .await?;
+                let old = self.objects.nodes.remove(name);
+                self.removed_nodes.insert(name.clone());
+                self.send(node_change(old.as_ref(), None)).await?;
             }
-            Step::CreatePod { pod, node, worker } => {
-                let view = pod_view(trace, *pod);
-                objects.pods.insert(*pod, (view.clone(), node.clone()));
-                let pb_pod = pb::Pod {
-                    uid: view.uid.clone(),
-                    namespace: view.namespace.clone(),
-                    name: view.name.clone(),
-                };
-                if *worker {
-                    workers.insert(*pod);
-                    // Slinky-style: the worker is pinned to its node.
-                    let key = pb::PinKey {
-                        set: workers_set.clone(),
-                        member: pod.to_string(),
-                    };
-                    client
-                        .assign(
-                            &key,
-                            vec![node.clone()],
-                            &view.uid,
-                            Duration::from_secs(60),
-                            HashMap::new(),
-                            pb::Affinity::default(),
-                        )
-                        .await?;
-                }
-                // The scheduler's bind takes the node's lock; the pod's next
-                // event comes after it (the bind sets nodeName once it holds
-                // the lock). A bind that lands after the pod's deletion is a
-                // step of its own (`LateBind`).
-                let (applied, in_log) = tokio::sync::oneshot::channel();
-                tasks.push(tokio::spawn(bind(
-                    client.clone(),
-                    bind_key(node),
-                    pb_pod,
-                    binds.clone(),
-                    applied,
-                )));
-                let _ = tokio::time::timeout(Duration::from_secs(30), in_log).await;
-                send_all(
-                    client,
-                    pod_change(None, Some(&view), true),
-                    &objects,
-                    &mut outcome,
-                    &mut acked,
-                )
-                .await?;
-            }
+            Step::CreatePod { pod, node, worker } => self.create_pod(*pod, node, *worker).await?,
             Step::Bound(pod) | Step::Start(pod) | Step::Fail(pod) | Step::Delete(pod) => {
-                let change: &dyn Fn(&mut PodView) = match step {
-                    Step::Bound(_) => &|v| v.bound = true,
-                    // Containers run only on the node it was bound to.
-                    Step::Start(_) => &|v| {
-                        v.started = true;
-                        v.bound = true;
-                        v.phase = Phase::Running;
-                    },
-                    Step::Fail(_) => &|v| v.phase = Phase::Failed,
-                    _ => &|v| v.deleting = true,
-                };
-                let Some((old, new, node)) = pod_step(*pod, change) else {
-                    continue;
-                };
-                let mut commands = pod_change(Some(&old), Some(&new), true);
-                if lose_next.remove(pod) {
-                    let before = commands.len();
-                    commands.retain(|c| !matches!(c, Command::Pod { .. }));
-                    outcome.lost_reports += (before - commands.len()) as u64;
+                self.pod_changes(step, *pod).await?
+            }
+            Step::LateBind(pod) => self.late_bind(*pod).await?,
+            Step::Remove(pod) => self.remove_pod(*pod).await?,
+        }
+        Ok(())
+    }
+
+    async fn create_pod(
+        &mut self,
+        pod: usize,
+        node: &str,
+        worker: bool,
+    ) -> Result<(), tether_client::Error> {
+        let view = pod_view(self.trace, pod);
+        self.objects
+            .pods
+            .insert(pod, (view.clone(), node.to_string()));
+        if worker {
+            self.workers.insert(pod);
+            // Slinky-style: the worker is pinned to its node.
+            self.client
+                .assign(
+                    &self.worker_pin(pod),
+                    vec![node.to_string()],
+                    &view.uid,
+                    Duration::from_secs(60),
+                    HashMap::new(),
+                    pb::Affinity::default(),
+                )
+                .await?;
+        }
+        // The scheduler's bind takes the node's lock; the pod's next event
+        // comes after it (the bind sets nodeName once it holds the lock). A
+        // bind that lands after the pod's deletion is a step of its own
+        // (`LateBind`).
+        let (applied, in_log) = tokio::sync::oneshot::channel();
+        self.start_bind(bind_key(node), &view, applied);
+        let _ = tokio::time::timeout(Duration::from_secs(30), in_log).await;
+        self.send(pod_change(None, Some(&view), true)).await
+    }
+
+    /// A bound, started, failed or deleted pod: the bridge's report (unless
+    /// lost), and what must hold right after it.
+    async fn pod_changes(&mut self, step: &Step, pod: usize) -> Result<(), tether_client::Error> {
+        let change: &dyn Fn(&mut PodView) = match step {
+            Step::Bound(_) => &|v| v.bound = true,
+            // Containers run only on the node it was bound to.
+            Step::Start(_) => &|v| {
+                v.started = true;
+                v.bound = true;
+                v.phase = Phase::Running;
+            },
+            Step::Fail(_) => &|v| v.phase = Phase::Failed,
+            _ => &|v| v.deleting = true,
+        };
+        // The pod's view before and after this step.
+        let Some((old, node)) = self.objects.pods.get(&pod).cloned() else {
+            return Ok(());
+        };
+        let mut new = old.clone();
+        change(&mut new);
+        self.objects.pods.insert(pod, (new.clone(), node.clone()));
+        let mut commands = pod_change(Some(&old), Some(&new), true);
+        if self.lose_next.remove(&pod) {
+            let before = commands.len();
+            commands.retain(|c| !matches!(c, Command::Pod { .. }));
+            self.outcome.lost_reports += (before - commands.len()) as u64;
+        }
+        let ends = commands.iter().any(|c| {
+            matches!(
+                c,
+                Command::Pod {
+                    report: PodReport::Gone | PodReport::Terminal,
+                    ..
                 }
-                let ends = commands.iter().any(|c| {
-                    matches!(
-                        c,
-                        Command::Pod {
-                            report: tether_k8s_bridge::model::PodReport::Gone
-                                | tether_k8s_bridge::model::PodReport::Terminal,
-                            ..
-                        }
-                    )
+            )
+        });
+        self.send(commands).await?;
+        if ends && involved(self.client, &bind_key(&node), &new.uid).await? {
+            self.outcome.violations.push(format!(
+                "{}: still holds or waits for {node}'s bind lock after its end was reported",
+                new.uid
+            ));
+        }
+        // A bound pod being deleted still exists: the kubelet runs or tears
+        // down its containers and counts its devices.
+        let terminating_bound = matches!(step, Step::Delete(_)) && new.bound;
+        if terminating_bound && !new.phase.is_terminal() && self.workers.contains(&pod) {
+            let stopped = self
+                .client
+                .get_pin(&self.worker_pin(pod))
+                .await?
+                .is_none_or(|pin| pin.owner() == pb::OwnerState::OwnerStopped);
+            if stopped {
+                self.outcome.violations.push(format!(
+                    "{}: bound and being deleted (its object still exists), yet Tether \
+                     already counts its pin's owner stopped",
+                    new.uid
+                ));
+            }
+        }
+        Ok(())
+    }
+
+    /// A bind that lands after its pod was deleted: the bridge's tombstones
+    /// must end it as soon as it learns of it.
+    async fn late_bind(&mut self, pod: usize) -> Result<(), tether_client::Error> {
+        let Some((old, node)) = self.objects.removed.get(&pod).cloned() else {
+            return Ok(());
+        };
+        let key = bind_key(&node);
+        // Waited for below, through Tether's state.
+        let (applied, _) = tokio::sync::oneshot::channel();
+        self.start_bind(key.clone(), &old, applied);
+        // The bridge learns of the grant or the wait from Tether's events;
+        // here: once Tether shows it.
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+        while !involved(self.client, &key, &old.uid).await?
+            && tokio::time::Instant::now() < deadline
+        {
+            tokio::time::sleep(Duration::from_millis(2)).await;
+        }
+        let late = late_interest(&old.uid, None, &self.tombstones);
+        self.send(late.into_iter().collect()).await?;
+        if involved(self.client, &key, &old.uid).await? {
+            self.outcome.violations.push(format!(
+                "{}: a bind that landed after the pod's deletion still holds or waits for {node}'s lock",
+                old.uid
+            ));
+        }
+        Ok(())
+    }
+
+    /// The pod object is gone: the bridge reports it (and keeps a
+    /// tombstone); right after, it neither holds nor waits for its lock.
+    async fn remove_pod(&mut self, pod: usize) -> Result<(), tether_client::Error> {
+        let Some((old, node)) = self.objects.pods.remove(&pod) else {
+            return Ok(());
+        };
+        self.lose_next.remove(&pod);
+        self.tombstones.record(&old.uid);
+        self.objects
+            .removed
+            .insert(pod, (old.clone(), node.clone()));
+        self.send(pod_change(Some(&old), None, true)).await?;
+        if involved(self.client, &bind_key(&node), &old.uid).await? {
+            self.outcome.violations.push(format!(
+                "{}: still holds or waits for {node}'s bind lock after its deletion was reported",
+                old.uid
+            ));
+        }
+        Ok(())
+    }
+
+    /// The bridge's resync: what Tether refers to against what exists.
+    async fn resync(&mut self) -> Result<(), tether_client::Error> {
+        let client = self.client;
+        let prefix = &self.trace.prefix;
+        let locks: Vec<pb::LockState> = client
+            .list(BIND_SCOPE)
+            .await?
+            .into_iter()
+            .filter(|l| l.key.as_ref().is_some_and(|k| k.name.starts_with(prefix)))
+            .collect();
+        let pins = client.list_pins(&self.workers_set, "").await?;
+        let interest = Interest::from_state(&locks, &pins);
+        let live = LiveView {
+            pod_uids: self
+                .objects
+                .pods
+                .values()
+                .map(|(v, _)| v.uid.clone())
+                .collect(),
+            nodes: self.objects.nodes.clone(),
+        };
+        let registry: BTreeMap<String, String> = client
+            .list_nodes(false)
+            .await?
+            .into_iter()
+            .filter(|n| n.name.starts_with(prefix))
+            .map(|n| (n.name, n.uid))
+            .collect();
+        let tether = TetherView {
+            pod_uids: interest.uids().clone(),
+            nodes: registry,
+        };
+        // Reports Tether has not acknowledged for pods it cares about (the
+        // lost ones among them), then the orphans: candidates confirmed as
+        // the bridge confirms them, seen deleted or by a GET of the name
+        // (here: the simulated objects).
+        let cache: HashMap<String, PodView> = self
+            .objects
+            .pods
+            .values()
+            .map(|(view, _)| (view.uid.clone(), view.clone()))
+            .collect();
+        let mut commands = pod_corrections(interest.uids(), &cache, &self.acked);
+        self.outcome.corrections = commands.len() as u64;
+        commands.extend(missing_joins(&tether, &live));
+        for uid in pod_candidates(&tether, &live) {
+            if self.tombstones.contains(&uid) {
+                commands.push(Command::Pod {
+                    uid,
+                    report: PodReport::Gone,
                 });
-                send_all(client, commands, &objects, &mut outcome, &mut acked).await?;
-                if ends && involved(client, &bind_key(&node), &new.uid).await? {
-                    outcome.violations.push(format!(
-                        "{}: still holds or waits for {node}'s bind lock after its end was reported",
-                        new.uid
-                    ));
-                }
-                // A bound pod being deleted still exists: the kubelet runs
-                // or tears down its containers and counts its devices.
-                let terminating_bound = matches!(step, Step::Delete(_)) && new.bound;
-                if terminating_bound && !new.phase.is_terminal() && workers.contains(pod) {
-                    let key = pb::PinKey {
-                        set: workers_set.clone(),
-                        member: pod.to_string(),
-                    };
-                    let stopped = client
-                        .get_pin(&key)
-                        .await?
-                        .is_none_or(|pin| pin.owner() == pb::OwnerState::OwnerStopped);
-                    if stopped {
-                        outcome.violations.push(format!(
-                            "{}: bound and being deleted (its object still exists), yet Tether \
-                             already counts its pin's owner stopped",
-                            new.uid
-                        ));
-                    }
-                }
-            }
-            Step::LateBind(pod) => {
-                let Some((old, node)) = objects.removed.get(pod).cloned() else {
-                    continue;
-                };
-                let key = bind_key(&node);
-                let pb_pod = pb::Pod {
-                    uid: old.uid.clone(),
-                    namespace: old.namespace.clone(),
-                    name: old.name.clone(),
-                };
-                // Waited for below, through Tether's state.
-                let (applied, _) = tokio::sync::oneshot::channel();
-                tasks.push(tokio::spawn(bind(
-                    client.clone(),
-                    key.clone(),
-                    pb_pod,
-                    binds.clone(),
-                    applied,
-                )));
-                // The bridge learns of the grant or the wait from Tether's
-                // events; here: once Tether shows it.
-                let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
-                while !involved(client, &key, &old.uid).await?
-                    && tokio::time::Instant::now() < deadline
-                {
-                    tokio::time::sleep(Duration::from_millis(2)).await;
-                }
-                let late = late_interest(&old.uid, None, &tombstones);
-                send_all(
-                    client,
-                    late.into_iter().collect(),
-                    &objects,
-                    &mut outcome,
-                    &mut acked,
-                )
-                .await?;
-                if involved(client, &key, &old.uid).await? {
-                    outcome.violations.push(format!(
-                        "{}: a bind that landed after the pod's deletion still holds or waits for {node}'s lock",
-                        old.uid
-                    ));
-                }
-            }
-            Step::Remove(pod) => {
-                let Some((old, node)) = objects.pods.remove(pod) else {
-                    continue;
-                };
-                lose_next.remove(pod);
-                tombstones.record(&old.uid);
-                objects.removed.insert(*pod, (old.clone(), node.clone()));
-                send_all(
-                    client,
-                    pod_change(Some(&old), None, true),
-                    &objects,
-                    &mut outcome,
-                    &mut acked,
-                )
-                .await?;
-                if involved(client, &bind_key(&node), &old.uid).await? {
-                    outcome.violations.push(format!(
-                        "{}: still holds or waits for {node}'s bind lock after its deletion was reported",
-                        old.uid
-                    ));
-                }
+            } else if let Some((namespace, name)) = interest.name_of(&uid) {
+                commands.extend(confirm_pod(&uid, self.objects.pod_lookup(namespace, name)));
             }
         }
+        for (name, uid) in node_candidates(&tether, &live) {
+            commands.extend(confirm_node(&name, &uid, self.objects.node_lookup(&name)));
+        }
+        self.send(commands).await
     }
-    for task in tasks {
-        let _ = task.await;
-    }
-    (outcome.binds, outcome.binds_abandoned) = *binds.lock().unwrap_or_else(|p| p.into_inner());
 
-    // The bridge's resync: what Tether refers to against what exists.
-    let locks: Vec<pb::LockState> = client
-        .list(BIND_SCOPE)
-        .await?
-        .into_iter()
-        .filter(|l| {
-            l.key
+    /// Synced: nothing refers to what is gone or terminal, and every pin's
+    /// owner state is what the API server shows.
+    async fn check_synced(&mut self) -> Result<(), tether_client::Error> {
+        let client = self.client;
+        let violations = &mut self.outcome.violations;
+        let live_uids: BTreeSet<String> = self
+            .objects
+            .pods
+            .values()
+            .filter(|(v, _)| !v.phase.is_terminal())
+            .map(|(v, _)| v.uid.clone())
+            .collect();
+        for lock in client.list(BIND_SCOPE).await? {
+            let Some(key) = lock
+                .key
                 .as_ref()
-                .is_some_and(|k| k.name.starts_with(&trace.prefix))
-        })
-        .collect();
-    let pins = client.list_pins(&workers_set, "").await?;
-    let interest = Interest::from_state(&locks, &pins);
-    let live = LiveView {
-        pod_uids: objects.pods.values().map(|(v, _)| v.uid.clone()).collect(),
-        nodes: objects.nodes.clone(),
-    };
-    let registry: BTreeMap<String, String> = client
-        .list_nodes(false)
-        .await?
-        .into_iter()
-        .filter(|n| n.name.starts_with(&trace.prefix))
-        .map(|n| (n.name, n.uid))
-        .collect();
-    let tether = TetherView {
-        pod_uids: interest.uids().clone(),
-        nodes: registry,
-    };
-    // Reports Tether has not acknowledged for pods it cares about (the lost
-    // ones among them), then the orphans: candidates confirmed as the bridge
-    // confirms them, seen deleted or by a GET of the name (here: the
-    // simulated objects).
-    let cache: HashMap<String, PodView> = objects
-        .pods
-        .values()
-        .map(|(view, _)| (view.uid.clone(), view.clone()))
-        .collect();
-    let mut commands = pod_corrections(interest.uids(), &cache, &acked);
-    outcome.corrections = commands.len() as u64;
-    commands.extend(missing_joins(&tether, &live));
-    for uid in pod_candidates(&tether, &live) {
-        if tombstones.contains(&uid) {
-            commands.push(Command::Pod {
-                uid,
-                report: PodReport::Gone,
-            });
-        } else if let Some((namespace, name)) = interest.name_of(&uid) {
-            commands.extend(confirm_pod(&uid, objects.pod_lookup(namespace, name)));
-        }
-    }
-    for (name, uid) in node_candidates(&tether, &live) {
-        commands.extend(confirm_node(&name, &uid, objects.node_lookup(&name)));
-    }
-    send_all(client, commands, &objects, &mut outcome, &mut acked).await?;
-
-    // Synced: nothing refers to what is gone or terminal.
-    let live_uids: BTreeSet<String> = objects
-        .pods
-        .values()
-        .filter(|(v, _)| !v.phase.is_terminal())
-        .map(|(v, _)| v.uid.clone())
-        .collect();
-    for lock in client.list(BIND_SCOPE).await? {
-        let Some(key) = lock
-            .key
-            .as_ref()
-            .filter(|k| k.name.starts_with(&trace.prefix))
-        else {
-            continue;
-        };
-        let holder = lock.holder.as_ref().and_then(|h| h.pod.as_ref());
-        if let Some(pod) = holder {
-            if !live_uids.contains(&pod.uid) {
-                outcome
-                    .violations
-                    .push(format!("{}: held by {}, which is gone", key.name, pod.uid));
+                .filter(|k| k.name.starts_with(&self.trace.prefix))
+            else {
+                continue;
+            };
+            let holder = lock.holder.as_ref().and_then(|h| h.pod.as_ref());
+            if let Some(pod) = holder {
+                if !live_uids.contains(&pod.uid) {
+                    violations.push(format!("{}: held by {}, which is gone", key.name, pod.uid));
+                }
+                if self.removed_nodes.contains(&key.name) {
+                    violations.push(format!(
+                        "{}: the node is gone but {} holds its lock",
+                        key.name, pod.uid
+                    ));
+                }
             }
-            if removed_nodes.contains(&key.name) {
-                outcome.violations.push(format!(
-                    "{}: the node is gone but {} holds its lock",
-                    key.name, pod.uid
+            for waiter in lock.waiters.iter().filter_map(|w| w.pod.as_ref()) {
+                if !live_uids.contains(&waiter.uid) {
+                    violations.push(format!(
+                        "{}: {} waits for it but is gone",
+                        key.name, waiter.uid
+                    ));
+                }
+            }
+        }
+        for pin in client.list_pins(&self.workers_set, "").await? {
+            if self.removed_nodes.contains(&pin.node) {
+                violations.push(format!(
+                    "pin {:?} is on {}, which is gone",
+                    pin.key.as_ref().map(|k| &k.member),
+                    pin.node
+                ));
+            }
+            // What the API server shows of the owner, as Tether's owner state.
+            let shown = match self
+                .objects
+                .pods
+                .values()
+                .find(|(v, _)| v.uid == pin.pod_uid)
+            {
+                None => Some(pb::OwnerState::OwnerStopped),
+                Some((view, _)) => view.state().report().map(|report| match report {
+                    PodReport::Starting => pb::OwnerState::OwnerStarting,
+                    PodReport::Running => pb::OwnerState::OwnerRunning,
+                    PodReport::Terminal | PodReport::Gone => pb::OwnerState::OwnerStopped,
+                }),
+            };
+            if let Some(shown) = shown.filter(|shown| *shown != pin.owner()) {
+                violations.push(format!(
+                    "pin {:?}: Tether says its owner {} is {:?}, the API server shows {:?}",
+                    pin.key.as_ref().map(|k| &k.member),
+                    pin.pod_uid,
+                    pin.owner(),
+                    shown
                 ));
             }
         }
-        for waiter in lock.waiters.iter().filter_map(|w| w.pod.as_ref()) {
-            if !live_uids.contains(&waiter.uid) {
-                outcome.violations.push(format!(
-                    "{}: {} waits for it but is gone",
-                    key.name, waiter.uid
-                ));
-            }
-        }
-    }
-    for pin in client.list_pins(&workers_set, "").await? {
-        if removed_nodes.contains(&pin.node) {
-            outcome.violations.push(format!(
-                "pin {:?} is on {}, which is gone",
-                pin.key.as_ref().map(|k| &k.member),
-                pin.node
-            ));
-        }
-        // What the API server shows of the owner, as Tether's owner state.
-        let shown = match objects.pods.values().find(|(v, _)| v.uid == pin.pod_uid) {
-            None => Some(pb::OwnerState::OwnerStopped),
-            Some((view, _)) => view.state().report().map(|report| match report {
-                PodReport::Starting => pb::OwnerState::OwnerStarting,
-                PodReport::Running => pb::OwnerState::OwnerRunning,
-                PodReport::Terminal | PodReport::Gone => pb::OwnerState::OwnerStopped,
-            }),
-        };
-        if let Some(shown) = shown.filter(|shown| *shown != pin.owner()) {
-            outcome.violations.push(format!(
-                "pin {:?}: Tether says its owner {} is {:?}, the API server shows {:?}",
-                pin.key.as_ref().map(|k| &k.member),
-                pin.pod_uid,
-                pin.owner(),
-                shown
-            ));
-        }
+        Ok(())
     }
 
-    // The node locks' logs, through the history checkers.
-    let mut events = BTreeMap::new();
-    for node in objects.nodes.keys().chain(removed_nodes.iter()) {
-        let key = format!("lock/{BIND_SCOPE}/{node}");
-        let from = pb::Revision { index: 0, sub: 0 };
-        let list = crate::runner::events_of(client, None, &key, from)
-            .await
-            .map_err(|e| tether_client::Error::Other(format!("{e:#}")))?
-            .ok_or_else(|| {
-                tether_client::Error::Other(format!(
-                    "the event log of {key} no longer reaches back to the trace's start"
-                ))
-            })?;
-        events.insert(key, list);
+    /// The node locks' logs, through the history checkers.
+    async fn check_node_logs(&mut self) -> Result<(), tether_client::Error> {
+        let mut events = BTreeMap::new();
+        for node in self.objects.nodes.keys().chain(self.removed_nodes.iter()) {
+            let key = format!("lock/{BIND_SCOPE}/{node}");
+            let from = pb::Revision { index: 0, sub: 0 };
+            let list = crate::runner::events_of(self.client, None, &key, from)
+                .await
+                .map_err(|e| tether_client::Error::Other(format!("{e:#}")))?
+                .ok_or_else(|| {
+                    tether_client::Error::Other(format!(
+                        "the event log of {key} no longer reaches back to the trace's start"
+                    ))
+                })?;
+            events.insert(key, list);
+        }
+        let evidence = Evidence {
+            events,
+            events_complete: true,
+            ..Evidence::default()
+        };
+        for (name, found) in [
+            (
+                "mutual_exclusion",
+                checkers::mutual_exclusion::check(&evidence),
+            ),
+            ("tokens", checkers::tokens::check(&evidence)),
+            ("fifo", checkers::fifo::check(&evidence)),
+        ] {
+            self.outcome
+                .violations
+                .extend(found.into_iter().map(|v| format!("{name}: {v}")));
+        }
+        Ok(())
     }
-    let evidence = Evidence {
-        events,
-        events_complete: true,
-        ..Evidence::default()
-    };
-    for (name, found) in [
-        (
-            "mutual_exclusion",
-            checkers::mutual_exclusion::check(&evidence),
-        ),
-        ("tokens", checkers::tokens::check(&evidence)),
-        ("fifo", checkers::fifo::check(&evidence)),
-    ] {
-        outcome
-            .violations
-            .extend(found.into_iter().map(|v| format!("{name}: {v}")));
-    }
-    Ok(outcome)
 }
