@@ -2,7 +2,8 @@
 //! the controls the chaos runs need: `kill -9` and restart (optionally with
 //! failpoints armed), SIGSTOP / SIGCONT, leader transfer, replacing a member
 //! (remove, wipe, add a new id as learner, promote), and per-link network
-//! faults through [`Proxy`]s. Everything is killed when the cluster drops.
+//! faults through [`Proxy`]s. Everything is killed when the cluster drops,
+//! and each replica also when the harness dies (`Process`'s watchdog).
 //!
 //! Ids are slots fixed at start (`slots` >= initial voters): each slot has
 //! its ports and, when proxied, a proxy for every directed link to every
@@ -12,11 +13,12 @@
 use std::collections::BTreeMap;
 use std::net::{SocketAddr, TcpListener};
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+use std::process::Command;
 use std::time::Duration;
 
 use anyhow::Context;
 use tether_client::{Client, Options, proto as pb};
+use tether_kube_testenv::Process;
 
 use crate::proxy::{LinkMode, Proxy};
 
@@ -70,7 +72,7 @@ pub mod tokens {
 struct Replica {
     port: u16,
     http: u16,
-    child: Option<Child>,
+    child: Option<Process>,
     paused: bool,
     /// Ever started (its data dir may hold a member's state).
     started: bool,
@@ -239,14 +241,6 @@ impl ProcessCluster {
         self.dir.path().join(format!("tetherd-{id}.log"))
     }
 
-    fn log_file(&self, id: u64) -> anyhow::Result<Stdio> {
-        let file = std::fs::OpenOptions::new()
-            .create(true)
-            .append(true)
-            .open(self.log_path(id))?;
-        Ok(Stdio::from(file))
-    }
-
     /// The last `lines` lines of `id`'s log.
     pub fn log_tail(&self, id: u64, lines: usize) -> String {
         // Lossy: a crash can cut a line in the middle of a character.
@@ -283,9 +277,7 @@ impl ProcessCluster {
                 "RUST_LOG",
                 self.spec.log_filter.as_deref().unwrap_or("warn"),
             )
-            .env_remove("FAILPOINTS")
-            .stdout(Stdio::null())
-            .stderr(self.log_file(id)?);
+            .env_remove("FAILPOINTS");
         if self.spec.proxied {
             let dial = self
                 .proxies
@@ -299,8 +291,7 @@ impl ProcessCluster {
         if let Some(failpoints) = failpoints.or(self.spec.failpoints.as_deref()) {
             command.env("FAILPOINTS", failpoints);
         }
-        let child = command
-            .spawn()
+        let child = Process::spawn_appending(&format!("tetherd-{id}"), command, &self.log_path(id))
             .with_context(|| format!("starting {}", self.spec.tetherd.display()))?;
         let replica = self.replicas.get_mut(&id).expect("a slot");
         replica.child = Some(child);
@@ -378,8 +369,7 @@ impl ProcessCluster {
     /// `kill -9`.
     pub fn kill(&mut self, id: u64) {
         if let Some(mut child) = self.replicas.get_mut(&id).and_then(|r| r.child.take()) {
-            let _ = child.kill();
-            let _ = child.wait();
+            child.kill();
         }
     }
 
@@ -429,7 +419,7 @@ impl ProcessCluster {
     /// stopped); None while it runs or when it has no process.
     pub fn exit_status(&mut self, id: u64) -> Option<std::process::ExitStatus> {
         let replica = self.replicas.get_mut(&id)?;
-        let status = replica.child.as_mut()?.try_wait().ok()??;
+        let status = replica.child.as_mut()?.exited()?;
         replica.child = None;
         Some(status)
     }
@@ -440,7 +430,7 @@ impl ProcessCluster {
         let mut exited = Vec::new();
         for (id, replica) in &mut self.replicas {
             if let Some(child) = replica.child.as_mut()
-                && let Ok(Some(_)) = child.try_wait()
+                && child.exited().is_some()
             {
                 replica.child = None;
                 exited.push(*id);
@@ -454,10 +444,7 @@ impl ProcessCluster {
             return;
         };
         if let Some(child) = &replica.child {
-            let _ = Command::new("kill")
-                .arg(signal)
-                .arg(child.id().to_string())
-                .status();
+            child.signal(signal);
             replica.paused = paused;
         }
     }
@@ -468,7 +455,7 @@ impl ProcessCluster {
     /// runtime's sleep: the proxies and clients of the run share this
     /// process's runtime, and a blocked worker thread stalls them.
     pub async fn pause(&mut self, id: u64) {
-        self.signal(id, "-STOP", true);
+        self.signal(id, "STOP", true);
         let Some(pid) = self
             .replicas
             .get(&id)
@@ -494,7 +481,7 @@ impl ProcessCluster {
 
     /// SIGCONT.
     pub fn resume(&mut self, id: u64) {
-        self.signal(id, "-CONT", false);
+        self.signal(id, "CONT", false);
     }
 
     /// Sets one directed link's mode (no-op when not proxied).

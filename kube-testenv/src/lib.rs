@@ -21,19 +21,27 @@
 //! - `assets.rs` — finding the compressed binaries, unpacking and checking
 //!   them once into the build cache, reporting skips.
 //! - `process.rs` — child processes that die with the test process (a
-//!   watchdog beside each), killed on drop.
+//!   watchdog beside each), killed on drop: the control plane's, and the
+//!   `tetherd` replicas of the server's process tests and the chaos
+//!   harness. The only module without the default `control-plane`
+//!   feature.
 //! - `control_plane.rs` — etcd and kube-apiserver on free loopback ports
 //!   with a throwaway CA, an admin token, kubeconfigs and service-account
 //!   tokens; outages (API server stop and start, a second API server on the
 //!   same etcd), etcd compaction; kube-scheduler and kube-controller-manager
 //!   on demand.
 
+#[cfg(feature = "control-plane")]
 pub mod apply;
+#[cfg(feature = "control-plane")]
 pub mod assets;
+#[cfg(feature = "control-plane")]
 pub mod control_plane;
 pub mod process;
 
+#[cfg(feature = "control-plane")]
 pub use assets::{ASSETS_VAR, Assets, assets_or_skip};
+#[cfg(feature = "control-plane")]
 pub use control_plane::{
     ControlPlane, ExtraApiServer, Plane, client_from, watch_error_code, yaml_documents,
 };

@@ -27,15 +27,35 @@ pub struct Process {
 }
 
 impl Process {
-    /// Starts `command` with its output in `log`. When the test process
-    /// dies, the watchdog kills it and removes `cleanup` if given.
+    /// Starts `command` with its output in `log` (a new file). When the
+    /// test process dies, the watchdog kills it and removes `cleanup` if
+    /// given.
     pub fn spawn(
         name: &str,
-        mut command: Command,
+        command: Command,
         log: &Path,
         cleanup: Option<&Path>,
     ) -> std::io::Result<Process> {
-        let out = File::create(log)?;
+        Self::start(name, command, File::create(log)?, log, cleanup)
+    }
+
+    /// [`Process::spawn`], its output appended to `log`: a process started
+    /// again (a replica restarted with its data) keeps one log.
+    pub fn spawn_appending(name: &str, command: Command, log: &Path) -> std::io::Result<Process> {
+        let out = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(log)?;
+        Self::start(name, command, out, log, None)
+    }
+
+    fn start(
+        name: &str,
+        mut command: Command,
+        out: File,
+        log: &Path,
+        cleanup: Option<&Path>,
+    ) -> std::io::Result<Process> {
         let child = command
             .stdin(Stdio::null())
             .stdout(out.try_clone()?)
@@ -82,6 +102,14 @@ impl Process {
     /// Its exit status, if it has exited.
     pub fn exited(&mut self) -> Option<ExitStatus> {
         self.child.try_wait().ok().flatten()
+    }
+
+    /// Waits for it to exit (after a `TERM`, say), then stops its watchdog.
+    pub fn wait(&mut self) -> std::io::Result<ExitStatus> {
+        let status = self.child.wait()?;
+        let _ = self.watchdog.kill();
+        let _ = self.watchdog.wait();
+        Ok(status)
     }
 
     /// The last `lines` lines of its output, for a failure message.

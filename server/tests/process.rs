@@ -3,52 +3,43 @@
 
 use std::net::TcpListener;
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+use std::process::Command;
 use std::time::Duration;
+
+use tether_kube_testenv::Process;
 
 use tether_client::proto::Outcome;
 use tether_client::{Client, Options};
 
 const DEADLINE: Duration = Duration::from_secs(60);
 
-/// A `tetherd` child process, killed when dropped.
+/// A `tetherd` child process (killed when dropped, or when the test
+/// process dies: `Process`'s watchdog), its output appended to its log
+/// across restarts.
 struct Replica {
     id: u64,
     args: Vec<String>,
     log: PathBuf,
-    child: Option<Child>,
+    child: Option<Process>,
     addr: String,
 }
 
 impl Replica {
     fn spawn(&mut self) {
-        let log = std::fs::OpenOptions::new()
-            .create(true)
-            .append(true)
-            .open(&self.log)
-            .unwrap();
-        let child = Command::new(env!("CARGO_BIN_EXE_tetherd"))
+        let mut command = Command::new(env!("CARGO_BIN_EXE_tetherd"));
+        command
             .args(&self.args)
-            .env("RUST_LOG", "info,openraft=warn")
-            .stdout(Stdio::null())
-            .stderr(log)
-            .spawn()
-            .expect("tetherd starts");
+            .env("RUST_LOG", "info,openraft=warn");
+        let name = format!("tetherd-{}", self.id);
+        let child = Process::spawn_appending(&name, command, &self.log).expect("tetherd starts");
         self.child = Some(child);
     }
 
     /// SIGKILL: no shutdown, no flush.
     fn kill9(&mut self) {
         if let Some(mut child) = self.child.take() {
-            child.kill().unwrap();
-            child.wait().unwrap();
+            child.kill();
         }
-    }
-}
-
-impl Drop for Replica {
-    fn drop(&mut self) {
-        self.kill9();
     }
 }
 
@@ -230,11 +221,7 @@ async fn sigkilled_replicas_restart_from_rocksdb_keep_acknowledged_holds_and_cat
     let (leader, _) = wait_leader(&client, &replicas).await;
     let pos = replicas.iter().position(|r| r.id == leader).unwrap();
     let mut child = replicas[pos].child.take().unwrap();
-    let term = Command::new("kill")
-        .args(["-TERM", &child.id().to_string()])
-        .status()
-        .unwrap();
-    assert!(term.success());
+    child.signal("TERM");
     let exit = tokio::task::spawn_blocking(move || child.wait().unwrap())
         .await
         .unwrap();
@@ -258,15 +245,9 @@ async fn tetherd_without_arguments_serves_a_single_node_cluster_on_the_default_a
     }
     let dir = tempfile::tempdir().unwrap();
     let log_path = dir.path().join("tetherd.log");
-    let log = std::fs::File::create(&log_path).unwrap();
-    let mut child = Command::new(env!("CARGO_BIN_EXE_tetherd"))
-        .current_dir(dir.path())
-        .env_remove("RUST_LOG")
-        .stdout(Stdio::null())
-        .stderr(log)
-        .spawn()
-        .unwrap();
-    let guard = scopeguard(child.id());
+    let mut command = Command::new(env!("CARGO_BIN_EXE_tetherd"));
+    command.current_dir(dir.path()).env_remove("RUST_LOG");
+    let mut child = Process::spawn("tetherd", command, &log_path, None).unwrap();
     let client = Client::new(
         ["127.0.0.1:7420"],
         Options {
@@ -295,23 +276,19 @@ async fn tetherd_without_arguments_serves_a_single_node_cluster_on_the_default_a
     );
 
     // SIGTERM: clean shutdown with exit code 0.
-    let status = Command::new("kill")
-        .args(["-TERM", &child.id().to_string()])
-        .status()
-        .unwrap();
-    assert!(status.success());
+    child.signal("TERM");
     let deadline = std::time::Instant::now() + DEADLINE;
     let exit = loop {
-        if let Some(exit) = child.try_wait().unwrap() {
+        if let Some(exit) = child.exited() {
             break exit;
         }
         assert!(
             std::time::Instant::now() < deadline,
             "tetherd did not exit on SIGTERM"
         );
-        std::thread::sleep(Duration::from_millis(50));
+        tokio::time::sleep(Duration::from_millis(50)).await;
     };
-    drop(guard);
+    drop(child);
     let text = std::fs::read_to_string(&log_path).unwrap();
     let first_lines: String = text.lines().take(4).collect::<Vec<_>>().join("\n");
     assert!(first_lines.contains("127.0.0.1:7420"), "{first_lines}");
@@ -319,20 +296,4 @@ async fn tetherd_without_arguments_serves_a_single_node_cluster_on_the_default_a
     assert!(first_lines.contains("INSECURE"), "{first_lines}");
     assert!(first_lines.contains("single-node"), "{first_lines}");
     assert!(exit.success(), "exit status {exit:?}; log:\n{text}");
-}
-
-/// Kills the process with SIGKILL if the test panics before it exits.
-struct KillOnDrop(u32);
-
-impl Drop for KillOnDrop {
-    fn drop(&mut self) {
-        let _ = Command::new("kill")
-            .args(["-KILL", &self.0.to_string()])
-            .stderr(Stdio::null())
-            .status();
-    }
-}
-
-fn scopeguard(pid: u32) -> KillOnDrop {
-    KillOnDrop(pid)
 }

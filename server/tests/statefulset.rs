@@ -9,11 +9,12 @@
 use std::collections::BTreeMap;
 use std::net::TcpListener;
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+use std::process::Command;
 use std::time::Duration;
 
 use tether_client::proto::{LockKey, PinKey, Pod};
 use tether_client::{Client, Options};
+use tether_kube_testenv::Process;
 
 const DEADLINE: Duration = Duration::from_secs(90);
 
@@ -28,7 +29,9 @@ struct PodProcess {
     expect: u32,
     /// More environment for the next start (e.g. `TETHER_RESTORE_FROM`).
     extra_env: Vec<(String, String)>,
-    child: Option<Child>,
+    /// Killed when dropped, or when the test process dies (`Process`'s
+    /// watchdog); its output appended to `log` across restarts.
+    child: Option<Process>,
 }
 
 impl PodProcess {
@@ -42,12 +45,8 @@ impl PodProcess {
 
     /// Starts the pod with the environment the StatefulSet gives it.
     fn start(&mut self) {
-        let log = std::fs::OpenOptions::new()
-            .create(true)
-            .append(true)
-            .open(&self.log)
-            .unwrap();
-        let child = Command::new(env!("CARGO_BIN_EXE_tetherd"))
+        let mut command = Command::new(env!("CARGO_BIN_EXE_tetherd"));
+        command
             .env("TETHER_STATEFULSET", "true")
             .env("HOSTNAME", format!("tether-{}", self.ordinal))
             .env("TETHER_LISTEN", self.addr())
@@ -62,29 +61,23 @@ impl PodProcess {
             .envs(self.extra_env.iter().map(|(k, v)| (k, v)))
             .env("TETHER_ELECTION_TIMEOUT", "500ms")
             .env("TETHER_SCALE_IN_AFTER", "2s")
-            .env("RUST_LOG", "info,openraft=warn")
-            .stdout(Stdio::null())
-            .stderr(log)
-            .spawn()
-            .expect("tetherd starts");
+            .env("RUST_LOG", "info,openraft=warn");
+        let name = format!("tether-{}", self.ordinal);
+        let child = Process::spawn_appending(&name, command, &self.log).expect("tetherd starts");
         self.child = Some(child);
     }
 
     /// SIGTERM, as Kubernetes stops a pod, and wait for the exit.
     fn terminate(&mut self) {
         if let Some(mut child) = self.child.take() {
-            let _ = Command::new("kill")
-                .arg("-TERM")
-                .arg(child.id().to_string())
-                .status();
+            child.signal("TERM");
             let _ = child.wait();
         }
     }
 
     fn kill9(&mut self) {
         if let Some(mut child) = self.child.take() {
-            let _ = child.kill();
-            let _ = child.wait();
+            child.kill();
         }
     }
 
@@ -94,12 +87,6 @@ impl PodProcess {
             .trim()
             .parse()
             .unwrap()
-    }
-}
-
-impl Drop for PodProcess {
-    fn drop(&mut self) {
-        self.kill9();
     }
 }
 

@@ -129,9 +129,10 @@ impl ClusterApi {
     async fn do_export(&self) -> Result<Vec<pb::SnapshotChunk>> {
         self.ctx.core.require_leader()?;
         self.do_snapshot().await?;
-        let db = self.ctx.core.db()?;
-        let (index, data) = crate::store::state_machine::stored_snapshot(&db)
-            .map_err(|e| ApiError::Internal(e.to_string()))?
+        let (index, data) = self
+            .ctx
+            .core
+            .stored_snapshot()?
             .ok_or_else(|| ApiError::Unavailable("no snapshot was stored; retry".into()))?;
         let total = data.len() as u64;
         Ok(data

@@ -17,7 +17,6 @@ use super::Ctx;
 use super::convert::{event_to, revision_to};
 use crate::error::{ApiError, Result};
 use crate::sm::Revision;
-use crate::store::read_events;
 
 /// Events read from RocksDB per batch.
 const BATCH: usize = 256;
@@ -55,10 +54,6 @@ fn compacted(start: Revision, first: u64) -> Status {
             .insert(pb::COMPACT_REVISION_METADATA, value);
     }
     status
-}
-
-fn storage_error(err: impl std::fmt::Display) -> Status {
-    ApiError::Internal(format!("reading events: {err}")).into()
 }
 
 /// Whom a watch counts against for `--max-watchers-per-client`: the
@@ -129,17 +124,10 @@ async fn follow(
     tx: mpsc::Sender<WatchItem>,
 ) {
     loop {
-        let db = match ctx.core.db() {
-            Ok(db) => db,
-            Err(err) => {
-                let _ = tx.send(Err(err.into())).await;
-                return;
-            }
-        };
-        let batch = match read_events(&db, next, BATCH) {
+        let batch = match ctx.core.read_events(next, BATCH) {
             Ok(batch) => batch,
             Err(err) => {
-                let _ = tx.send(Err(storage_error(err))).await;
+                let _ = tx.send(Err(err.into())).await;
                 return;
             }
         };
@@ -265,7 +253,8 @@ impl WatchApi {
             0 => HISTORY_LIMIT,
             n => n.min(HISTORY_LIMIT),
         };
-        let db = self.ctx.core.db()?;
+        // Refused once this replica is shutting down.
+        self.ctx.core.db()?;
         let first = self.ctx.core.state.events_first();
         let from = req
             .from
@@ -285,8 +274,7 @@ impl WatchApi {
         let mut events = Vec::new();
         let mut cursor = from;
         'scan: loop {
-            let batch =
-                read_events(&db, cursor, BATCH).map_err(|e| ApiError::Internal(e.to_string()))?;
+            let batch = self.ctx.core.read_events(cursor, BATCH)?;
             let Some(last) = batch.last() else { break };
             cursor = Revision {
                 index: last.revision.index,

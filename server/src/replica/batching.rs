@@ -38,7 +38,8 @@ use tokio::sync::{Semaphore, mpsc, oneshot};
 use tokio::time::Instant;
 
 use super::clock::CommitClock;
-use crate::error::{ApiError, Result, from_raft_error};
+use super::raft_errors::from_raft_error;
+use crate::error::{ApiError, Result};
 use crate::metrics::Metrics;
 use crate::raft::Raft;
 use crate::raft::network::PeerFormats;

@@ -9,7 +9,8 @@ use std::time::Duration;
 use openraft::BasicNode;
 
 use super::Replica;
-use crate::error::{ApiError, Result, from_raft_error};
+use super::raft_errors::from_raft_error;
+use crate::error::{ApiError, Result};
 
 /// How long a membership change waits for an earlier one to commit before
 /// it reports the cluster busy.

@@ -17,11 +17,13 @@
 //! - `tasks.rs` — what runs beside the handlers: the leader's sweeper, the
 //!   cluster id's claim, the core's watch, departed peers' connections.
 //! - `peer_service.rs` — the `RaftService` the other replicas call.
+//! - `raft_errors.rs` — openraft's errors as API errors.
 
 pub mod batching;
 pub mod clock;
 pub mod membership;
 pub mod peer_service;
+pub mod raft_errors;
 pub mod reads;
 pub mod tasks;
 pub mod waits;
@@ -32,13 +34,14 @@ use std::time::{SystemTime, UNIX_EPOCH};
 use openraft::ServerState;
 
 use crate::config::Config;
-use crate::error::{ApiError, Result, from_raft_error};
+use crate::error::{ApiError, Result};
 use crate::metrics::Metrics;
 use crate::raft::Raft;
 use crate::raft::dial::PeerDialer;
 use crate::raft::network::PeerFormats;
-use crate::sm::{Command, Reply, Request, RequestId, batchable_lock};
+use crate::sm::{Command, Event, Reply, Request, RequestId, batchable_lock};
 use crate::store::StateHandle;
+use raft_errors::from_raft_error;
 
 /// One replica's core: its Raft node, its applied state, and the machinery
 /// every transport's handlers share.
@@ -373,7 +376,7 @@ impl Replica {
         self.reads
             .wait()
             .await
-            .map_err(crate::error::from_read_check_error)
+            .map_err(raft_errors::from_read_check_error)
     }
 
     /// What this replica knows of its cluster now.
@@ -445,6 +448,21 @@ impl Replica {
         self.db.upgrade().ok_or_else(|| {
             ApiError::Unavailable("this replica has shut down; use another replica".into())
         })
+    }
+
+    /// Up to `limit` events of the stored log from `from` on (older ones
+    /// may have been compacted: [`StateHandle::events_first`]).
+    pub fn read_events(&self, from: crate::sm::Revision, limit: usize) -> Result<Vec<Event>> {
+        let db = self.db()?;
+        crate::store::read_events(&db, from, limit)
+            .map_err(|e| ApiError::Internal(format!("reading events: {e}")))
+    }
+
+    /// The stored snapshot (its index and bytes), if one was stored.
+    pub fn stored_snapshot(&self) -> Result<Option<(u64, Vec<u8>)>> {
+        let db = self.db()?;
+        crate::store::state_machine::stored_snapshot(&db)
+            .map_err(|e| ApiError::Internal(format!("reading the snapshot: {e}")))
     }
 
     /// Resolves once the replica is shutting down.
