@@ -192,11 +192,6 @@ impl View {
     pub fn is_voter(&self, id: u64) -> bool {
         self.member(id).is_some_and(|m| m.voter)
     }
-
-    /// The voters' ids.
-    pub fn voters(&self) -> impl Iterator<Item = u64> + '_ {
-        self.members.iter().filter(|m| m.voter).map(|m| m.id)
-    }
 }
 
 /// Wall-clock time in ms since the epoch: what the stamps of the entries
