@@ -107,6 +107,7 @@ impl Node {
             cluster_id.clone(),
         ));
         let network = Network::new(
+            id,
             dialer.clone(),
             peer_formats.clone(),
             config.raft_message_limit,

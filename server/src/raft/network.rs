@@ -159,6 +159,8 @@ impl StreamRefusals {
 /// that a read does not open a TCP connection to each voter.
 #[derive(Clone)]
 pub struct Network {
+    /// This replica's id.
+    own: u64,
     /// How the other replicas are dialed (one channel per address).
     dialer: Arc<PeerDialer>,
     /// What each peer reads, filled in by the clients.
@@ -172,16 +174,18 @@ pub struct Network {
 }
 
 impl Network {
-    /// A network dialing through `dialer`, recording the peers' formats in
-    /// `formats`, keeping messages within `message_limit` bytes and
-    /// counting AppendEntries streams in `metrics`.
+    /// Replica `own`'s network, dialing through `dialer`, recording the
+    /// peers' formats in `formats`, keeping messages within `message_limit`
+    /// bytes and counting AppendEntries streams in `metrics`.
     pub fn new(
+        own: u64,
         dialer: Arc<PeerDialer>,
         formats: Arc<PeerFormats>,
         message_limit: usize,
         metrics: Arc<Metrics>,
     ) -> Self {
         Self {
+            own,
             dialer,
             formats,
             message_limit,
@@ -213,6 +217,7 @@ impl RaftNetworkFactory<TypeConfig> for Network {
 
     async fn new_client(&mut self, target: u64, node: &BasicNode) -> PeerClient {
         PeerClient {
+            own: self.own,
             target,
             addr: self.dialer.dialed(target, &node.addr).to_string(),
             client: self.dialer.raft_client(target, &node.addr),
@@ -228,6 +233,8 @@ impl RaftNetworkFactory<TypeConfig> for Network {
 
 /// Sends Raft RPCs to one replica over a lazily connected channel.
 pub struct PeerClient {
+    /// The sending replica's id.
+    own: u64,
     target: u64,
     addr: String,
     client: Option<RaftServiceClient<Channel>>,
@@ -273,6 +280,23 @@ enum Rpc {
 // must return; boxing it here would only be undone there.
 #[allow(clippy::result_large_err)]
 impl PeerClient {
+    /// A partition for tests (failpoints builds): with
+    /// `raft-cut-off=return(N)` every Raft message to or from replica N
+    /// fails as unreachable, in a process whose replicas all run in it.
+    fn cut_off<Err: std::error::Error>(&self) -> Result<(), RPCError<u64, BasicNode, Err>> {
+        let cut = fail::eval("raft-cut-off", |arg| {
+            arg.and_then(|id| id.trim().parse::<u64>().ok())
+        });
+        match cut {
+            Some(Some(id)) if id == self.own || id == self.target => Err(RPCError::Unreachable(
+                Unreachable::new(&std::io::Error::other(format!(
+                    "failpoint raft-cut-off: replica {id} is cut off"
+                ))),
+            )),
+            _ => Ok(()),
+        }
+    }
+
     /// The client, or why there is none.
     fn client<Err: std::error::Error>(
         &mut self,
@@ -542,6 +566,7 @@ impl RaftNetwork<TypeConfig> for PeerClient {
         rpc: AppendEntriesRequest<TypeConfig>,
         option: RPCOption,
     ) -> Result<AppendEntriesResponse<u64>, RPCError<u64, BasicNode, RaftError<u64>>> {
+        self.cut_off()?;
         self.append(&rpc, &option).await
     }
 
@@ -553,6 +578,7 @@ impl RaftNetwork<TypeConfig> for PeerClient {
         InstallSnapshotResponse<u64>,
         RPCError<u64, BasicNode, RaftError<u64, InstallSnapshotError>>,
     > {
+        self.cut_off()?;
         self.call(Rpc::InstallSnapshot, &rpc, 0, &option).await
     }
 
@@ -561,6 +587,7 @@ impl RaftNetwork<TypeConfig> for PeerClient {
         rpc: VoteRequest<u64>,
         option: RPCOption,
     ) -> Result<VoteResponse<u64>, RPCError<u64, BasicNode, RaftError<u64>>> {
+        self.cut_off()?;
         self.call(Rpc::Vote, &rpc, 0, &option).await
     }
 }
@@ -694,6 +721,7 @@ mod tests {
 
     fn network_dialing(dial: PeerDial) -> Network {
         Network::new(
+            0,
             Arc::new(PeerDialer::new(dial, None, None, Arc::default())),
             Arc::default(),
             crate::raft::MAX_RAFT_MESSAGE_BYTES,

@@ -38,7 +38,7 @@ use tokio::sync::{Semaphore, mpsc, oneshot};
 use tokio::time::Instant;
 
 use super::clock::CommitClock;
-use super::raft_errors::from_raft_error;
+use super::commit::commit;
 use crate::error::{ApiError, Result};
 use crate::metrics::Metrics;
 use crate::raft::Raft;
@@ -544,10 +544,9 @@ async fn propose(
         let request = Request::new(proposal.request_id, stamp, proposal.command)
             .for_members(proposal.oldest_member_known);
         let result = metrics
-            .time_commit(raft.client_write(request))
+            .time_commit(commit(raft, request))
             .await
-            .map(|written| (written.data, written.log_id.index))
-            .map_err(from_raft_error);
+            .map(|written| (written.data, written.log_id.index));
         let _ = proposal.reply.send(result);
         return;
     }
@@ -564,7 +563,7 @@ async fn propose(
     let request =
         Request::new(None, stamp, Command::Batch(Batch { items })).for_members(oldest_member_known);
     let answers: Vec<Result<(Response, u64)>> =
-        match metrics.time_commit(raft.client_write(request)).await {
+        match metrics.time_commit(commit(raft, request)).await {
             Ok(written) => match written.data.result {
                 Ok(Reply::Batch(responses)) if responses.len() == replies.len() => {
                     let index = written.log_id.index;
@@ -578,7 +577,7 @@ async fn propose(
                     vec![Err(err); replies.len()]
                 }
             },
-            Err(err) => vec![Err(from_raft_error(err)); replies.len()],
+            Err(err) => vec![Err(err); replies.len()],
         };
     for (reply, answer) in replies.into_iter().zip(answers) {
         // The caller may have gone (its RPC was cancelled): nothing to do.

@@ -11,6 +11,8 @@
 //! - `batching.rs` — acquires and releases of many clients share entries.
 //! - `reads.rs` — shared ReadIndex rounds for linearizable reads.
 //! - `clock.rs` — the stamps of the entries this replica proposes.
+//! - `commit.rs` — proposing an entry and awaiting its answer, giving up on
+//!   one openraft 0.9 leaves unanswered.
 //! - `waits.rs` — following a queued acquire, and ending a wait through
 //!   the leader.
 //! - `membership.rs` — learners, voters, leader transfer, snapshots.
@@ -21,6 +23,7 @@
 
 pub mod batching;
 pub mod clock;
+pub mod commit;
 pub mod membership;
 pub mod peer_service;
 pub mod raft_errors;
@@ -41,7 +44,6 @@ use crate::raft::dial::PeerDialer;
 use crate::raft::network::PeerFormats;
 use crate::sm::{Command, Event, Reply, Request, RequestId, batchable_lock};
 use crate::store::StateHandle;
-use raft_errors::from_raft_error;
 
 /// One replica's core: its Raft node, its applied state, and the machinery
 /// every transport's handlers share.
@@ -305,9 +307,8 @@ impl Replica {
                 let request = self.request(request_id, self.stamp(), command);
                 let written = self
                     .metrics
-                    .time_commit(self.raft.client_write(request))
-                    .await
-                    .map_err(from_raft_error)?;
+                    .time_commit(commit::commit(&self.raft, request))
+                    .await?;
                 (written.data, written.log_id.index)
             }
         };

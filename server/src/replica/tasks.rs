@@ -227,7 +227,7 @@ pub async fn sweeper(core: Arc<Replica>, mut shutdown: watch::Receiver<bool>) {
         }
         match core
             .metrics
-            .time_commit(core.raft.client_write(request))
+            .time_commit(super::commit::commit(&core.raft, request))
             .await
         {
             Ok(response) => {
