@@ -306,6 +306,7 @@ pub async fn run_many(options: DriverOptions) -> anyhow::Result<Summary> {
                             if options.verbose {
                                 println!("  outcomes {:?}", report.outcomes);
                                 println!("  phases {:?}", report.phases);
+                                println!("  slowest to stop {:?}", report.slowest_to_stop);
                             }
                             for (checker, found) in &report.violations {
                                 for v in found.iter().take(5) {

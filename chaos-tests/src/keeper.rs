@@ -37,10 +37,17 @@ enum WaiterAnswer {
 }
 
 /// The keeper's rounds (pods `k` and `w` are processes `process` and
-/// `process + 1`), until stopped; `ttl` is the lease's.
+/// `process + 1`), until stopped or the workload has no time left for one;
+/// `ttl` is the lease's.
 pub async fn keeper(shared: Arc<Shared>, process: u64, ttl: Duration, mut rng: Rng) {
     let mut round = 0u64;
-    while !shared.stopped() {
+    loop {
+        // How long the round holds, keeping the lease alive: none that
+        // would run past the workload starts.
+        let hold = ttl * rng.between(40, 90) as u32 / 100;
+        if !shared.may_start(hold) {
+            break;
+        }
         round += 1;
         let key = shared.lock(&format!("k{process}-{round}"));
         shared
@@ -91,7 +98,6 @@ pub async fn keeper(shared: Arc<Shared>, process: u64, ttl: Duration, mut rng: R
         };
         let _ = queued_rx.await;
         // Hold, keeping the lease alive; use the resource once meanwhile.
-        let hold = ttl * rng.between(40, 90) as u32 / 100;
         let until = tokio::time::Instant::now() + hold;
         let event_key = lock_event_key(&key);
         if let Some(read) = shared.shadow.read(&event_key, token) {

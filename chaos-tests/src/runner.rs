@@ -62,7 +62,7 @@ impl Default for RunConfig {
             try_locks: 2,
             try_workers: 3,
             queue_workers: 3,
-            lease_workers: 1,
+            lease_workers: 2,
             enders: 1,
             storms: 1,
             abandoners: 1,
@@ -111,6 +111,9 @@ pub struct Report {
     pub elections: u64,
     /// Where the time went: (phase, duration).
     pub phases: Vec<(&'static str, Duration)>,
+    /// The worker whose stop ended the wind-down, and when it stopped
+    /// (workers finish their round before they stop).
+    pub slowest_to_stop: (&'static str, Duration),
     /// Times for a lock due to move on to reach its next waiter
     /// (`progress`), faults or not.
     pub recoveries: Vec<Duration>,
@@ -610,115 +613,141 @@ fn spawn_workers(
     locks: &RunLocks,
     config: &RunConfig,
     rng: &mut Rng,
-) -> Vec<tokio::task::JoinHandle<()>> {
+) -> Vec<(&'static str, tokio::task::JoinHandle<()>)> {
     let mut tasks = Vec::new();
     let mut process = 0;
     for _ in 0..config.try_workers {
         process += 1;
-        tasks.push(tokio::spawn(workers::try_lock_worker(
-            shared.clone(),
-            process,
-            locks.try_locks.clone(),
-            rng.fork(process),
-        )));
+        tasks.push((
+            "try_lock_worker",
+            tokio::spawn(workers::try_lock_worker(
+                shared.clone(),
+                process,
+                locks.try_locks.clone(),
+                rng.fork(process),
+            )),
+        ));
     }
     for _ in 0..config.queue_workers {
         process += 1;
-        tasks.push(tokio::spawn(workers::queue_worker(
-            shared.clone(),
-            process,
-            locks.queue_lock.clone(),
-            rng.fork(process),
-        )));
+        tasks.push((
+            "queue_worker",
+            tokio::spawn(workers::queue_worker(
+                shared.clone(),
+                process,
+                locks.queue_lock.clone(),
+                rng.fork(process),
+            )),
+        ));
     }
-    for lease_lock in &locks.lease_locks {
+    for (n, lease_lock) in locks.lease_locks.iter().enumerate() {
         process += 1;
-        tasks.push(tokio::spawn(workers::lease_worker(
-            shared.clone(),
-            process,
-            lease_lock.clone(),
-            config.lease_ttl,
-            rng.fork(process),
-        )));
+        tasks.push((
+            "lease_worker",
+            tokio::spawn(workers::lease_worker(
+                shared.clone(),
+                process,
+                lease_lock.clone(),
+                config.lease_ttl,
+                n as u64 % 2 + 1,
+                rng.fork(process),
+            )),
+        ));
         // Its three pods are processes `process` to `process + 2`.
         process += 2;
     }
     for _ in 0..config.enders {
         process += 1;
-        tasks.push(tokio::spawn(workers::ender(
-            shared.clone(),
-            process,
-            rng.fork(process),
-        )));
+        tasks.push((
+            "ender",
+            tokio::spawn(workers::ender(shared.clone(), process, rng.fork(process))),
+        ));
         // Its two pods are processes `process` and `process + 1`.
         process += 1;
     }
     for storm_lock in &locks.storm_locks {
         process += 1;
-        tasks.push(tokio::spawn(crate::storm::retry_storm(
-            shared.clone(),
-            process,
-            storm_lock.clone(),
-            rng.fork(process),
-        )));
+        tasks.push((
+            "retry_storm",
+            tokio::spawn(crate::storm::retry_storm(
+                shared.clone(),
+                process,
+                storm_lock.clone(),
+                rng.fork(process),
+            )),
+        ));
         // Its forger is process `process + 1`.
         process += 1;
     }
     for _ in 0..config.abandoners {
         process += 1;
-        tasks.push(tokio::spawn(crate::abandon::abandoner(
-            shared.clone(),
-            process,
-            rng.fork(process),
-        )));
+        tasks.push((
+            "abandoner",
+            tokio::spawn(crate::abandon::abandoner(
+                shared.clone(),
+                process,
+                rng.fork(process),
+            )),
+        ));
         // Its three pods are processes `process` to `process + 2`.
         process += 2;
     }
     for _ in 0..config.keepers {
         process += 1;
-        tasks.push(tokio::spawn(crate::keeper::keeper(
-            shared.clone(),
-            process,
-            config.lease_ttl,
-            rng.fork(process),
-        )));
+        tasks.push((
+            "keeper",
+            tokio::spawn(crate::keeper::keeper(
+                shared.clone(),
+                process,
+                config.lease_ttl,
+                rng.fork(process),
+            )),
+        ));
         // Its waiter is process `process + 1`.
         process += 1;
     }
     // The flooder needs roles: only on clusters with tokens.
     if config.session_flood && cluster.has_tokens() {
-        tasks.push(tokio::spawn(crate::sessions::flooder(
-            shared.clone(),
-            cluster.bridge_client(),
-        )));
+        tasks.push((
+            "flooder",
+            tokio::spawn(crate::sessions::flooder(
+                shared.clone(),
+                cluster.bridge_client(),
+            )),
+        ));
     }
     for _ in 0..config.claimers {
         process += 1;
-        tasks.push(tokio::spawn(crate::claims::claimer(
-            shared.clone(),
-            rng.fork(process),
-        )));
+        tasks.push((
+            "claimer",
+            tokio::spawn(crate::claims::claimer(shared.clone(), rng.fork(process))),
+        ));
     }
     process += 1;
-    tasks.push(tokio::spawn(workers::revoker(
-        shared.clone(),
-        process,
-        rng.fork(process),
-    )));
+    tasks.push((
+        "revoker",
+        tokio::spawn(workers::revoker(shared.clone(), process, rng.fork(process))),
+    ));
     process += 1;
-    tasks.push(tokio::spawn(workers::pin_assigner(
-        shared.clone(),
-        process,
-        config.pins,
-        rng.fork(process),
-    )));
+    tasks.push((
+        "pin_assigner",
+        tokio::spawn(workers::pin_assigner(
+            shared.clone(),
+            process,
+            config.pins,
+            rng.fork(process),
+        )),
+    ));
     process += 1;
-    tasks.push(tokio::spawn(workers::pin_lifetimes(
-        shared.clone(),
-        process,
-        config.pin_lifetime_rounds,
-        rng.fork(process),
-    )));
+    tasks.push((
+        "pin_lifetimes",
+        tokio::spawn(workers::pin_lifetimes(
+            shared.clone(),
+            process,
+            config.pin_lifetime_rounds,
+            rng.fork(process),
+        )),
+    ));
 
     tasks
 }
@@ -842,6 +871,7 @@ pub async fn run(
         shadow: Shadow::default(),
         holding: Mutex::new(Vec::new()),
         stop: AtomicBool::new(false),
+        workload_ends: tokio::time::Instant::now() + schedule.workload,
         prefix: prefix.to_string(),
         extra_locks: Mutex::new(Vec::new()),
     });
@@ -881,8 +911,14 @@ pub async fn run(
     report.phases.push(("workload", began.elapsed()));
     let mut phase = tokio::time::Instant::now();
     shared.stop.store(true, Ordering::SeqCst);
-    for task in tasks {
+    // Joined in order, so a worker that stopped early is joined late: the
+    // last join that had to wait (more than a few ms) is the slowest.
+    for (name, task) in tasks {
         task.await.context("a worker panicked")?;
+        let stopped = phase.elapsed();
+        if stopped > report.slowest_to_stop.1 + Duration::from_millis(5) {
+            report.slowest_to_stop = (name, stopped);
+        }
     }
     report.phases.push(("wind-down", phase.elapsed()));
     phase = tokio::time::Instant::now();

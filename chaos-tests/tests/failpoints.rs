@@ -163,10 +163,12 @@ async fn a_build_that_grants_held_locks_is_caught_with_its_seed() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_build_that_grants_twice_in_one_sweep_is_caught_with_its_seed() {
-    // Three lease scenarios side by side in each schedule: each reaches the
-    // double grant only when its two leases end in one sweep.
+    // Three lease scenarios that abandon both leases side by side in each
+    // schedule (workers 0, 2 and 4 of five; the others keep a lease alive
+    // once): each reaches the double grant only when its two leases end in
+    // one sweep.
     let run = RunConfig {
-        lease_workers: 3,
+        lease_workers: 5,
         ..RunConfig::default()
     };
     let violations = planted_bug_runs(

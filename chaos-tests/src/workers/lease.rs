@@ -4,7 +4,10 @@
 
 use super::*;
 
-/// TTL-lease holders that stop keeping alive, until stopped. Each round
+/// TTL-lease holders that stop keeping alive, until stopped or no round
+/// fits in what is left of the workload; rounds are numbered from
+/// `first_round` (the runner starts one worker on an odd round, one on an
+/// even, so that both kinds run within a short workload). Each round
 /// grants two leases of the same TTL at once; pod `a` takes the run's lease
 /// lock on the first, pod `b` queues behind it on the second, pod `c`
 /// queues behind both without a lease. Neither lease is kept alive (in one
@@ -18,10 +21,13 @@ pub async fn lease_worker(
     process: u64,
     key: pb::LockKey,
     ttl: Duration,
+    first_round: u64,
     mut rng: Rng,
 ) {
-    let mut round = 0;
-    while !shared.stopped() {
+    // Either kind of round lasts about a TTL (b, or c, is granted when a
+    // lease lapses): none that would run past the workload starts.
+    let mut round = first_round - 1;
+    while shared.may_start(ttl) {
         round += 1;
         let (first, second) = tokio::join!(
             shared.client.grant_lease(ttl),
@@ -64,9 +70,9 @@ pub async fn lease_worker(
         };
         // In the rounds that abandon a's lease, the lock is due to move on
         // to c (b's lease ends as a's does) once a's TTL has passed.
-        let abandoned = matches!(held, Outcome::Ok(Value::Granted(_))) && round % 2 == 1;
+        let abandoned = matches!(held, Outcome::Ok(Value::Granted(_))) && !round.is_multiple_of(2);
         match held {
-            Outcome::Ok(Value::Granted(token)) if round % 2 == 0 => {
+            Outcome::Ok(Value::Granted(token)) if round.is_multiple_of(2) => {
                 let _ = shared.client.keep_alive_once(first).await;
                 use_and_release(&shared, process, &key, &a, token, &mut rng).await;
             }
