@@ -23,6 +23,8 @@ use std::future::Future;
 use std::time::Duration;
 
 use axum::Router;
+use axum::extract::connect_info::Connected;
+use axum::serve::{IncomingStream, Listener};
 use tokio::net::TcpListener;
 
 pub use departure::Departure;
@@ -51,9 +53,26 @@ pub async fn serve_with_grace(
     shutdown: impl Future<Output = ()> + Send + 'static,
     grace: Duration,
 ) {
+    serve_connected::<_, std::net::SocketAddr>(listener, router, shutdown, grace).await;
+}
+
+/// [`serve_with_grace`] on any axum [`Listener`] (e.g. one that does TLS),
+/// each request carrying what `C` learns of its connection as an
+/// [`axum::extract::ConnectInfo<C>`] extension.
+pub async fn serve_connected<L, C>(
+    listener: L,
+    router: Router,
+    shutdown: impl Future<Output = ()> + Send + 'static,
+    grace: Duration,
+) where
+    L: Listener,
+    L::Addr: std::fmt::Debug,
+    C: for<'a> Connected<IncomingStream<'a, L>> + Clone + Send + Sync + 'static,
+{
     let address = listener.local_addr().ok();
     let (stopping_tx, stopping) = tokio::sync::oneshot::channel::<()>();
-    let server = axum::serve(listener, router).with_graceful_shutdown(async move {
+    let service = router.into_make_service_with_connect_info::<C>();
+    let server = axum::serve(listener, service).with_graceful_shutdown(async move {
         shutdown.await;
         let _ = stopping_tx.send(());
     });

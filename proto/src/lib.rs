@@ -1,7 +1,8 @@
 //! `tether-proto`: the `tether.v1` gRPC contract.
 //!
 //! Wire types only, no logic. The `.proto` files live in `tether/v1/`;
-//! `build.rs` compiles them with protox and tonic-prost-build.
+//! `build.rs` compiles them with protox and tonic-prost-build, and keeps
+//! the descriptors ([`FILE_DESCRIPTOR_SET`]).
 //!
 //! # Layout
 //! - `tether/v1/common.proto` — request ids, pods, lock keys, response headers.
@@ -20,6 +21,11 @@ pub mod v1 {
 }
 
 pub use v1::*;
+
+/// The compiled `tether.v1` descriptors (a serialized
+/// `google.protobuf.FileDescriptorSet`): what the HTTP/JSON gateway maps
+/// JSON bodies with and describes its routes from.
+pub const FILE_DESCRIPTOR_SET: &[u8] = include_bytes!(concat!(env!("OUT_DIR"), "/tether.v1.bin"));
 
 /// gRPC metadata key carrying the leader's node id on an `UNAVAILABLE`
 /// answer from a follower.

@@ -23,4 +23,4 @@ pub mod testing;
 pub use client::lazy_channel;
 pub use identity::{PeerIdentity, identity_of};
 pub use material::{TlsError, TlsFiles, TlsMaterial};
-pub use server::{Conn, PeerInfo, incoming};
+pub use server::{Conn, PeerInfo, incoming, incoming_http};

@@ -247,17 +247,41 @@ impl TlsMaterial {
         Arc::new(config)
     }
 
+    /// The HTTP port's server configuration: HTTP/1.1, and a client
+    /// certificate asked for but not required. Probes (the kubelet sends
+    /// none) and `/metrics` are open; the JSON API names the certificate's
+    /// holder as gRPC does, and refuses a caller without one. A certificate
+    /// that is sent must still chain to the CA.
+    pub fn http_server_config(self: &Arc<Self>) -> Arc<ServerConfig> {
+        let mut config = ServerConfig::builder_with_provider(self.provider.clone())
+            .with_safe_default_protocol_versions()
+            .expect("ring supports the default TLS versions")
+            .with_client_cert_verifier(Arc::new(CertificateOptional(Current(self.clone()))))
+            .with_cert_resolver(Arc::new(Current(self.clone())));
+        config.alpn_protocols = vec![b"http/1.1".to_vec()];
+        Arc::new(config)
+    }
+
     /// A client configuration that presents the current certificate and
     /// accepts servers whose certificate chains to the current CA and names
     /// the host dialled.
     pub fn client_config(self: &Arc<Self>) -> Arc<ClientConfig> {
+        self.client_config_for(b"h2")
+    }
+
+    /// [`Self::client_config`] for the HTTP port (HTTP/1.1).
+    pub fn http_client_config(self: &Arc<Self>) -> Arc<ClientConfig> {
+        self.client_config_for(b"http/1.1")
+    }
+
+    fn client_config_for(self: &Arc<Self>, protocol: &[u8]) -> Arc<ClientConfig> {
         let mut config = ClientConfig::builder_with_provider(self.provider.clone())
             .with_safe_default_protocol_versions()
             .expect("ring supports the default TLS versions")
             .dangerous()
             .with_custom_certificate_verifier(Arc::new(Current(self.clone())))
             .with_client_cert_resolver(Arc::new(Current(self.clone())));
-        config.alpn_protocols = vec![b"h2".to_vec()];
+        config.alpn_protocols = vec![protocol.to_vec()];
         Arc::new(config)
     }
 }
@@ -334,6 +358,52 @@ impl ClientCertVerifier for Current {
 
     fn supported_verify_schemes(&self) -> Vec<SignatureScheme> {
         self.0.current().client_verifier.supported_verify_schemes()
+    }
+}
+
+/// [`Current`]'s client-certificate checks, with the certificate optional
+/// (the HTTP port: see [`TlsMaterial::http_server_config`]).
+#[derive(Debug)]
+struct CertificateOptional(Current);
+
+impl ClientCertVerifier for CertificateOptional {
+    fn client_auth_mandatory(&self) -> bool {
+        false
+    }
+
+    fn root_hint_subjects(&self) -> &[DistinguishedName] {
+        ClientCertVerifier::root_hint_subjects(&self.0)
+    }
+
+    fn verify_client_cert(
+        &self,
+        end_entity: &CertificateDer<'_>,
+        intermediates: &[CertificateDer<'_>],
+        now: UnixTime,
+    ) -> Result<ClientCertVerified, rustls::Error> {
+        ClientCertVerifier::verify_client_cert(&self.0, end_entity, intermediates, now)
+    }
+
+    fn verify_tls12_signature(
+        &self,
+        message: &[u8],
+        cert: &CertificateDer<'_>,
+        dss: &DigitallySignedStruct,
+    ) -> Result<HandshakeSignatureValid, rustls::Error> {
+        ClientCertVerifier::verify_tls12_signature(&self.0, message, cert, dss)
+    }
+
+    fn verify_tls13_signature(
+        &self,
+        message: &[u8],
+        cert: &CertificateDer<'_>,
+        dss: &DigitallySignedStruct,
+    ) -> Result<HandshakeSignatureValid, rustls::Error> {
+        ClientCertVerifier::verify_tls13_signature(&self.0, message, cert, dss)
+    }
+
+    fn supported_verify_schemes(&self) -> Vec<SignatureScheme> {
+        ClientCertVerifier::supported_verify_schemes(&self.0)
     }
 }
 

@@ -30,8 +30,9 @@ const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
 pub struct PeerInfo {
     /// The peer's address.
     pub remote_addr: Option<SocketAddr>,
-    /// The verified certificate's identity (TLS only), or why the
-    /// certificate names nobody.
+    /// The verified certificate's identity, or why the certificate names
+    /// nobody; None over plain TCP or when the client sent no certificate
+    /// (allowed on the HTTP port only).
     pub identity: Option<Result<PeerIdentity, String>>,
 }
 
@@ -54,14 +55,15 @@ impl Connected for Conn {
             },
             Conn::Tls(tls) => {
                 let (tcp, session) = tls.get_ref();
+                // None without a certificate: only the HTTP port lets a
+                // client in without one (the gRPC handshake requires it).
                 let identity = session
                     .peer_certificates()
                     .and_then(|certs| certs.first())
-                    .map(|leaf| identity_of(leaf))
-                    .unwrap_or_else(|| Err("no client certificate".to_string()));
+                    .map(|leaf| identity_of(leaf));
                 PeerInfo {
                     remote_addr: tcp.peer_addr().ok(),
-                    identity: Some(identity),
+                    identity,
                 }
             }
         }
@@ -134,9 +136,26 @@ pub fn incoming(
     listener: TcpListener,
     tls: Option<Arc<TlsMaterial>>,
 ) -> impl Stream<Item = io::Result<Conn>> + Send + 'static {
+    incoming_with(listener, tls.map(|tls| tls.server_config()))
+}
+
+/// The connections of the HTTP port's `listener`: as [`incoming`], but
+/// with [`TlsMaterial::http_server_config`] (HTTP/1.1, client certificate
+/// optional).
+pub fn incoming_http(
+    listener: TcpListener,
+    tls: Option<Arc<TlsMaterial>>,
+) -> impl Stream<Item = io::Result<Conn>> + Send + 'static {
+    incoming_with(listener, tls.map(|tls| tls.http_server_config()))
+}
+
+fn incoming_with(
+    listener: TcpListener,
+    config: Option<Arc<rustls::ServerConfig>>,
+) -> impl Stream<Item = io::Result<Conn>> + Send + 'static {
     Incoming {
         listener,
-        acceptor: tls.map(|tls| TlsAcceptor::from(tls.server_config())),
+        acceptor: config.map(TlsAcceptor::from),
         handshakes: futures::stream::FuturesUnordered::new(),
     }
 }

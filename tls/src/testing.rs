@@ -73,15 +73,13 @@ impl TestCa {
     }
 }
 
-/// Connects to `addr` over TLS trusting `ca_pem` but presenting no
-/// certificate, sends a byte and waits for the answer: `Err` when the
-/// server refuses (TLS 1.3 reports a refused client on the first read).
-pub async fn connect_without_certificate(
-    addr: std::net::SocketAddr,
+/// A client configuration trusting `ca_pem` that presents no certificate,
+/// offering `protocol` (ALPN, e.g. `http/1.1`) if given.
+pub fn anonymous_client_config(
     ca_pem: &str,
-) -> std::io::Result<()> {
+    protocol: Option<&[u8]>,
+) -> std::io::Result<std::sync::Arc<rustls::ClientConfig>> {
     use rustls_pki_types::pem::PemObject;
-    use tokio::io::{AsyncReadExt, AsyncWriteExt};
     let mut roots = rustls::RootCertStore::empty();
     for cert in rustls_pki_types::CertificateDer::pem_slice_iter(ca_pem.as_bytes()) {
         roots
@@ -89,16 +87,37 @@ pub async fn connect_without_certificate(
             .map_err(std::io::Error::other)?;
     }
     let provider = std::sync::Arc::new(rustls::crypto::ring::default_provider());
-    let config = rustls::ClientConfig::builder_with_provider(provider)
+    let mut config = rustls::ClientConfig::builder_with_provider(provider)
         .with_safe_default_protocol_versions()
         .map_err(std::io::Error::other)?
         .with_root_certificates(roots)
         .with_no_client_auth();
+    config.alpn_protocols = protocol.map(|p| vec![p.to_vec()]).unwrap_or_default();
+    Ok(std::sync::Arc::new(config))
+}
+
+/// A TLS connection to `addr` (whose certificate must name its IP) made
+/// with `config`.
+pub async fn connect(
+    addr: std::net::SocketAddr,
+    config: std::sync::Arc<rustls::ClientConfig>,
+) -> std::io::Result<tokio_rustls::client::TlsStream<tokio::net::TcpStream>> {
     let tcp = tokio::net::TcpStream::connect(addr).await?;
     let name = rustls_pki_types::ServerName::from(addr.ip());
-    let mut tls = tokio_rustls::TlsConnector::from(std::sync::Arc::new(config))
+    tokio_rustls::TlsConnector::from(config)
         .connect(name, tcp)
-        .await?;
+        .await
+}
+
+/// Connects to `addr` over TLS trusting `ca_pem` but presenting no
+/// certificate, sends a byte and waits for the answer: `Err` when the
+/// server refuses (TLS 1.3 reports a refused client on the first read).
+pub async fn connect_without_certificate(
+    addr: std::net::SocketAddr,
+    ca_pem: &str,
+) -> std::io::Result<()> {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut tls = connect(addr, anonymous_client_config(ca_pem, None)?).await?;
     tls.write_all(b"PRI * HTTP/2.0\r\n\r\n").await?;
     let mut buf = [0u8; 64];
     match tls.read(&mut buf).await? {
