@@ -1,35 +1,109 @@
-//! The HTTP side port: `GET /health` (a leader is known), `/ready` (member,
+//! The HTTP port: `GET /health` (a leader is known), `/ready` (member,
 //! leader known, caught up: for readiness probes), `/live` (the process
-//! answers and its Raft core runs: for liveness probes) and `/metrics`
-//! (OpenMetrics), served by axum through `tether_http`. A `failpoints`
-//! build also serves `PUT /failpoints/{name}` (body: the actions, as in
-//! `FAILPOINTS`) and `DELETE /failpoints/{name}`, so the chaos suite can
-//! change a running replica, e.g. step the sitting leader's clock.
+//! answers and its Raft core runs: for liveness probes), `/metrics`
+//! (OpenMetrics), and the HTTP/JSON API (`POST /v1/...`, described at
+//! `GET /openapi.json`; see [`crate::gateway`]), served by axum through
+//! `tether_http`. With `--tls-dir` the port serves HTTPS and asks for a
+//! client certificate without requiring one. A `failpoints` build also
+//! serves `PUT /failpoints/{name}` (body: the actions, as in `FAILPOINTS`)
+//! and `DELETE /failpoints/{name}`, so the chaos suite can change a running
+//! replica, e.g. step the sitting leader's clock.
 
+use std::net::SocketAddr;
+use std::pin::Pin;
 use std::sync::Arc;
 
 use axum::Router;
 use axum::extract::State;
+use axum::extract::connect_info::Connected;
 use axum::http::StatusCode;
 use axum::response::Response;
 use axum::routing::get;
+use axum::serve::IncomingStream;
+use futures::{Stream, StreamExt as _};
 use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::registry::Registry;
+use tether_tls::{Conn, TlsMaterial};
 use tokio::net::TcpListener;
 
 use crate::api::Ctx;
+use crate::gateway::HttpPeer;
 use crate::replica::Role;
 
-/// Serves until `shutdown` resolves.
+/// Serves until `shutdown` resolves, over TLS when `tls` is given.
 pub async fn serve(
     listener: TcpListener,
+    tls: Option<Arc<TlsMaterial>>,
     ctx: Arc<Ctx>,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) {
-    tether_http::serve(listener, router(ctx), shutdown).await;
+    let listener = HttpListener::new(listener, tls);
+    tether_http::serve_connected::<_, HttpPeer>(
+        listener,
+        router(ctx),
+        shutdown,
+        tether_http::SHUTDOWN_GRACE,
+    )
+    .await;
 }
 
-/// The routes: GET only; other methods answer 405, other paths 404.
+/// The HTTP port's connections as axum takes them: accepted (and, with
+/// TLS, handshaken) by `tether_tls`, as the gRPC port's are.
+struct HttpListener {
+    connections: Pin<Box<dyn Stream<Item = std::io::Result<Conn>> + Send>>,
+    local: SocketAddr,
+}
+
+impl HttpListener {
+    fn new(listener: TcpListener, tls: Option<Arc<TlsMaterial>>) -> Self {
+        let local = listener
+            .local_addr()
+            .unwrap_or_else(|_| SocketAddr::from(([0, 0, 0, 0], 0)));
+        Self {
+            connections: Box::pin(tether_tls::incoming_http(listener, tls)),
+            local,
+        }
+    }
+}
+
+impl axum::serve::Listener for HttpListener {
+    type Io = Conn;
+    type Addr = SocketAddr;
+
+    async fn accept(&mut self) -> (Conn, SocketAddr) {
+        use tonic::transport::server::Connected as _;
+        loop {
+            match self.connections.next().await {
+                Some(Ok(conn)) => {
+                    let peer = conn.connect_info().remote_addr.unwrap_or(self.local);
+                    return (conn, peer);
+                }
+                // E.g. out of file descriptors: wait, as axum's own
+                // listener does, rather than spin.
+                Some(Err(err)) => {
+                    tracing::warn!(%err, "HTTP accept failed");
+                    tokio::time::sleep(std::time::Duration::from_millis(200)).await;
+                }
+                None => std::future::pending::<()>().await,
+            }
+        }
+    }
+
+    fn local_addr(&self) -> std::io::Result<SocketAddr> {
+        Ok(self.local)
+    }
+}
+
+impl Connected<IncomingStream<'_, HttpListener>> for HttpPeer {
+    fn connect_info(stream: IncomingStream<'_, HttpListener>) -> Self {
+        HttpPeer(tonic::transport::server::Connected::connect_info(
+            stream.io(),
+        ))
+    }
+}
+
+/// The routes: the probes and `/metrics` (GET), the JSON API (POST);
+/// another method on a known path answers 405, an unknown path 404.
 pub fn router(ctx: Arc<Ctx>) -> Router {
     Router::new()
         .route(
@@ -51,13 +125,15 @@ pub fn router(ctx: Arc<Ctx>) -> Router {
             }),
         )
         .merge(failpoint_routes())
+        .with_state(ctx.clone())
+        .merge(crate::gateway::router(ctx))
         .fallback(|| async {
             tether_http::text(
                 StatusCode::NOT_FOUND,
-                "not found: try /health, /ready, /live or /metrics\n",
+                "not found: try /health, /ready, /live, /metrics, or the API under /v1 \
+                 (GET /openapi.json lists it)\n",
             )
         })
-        .with_state(ctx)
 }
 
 /// `PUT` / `DELETE /failpoints/{name}`: only in `failpoints` builds.

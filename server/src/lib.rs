@@ -1,8 +1,8 @@
 //! `tether-server`: one Tether replica.
 //!
 //! A replica is an openraft node whose log and state machine live in one
-//! RocksDB database, serving the `tether.v1` gRPC API and an HTTP port for
-//! `/health` and `/metrics`.
+//! RocksDB database, serving the `tether.v1` gRPC API, and an HTTP port for
+//! the probes, `/metrics` and the same API with JSON bodies.
 //!
 //! # Layout
 //! - `config.rs` — the `tetherd` flags (each also a `TETHER_*` variable).
@@ -23,7 +23,12 @@
 //! - `auth.rs` — who is calling (certificate or development token) and what
 //!   each role may do.
 //! - `error.rs` — API errors and their mapping to gRPC status codes.
-//! - `http.rs`, `metrics.rs` — the probes and `/metrics` (axum through
+//! - `gateway/` — the HTTP/JSON API: each public gRPC method as
+//!   `POST /v1/{service}/{method}`, calling the gRPC handlers in process;
+//!   the proto3 JSON mapping (`json.rs`) and the OpenAPI document
+//!   (`openapi.rs`).
+//! - `http.rs`, `metrics.rs` — the HTTP port: probes, `/metrics`, the
+//!   gateway's routes, TLS (axum through
 //!   `tether-http`; counters and histograms in a `prometheus-client`
 //!   registry, and the gRPC timing layer).
 //! - `statefulset.rs` — identity and bootstrap by ordinal (`--statefulset`).
@@ -41,6 +46,7 @@ pub mod config;
 pub mod error;
 #[cfg(any(test, feature = "testing"))]
 pub mod fuzzing;
+pub mod gateway;
 pub mod http;
 pub mod metrics;
 pub mod node;

@@ -149,6 +149,7 @@ impl Node {
         ));
         tasks.push(tokio::spawn(crate::http::serve(
             http,
+            tls.clone(),
             ctx.clone(),
             wait_for(shutdown_rx.clone()),
         )));

@@ -189,6 +189,25 @@ impl LeaseApi {
     }
 }
 
+impl LeaseApi {
+    /// One keep-alive as a unary call: what the HTTP/JSON API serves as
+    /// `LeaseService.KeepAlive` (HTTP has no stream from the client; a
+    /// caller sends one request per renewal instead).
+    pub async fn keep_alive_once(
+        &self,
+        request: Request<pb::LeaseKeepAliveRequest>,
+    ) -> Result<Response<pb::LeaseKeepAliveResponse>, Status> {
+        self.ctx
+            .serve(
+                "LeaseKeepAlive",
+                request,
+                Some(Action::Leases),
+                |_, req| async move { keep_alive(&self.ctx, req.lease_id).await },
+            )
+            .await
+    }
+}
+
 type KeepAliveStream =
     Pin<Box<dyn Stream<Item = std::result::Result<pb::LeaseKeepAliveResponse, Status>> + Send>>;
 

@@ -2,6 +2,8 @@
 
 #![allow(dead_code)]
 
+pub mod http;
+
 use std::time::Duration;
 
 use tether_client::proto as pb;

@@ -1,0 +1,636 @@
+//! The HTTP/JSON API: every method of the public gRPC services, served on
+//! the HTTP port as `POST /v1/{service}/{method}` with the proto3 JSON
+//! mapping of the same messages (see [`json`]), as etcd serves its gRPC
+//! API over JSON. One implementation behind both transports: a route
+//! builds the `tonic::Request` the gRPC server would have built (the
+//! headers become its metadata, the connection's [`PeerInfo`] its
+//! extension) and calls the same service method, so authentication,
+//! roles, validation, request ids and metrics are the gRPC handlers' own.
+//!
+//! - Paths: the service without `Service`, lower case, then the method in
+//!   kebab case: `LockService.ForceRelease` is `POST /v1/lock/force-release`.
+//!   [`openapi`] describes every route (`GET /openapi.json`), each with the
+//!   gRPC method's full name as its `operationId`.
+//! - A unary method answers `200` with the response message; a method
+//!   whose gRPC response is a stream (`Acquire`, `Watch`,
+//!   `ExportSnapshot`) answers `200` with newline-delimited JSON, one
+//!   `{"result": message}` per response and, if the call fails on the
+//!   way, a last `{"error": {...}}` line. Closing the connection ends the
+//!   call as cancelling it over gRPC does (an acquire's wait is given up).
+//! - `LeaseService.KeepAlive`, a stream both ways over gRPC, is one
+//!   request and one answer per renewal here.
+//! - Errors: the HTTP status of the gRPC code (as gRPC-gateway maps them)
+//!   and `{"code": "UNAVAILABLE", "message": "..."}`; the metadata the
+//!   gRPC answer would carry (`x-tether-leader-id`, ...) comes as headers.
+//! - Every answer names the answering replica (`x-tether-node-id`) and,
+//!   once known, its cluster (`x-tether-cluster-id`); a request with
+//!   `x-tether-expect-cluster` naming another cluster is refused before
+//!   anything runs, as over gRPC.
+//! - Authentication as over gRPC: `authorization: Bearer <token>` with a
+//!   token file, or the client certificate with `--tls-dir` (the HTTP port
+//!   then serves HTTPS and asks for a certificate without requiring one,
+//!   so probes work; the API refuses a caller without one).
+
+pub mod json;
+pub mod openapi;
+
+use std::future::Future;
+use std::sync::Arc;
+
+use axum::body::Body;
+use axum::extract::{ConnectInfo, Request, State};
+use axum::http::{HeaderName, HeaderValue, StatusCode, header};
+use axum::response::Response;
+use axum::routing::{MethodRouter, post};
+use futures::{Stream, StreamExt as _};
+use tether_proto as pb;
+use tether_proto::cluster_service_server::ClusterService as _;
+use tether_proto::lease_service_server::LeaseService as _;
+use tether_proto::lock_service_server::LockService as _;
+use tether_proto::node_service_server::NodeService as _;
+use tether_proto::pin_service_server::PinService as _;
+use tether_proto::watch_service_server::WatchService as _;
+use tether_tls::PeerInfo;
+use tonic::{Code, Status};
+
+use crate::api::Ctx;
+use crate::api::cluster::ClusterApi;
+use crate::api::lease::LeaseApi;
+use crate::api::lock::LockApi;
+use crate::api::node::NodeApi;
+use crate::api::pin::PinApi;
+use crate::api::watch::WatchApi;
+
+/// Header naming the replica that answered.
+pub const NODE_ID_HEADER: &str = "x-tether-node-id";
+
+/// The services a route calls, over one replica's context.
+pub struct Services {
+    ctx: Arc<Ctx>,
+    lock: LockApi,
+    lease: LeaseApi,
+    pin: PinApi,
+    node: NodeApi,
+    watch: WatchApi,
+    cluster: ClusterApi,
+}
+
+impl Services {
+    /// The gRPC services of `ctx`, to be called in process.
+    pub fn new(ctx: Arc<Ctx>) -> Self {
+        Self {
+            lock: LockApi::new(ctx.clone()),
+            lease: LeaseApi::new(ctx.clone()),
+            pin: PinApi::new(ctx.clone()),
+            node: NodeApi::new(ctx.clone()),
+            watch: WatchApi::new(ctx.clone()),
+            cluster: ClusterApi::new(ctx.clone()),
+            ctx,
+        }
+    }
+}
+
+/// How a method answers over HTTP.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Shape {
+    /// One JSON message.
+    Unary,
+    /// Newline-delimited JSON: a line per response.
+    Stream,
+}
+
+/// One route of the API: the gRPC method it serves.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Route {
+    /// The service's name in `tether.v1`, e.g. `LockService`.
+    pub service: &'static str,
+    /// The method's name, e.g. `ForceRelease`.
+    pub method: &'static str,
+    /// How it answers.
+    pub shape: Shape,
+    /// The request message's full name, e.g. `tether.v1.ReleaseRequest`.
+    pub input: String,
+    /// The response message's full name (of each line, for a stream).
+    pub output: String,
+}
+
+impl Route {
+    /// `/v1/lock/force-release` for `LockService.ForceRelease`.
+    pub fn path(&self) -> String {
+        let service = self
+            .service
+            .trim_end_matches("Service")
+            .to_ascii_lowercase();
+        format!("/v1/{service}/{}", kebab_case(self.method))
+    }
+
+    /// `LockService.ForceRelease`: the `operationId` in the OpenAPI
+    /// document.
+    pub fn operation_id(&self) -> String {
+        format!("{}.{}", self.service, self.method)
+    }
+}
+
+/// `ForceRelease` → `force-release`.
+fn kebab_case(name: &str) -> String {
+    let mut out = String::with_capacity(name.len() + 4);
+    for (i, c) in name.chars().enumerate() {
+        if c.is_ascii_uppercase() && i > 0 {
+            out.push('-');
+        }
+        out.push(c.to_ascii_lowercase());
+    }
+    out
+}
+
+type Handler = MethodRouter<Arc<Services>>;
+
+/// Every route with its handler. The order is the order of the services
+/// and methods in the `.proto` files.
+pub fn table() -> Vec<(Route, Handler)> {
+    vec![
+        stream(
+            "LockService",
+            "Acquire",
+            |s, r: tonic::Request<pb::AcquireRequest>| async move { s.lock.acquire(r).await },
+        ),
+        unary(
+            "LockService",
+            "Release",
+            |s, r: tonic::Request<pb::ReleaseRequest>| async move { s.lock.release(r).await },
+        ),
+        unary(
+            "LockService",
+            "Holder",
+            |s, r: tonic::Request<pb::HolderRequest>| async move { s.lock.holder(r).await },
+        ),
+        unary(
+            "LockService",
+            "Get",
+            |s, r: tonic::Request<pb::GetLockRequest>| async move { s.lock.get(r).await },
+        ),
+        unary(
+            "LockService",
+            "List",
+            |s, r: tonic::Request<pb::ListLocksRequest>| async move { s.lock.list(r).await },
+        ),
+        unary(
+            "LockService",
+            "ForceRelease",
+            |s, r: tonic::Request<pb::ForceReleaseRequest>| async move { s.lock.force_release(r).await },
+        ),
+        unary(
+            "LockService",
+            "Withdraw",
+            |s, r: tonic::Request<pb::WithdrawRequest>| async move { s.lock.withdraw(r).await },
+        ),
+        unary(
+            "LeaseService",
+            "RevokePod",
+            |s, r: tonic::Request<pb::RevokePodRequest>| async move { s.lease.revoke_pod(r).await },
+        ),
+        unary(
+            "LeaseService",
+            "Grant",
+            |s, r: tonic::Request<pb::LeaseGrantRequest>| async move { s.lease.grant(r).await },
+        ),
+        unary(
+            "LeaseService",
+            "KeepAlive",
+            |s, r: tonic::Request<pb::LeaseKeepAliveRequest>| async move {
+                s.lease.keep_alive_once(r).await
+            },
+        ),
+        unary(
+            "LeaseService",
+            "Revoke",
+            |s, r: tonic::Request<pb::LeaseRevokeRequest>| async move { s.lease.revoke(r).await },
+        ),
+        unary(
+            "LeaseService",
+            "ReportPod",
+            |s, r: tonic::Request<pb::ReportPodRequest>| async move { s.lease.report_pod(r).await },
+        ),
+        unary(
+            "PinService",
+            "Assign",
+            |s, r: tonic::Request<pb::AssignRequest>| async move { s.pin.assign(r).await },
+        ),
+        unary(
+            "PinService",
+            "Release",
+            |s, r: tonic::Request<pb::ReleasePinRequest>| async move { s.pin.release(r).await },
+        ),
+        unary(
+            "PinService",
+            "Get",
+            |s, r: tonic::Request<pb::GetPinRequest>| async move { s.pin.get(r).await },
+        ),
+        unary(
+            "PinService",
+            "List",
+            |s, r: tonic::Request<pb::ListPinsRequest>| async move { s.pin.list(r).await },
+        ),
+        unary(
+            "PinService",
+            "Reclaim",
+            |s, r: tonic::Request<pb::ReclaimRequest>| async move { s.pin.reclaim(r).await },
+        ),
+        unary(
+            "NodeService",
+            "Report",
+            |s, r: tonic::Request<pb::ReportNodeRequest>| async move { s.node.report(r).await },
+        ),
+        unary(
+            "NodeService",
+            "List",
+            |s, r: tonic::Request<pb::ListNodesRequest>| async move { s.node.list(r).await },
+        ),
+        stream(
+            "WatchService",
+            "Watch",
+            |s, r: tonic::Request<pb::WatchRequest>| async move { s.watch.watch(r).await },
+        ),
+        unary(
+            "WatchService",
+            "History",
+            |s, r: tonic::Request<pb::HistoryRequest>| async move { s.watch.history(r).await },
+        ),
+        unary(
+            "ClusterService",
+            "Status",
+            |s, r: tonic::Request<pb::StatusRequest>| async move { s.cluster.status(r).await },
+        ),
+        unary(
+            "ClusterService",
+            "AddLearner",
+            |s, r: tonic::Request<pb::AddLearnerRequest>| async move { s.cluster.add_learner(r).await },
+        ),
+        unary(
+            "ClusterService",
+            "ChangeMembership",
+            |s, r: tonic::Request<pb::ChangeMembershipRequest>| async move {
+                s.cluster.change_membership(r).await
+            },
+        ),
+        unary(
+            "ClusterService",
+            "TransferLeader",
+            |s, r: tonic::Request<pb::TransferLeaderRequest>| async move {
+                s.cluster.transfer_leader(r).await
+            },
+        ),
+        unary(
+            "ClusterService",
+            "Snapshot",
+            |s, r: tonic::Request<pb::SnapshotRequest>| async move { s.cluster.snapshot(r).await },
+        ),
+        stream(
+            "ClusterService",
+            "ExportSnapshot",
+            |s, r: tonic::Request<pb::ExportSnapshotRequest>| async move {
+                s.cluster.export_snapshot(r).await
+            },
+        ),
+    ]
+}
+
+/// The routes alone, for the OpenAPI document and its checks.
+pub fn routes() -> Vec<Route> {
+    table().into_iter().map(|(route, _)| route).collect()
+}
+
+/// The API's routes and `GET /openapi.json`, to merge into the HTTP port's
+/// router.
+pub fn router(ctx: Arc<Ctx>) -> axum::Router {
+    let document = Arc::new(openapi::document(&routes()));
+    let mut router = axum::Router::new();
+    for (route, handler) in table() {
+        router = router.route(&route.path(), handler);
+    }
+    router
+        .route(
+            "/openapi.json",
+            axum::routing::get(move || {
+                let document = document.clone();
+                async move { tether_http::json(StatusCode::OK, &*document) }
+            }),
+        )
+        .with_state(Arc::new(Services::new(ctx)))
+}
+
+/// A route to a unary gRPC method.
+fn unary<Req, Resp, F, Fut>(
+    service: &'static str,
+    method: &'static str,
+    call: F,
+) -> (Route, Handler)
+where
+    Req: prost::Message + prost::Name + Default + Send + 'static,
+    Resp: prost::Message + prost::Name + Send + 'static,
+    F: Fn(Arc<Services>, tonic::Request<Req>) -> Fut + Clone + Send + Sync + 'static,
+    Fut: Future<Output = Result<tonic::Response<Resp>, Status>> + Send + 'static,
+{
+    let route = Route {
+        service,
+        method,
+        shape: Shape::Unary,
+        input: Req::full_name(),
+        output: Resp::full_name(),
+    };
+    let handler = post(
+        move |State(services): State<Arc<Services>>, request: Request| {
+            let call = call.clone();
+            async move {
+                let request = match prepare::<Req>(&services, request).await {
+                    Ok(request) => request,
+                    Err(status) => return refusal(&services, &status),
+                };
+                match call(services.clone(), request).await {
+                    Ok(response) => answer(
+                        &services,
+                        StatusCode::OK,
+                        "application/json",
+                        Body::from(json::encode(&response.into_inner()).to_string()),
+                    ),
+                    Err(status) => refusal(&services, &status),
+                }
+            }
+        },
+    );
+    (route, handler)
+}
+
+/// A route to a gRPC method whose response is a stream.
+fn stream<Req, Resp, S, F, Fut>(
+    service: &'static str,
+    method: &'static str,
+    call: F,
+) -> (Route, Handler)
+where
+    Req: prost::Message + prost::Name + Default + Send + 'static,
+    Resp: prost::Message + prost::Name + Send + 'static,
+    S: Stream<Item = Result<Resp, Status>> + Send + 'static,
+    F: Fn(Arc<Services>, tonic::Request<Req>) -> Fut + Clone + Send + Sync + 'static,
+    Fut: Future<Output = Result<tonic::Response<S>, Status>> + Send + 'static,
+{
+    let route = Route {
+        service,
+        method,
+        shape: Shape::Stream,
+        input: Req::full_name(),
+        output: Resp::full_name(),
+    };
+    let handler = post(
+        move |State(services): State<Arc<Services>>, request: Request| {
+            let call = call.clone();
+            async move {
+                let request = match prepare::<Req>(&services, request).await {
+                    Ok(request) => request,
+                    Err(status) => return refusal(&services, &status),
+                };
+                let responses = match call(services.clone(), request).await {
+                    Ok(response) => response.into_inner(),
+                    Err(status) => return refusal(&services, &status),
+                };
+                // Each response a line; a failure is the last line.
+                let lines = responses
+                    .scan(false, |failed, item| {
+                        if *failed {
+                            return futures::future::ready(None);
+                        }
+                        let line = match item {
+                            Ok(message) => serde_json::json!({ "result": json::encode(&message) }),
+                            Err(status) => {
+                                *failed = true;
+                                serde_json::json!({ "error": error_body(&status) })
+                            }
+                        };
+                        futures::future::ready(Some(Ok::<_, std::convert::Infallible>(format!(
+                            "{line}\n"
+                        ))))
+                    })
+                    .boxed();
+                answer(
+                    &services,
+                    StatusCode::OK,
+                    "application/x-ndjson",
+                    Body::from_stream(lines),
+                )
+            }
+        },
+    );
+    (route, handler)
+}
+
+/// The gRPC request an HTTP request stands for: the body decoded, the
+/// headers as metadata, the connection's peer as the extension the gRPC
+/// server would have set; refused if meant for another cluster.
+async fn prepare<Req>(services: &Services, request: Request) -> Result<tonic::Request<Req>, Status>
+where
+    Req: prost::Message + prost::Name + Default,
+{
+    let (parts, body) = request.into_parts();
+    let metadata = tonic::metadata::MetadataMap::from_headers(parts.headers);
+    crate::cluster_id::check_expected(&services.ctx.core.cluster_id, &metadata)?;
+    let limit = services.ctx.core.config.max_request_bytes;
+    let body = axum::body::to_bytes(body, limit).await.map_err(|err| {
+        Status::resource_exhausted(format!(
+            "the request body could not be read within the limit of {limit} bytes \
+             (tetherd --max-request-bytes): {err}"
+        ))
+    })?;
+    let message = json::decode::<Req>(&body).map_err(Status::invalid_argument)?;
+    let peer = parts
+        .extensions
+        .get::<ConnectInfo<HttpPeer>>()
+        .map(|ConnectInfo(HttpPeer(peer))| peer.clone())
+        .unwrap_or(PeerInfo {
+            remote_addr: None,
+            identity: None,
+        });
+    let mut request = tonic::Request::new(message);
+    *request.metadata_mut() = metadata;
+    request.extensions_mut().insert(peer);
+    Ok(request)
+}
+
+/// What the HTTP port knows of a connection: its [`PeerInfo`], as the gRPC
+/// port's requests carry it.
+#[derive(Clone, Debug)]
+pub struct HttpPeer(pub PeerInfo);
+
+/// An answer with the headers every answer carries.
+fn answer(services: &Services, status: StatusCode, content_type: &str, body: Body) -> Response {
+    let mut response = Response::new(body);
+    *response.status_mut() = status;
+    let headers = response.headers_mut();
+    if let Ok(value) = HeaderValue::from_str(content_type) {
+        headers.insert(header::CONTENT_TYPE, value);
+    }
+    headers.insert(
+        HeaderName::from_static(NODE_ID_HEADER),
+        HeaderValue::from(services.ctx.core.id),
+    );
+    if let Some(value) = services
+        .ctx
+        .core
+        .cluster_id
+        .get()
+        .and_then(|id| HeaderValue::from_str(&id).ok())
+    {
+        headers.insert(HeaderName::from_static(crate::cluster_id::METADATA), value);
+    }
+    response
+}
+
+/// A refused or failed call: the HTTP status of its code, the code and the
+/// message in the body, the gRPC answer's `x-tether-*` metadata as headers.
+fn refusal(services: &Services, status: &Status) -> Response {
+    let mut response = answer(
+        services,
+        http_status(status.code()),
+        "application/json",
+        Body::from(error_body(status).to_string()),
+    );
+    let headers = response.headers_mut();
+    for entry in status.metadata().iter() {
+        if let tonic::metadata::KeyAndValueRef::Ascii(key, value) = entry
+            && key.as_str().starts_with("x-tether-")
+            && let (Ok(name), Ok(value)) = (
+                HeaderName::from_bytes(key.as_str().as_bytes()),
+                HeaderValue::from_bytes(value.as_encoded_bytes()),
+            )
+        {
+            headers.insert(name, value);
+        }
+    }
+    response
+}
+
+/// `{"code": "NOT_FOUND", "message": "..."}`.
+fn error_body(status: &Status) -> serde_json::Value {
+    serde_json::json!({
+        "code": code_name(status.code()),
+        "message": status.message(),
+    })
+}
+
+/// The gRPC code's canonical name, as in the gRPC specification.
+pub fn code_name(code: Code) -> &'static str {
+    match code {
+        Code::Ok => "OK",
+        Code::Cancelled => "CANCELLED",
+        Code::Unknown => "UNKNOWN",
+        Code::InvalidArgument => "INVALID_ARGUMENT",
+        Code::DeadlineExceeded => "DEADLINE_EXCEEDED",
+        Code::NotFound => "NOT_FOUND",
+        Code::AlreadyExists => "ALREADY_EXISTS",
+        Code::PermissionDenied => "PERMISSION_DENIED",
+        Code::ResourceExhausted => "RESOURCE_EXHAUSTED",
+        Code::FailedPrecondition => "FAILED_PRECONDITION",
+        Code::Aborted => "ABORTED",
+        Code::OutOfRange => "OUT_OF_RANGE",
+        Code::Unimplemented => "UNIMPLEMENTED",
+        Code::Internal => "INTERNAL",
+        Code::Unavailable => "UNAVAILABLE",
+        Code::DataLoss => "DATA_LOSS",
+        Code::Unauthenticated => "UNAUTHENTICATED",
+    }
+}
+
+/// The HTTP status of a gRPC code, as gRPC-gateway maps them.
+pub fn http_status(code: Code) -> StatusCode {
+    match code {
+        Code::Ok => StatusCode::OK,
+        // nginx's "client closed request"; gRPC-gateway uses it too.
+        Code::Cancelled => StatusCode::from_u16(499).expect("499 is a valid status"),
+        Code::Unknown | Code::Internal | Code::DataLoss => StatusCode::INTERNAL_SERVER_ERROR,
+        Code::InvalidArgument | Code::FailedPrecondition | Code::OutOfRange => {
+            StatusCode::BAD_REQUEST
+        }
+        Code::DeadlineExceeded => StatusCode::GATEWAY_TIMEOUT,
+        Code::NotFound => StatusCode::NOT_FOUND,
+        Code::AlreadyExists | Code::Aborted => StatusCode::CONFLICT,
+        Code::PermissionDenied => StatusCode::FORBIDDEN,
+        Code::ResourceExhausted => StatusCode::TOO_MANY_REQUESTS,
+        Code::Unimplemented => StatusCode::NOT_IMPLEMENTED,
+        Code::Unavailable => StatusCode::SERVICE_UNAVAILABLE,
+        Code::Unauthenticated => StatusCode::UNAUTHORIZED,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn paths_are_the_service_and_the_method_in_kebab_case() {
+        let route = |service, method| Route {
+            service,
+            method,
+            shape: Shape::Unary,
+            input: String::new(),
+            output: String::new(),
+        };
+        assert_eq!(
+            route("LockService", "ForceRelease").path(),
+            "/v1/lock/force-release"
+        );
+        assert_eq!(
+            route("ClusterService", "ExportSnapshot").path(),
+            "/v1/cluster/export-snapshot"
+        );
+        assert_eq!(route("WatchService", "Watch").path(), "/v1/watch/watch");
+        assert_eq!(
+            route("LeaseService", "KeepAlive").operation_id(),
+            "LeaseService.KeepAlive"
+        );
+    }
+
+    /// Each route's messages are the gRPC method's, so the JSON a route
+    /// takes is the mapping of what the method takes; and every method of
+    /// every public service has its route.
+    #[test]
+    fn the_routes_are_the_public_grpc_methods_with_their_messages() {
+        let routes = routes();
+        let pool = json::pool();
+        let mut served = Vec::new();
+        for service in pool.services() {
+            if service.name() == "RaftService" {
+                continue; // between replicas only
+            }
+            for method in service.methods() {
+                let id = format!("{}.{}", service.name(), method.name());
+                let route = routes
+                    .iter()
+                    .find(|r| r.operation_id() == id)
+                    .unwrap_or_else(|| panic!("{id} has no HTTP route"));
+                assert_eq!(route.input, method.input().full_name(), "{id}");
+                assert_eq!(route.output, method.output().full_name(), "{id}");
+                let streams = method.is_server_streaming();
+                // KeepAlive streams both ways over gRPC, once per call here.
+                let expected = if streams && !method.is_client_streaming() {
+                    Shape::Stream
+                } else {
+                    Shape::Unary
+                };
+                assert_eq!(route.shape, expected, "{id}");
+                served.push(id);
+            }
+        }
+        assert_eq!(served.len(), routes.len(), "a route serves no gRPC method");
+    }
+
+    #[test]
+    fn every_code_has_a_name_and_a_status() {
+        assert_eq!(code_name(Code::Unavailable), "UNAVAILABLE");
+        assert_eq!(
+            http_status(Code::Unavailable),
+            StatusCode::SERVICE_UNAVAILABLE
+        );
+        assert_eq!(http_status(Code::Unauthenticated), StatusCode::UNAUTHORIZED);
+        assert_eq!(http_status(Code::PermissionDenied), StatusCode::FORBIDDEN);
+        assert_eq!(http_status(Code::Cancelled).as_u16(), 499);
+    }
+}
