@@ -158,6 +158,15 @@ async fn the_tls_patch_applies_to_the_prod_overlay() {
             kind(patch),
             name(patch)
         );
+        if kind(patch) == "StatefulSet" {
+            // The probes follow the HTTP port to HTTPS, path and port kept.
+            let container = &patched.data["spec"]["template"]["spec"]["containers"][0];
+            for probe in ["readinessProbe", "livenessProbe"] {
+                let get = &container[probe]["httpGet"];
+                assert_eq!(get["scheme"], "HTTPS", "{probe}: {get}");
+                assert_eq!(get["port"], "http", "{probe}: {get}");
+            }
+        }
     }
 }
 
