@@ -1,0 +1,3 @@
+module tether.io/go
+
+go 1.21
