@@ -424,33 +424,9 @@ where
             } else {
                 method
             };
-            metrics.grpc_call(method, code_name(code), started.elapsed());
+            metrics.grpc_call(method, crate::error::code_name(code), started.elapsed());
             Ok(response)
         })
-    }
-}
-
-/// The name of a gRPC status code, as the gRPC docs spell it.
-fn code_name(code: tonic::Code) -> &'static str {
-    use tonic::Code;
-    match code {
-        Code::Ok => "OK",
-        Code::Cancelled => "CANCELLED",
-        Code::Unknown => "UNKNOWN",
-        Code::InvalidArgument => "INVALID_ARGUMENT",
-        Code::DeadlineExceeded => "DEADLINE_EXCEEDED",
-        Code::NotFound => "NOT_FOUND",
-        Code::AlreadyExists => "ALREADY_EXISTS",
-        Code::PermissionDenied => "PERMISSION_DENIED",
-        Code::ResourceExhausted => "RESOURCE_EXHAUSTED",
-        Code::FailedPrecondition => "FAILED_PRECONDITION",
-        Code::Aborted => "ABORTED",
-        Code::OutOfRange => "OUT_OF_RANGE",
-        Code::Unimplemented => "UNIMPLEMENTED",
-        Code::Internal => "INTERNAL",
-        Code::Unavailable => "UNAVAILABLE",
-        Code::DataLoss => "DATA_LOSS",
-        Code::Unauthenticated => "UNAUTHENTICATED",
     }
 }
 

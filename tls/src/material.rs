@@ -241,7 +241,10 @@ impl TlsMaterial {
         let mut config = ServerConfig::builder_with_provider(self.provider.clone())
             .with_safe_default_protocol_versions()
             .expect("ring supports the default TLS versions")
-            .with_client_cert_verifier(Arc::new(Current(self.clone())))
+            .with_client_cert_verifier(Arc::new(ClientCheck {
+                material: self.clone(),
+                required: true,
+            }))
             .with_cert_resolver(Arc::new(Current(self.clone())));
         config.alpn_protocols = vec![b"h2".to_vec()];
         Arc::new(config)
@@ -256,7 +259,10 @@ impl TlsMaterial {
         let mut config = ServerConfig::builder_with_provider(self.provider.clone())
             .with_safe_default_protocol_versions()
             .expect("ring supports the default TLS versions")
-            .with_client_cert_verifier(Arc::new(CertificateOptional(Current(self.clone()))))
+            .with_client_cert_verifier(Arc::new(ClientCheck {
+                material: self.clone(),
+                required: false,
+            }))
             .with_cert_resolver(Arc::new(Current(self.clone())));
         config.alpn_protocols = vec![b"http/1.1".to_vec()];
         Arc::new(config)
@@ -310,9 +316,17 @@ impl rustls::client::ResolvesClientCert for Current {
     }
 }
 
-impl ClientCertVerifier for Current {
+/// Checks client certificates against the CA current at each handshake;
+/// `required` false lets a client without one in (the HTTP port).
+#[derive(Debug)]
+struct ClientCheck {
+    material: Arc<TlsMaterial>,
+    required: bool,
+}
+
+impl ClientCertVerifier for ClientCheck {
     fn client_auth_mandatory(&self) -> bool {
-        true
+        self.required
     }
 
     fn root_hint_subjects(&self) -> &[DistinguishedName] {
@@ -326,7 +340,7 @@ impl ClientCertVerifier for Current {
         intermediates: &[CertificateDer<'_>],
         now: UnixTime,
     ) -> Result<ClientCertVerified, rustls::Error> {
-        self.0
+        self.material
             .current()
             .client_verifier
             .verify_client_cert(end_entity, intermediates, now)
@@ -338,7 +352,7 @@ impl ClientCertVerifier for Current {
         cert: &CertificateDer<'_>,
         dss: &DigitallySignedStruct,
     ) -> Result<HandshakeSignatureValid, rustls::Error> {
-        self.0
+        self.material
             .current()
             .client_verifier
             .verify_tls12_signature(message, cert, dss)
@@ -350,60 +364,17 @@ impl ClientCertVerifier for Current {
         cert: &CertificateDer<'_>,
         dss: &DigitallySignedStruct,
     ) -> Result<HandshakeSignatureValid, rustls::Error> {
-        self.0
+        self.material
             .current()
             .client_verifier
             .verify_tls13_signature(message, cert, dss)
     }
 
     fn supported_verify_schemes(&self) -> Vec<SignatureScheme> {
-        self.0.current().client_verifier.supported_verify_schemes()
-    }
-}
-
-/// [`Current`]'s client-certificate checks, with the certificate optional
-/// (the HTTP port: see [`TlsMaterial::http_server_config`]).
-#[derive(Debug)]
-struct CertificateOptional(Current);
-
-impl ClientCertVerifier for CertificateOptional {
-    fn client_auth_mandatory(&self) -> bool {
-        false
-    }
-
-    fn root_hint_subjects(&self) -> &[DistinguishedName] {
-        ClientCertVerifier::root_hint_subjects(&self.0)
-    }
-
-    fn verify_client_cert(
-        &self,
-        end_entity: &CertificateDer<'_>,
-        intermediates: &[CertificateDer<'_>],
-        now: UnixTime,
-    ) -> Result<ClientCertVerified, rustls::Error> {
-        ClientCertVerifier::verify_client_cert(&self.0, end_entity, intermediates, now)
-    }
-
-    fn verify_tls12_signature(
-        &self,
-        message: &[u8],
-        cert: &CertificateDer<'_>,
-        dss: &DigitallySignedStruct,
-    ) -> Result<HandshakeSignatureValid, rustls::Error> {
-        ClientCertVerifier::verify_tls12_signature(&self.0, message, cert, dss)
-    }
-
-    fn verify_tls13_signature(
-        &self,
-        message: &[u8],
-        cert: &CertificateDer<'_>,
-        dss: &DigitallySignedStruct,
-    ) -> Result<HandshakeSignatureValid, rustls::Error> {
-        ClientCertVerifier::verify_tls13_signature(&self.0, message, cert, dss)
-    }
-
-    fn supported_verify_schemes(&self) -> Vec<SignatureScheme> {
-        ClientCertVerifier::supported_verify_schemes(&self.0)
+        self.material
+            .current()
+            .client_verifier
+            .supported_verify_schemes()
     }
 }
 

@@ -60,6 +60,7 @@ use crate::api::lock::LockApi;
 use crate::api::node::NodeApi;
 use crate::api::pin::PinApi;
 use crate::api::watch::WatchApi;
+use crate::error::code_name;
 
 /// Header naming the replica that answered.
 pub const NODE_ID_HEADER: &str = "x-tether-node-id";
@@ -145,153 +146,51 @@ fn kebab_case(name: &str) -> String {
 
 type Handler = MethodRouter<Arc<Services>>;
 
+/// A route of [`table`]: `call!(unary LockService.Release =>
+/// lock.release(ReleaseRequest))` serves `LockService.Release` by calling
+/// the `release` method of the services' `lock` with a
+/// `tonic::Request<pb::ReleaseRequest>`.
+macro_rules! call {
+    ($shape:ident $service:ident . $method:ident => $api:ident . $call:ident ($request:ident)) => {
+        $shape(
+            stringify!($service),
+            stringify!($method),
+            |s: Arc<Services>, r: tonic::Request<pb::$request>| async move { s.$api.$call(r).await },
+        )
+    };
+}
+
 /// Every route with its handler. The order is the order of the services
 /// and methods in the `.proto` files.
 pub fn table() -> Vec<(Route, Handler)> {
     vec![
-        stream(
-            "LockService",
-            "Acquire",
-            |s, r: tonic::Request<pb::AcquireRequest>| async move { s.lock.acquire(r).await },
-        ),
-        unary(
-            "LockService",
-            "Release",
-            |s, r: tonic::Request<pb::ReleaseRequest>| async move { s.lock.release(r).await },
-        ),
-        unary(
-            "LockService",
-            "Holder",
-            |s, r: tonic::Request<pb::HolderRequest>| async move { s.lock.holder(r).await },
-        ),
-        unary(
-            "LockService",
-            "Get",
-            |s, r: tonic::Request<pb::GetLockRequest>| async move { s.lock.get(r).await },
-        ),
-        unary(
-            "LockService",
-            "List",
-            |s, r: tonic::Request<pb::ListLocksRequest>| async move { s.lock.list(r).await },
-        ),
-        unary(
-            "LockService",
-            "ForceRelease",
-            |s, r: tonic::Request<pb::ForceReleaseRequest>| async move { s.lock.force_release(r).await },
-        ),
-        unary(
-            "LockService",
-            "Withdraw",
-            |s, r: tonic::Request<pb::WithdrawRequest>| async move { s.lock.withdraw(r).await },
-        ),
-        unary(
-            "LeaseService",
-            "RevokePod",
-            |s, r: tonic::Request<pb::RevokePodRequest>| async move { s.lease.revoke_pod(r).await },
-        ),
-        unary(
-            "LeaseService",
-            "Grant",
-            |s, r: tonic::Request<pb::LeaseGrantRequest>| async move { s.lease.grant(r).await },
-        ),
-        unary(
-            "LeaseService",
-            "KeepAlive",
-            |s, r: tonic::Request<pb::LeaseKeepAliveRequest>| async move {
-                s.lease.keep_alive_once(r).await
-            },
-        ),
-        unary(
-            "LeaseService",
-            "Revoke",
-            |s, r: tonic::Request<pb::LeaseRevokeRequest>| async move { s.lease.revoke(r).await },
-        ),
-        unary(
-            "LeaseService",
-            "ReportPod",
-            |s, r: tonic::Request<pb::ReportPodRequest>| async move { s.lease.report_pod(r).await },
-        ),
-        unary(
-            "PinService",
-            "Assign",
-            |s, r: tonic::Request<pb::AssignRequest>| async move { s.pin.assign(r).await },
-        ),
-        unary(
-            "PinService",
-            "Release",
-            |s, r: tonic::Request<pb::ReleasePinRequest>| async move { s.pin.release(r).await },
-        ),
-        unary(
-            "PinService",
-            "Get",
-            |s, r: tonic::Request<pb::GetPinRequest>| async move { s.pin.get(r).await },
-        ),
-        unary(
-            "PinService",
-            "List",
-            |s, r: tonic::Request<pb::ListPinsRequest>| async move { s.pin.list(r).await },
-        ),
-        unary(
-            "PinService",
-            "Reclaim",
-            |s, r: tonic::Request<pb::ReclaimRequest>| async move { s.pin.reclaim(r).await },
-        ),
-        unary(
-            "NodeService",
-            "Report",
-            |s, r: tonic::Request<pb::ReportNodeRequest>| async move { s.node.report(r).await },
-        ),
-        unary(
-            "NodeService",
-            "List",
-            |s, r: tonic::Request<pb::ListNodesRequest>| async move { s.node.list(r).await },
-        ),
-        stream(
-            "WatchService",
-            "Watch",
-            |s, r: tonic::Request<pb::WatchRequest>| async move { s.watch.watch(r).await },
-        ),
-        unary(
-            "WatchService",
-            "History",
-            |s, r: tonic::Request<pb::HistoryRequest>| async move { s.watch.history(r).await },
-        ),
-        unary(
-            "ClusterService",
-            "Status",
-            |s, r: tonic::Request<pb::StatusRequest>| async move { s.cluster.status(r).await },
-        ),
-        unary(
-            "ClusterService",
-            "AddLearner",
-            |s, r: tonic::Request<pb::AddLearnerRequest>| async move { s.cluster.add_learner(r).await },
-        ),
-        unary(
-            "ClusterService",
-            "ChangeMembership",
-            |s, r: tonic::Request<pb::ChangeMembershipRequest>| async move {
-                s.cluster.change_membership(r).await
-            },
-        ),
-        unary(
-            "ClusterService",
-            "TransferLeader",
-            |s, r: tonic::Request<pb::TransferLeaderRequest>| async move {
-                s.cluster.transfer_leader(r).await
-            },
-        ),
-        unary(
-            "ClusterService",
-            "Snapshot",
-            |s, r: tonic::Request<pb::SnapshotRequest>| async move { s.cluster.snapshot(r).await },
-        ),
-        stream(
-            "ClusterService",
-            "ExportSnapshot",
-            |s, r: tonic::Request<pb::ExportSnapshotRequest>| async move {
-                s.cluster.export_snapshot(r).await
-            },
-        ),
+        call!(stream LockService.Acquire => lock.acquire(AcquireRequest)),
+        call!(unary LockService.Release => lock.release(ReleaseRequest)),
+        call!(unary LockService.Holder => lock.holder(HolderRequest)),
+        call!(unary LockService.Get => lock.get(GetLockRequest)),
+        call!(unary LockService.List => lock.list(ListLocksRequest)),
+        call!(unary LockService.ForceRelease => lock.force_release(ForceReleaseRequest)),
+        call!(unary LockService.Withdraw => lock.withdraw(WithdrawRequest)),
+        call!(unary LeaseService.RevokePod => lease.revoke_pod(RevokePodRequest)),
+        call!(unary LeaseService.Grant => lease.grant(LeaseGrantRequest)),
+        call!(unary LeaseService.KeepAlive => lease.keep_alive_once(LeaseKeepAliveRequest)),
+        call!(unary LeaseService.Revoke => lease.revoke(LeaseRevokeRequest)),
+        call!(unary LeaseService.ReportPod => lease.report_pod(ReportPodRequest)),
+        call!(unary PinService.Assign => pin.assign(AssignRequest)),
+        call!(unary PinService.Release => pin.release(ReleasePinRequest)),
+        call!(unary PinService.Get => pin.get(GetPinRequest)),
+        call!(unary PinService.List => pin.list(ListPinsRequest)),
+        call!(unary PinService.Reclaim => pin.reclaim(ReclaimRequest)),
+        call!(unary NodeService.Report => node.report(ReportNodeRequest)),
+        call!(unary NodeService.List => node.list(ListNodesRequest)),
+        call!(stream WatchService.Watch => watch.watch(WatchRequest)),
+        call!(unary WatchService.History => watch.history(HistoryRequest)),
+        call!(unary ClusterService.Status => cluster.status(StatusRequest)),
+        call!(unary ClusterService.AddLearner => cluster.add_learner(AddLearnerRequest)),
+        call!(unary ClusterService.ChangeMembership => cluster.change_membership(ChangeMembershipRequest)),
+        call!(unary ClusterService.TransferLeader => cluster.transfer_leader(TransferLeaderRequest)),
+        call!(unary ClusterService.Snapshot => cluster.snapshot(SnapshotRequest)),
+        call!(stream ClusterService.ExportSnapshot => cluster.export_snapshot(ExportSnapshotRequest)),
     ]
 }
 
@@ -319,7 +218,7 @@ pub fn router(ctx: Arc<Ctx>) -> axum::Router {
         .with_state(Arc::new(Services::new(ctx)))
 }
 
-/// A route to a unary gRPC method.
+/// A route to a unary gRPC method: its answer is one JSON message.
 fn unary<Req, Resp, F, Fut>(
     service: &'static str,
     method: &'static str,
@@ -331,37 +230,14 @@ where
     F: Fn(Arc<Services>, tonic::Request<Req>) -> Fut + Clone + Send + Sync + 'static,
     Fut: Future<Output = Result<tonic::Response<Resp>, Status>> + Send + 'static,
 {
-    let route = Route {
-        service,
-        method,
-        shape: Shape::Unary,
-        input: Req::full_name(),
-        output: Resp::full_name(),
-    };
-    let handler = post(
-        move |State(services): State<Arc<Services>>, request: Request| {
-            let call = call.clone();
-            async move {
-                let request = match prepare::<Req>(&services, request).await {
-                    Ok(request) => request,
-                    Err(status) => return refusal(&services, &status),
-                };
-                match call(services.clone(), request).await {
-                    Ok(response) => answer(
-                        &services,
-                        StatusCode::OK,
-                        "application/json",
-                        Body::from(json::encode(&response.into_inner()).to_string()),
-                    ),
-                    Err(status) => refusal(&services, &status),
-                }
-            }
-        },
-    );
-    (route, handler)
+    route::<Req, Resp, Resp, F, Fut>(service, method, Shape::Unary, call, |services, response| {
+        let body = Body::from(json::encode(&response).to_string());
+        answer(services, StatusCode::OK, "application/json", body)
+    })
 }
 
-/// A route to a gRPC method whose response is a stream.
+/// A route to a gRPC method whose response is a stream: its answer is a
+/// JSON line per response, and a last line for a failure on the way.
 fn stream<Req, Resp, S, F, Fut>(
     service: &'static str,
     method: &'static str,
@@ -374,10 +250,59 @@ where
     F: Fn(Arc<Services>, tonic::Request<Req>) -> Fut + Clone + Send + Sync + 'static,
     Fut: Future<Output = Result<tonic::Response<S>, Status>> + Send + 'static,
 {
+    route::<Req, Resp, S, F, Fut>(
+        service,
+        method,
+        Shape::Stream,
+        call,
+        |services, responses| {
+            let lines = responses
+                .scan(false, |failed, item| {
+                    if *failed {
+                        return futures::future::ready(None);
+                    }
+                    let line = match item {
+                        Ok(message) => serde_json::json!({ "result": json::encode(&message) }),
+                        Err(status) => {
+                            *failed = true;
+                            serde_json::json!({ "error": error_body(&status) })
+                        }
+                    };
+                    futures::future::ready(Some(Ok::<_, std::convert::Infallible>(format!(
+                        "{line}\n"
+                    ))))
+                })
+                .boxed();
+            answer(
+                services,
+                StatusCode::OK,
+                "application/x-ndjson",
+                Body::from_stream(lines),
+            )
+        },
+    )
+}
+
+/// A route to a gRPC method taking `Req` and answering `Resp` (as `T`: the
+/// message, or a stream of them), whose success `respond` writes.
+fn route<Req, Resp, T, F, Fut>(
+    service: &'static str,
+    method: &'static str,
+    shape: Shape,
+    call: F,
+    respond: fn(&Services, T) -> Response,
+) -> (Route, Handler)
+where
+    Req: prost::Message + prost::Name + Default + Send + 'static,
+    Resp: prost::Name,
+    T: Send + 'static,
+    F: Fn(Arc<Services>, tonic::Request<Req>) -> Fut + Clone + Send + Sync + 'static,
+    Fut: Future<Output = Result<tonic::Response<T>, Status>> + Send + 'static,
+{
     let route = Route {
         service,
         method,
-        shape: Shape::Stream,
+        shape,
         input: Req::full_name(),
         output: Resp::full_name(),
     };
@@ -389,34 +314,10 @@ where
                     Ok(request) => request,
                     Err(status) => return refusal(&services, &status),
                 };
-                let responses = match call(services.clone(), request).await {
-                    Ok(response) => response.into_inner(),
-                    Err(status) => return refusal(&services, &status),
-                };
-                // Each response a line; a failure is the last line.
-                let lines = responses
-                    .scan(false, |failed, item| {
-                        if *failed {
-                            return futures::future::ready(None);
-                        }
-                        let line = match item {
-                            Ok(message) => serde_json::json!({ "result": json::encode(&message) }),
-                            Err(status) => {
-                                *failed = true;
-                                serde_json::json!({ "error": error_body(&status) })
-                            }
-                        };
-                        futures::future::ready(Some(Ok::<_, std::convert::Infallible>(format!(
-                            "{line}\n"
-                        ))))
-                    })
-                    .boxed();
-                answer(
-                    &services,
-                    StatusCode::OK,
-                    "application/x-ndjson",
-                    Body::from_stream(lines),
-                )
+                match call(services.clone(), request).await {
+                    Ok(response) => respond(&services, response.into_inner()),
+                    Err(status) => refusal(&services, &status),
+                }
             }
         },
     );
@@ -514,29 +415,6 @@ fn error_body(status: &Status) -> serde_json::Value {
         "code": code_name(status.code()),
         "message": status.message(),
     })
-}
-
-/// The gRPC code's canonical name, as in the gRPC specification.
-pub fn code_name(code: Code) -> &'static str {
-    match code {
-        Code::Ok => "OK",
-        Code::Cancelled => "CANCELLED",
-        Code::Unknown => "UNKNOWN",
-        Code::InvalidArgument => "INVALID_ARGUMENT",
-        Code::DeadlineExceeded => "DEADLINE_EXCEEDED",
-        Code::NotFound => "NOT_FOUND",
-        Code::AlreadyExists => "ALREADY_EXISTS",
-        Code::PermissionDenied => "PERMISSION_DENIED",
-        Code::ResourceExhausted => "RESOURCE_EXHAUSTED",
-        Code::FailedPrecondition => "FAILED_PRECONDITION",
-        Code::Aborted => "ABORTED",
-        Code::OutOfRange => "OUT_OF_RANGE",
-        Code::Unimplemented => "UNIMPLEMENTED",
-        Code::Internal => "INTERNAL",
-        Code::Unavailable => "UNAVAILABLE",
-        Code::DataLoss => "DATA_LOSS",
-        Code::Unauthenticated => "UNAUTHENTICATED",
-    }
 }
 
 /// The HTTP status of a gRPC code, as gRPC-gateway maps them.
