@@ -58,6 +58,7 @@ pub struct Metrics {
     registry: Registry,
     requests: Family<CallLabels, Counter>,
     grpc_duration: HistogramFamily<GrpcLabels>,
+    http_api_duration: HistogramFamily<GrpcLabels>,
     sweeps: Family<KindLabel, Counter>,
     abandoned_waits: Family<OutcomeLabel, Counter>,
     write_entries: Counter,
@@ -99,6 +100,14 @@ impl Default for Metrics {
             "gRPC calls by method and status code, from the request's arrival to its answer's headers \
              (for the server-streaming calls Acquire, Watch and LeaseKeepAlive: until the stream opens)",
             grpc_duration.clone(),
+        );
+        let http_api_duration: HistogramFamily<GrpcLabels> =
+            Family::new_with_constructor(latency_histogram);
+        registry.register(
+            "tether_http_api_request_duration_seconds",
+            "HTTP/JSON API calls by gRPC method (LockService.Release, ...) and status code, from \
+             the request's arrival to its answer's headers (streams: until they open)",
+            http_api_duration.clone(),
         );
         let sweeps = Family::<KindLabel, Counter>::default();
         registry.register(
@@ -216,6 +225,7 @@ impl Default for Metrics {
             registry,
             requests,
             grpc_duration,
+            http_api_duration,
             sweeps,
             abandoned_waits,
             write_entries,
@@ -258,6 +268,14 @@ impl Metrics {
     /// the name of its status code.
     pub fn grpc_call(&self, method: String, code: &'static str, took: Duration) {
         self.grpc_duration
+            .get_or_create(&GrpcLabels { method, code })
+            .observe(took.as_secs_f64());
+    }
+
+    /// Times one call of the HTTP/JSON API: `method` is the gRPC method it
+    /// serves (`LockService.Release`), `code` the name of its status code.
+    pub fn http_api_call(&self, method: String, code: &'static str, took: Duration) {
+        self.http_api_duration
             .get_or_create(&GrpcLabels { method, code })
             .observe(took.as_secs_f64());
     }

@@ -115,6 +115,11 @@ async fn locks_over_json_are_the_grpc_locks() {
         .expect("the waiter hears of its grant")
         .unwrap();
     assert_eq!(granted["result"]["state"], "GRANTED", "{granted}");
+    // Timed per gRPC method and code in /metrics, beside the gRPC calls.
+    let metrics = get(addr, plain, "/metrics").await.unwrap();
+    let text = metrics.body.as_str().unwrap();
+    let release_timed = "tether_http_api_request_duration_seconds_count{method=\"LockService.Release\",code=\"OK\"} 1";
+    assert!(text.contains(release_timed), "{text}");
     let holder = call(
         addr,
         plain,

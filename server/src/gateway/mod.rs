@@ -306,18 +306,23 @@ where
         input: Req::full_name(),
         output: Resp::full_name(),
     };
+    let operation = route.operation_id();
     let handler = post(
         move |State(services): State<Arc<Services>>, request: Request| {
-            let call = call.clone();
+            let (call, operation) = (call.clone(), operation.clone());
             async move {
-                let request = match prepare::<Req>(&services, request).await {
-                    Ok(request) => request,
-                    Err(status) => return refusal(&services, &status),
+                let started = std::time::Instant::now();
+                let outcome = match prepare::<Req>(&services, request).await {
+                    Ok(request) => call(services.clone(), request).await,
+                    Err(status) => Err(status),
                 };
-                match call(services.clone(), request).await {
-                    Ok(response) => respond(&services, response.into_inner()),
-                    Err(status) => refusal(&services, &status),
-                }
+                let (code, answer) = match outcome {
+                    Ok(response) => (Code::Ok, respond(&services, response.into_inner())),
+                    Err(status) => (status.code(), refusal(&services, &status)),
+                };
+                let metrics = &services.ctx.core.metrics;
+                metrics.http_api_call(operation, code_name(code), started.elapsed());
+                answer
             }
         },
     );
