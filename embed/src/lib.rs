@@ -23,10 +23,14 @@
 //! - [`accounting`]: which devices of a node live pods hold, kept as pins.
 //! - [`plan`]: the device plan carried as the hold's payload.
 //! - [`metrics`]: what both count, for `/metrics`.
+//! - [`nvidia`]: a node's NVIDIA GPUs read under its host root: device
+//!   ids (UUIDs), health, NUMA nodes, and what a container is handed (CDI
+//!   names, `NVIDIA_VISIBLE_DEVICES`, device nodes). Not yet wired into the
+//!   plugin, which still serves `--devices N` fake devices.
 //!
 //! # Layout
 //! - `extender.rs`, `device_plugin.rs`, `kubelet.rs`, `accounting.rs`,
-//!   `plan.rs`, `metrics.rs` — the logic above.
+//!   `plan.rs`, `metrics.rs`, `nvidia.rs` — the logic above.
 //! - `bin/tether-extender.rs`, `bin/tether-device-plugin.rs` — the binaries.
 
 pub mod accounting;
@@ -35,6 +39,7 @@ pub mod device_plugin;
 pub mod extender;
 pub mod kubelet;
 pub mod metrics;
+pub mod nvidia;
 pub mod plan;
 
 /// The generated kubelet device-plugin API (v1beta1).
