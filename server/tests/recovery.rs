@@ -282,13 +282,9 @@ async fn learner_is_added_promoted_and_a_voter_removed() {
         .change_membership(vec![1, 2, 3, 4], false)
         .await
         .unwrap();
-    let status = client.status_of(&addr4).await.unwrap();
-    let voters: Vec<u64> = status
-        .members
-        .iter()
-        .filter(|m| m.voter)
-        .map(|m| m.node_id)
-        .collect();
+    // Replica 4 answers from what it has applied: the change committed on
+    // the leader reaches it a moment later.
+    let voters = wait_members(&client, &addr4, true, &[1, 2, 3, 4]).await;
     assert_eq!(voters, vec![1, 2, 3, 4]);
 
     // Remove a voter that is not the leader; the cluster keeps working.
@@ -311,10 +307,33 @@ async fn learner_is_added_promoted_and_a_voter_removed() {
         .await
         .unwrap();
     assert!(hold.token > 0);
-    let status = client.status_of(&addr4).await.unwrap();
-    let members: Vec<u64> = status.members.iter().map(|m| m.node_id).collect();
+    let members = wait_members(&client, &addr4, false, &remaining).await;
     assert_eq!(members, remaining);
     cluster.shutdown().await;
+}
+
+/// The members (voters only, with `voters`) the replica at `addr` reports,
+/// once they are `expected` or the deadline passed (then as they are).
+async fn wait_members(
+    client: &tether_client::Client,
+    addr: &str,
+    voters: bool,
+    expected: &[u64],
+) -> Vec<u64> {
+    let deadline = tokio::time::Instant::now() + DEADLINE;
+    loop {
+        let status = client.status_of(addr).await.unwrap();
+        let members: Vec<u64> = status
+            .members
+            .iter()
+            .filter(|m| m.voter || !voters)
+            .map(|m| m.node_id)
+            .collect();
+        if members == expected || tokio::time::Instant::now() > deadline {
+            return members;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
