@@ -13,6 +13,13 @@
 //! - `sys/bus/pci/devices/<PCI address>/numa_node`: the GPU's NUMA node
 //!   (`-1` where the platform names none), for topology.
 //!
+//! The fixture trees of the tests copy that layout as public sources show
+//! it: `Key: \t value` lines with `Device Minor:` as node-setup scripts
+//! and validators parse it, and entry directories named by the lower-case
+//! sysfs address (`0000:c1:00.0`). No driver runs here, so what a real
+//! driver writes after a GPU falls off the bus (the entry gone, as assumed
+//! here, or a UUID of question marks, also left out) is unconfirmed.
+//!
 //! A container gets its GPUs three ways at once, for every runtime: the CDI
 //! names `nvidia.com/gpu=<UUID>` (containerd and CRI-O with CDI enabled,
 //! from the spec `nvidia-ctk cdi generate` writes), `NVIDIA_VISIBLE_DEVICES`

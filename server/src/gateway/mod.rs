@@ -40,7 +40,7 @@ use std::sync::Arc;
 use axum::body::Body;
 use axum::extract::{ConnectInfo, Request, State};
 use axum::http::{HeaderName, HeaderValue, StatusCode, header};
-use axum::response::Response;
+use axum::response::{IntoResponse as _, Response};
 use axum::routing::{MethodRouter, post};
 use futures::{Stream, StreamExt as _};
 use tether_proto as pb;
@@ -202,9 +202,12 @@ pub fn routes() -> Vec<Route> {
 /// The API's routes and `GET /openapi.json`, to merge into the HTTP port's
 /// router.
 pub fn router(ctx: Arc<Ctx>) -> axum::Router {
-    let document = Arc::new(openapi::document(&routes()));
+    let table = table();
+    let routes: Vec<Route> = table.iter().map(|(route, _)| route.clone()).collect();
+    // Written once: the document does not change while the process runs.
+    let document = axum::body::Bytes::from(openapi::document(&routes).to_string());
     let mut router = axum::Router::new();
-    for (route, handler) in table() {
+    for (route, handler) in table {
         router = router.route(&route.path(), handler);
     }
     router
@@ -212,7 +215,9 @@ pub fn router(ctx: Arc<Ctx>) -> axum::Router {
             "/openapi.json",
             axum::routing::get(move || {
                 let document = document.clone();
-                async move { tether_http::json(StatusCode::OK, &*document) }
+                async move {
+                    ([(header::CONTENT_TYPE, "application/json")], document).into_response()
+                }
             }),
         )
         .with_state(Arc::new(Services::new(ctx)))
