@@ -170,11 +170,23 @@ func (c *Client) moveOn(i int, leader uint64) {
 	c.current = (i + 1) % len(c.endpoints)
 }
 
+// errBadAnswer marks an answer this client cannot read (not the JSON it
+// expects): asking again would get the same, so it is not retried.
+var errBadAnswer = errors.New("an answer this client cannot read")
+
+// badAnswer is an error wrapping errBadAnswer.
+func badAnswer(format string, args ...any) error {
+	return fmt.Errorf("tether: %w: %s", errBadAnswer, fmt.Sprintf(format, args...))
+}
+
 // retryable says whether err may go away by asking again (elsewhere).
 func retryable(err error) (bool, uint64) {
 	var api *Error
 	if errors.As(err, &api) {
 		return api.Code == CodeUnavailable, api.LeaderID
+	}
+	if errors.Is(err, errBadAnswer) {
+		return false, 0
 	}
 	// Connection refused or reset, an answer cut off: the replica is down
 	// or restarting. Every write carries a request id, so asking again
@@ -259,6 +271,12 @@ func (c *Client) call(ctx context.Context, path string, in, out any) error {
 		}
 		defer response.Body.Close()
 		if err := json.NewDecoder(response.Body).Decode(out); err != nil {
+			var syntax *json.SyntaxError
+			var shape *json.UnmarshalTypeError
+			if errors.As(err, &syntax) || errors.As(err, &shape) {
+				return badAnswer("the answer of %s: %v", path, err)
+			}
+			// Cut off mid-answer: the replica went away.
 			return fmt.Errorf("tether: reading the answer of %s: %w", path, err)
 		}
 		return nil
@@ -285,7 +303,7 @@ func lines(response *http.Response, each func(json.RawMessage) (bool, error)) er
 		if len(bytes.TrimSpace(line)) > 0 {
 			var parsed streamLine
 			if jsonErr := json.Unmarshal(line, &parsed); jsonErr != nil {
-				return fmt.Errorf("tether: a line of the answer is not JSON: %w", jsonErr)
+				return badAnswer("a line of the answer is not JSON: %v", jsonErr)
 			}
 			if parsed.Error != nil {
 				return &Error{Status: http.StatusOK, Code: parsed.Error.Code, Message: parsed.Error.Message}

@@ -68,7 +68,7 @@ func (c *Client) Acquire(ctx context.Context, key LockKey, pod Pod, opts Acquire
 			alive()
 			var answer acquireResponse
 			if err := json.Unmarshal(raw, &answer); err != nil {
-				return false, fmt.Errorf("tether: reading an acquire's answer: %w", err)
+				return false, badAnswer("an acquire's answer: %v", err)
 			}
 			switch answer.State {
 			case "GRANTED":
@@ -80,7 +80,7 @@ func (c *Client) Acquire(ctx context.Context, key LockKey, pod Pod, opts Acquire
 				}
 				return false, nil
 			default:
-				return false, fmt.Errorf("tether: an acquire answered state %q", answer.State)
+				return false, badAnswer("an acquire answered state %q", answer.State)
 			}
 		})
 		if errors.Is(err, io.ErrUnexpectedEOF) {

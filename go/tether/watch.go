@@ -85,7 +85,7 @@ func (w *Watcher) run() {
 			alive()
 			var answer watchResponse
 			if err := json.Unmarshal(raw, &answer); err != nil {
-				return false, fmt.Errorf("tether: reading a watch answer: %w", err)
+				return false, badAnswer("a watch answer: %v", err)
 			}
 			if answer.Next != nil {
 				start = answer.Next
