@@ -57,8 +57,12 @@ async fn a_retry_after_a_lost_answer_returns_the_original_answer_and_applies_onc
 
     let swallow = Arc::new(AtomicBool::new(false));
     let proxy = lossy_proxy(node.addr(), swallow.clone()).await;
+    // The first attempt must reach the server before the client gives up on
+    // it, or there is nothing to deduplicate: with 1.5 s a loaded CI machine
+    // (three test binaries at once) once let the timeout fire first, and the
+    // retry was the only write (CI run of 44309c5).
     let options = Options {
-        call_timeout: Duration::from_millis(1500),
+        call_timeout: Duration::from_secs(5),
         retry_timeout: Duration::from_secs(30),
         client_id: Some("retry-client".into()),
         ..Options::default()
