@@ -172,7 +172,7 @@ async fn the_tls_patch_applies_to_the_prod_overlay() {
 
 /// Every workload's pod template, created (dry run) as a Pod in a namespace
 /// that enforces PodSecurity `restricted`: the API server's own PodSecurity
-/// admission admits each, and refuses the device plugin's (host paths, and
+/// admission admits each, and refuses the device plugins' (host paths, and
 /// root for the kubelet's socket directory), as its manifest says.
 #[tokio::test]
 async fn pod_security_restricted_admits_every_pod_but_the_device_plugins() {
@@ -244,7 +244,10 @@ async fn pod_security_restricted_admits_every_pod_but_the_device_plugins() {
         }
     }
     println!("restricted admits {admitted:?}, refuses {refused:?}");
-    assert_eq!(refused, ["tether-device-plugin"]);
+    assert_eq!(
+        refused,
+        ["tether-device-plugin", "tether-device-plugin-nvidia"]
+    );
     for expected in [
         "tether",
         "tether-bridge",

@@ -521,7 +521,13 @@ fn the_optional_monitors_scrape_the_client_service_and_the_pods_of_the_bridge_an
     assert_eq!(
         scraped,
         BTreeSet::from(
-            ["tether-bridge", "tether-device-plugin", "tether-extender"].map(String::from)
+            [
+                "tether-bridge",
+                "tether-device-plugin",
+                "tether-device-plugin-nvidia",
+                "tether-extender"
+            ]
+            .map(String::from)
         )
     );
 }
@@ -863,9 +869,118 @@ fn pod_of(objects: &[Value], wanted_kind: &str, wanted_name: &str) -> PodSpec {
     }
 }
 
+/// The node label NVIDIA's GPU feature discovery (and the GPU operator)
+/// puts on nodes with NVIDIA GPUs.
+const NVIDIA_NODE_LABEL: &str = "nvidia.com/gpu.present";
+
+/// Checks a device plugin DaemonSet against the extender's contract (see
+/// the caller); returns its pod and its parsed flags.
+fn check_device_plugin(
+    objects: &[Value],
+    daemonset: &str,
+    extender_args: &tether_embed::cli::ExtenderArgs,
+) -> (PodSpec, tether_embed::cli::DevicePluginArgs) {
+    use tether_embed::cli::DevicePluginArgs;
+    let plugin = pod_of(objects, "DaemonSet", daemonset);
+    assert_restricted(daemonset, &plugin, true);
+    let container = &plugin.containers[0];
+    // The downward API field a variable is set from.
+    let field_of = |variable: &str| {
+        container
+            .env
+            .iter()
+            .flatten()
+            .find(|e| e.name == variable)
+            .and_then(|e| e.value_from.as_ref())
+            .and_then(|v| v.field_ref.as_ref())
+            .map(|f| f.field_path.clone())
+    };
+    assert_eq!(field_of("NODE_NAME").as_deref(), Some("spec.nodeName"));
+    assert_eq!(
+        field_of("POD_UID").as_deref(),
+        Some("metadata.uid"),
+        "{daemonset}: the owner of the devices it publishes"
+    );
+    let env: Vec<(String, String)> = env_of(container)
+        .into_iter()
+        .filter(|(k, _)| k != "NODE_NAME")
+        .chain([("NODE_NAME".to_string(), "gpu-node-1".to_string())])
+        .collect();
+    check_env::<DevicePluginArgs>("tether-device-plugin", &env);
+    let mut argv = vec!["tether-device-plugin".to_string()];
+    argv.extend(container.args.clone().unwrap_or_default());
+    argv.push("--node-name=gpu-node-1".into());
+    let plugin_args = <DevicePluginArgs as clap::Parser>::try_parse_from(&argv)
+        .unwrap_or_else(|e| panic!("tether-device-plugin refuses {argv:?}: {e}"));
+    assert_eq!(plugin_args.resource_name, extender_args.resource);
+    assert_eq!(
+        plugin_args.device_prefix, extender_args.device_prefix,
+        "the extender plans the device ids the plugin advertises"
+    );
+    let mount = container
+        .volume_mounts
+        .iter()
+        .flatten()
+        .find(|m| m.mount_path == plugin_args.plugin_dir.to_str().unwrap())
+        .expect("the plugin directory is mounted");
+    let volume = plugin
+        .volumes
+        .iter()
+        .flatten()
+        .find(|v| v.name == mount.name)
+        .unwrap();
+    assert_eq!(
+        volume.host_path.as_ref().unwrap().path,
+        "/var/lib/kubelet/device-plugins"
+    );
+    (plugin, plugin_args)
+}
+
+/// The NVIDIA variant: real GPUs read under a read-only host root (the
+/// driver's GPU list, the device nodes, sysfs for NUMA nodes), on nodes
+/// NVIDIA's feature discovery labels.
+fn check_nvidia_plugin(plugin: &PodSpec, args: &tether_embed::cli::DevicePluginArgs) {
+    assert_eq!(args.devices, "nvidia");
+    assert_eq!(
+        plugin
+            .node_selector
+            .as_ref()
+            .and_then(|s| s.get(NVIDIA_NODE_LABEL))
+            .map(String::as_str),
+        Some("true")
+    );
+    let container = &plugin.containers[0];
+    for (host, under_root) in [
+        ("/proc/driver/nvidia", "proc/driver/nvidia"),
+        ("/dev", "dev"),
+        ("/sys", "sys"),
+    ] {
+        let wanted = args.host_root.join(under_root);
+        let mount = container
+            .volume_mounts
+            .iter()
+            .flatten()
+            .find(|m| std::path::Path::new(&m.mount_path) == wanted)
+            .unwrap_or_else(|| panic!("{} is not mounted", wanted.display()));
+        assert_eq!(
+            mount.read_only,
+            Some(true),
+            "{} read-only",
+            mount.mount_path
+        );
+        let volume = plugin
+            .volumes
+            .iter()
+            .flatten()
+            .find(|v| v.name == mount.name)
+            .unwrap();
+        assert_eq!(volume.host_path.as_ref().unwrap().path, host);
+    }
+}
+
 #[test]
 fn the_gpu_manifests_fit_the_extender_the_plugin_and_the_schedulers_contract() {
-    use tether_embed::cli::{DevicePluginArgs, ExtenderArgs};
+    use tether_embed::cli::ExtenderArgs;
     let dir = deploy_dir().join("optional/gpu");
     let objects = render(&dir).unwrap_or_else(|e| panic!("optional/gpu: {e:#}"));
     if let Some(theirs) = kubectl_render(&dir) {
@@ -989,57 +1104,34 @@ fn the_gpu_manifests_fit_the_extender_the_plugin_and_the_schedulers_contract() {
         "tether-scheduler-config"
     );
 
-    // The device plugin: the kubelet's directory from the host, its node
-    // from the downward API, its settings its flags, the same resource.
-    let plugin = pod_of(&objects, "DaemonSet", "tether-device-plugin");
-    assert_restricted("tether-device-plugin", &plugin, true);
-    let container = &plugin.containers[0];
-    let node_name = container
-        .env
-        .iter()
-        .flatten()
-        .find(|e| e.name == "NODE_NAME")
-        .and_then(|e| e.value_from.as_ref())
-        .and_then(|v| v.field_ref.as_ref())
-        .map(|f| f.field_path.clone());
-    assert_eq!(node_name.as_deref(), Some("spec.nodeName"));
-    let env: Vec<(String, String)> = env_of(container)
-        .into_iter()
-        .filter(|(k, _)| k != "NODE_NAME")
-        .chain([("NODE_NAME".to_string(), "gpu-node-1".to_string())])
-        .collect();
-    check_env::<DevicePluginArgs>("tether-device-plugin", &env);
-    let mut argv = vec!["tether-device-plugin".to_string()];
-    argv.extend(container.args.clone().unwrap_or_default());
-    argv.push("--node-name=gpu-node-1".into());
-    let plugin_args = <DevicePluginArgs as clap::Parser>::try_parse_from(&argv)
-        .unwrap_or_else(|e| panic!("tether-device-plugin refuses {argv:?}: {e}"));
-    assert_eq!(plugin_args.resource_name, extender_args.resource);
+    // The device plugins (fake devices; NVIDIA GPUs): the kubelet's
+    // directory from the host, their node and pod from the downward API,
+    // their settings their flags, the same resource.
+    let (_, fake) = check_device_plugin(&objects, "tether-device-plugin", &extender_args);
+    assert!(fake.devices.starts_with("fake:"), "{}", fake.devices);
+    let (nvidia_pod, nvidia) =
+        check_device_plugin(&objects, "tether-device-plugin-nvidia", &extender_args);
+    check_nvidia_plugin(&nvidia_pod, &nvidia);
+    let fake_pod = pod_of(&objects, "DaemonSet", "tether-device-plugin");
     assert_eq!(
-        plugin_args.device_prefix, extender_args.device_prefix,
-        "the extender plans the device ids the plugin advertises"
+        fake_pod
+            .affinity
+            .as_ref()
+            .map(|a| serde_json::to_value(a).unwrap()),
+        Some(
+            serde_json::json!({"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution":
+            {"nodeSelectorTerms": [{"matchExpressions": [
+                {"key": NVIDIA_NODE_LABEL, "operator": "DoesNotExist"}]}]}}})
+        ),
+        "the fake plugin keeps off NVIDIA nodes, where the NVIDIA one runs"
     );
-    let mount = container
-        .volume_mounts
-        .iter()
-        .flatten()
-        .find(|m| m.mount_path == plugin_args.plugin_dir.to_str().unwrap())
-        .expect("the plugin directory is mounted");
-    let volume = plugin
-        .volumes
-        .iter()
-        .flatten()
-        .find(|v| v.name == mount.name)
-        .unwrap();
-    assert_eq!(
-        volume.host_path.as_ref().unwrap().path,
-        "/var/lib/kubelet/device-plugins"
-    );
-    let manifest = std::fs::read_to_string(dir.join("device-plugin.yaml")).unwrap();
-    assert!(
-        manifest.contains("cannot meet\n# PodSecurity \"restricted\""),
-        "the plugin's manifest says why it is not restricted"
-    );
+    for file in ["device-plugin.yaml", "device-plugin-nvidia.yaml"] {
+        let manifest = std::fs::read_to_string(dir.join(file)).unwrap();
+        assert!(
+            manifest.contains("cannot meet\n# PodSecurity \"restricted\""),
+            "{file} says why the plugin is not restricted"
+        );
+    }
 
     // The image ships both binaries; the overlay-wide image override
     // reaches every tether container.

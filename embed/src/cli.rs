@@ -78,10 +78,26 @@ pub struct DevicePluginArgs {
     /// Extended resource name.
     #[arg(long, default_value = "tether.io/gpu")]
     pub resource_name: String,
-    /// Number of fake GPUs.
-    #[arg(long, default_value_t = 8)]
-    pub devices: usize,
-    /// Device id prefix.
+    /// The devices to advertise: `nvidia` (the node's NVIDIA GPUs, read
+    /// under `--host-root`, advertised by UUID) or `fake:N` (N fake
+    /// devices `<device-prefix>0..N`, for tests and demos).
+    #[arg(long, env = "TETHER_DEVICES", default_value = "fake:8")]
+    pub devices: String,
+    /// The node's root directory as this container mounts it (read-only
+    /// is enough): `--devices nvidia` reads the driver's GPU list, device
+    /// nodes and PCI NUMA nodes under it.
+    #[arg(long, env = "TETHER_HOST_ROOT", default_value = "/")]
+    pub host_root: PathBuf,
+    /// How often `--devices nvidia` reads the GPUs again, for their health.
+    #[arg(long, default_value = "5s", value_parser = humantime::parse_duration)]
+    pub rescan: Duration,
+    /// This plugin's pod UID (the downward API's metadata.uid): the owner
+    /// of the node's devices it publishes in Tether, which end after a
+    /// while once the pod has stopped. Default: an id made from the node
+    /// name, owned by no pod (the list then ends with the node only).
+    #[arg(long, env = "POD_UID")]
+    pub pod_uid: Option<String>,
+    /// Fake device id prefix (`--devices fake:N`).
     #[arg(long, default_value = "gpu")]
     pub device_prefix: String,
     /// The kubelet's device-plugin directory.

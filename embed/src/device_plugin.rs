@@ -1,5 +1,6 @@
-//! A kubelet device plugin (API v1beta1, gRPC over a unix socket) for a fake
-//! GPU resource, whose `Allocate` learns the pod it serves from Tether.
+//! A kubelet device plugin (API v1beta1, gRPC over a unix socket) for GPUs
+//! (the node's NVIDIA GPUs or fake devices, see [`crate::inventory`]),
+//! whose `Allocate` learns the pod it serves from Tether.
 //!
 //! The kubelet passes `Allocate` only device ids, once per container that
 //! asks for the resource (init containers first), and never retries one
@@ -23,11 +24,15 @@
 //! kubelet's choice before the hold is released, so Tether's ledger never
 //! keeps naming a device a live pod does not have, or missing one it has.
 //!
+//! `ListAndWatch` sends the device list, then the list again whenever a
+//! rescan changes it (a GPU turned unhealthy, or a new one), for as long
+//! as the kubelet keeps the stream.
+//!
 //! The kubelet deletes every socket in its device-plugin directory and
 //! creates `kubelet.sock` afresh when it restarts; [`run`] notices either
 //! and serves and registers again.
 
-use std::collections::BTreeSet;
+use std::collections::{BTreeMap, BTreeSet};
 use std::future::Future;
 use std::path::{Path, PathBuf};
 use std::pin::Pin;
@@ -42,6 +47,7 @@ use tonic::transport::{Endpoint, Server};
 use tonic::{Request, Response, Status};
 
 use crate::accounting::{ClaimOwner, DEFAULT_LIFETIME, DeviceLedger};
+use crate::inventory::{DeviceSource, Inventory, inventory_key, publish};
 use crate::metrics::PluginMetrics;
 use crate::plan::{DevicePlan, PlannedCall, PodCalls};
 use crate::v1beta1::device_plugin_server::{DevicePlugin, DevicePluginServer};
@@ -60,8 +66,11 @@ pub struct PluginConfig {
     pub scope: String,
     /// Extended resource name, e.g. `tether.io/gpu`.
     pub resource_name: String,
-    /// Device ids to advertise.
-    pub devices: Vec<String>,
+    /// The devices to advertise.
+    pub devices: DeviceSource,
+    /// The plugin's own pod: the owner of the node's published devices
+    /// (see [`crate::inventory`]).
+    pub pod_uid: String,
     /// The deadline of one whole `Allocate`, every Tether call in it
     /// together (`tether_client::deadline`): the kubelet admits the node's
     /// pods one at a time and waits for the answer, so one slow call must
@@ -76,6 +85,8 @@ pub type BeforeRelease = Arc<dyn Fn() -> Pin<Box<dyn Future<Output = ()> + Send>
 /// The device plugin service.
 pub struct GpuPlugin {
     client: Client,
+    /// The devices as last read; `ListAndWatch` streams every change.
+    inventory: tokio::sync::watch::Sender<Inventory>,
     ledger: DeviceLedger,
     config: PluginConfig,
     before_release: Option<BeforeRelease>,
@@ -95,15 +106,131 @@ struct Progress {
 }
 
 impl GpuPlugin {
-    /// A plugin over a Tether client.
-    pub fn new(client: Client, config: PluginConfig) -> Self {
-        Self {
+    /// A plugin over a Tether client, with its devices read for the first
+    /// time (an unreadable driver directory is an error; a node without
+    /// one has no GPUs).
+    pub fn new(client: Client, config: PluginConfig) -> std::io::Result<Self> {
+        let inventory = Inventory::read(&config.devices)?;
+        for (entry, why) in inventory.skipped() {
+            tracing::warn!(entry, why, "a GPU entry of the driver is left out");
+        }
+        tracing::info!(devices = ?inventory.devices().iter().map(|d| &d.id).collect::<Vec<_>>(), "devices read");
+        Ok(Self {
             ledger: DeviceLedger::new(client.clone(), DEFAULT_LIFETIME),
+            inventory: tokio::sync::watch::Sender::new(inventory),
             client,
             config,
             before_release: None,
             progress: tokio::sync::Mutex::default(),
             metrics: PluginMetrics::default(),
+        })
+    }
+
+    /// The devices as last read.
+    pub fn inventory(&self) -> Inventory {
+        self.inventory.borrow().clone()
+    }
+
+    /// Publishes the devices in Tether for the extender, at start and
+    /// after every change, retrying (backing off up to 10 s) until each
+    /// list is acknowledged; a newer list replaces one being retried.
+    /// Between changes it checks every [`PUBLISHED_CHECK_EVERY`] that the
+    /// list is still there as published (the pin ends once Tether counts
+    /// its owner stopped, or by an operator's hand) and publishes it again
+    /// if not. Runs until dropped.
+    async fn publish_devices(&self) {
+        const FIRST_BACKOFF: Duration = Duration::from_millis(200);
+        let mut lists = self.inventory.subscribe();
+        let mut backoff = FIRST_BACKOFF;
+        let node = &self.config.node;
+        loop {
+            let inventory = lists.borrow_and_update().clone();
+            if let Err(err) = publish(&self.client, node, &self.config.pod_uid, &inventory).await {
+                tracing::warn!(%err, ?backoff, "cannot publish the devices in Tether yet; the extender cannot plan this node's devices until then");
+                tokio::time::sleep(backoff).await;
+                backoff = (backoff * 2).min(Duration::from_secs(10));
+                continue;
+            }
+            tracing::info!(
+                node,
+                devices = inventory.devices().len(),
+                "devices published in Tether"
+            );
+            backoff = FIRST_BACKOFF;
+            loop {
+                tokio::select! {
+                    changed = lists.changed() => {
+                        if changed.is_err() {
+                            return std::future::pending().await;
+                        }
+                        break;
+                    }
+                    () = tokio::time::sleep(PUBLISHED_CHECK_EVERY) => {
+                        match self.client.get_pin(&inventory_key(node)).await {
+                            Ok(Some(pin))
+                                if pin.node == *node
+                                    && pin.pod_uid == self.config.pod_uid
+                                    && pin.labels == inventory.labels() => {}
+                            Ok(_) => {
+                                tracing::warn!(node, "the published devices are gone or changed; publishing them again");
+                                break;
+                            }
+                            Err(err) => {
+                                tracing::debug!(%err, "cannot check the published devices; checking again later");
+                            }
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    /// Reads the devices again every rescan of their source and publishes
+    /// a changed list to `ListAndWatch`; runs until dropped (fake devices
+    /// never change: it only waits).
+    async fn rescan_devices(&self) {
+        let Some(every) = self.config.devices.rescan() else {
+            return std::future::pending().await;
+        };
+        loop {
+            tokio::time::sleep(every).await;
+            let current = self.inventory();
+            let read = {
+                let current = current.clone();
+                tokio::task::spawn_blocking(move || current.reread()).await
+            };
+            let next = match read {
+                Ok(Ok(next)) => next,
+                Ok(Err(err)) => {
+                    tracing::warn!(%err, "cannot read the GPUs again; keeping the last list");
+                    continue;
+                }
+                Err(err) => {
+                    tracing::warn!(%err, "the GPU read failed; keeping the last list");
+                    continue;
+                }
+            };
+            if next == current {
+                continue;
+            }
+            let before: BTreeMap<String, String> = current
+                .devices()
+                .into_iter()
+                .map(|d| (d.id, d.health))
+                .collect();
+            for device in next.devices() {
+                if before.get(&device.id) != Some(&device.health) {
+                    tracing::warn!(
+                        device = device.id,
+                        health = device.health,
+                        "a device's health changed; telling the kubelet"
+                    );
+                }
+            }
+            for (entry, why) in next.skipped() {
+                tracing::warn!(entry, why, "a GPU entry of the driver is left out");
+            }
+            self.inventory.send_replace(next);
         }
     }
 
@@ -186,14 +313,24 @@ impl GpuPlugin {
         Ok((hold, plan))
     }
 
-    /// One container's answer: exactly the devices the kubelet chose.
+    /// One container's answer: exactly the devices the kubelet chose, as
+    /// the inventory hands them over (device nodes; for GPUs also CDI
+    /// names and `NVIDIA_VISIBLE_DEVICES`). A device this node does not
+    /// have now is refused: the kubelet then fails the pod.
     fn respond(
+        &self,
         plan: &DevicePlan,
         token: u64,
         call: &PlannedCall,
         devices: &[String],
-    ) -> api::ContainerAllocateResponse {
-        api::ContainerAllocateResponse {
+    ) -> Result<api::ContainerAllocateResponse, Status> {
+        let given = self.inventory.borrow().handover(devices).map_err(|why| {
+            Status::failed_precondition(format!(
+                "cannot hand pod {}/{} its devices: {why}",
+                plan.namespace, plan.name
+            ))
+        })?;
+        Ok(api::ContainerAllocateResponse {
             envs: [
                 ("TETHER_POD_UID", plan.pod_uid.clone()),
                 ("TETHER_POD_NAMESPACE", plan.namespace.clone()),
@@ -204,17 +341,24 @@ impl GpuPlugin {
             ]
             .into_iter()
             .map(|(k, v)| (k.to_string(), v))
+            .chain(given.envs)
             .collect(),
-            devices: devices
-                .iter()
-                .map(|d| api::DeviceSpec {
-                    container_path: format!("/dev/{d}"),
-                    host_path: format!("/dev/{d}"),
+            devices: given
+                .device_nodes
+                .into_iter()
+                .map(|node| api::DeviceSpec {
+                    container_path: node.clone(),
+                    host_path: node,
                     permissions: "rw".into(),
                 })
                 .collect(),
+            cdi_devices: given
+                .cdi_devices
+                .into_iter()
+                .map(|name| api::CdiDevice { name })
+                .collect(),
             ..Default::default()
-        }
+        })
     }
 
     /// Makes the pod's device claim name what the kubelet gave it, if that
@@ -324,22 +468,16 @@ impl DevicePlugin for GpuPlugin {
         &self,
         _: Request<api::Empty>,
     ) -> Result<Response<Self::ListAndWatchStream>, Status> {
-        let devices = self
-            .config
-            .devices
-            .iter()
-            .map(|id| api::Device {
-                id: id.clone(),
-                health: "Healthy".into(),
-                topology: None,
-            })
-            .collect();
-        // The fake devices never change: send the list once and keep the
-        // stream open (the kubelet treats a closed stream as plugin failure).
-        let first = tokio_stream::once(Ok(api::ListAndWatchResponse { devices }));
-        Ok(Response::new(Box::pin(tokio_stream::StreamExt::chain(
-            first,
-            tokio_stream::pending(),
+        // The list now, then every changed list; the stream stays open
+        // (the kubelet treats a closed stream as a plugin failure).
+        let lists = tokio_stream::wrappers::WatchStream::new(self.inventory.subscribe());
+        Ok(Response::new(Box::pin(tokio_stream::StreamExt::map(
+            lists,
+            |inventory| {
+                Ok(api::ListAndWatchResponse {
+                    devices: inventory.devices(),
+                })
+            },
         ))))
     }
 
@@ -463,12 +601,12 @@ impl GpuPlugin {
                 tracing::warn!(pod_uid = plan.pod_uid, container = call.container, ?outside, planned = ?plan.devices, "the kubelet chose devices outside the plan (its own accounting has the planned ones taken); the container gets what the kubelet chose and the claim follows it");
             }
             given.extend(container.devices_ids.iter().cloned());
-            container_responses.push(Self::respond(
+            container_responses.push(self.respond(
                 &plan,
                 hold.token,
                 call,
                 &container.devices_ids,
-            ));
+            )?);
             served += 1;
         }
         if served == plan.calls.len() {
@@ -581,7 +719,49 @@ fn file_identity(path: &Path) -> Option<(u64, u64)> {
 /// does both again whenever the kubelet restarts (its `kubelet.sock` is
 /// created afresh, or the plugin's own socket is deleted), until
 /// `shutdown` resolves. Registration is retried until the kubelet answers.
+/// How often a plugin checks that its published devices are still there.
+pub const PUBLISHED_CHECK_EVERY: Duration = Duration::from_secs(30);
+
+/// How long a stopping plugin server may take to finish its calls: a
+/// `ListAndWatch` stream never ends by itself, so one a kubelet still
+/// holds open is cut after this.
+const SERVER_STOP_GRACE: Duration = Duration::from_secs(2);
+
+/// Stops a plugin server started by [`serve_and_register`]: asks it to
+/// stop, then cuts what is still open after [`SERVER_STOP_GRACE`].
+async fn stop_server(
+    stop: tokio::sync::oneshot::Sender<()>,
+    mut server: tokio::task::JoinHandle<anyhow::Result<()>>,
+) -> anyhow::Result<()> {
+    let _ = stop.send(());
+    match tokio::time::timeout(SERVER_STOP_GRACE, &mut server).await {
+        Ok(joined) => joined?,
+        Err(_) => {
+            server.abort();
+            tracing::info!(
+                "closed the plugin server's streams still open (a kubelet's ListAndWatch)"
+            );
+            Ok(())
+        }
+    }
+}
+
+/// For as long as it runs, the devices are read again (for
+/// `ListAndWatch`) and published in Tether (for the extender).
 pub async fn run(
+    plugin: Arc<GpuPlugin>,
+    placement: Placement,
+    shutdown: impl Future<Output = ()>,
+) -> anyhow::Result<()> {
+    let (rescanning, publishing) = (plugin.clone(), plugin.clone());
+    tokio::select! {
+        result = serve_and_register(plugin, placement, shutdown) => result,
+        () = rescanning.rescan_devices() => unreachable!("the rescan runs until dropped"),
+        () = publishing.publish_devices() => unreachable!("publishing runs until dropped"),
+    }
+}
+
+async fn serve_and_register(
     plugin: Arc<GpuPlugin>,
     placement: Placement,
     shutdown: impl Future<Output = ()>,
@@ -622,8 +802,7 @@ pub async fn run(
             }
             tokio::select! {
                 _ = &mut shutdown => {
-                    let _ = stop_tx.send(());
-                    return server.await?;
+                    return stop_server(stop_tx, server).await;
                 }
                 _ = tokio::time::sleep(KUBELET_CHECK_EVERY) => {}
             }
@@ -632,8 +811,7 @@ pub async fn run(
         loop {
             tokio::select! {
                 _ = &mut shutdown => {
-                    let _ = stop_tx.send(());
-                    return server.await?;
+                    return stop_server(stop_tx, server).await;
                 }
                 _ = tokio::time::sleep(KUBELET_CHECK_EVERY) => {}
             }
@@ -648,8 +826,7 @@ pub async fn run(
                 break;
             }
         }
-        let _ = stop_tx.send(());
-        if let Err(err) = server.await? {
+        if let Err(err) = stop_server(stop_tx, server).await {
             tracing::warn!(%err, "the old plugin server ended with an error");
         }
     }

@@ -14,6 +14,11 @@
 //! the lock with outcome `failed` (the Unreserve path) and the device claim,
 //! and returns the error, so kube-scheduler backs off and retries.
 //!
+//! A node's device ids are what its device plugin published in Tether
+//! ([`crate::inventory`]: GPU UUIDs, the healthy ones); for a node whose
+//! plugin published none (an older plugin), `<prefix>0..N` with N its
+//! allocatable count of the resource, as before.
+//!
 //! A retried bind of the same pod is idempotent: the claim and the hold of
 //! the same UID come back unchanged, and a pod the API already shows bound
 //! to the node (an earlier attempt got through) is reported bound, never
@@ -31,9 +36,10 @@ use tether_client::{Client, Error};
 use tokio::net::TcpListener;
 
 use crate::accounting::{Claim, ClaimOwner, DeviceLedger};
+use crate::inventory::{PublishedDevice, published_inventories, published_inventory};
 use crate::kubelet;
 use crate::metrics::{BindOutcome, ExtenderMetrics};
-use crate::plan::{PodCalls, pick_free};
+use crate::plan::{PodCalls, pick_free, pick_free_near};
 use axum::Router;
 use axum::body::Bytes;
 use axum::extract::{DefaultBodyLimit, Path, State};
@@ -198,6 +204,23 @@ pub fn node_inventory(
         ));
     }
     Ok((0..count).map(|i| format!("{prefix}{i}")).collect())
+}
+
+/// The device ids to plan on a node: the healthy devices its plugin
+/// published, if it published any list; else `counted` (from the Node
+/// object's allocatable count).
+pub fn planned_ids(
+    counted: Result<Vec<String>, String>,
+    published: Option<&[PublishedDevice]>,
+) -> Result<Vec<String>, String> {
+    match published {
+        Some(devices) => Ok(devices
+            .iter()
+            .filter(|d| d.healthy)
+            .map(|d| d.id.clone())
+            .collect()),
+        None => counted,
+    }
 }
 
 /// More devices than any node has; a larger count is a misreport.
@@ -553,13 +576,30 @@ impl<B: Binder> Extender<B> {
     }
 
     /// Claims `count` free devices of the node for the pod: its existing
-    /// claim there if it has one, else the first free ones.
+    /// claim there if it has one, else free ones on as few NUMA nodes as
+    /// the plugin's published topology allows ([`pick_free_near`]).
     async fn claim_devices(
         &self,
         args: &ExtenderBindingArgs,
         count: usize,
     ) -> Result<Vec<String>, String> {
-        let node_devices = self.devices_of(&args.node, Duration::ZERO).await?;
+        let published = published_inventory(&self.client, &args.node)
+            .await
+            .map_err(|err| {
+                format!(
+                    "cannot read the devices node {} published: {err}",
+                    args.node
+                )
+            })?;
+        let node_devices = planned_ids(
+            self.devices_of(&args.node, Duration::ZERO).await,
+            published.as_deref(),
+        )?;
+        let numa_of: BTreeMap<String, u32> = published
+            .iter()
+            .flatten()
+            .filter_map(|d| Some((d.id.clone(), d.numa_node?)))
+            .collect();
         if node_devices.len() < count {
             return Err(format!(
                 "pod {}/{} needs {count} {} devices; node {} has {} allocatable",
@@ -589,7 +629,7 @@ impl<B: Binder> Extender<B> {
             let devices = if ours.len() == count {
                 ours
             } else {
-                pick_free(&node_devices, &taken, count).map_err(|e| {
+                pick_free_near(&node_devices, &numa_of, &taken, count).map_err(|e| {
                     format!(
                         "node {} cannot take {}/{}: {e}",
                         args.node, args.pod_namespace, args.pod_name
@@ -765,6 +805,22 @@ impl<B: Binder> Extender<B> {
                         .collect()
                         .await;
                     inventory.extend(read);
+                }
+            }
+        }
+        if needed > 0 {
+            let published = match published_inventories(&self.client).await {
+                Ok(published) => published,
+                Err(err) => {
+                    return ExtenderFilterResult {
+                        error: format!("cannot read the devices the nodes published: {err}"),
+                        ..Default::default()
+                    };
+                }
+            };
+            for (node, ids) in inventory.iter_mut() {
+                if let Some(devices) = published.get(node) {
+                    *ids = planned_ids(Ok(Vec::new()), Some(devices));
                 }
             }
         }

@@ -23,24 +23,32 @@
 //! - [`accounting`]: which devices of a node live pods hold, kept as pins.
 //! - [`plan`]: the device plan carried as the hold's payload.
 //! - [`metrics`]: what both count, for `/metrics`.
+//! - [`inventory`]: the devices the plugin advertises (`--devices nvidia`
+//!   or `fake:N`), their health and topology, and what a container gets.
 //! - [`nvidia`]: a node's NVIDIA GPUs read under its host root: device
 //!   ids (UUIDs), health, NUMA nodes, and what a container is handed (CDI
-//!   names, `NVIDIA_VISIBLE_DEVICES`, device nodes). Not yet wired into the
-//!   plugin, which still serves `--devices N` fake devices.
+//!   names, `NVIDIA_VISIBLE_DEVICES`, device nodes).
 //!
 //! # Layout
 //! - `extender.rs`, `device_plugin.rs`, `kubelet.rs`, `accounting.rs`,
-//!   `plan.rs`, `metrics.rs`, `nvidia.rs` — the logic above.
+//!   `plan.rs`, `metrics.rs`, `inventory.rs`, `nvidia.rs` — the logic above.
 //! - `bin/tether-extender.rs`, `bin/tether-device-plugin.rs` — the binaries.
 
 pub mod accounting;
 pub mod cli;
 pub mod device_plugin;
 pub mod extender;
+pub mod inventory;
 pub mod kubelet;
 pub mod metrics;
 pub mod nvidia;
 pub mod plan;
+
+/// The fixture host roots of the tests (`tests/fixtures/`), shared with
+/// the integration tests.
+#[cfg(test)]
+#[path = "../tests/fixtures/mod.rs"]
+mod test_fixtures;
 
 /// The generated kubelet device-plugin API (v1beta1).
 pub mod v1beta1 {

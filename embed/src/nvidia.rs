@@ -13,8 +13,8 @@
 //! - `sys/bus/pci/devices/<PCI address>/numa_node`: the GPU's NUMA node
 //!   (`-1` where the platform names none), for topology.
 //!
-//! The fixture trees of the tests copy that layout as public sources show
-//! it: `Key: \t value` lines with `Device Minor:` as node-setup scripts
+//! The fixture trees of the tests (`tests/fixtures/nvidia/`) copy that
+//! layout as public sources show it: `Key: \t value` lines with `Device Minor:` as node-setup scripts
 //! and validators parse it, and entry directories named by the lower-case
 //! sysfs address (`0000:c1:00.0`). No driver runs here, so what a real
 //! driver writes after a GPU falls off the bus (the entry gone, as assumed
@@ -34,6 +34,9 @@ const GPUS_DIR: &str = "proc/driver/nvidia/gpus";
 const SHARED_NODES: [&str; 3] = ["nvidiactl", "nvidia-uvm", "nvidia-uvm-tools"];
 /// The CDI kind of NVIDIA GPUs.
 pub const CDI_KIND: &str = "nvidia.com/gpu";
+/// The variable NVIDIA's container runtime reads (without CDI): the GPUs'
+/// UUIDs, comma-separated.
+pub const VISIBLE_DEVICES_ENV: &str = "NVIDIA_VISIBLE_DEVICES";
 
 /// One GPU of the node.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -211,42 +214,12 @@ pub fn handover(host_root: &Path, found: &Discovery, uuids: &[String]) -> Result
 mod tests {
     use super::*;
 
-    /// A host root shaped like a GPU node's: `gpus` as (PCI address,
-    /// minor, NUMA node), each with its `information`, device node and
-    /// PCI `numa_node`, and the driver's shared nodes.
-    fn node(gpus: &[(&str, u32, i64)]) -> tempfile::TempDir {
-        let root = tempfile::tempdir().unwrap();
-        let dev = root.path().join("dev");
-        std::fs::create_dir_all(&dev).unwrap();
-        for shared in ["nvidiactl", "nvidia-uvm", "nvidia-uvm-tools"] {
-            std::fs::write(dev.join(shared), "").unwrap();
-        }
-        for (pci, minor, numa) in gpus {
-            let entry = root.path().join(GPUS_DIR).join(pci);
-            std::fs::create_dir_all(&entry).unwrap();
-            let information = format!(
-                "Model: \t\t NVIDIA A100-SXM4-80GB\nIRQ:   \t\t 38\nGPU UUID: \t GPU-{minor:08x}-aaaa-bbbb-cccc-{minor:012x}\n\
-                 Video BIOS: \t 92.00.36.00.02\nBus Type: \t PCIe\nDMA Size: \t 47 bits\n\
-                 DMA Mask: \t 0x7fffffffffff\nBus Location: \t {pci}\nDevice Minor: \t {minor}\n\
-                 GPU Excluded:\t No\n"
-            );
-            std::fs::write(entry.join("information"), information).unwrap();
-            std::fs::write(dev.join(format!("nvidia{minor}")), "").unwrap();
-            let sys = root.path().join("sys/bus/pci/devices").join(pci);
-            std::fs::create_dir_all(&sys).unwrap();
-            std::fs::write(sys.join("numa_node"), format!("{numa}\n")).unwrap();
-        }
-        root
-    }
-
-    fn uuid(minor: u32) -> String {
-        format!("GPU-{minor:08x}-aaaa-bbbb-cccc-{minor:012x}")
-    }
+    use crate::test_fixtures::{fall_off_the_bus, nvidia_node, nvidia_tree, uuid};
 
     #[test]
     fn one_gpu_is_found_with_its_uuid_minor_model_and_numa_node() {
-        let root = node(&[("0000:3b:00.0", 0, -1)]);
-        let found = discover(root.path()).unwrap();
+        let root = nvidia_tree("one-gpu");
+        let found = discover(&root).unwrap();
         assert!(found.skipped.is_empty(), "{:?}", found.skipped);
         let gpu = &found.gpus[&uuid(0)];
         assert_eq!(gpu.minor, 0);
@@ -254,7 +227,7 @@ mod tests {
         assert_eq!(gpu.pci_address, "0000:3b:00.0");
         // -1: the platform names no NUMA node.
         assert_eq!(gpu.numa_node, None);
-        let given = handover(root.path(), &found, &[uuid(0)]).unwrap();
+        let given = handover(&root, &found, &[uuid(0)]).unwrap();
         assert_eq!(given.cdi_devices, [format!("nvidia.com/gpu={}", uuid(0))]);
         assert_eq!(given.visible_devices, uuid(0));
         assert_eq!(
@@ -271,25 +244,15 @@ mod tests {
 
     #[test]
     fn eight_gpus_on_two_numa_nodes_and_exactly_the_asked_ones_handed_over() {
-        let gpus: Vec<(String, u32, i64)> = (0..8)
-            .map(|i| {
-                (
-                    format!("0000:{:02x}:00.0", 0x18 + i * 0x10),
-                    i,
-                    i64::from(i / 4),
-                )
-            })
-            .collect();
-        let spec: Vec<(&str, u32, i64)> =
-            gpus.iter().map(|(p, m, n)| (p.as_str(), *m, *n)).collect();
-        let root = node(&spec);
-        let found = discover(root.path()).unwrap();
+        let root = nvidia_tree("eight-gpus");
+        let found = discover(&root).unwrap();
+        assert!(found.skipped.is_empty(), "{:?}", found.skipped);
         assert_eq!(found.gpus.len(), 8);
-        for (_, minor, numa) in &spec {
-            assert_eq!(found.gpus[&uuid(*minor)].numa_node, Some(*numa as u32));
+        for minor in 0..8 {
+            assert_eq!(found.gpus[&uuid(minor)].numa_node, Some(minor / 4));
         }
         let asked = [uuid(6), uuid(5)];
-        let given = handover(root.path(), &found, &asked).unwrap();
+        let given = handover(&root, &found, &asked).unwrap();
         assert_eq!(given.visible_devices, format!("{},{}", uuid(6), uuid(5)));
         assert_eq!(
             &given.device_nodes[..2],
@@ -301,21 +264,20 @@ mod tests {
             "two GPUs and the three shared nodes"
         );
         // A device id the node does not have is refused, not replaced.
-        let refused = handover(root.path(), &found, &[uuid(9)]).unwrap_err();
+        let refused = handover(&root, &found, &[uuid(9)]).unwrap_err();
         assert!(refused.contains(&uuid(9)), "{refused}");
     }
 
     #[test]
     fn a_gpu_that_falls_off_the_bus_turns_unhealthy() {
-        let root = node(&[("0000:18:00.0", 0, 0), ("0000:28:00.0", 1, 0)]);
+        let root = nvidia_node("eight-gpus");
         let before = discover(root.path()).unwrap();
         assert!(
             health(&before.gpus, &before)
                 .values()
                 .all(|healthy| *healthy)
         );
-        // The driver drops the lost GPU's entry.
-        std::fs::remove_dir_all(root.path().join(GPUS_DIR).join("0000:28:00.0")).unwrap();
+        fall_off_the_bus(root.path(), "0000:28:00.0");
         let after = discover(root.path()).unwrap();
         let health = health(&before.gpus, &after);
         assert!(health[&uuid(0)]);
@@ -325,7 +287,7 @@ mod tests {
 
     #[test]
     fn unusable_entries_are_named_and_a_node_without_the_driver_has_no_gpus() {
-        let root = node(&[("0000:18:00.0", 0, 0), ("0000:28:00.0", 1, 0)]);
+        let root = nvidia_node("eight-gpus");
         // A lost GPU's UUID reads as question marks; another's node is gone.
         let lost = root.path().join(GPUS_DIR).join("0000:18:00.0/information");
         let text = std::fs::read_to_string(&lost)
@@ -334,7 +296,9 @@ mod tests {
         std::fs::write(&lost, text).unwrap();
         std::fs::remove_file(root.path().join("dev/nvidia1")).unwrap();
         let found = discover(root.path()).unwrap();
-        assert!(found.gpus.is_empty());
+        assert_eq!(found.gpus.len(), 6, "the other six are still found");
+        assert!(!found.gpus.contains_key(&uuid(0)) && !found.gpus.contains_key(&uuid(1)));
+        assert_eq!(found.skipped.len(), 2);
         let why: Vec<&str> = found.skipped.iter().map(|(_, why)| why.as_str()).collect();
         assert!(why.iter().any(|w| w.contains("is not a GPU's")), "{why:?}");
         assert!(why.iter().any(|w| w.contains("device node")), "{why:?}");

@@ -6,7 +6,7 @@
 //! ([`crate::accounting`]), made while the extender holds the node's lock.
 //! The device plugin joins them into a [`DevicePlan`].
 
-use std::collections::BTreeSet;
+use std::collections::{BTreeMap, BTreeSet};
 
 use serde::{Deserialize, Serialize};
 
@@ -140,6 +140,47 @@ pub fn pick_free(
     Ok(free)
 }
 
+/// `count` free devices of `devices` (the node's, in order; `in_use` are
+/// not free) on as few NUMA nodes as it can, by `numa_of` (device -> its
+/// NUMA node; devices without one are a group of their own): the NUMA node
+/// with the fewest free devices that still holds `count` (best fit, so
+/// larger free groups stay whole for larger pods), else the groups with
+/// the most free devices first. Within a group, the node's order. Without
+/// topology this is [`pick_free`].
+pub fn pick_free_near(
+    devices: &[String],
+    numa_of: &BTreeMap<String, u32>,
+    in_use: &BTreeSet<String>,
+    count: usize,
+) -> Result<Vec<String>, String> {
+    let mut groups: BTreeMap<Option<u32>, Vec<&String>> = BTreeMap::new();
+    for device in devices.iter().filter(|d| !in_use.contains(*d)) {
+        groups
+            .entry(numa_of.get(device).copied())
+            .or_default()
+            .push(device);
+    }
+    if groups.values().map(Vec::len).sum::<usize>() < count {
+        return pick_free(devices, in_use, count);
+    }
+    if let Some(group) = groups
+        .values()
+        .filter(|g| g.len() >= count)
+        .min_by_key(|g| g.len())
+    {
+        return Ok(group[..count].iter().map(|d| d.to_string()).collect());
+    }
+    let mut ordered: Vec<Vec<&String>> = groups.into_values().collect();
+    // Stable: among groups of one size, the lower NUMA node first.
+    ordered.sort_by_key(|g| std::cmp::Reverse(g.len()));
+    Ok(ordered
+        .into_iter()
+        .flatten()
+        .take(count)
+        .map(|d| d.to_string())
+        .collect())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -192,5 +233,48 @@ mod tests {
         );
         let err = pick_free(&node, &in_use, 3).unwrap_err();
         assert_eq!(err, "3 devices needed, 2 of 4 free");
+    }
+
+    #[test]
+    fn several_gpus_are_planned_on_one_numa_node_when_one_holds_them() {
+        // Eight GPUs, 0-3 on NUMA node 0 and 4-7 on node 1.
+        let node: Vec<String> = (0..8).map(|i| format!("g{i}")).collect();
+        let numa: BTreeMap<String, u32> =
+            (0..8).map(|i| (format!("g{i}"), (i / 4) as u32)).collect();
+        let used = |names: &[&str]| -> BTreeSet<String> { ids(names).into_iter().collect() };
+        // Node 0 has two free, node 1 four: two GPUs go to node 0 (best
+        // fit), keeping node 1 whole for a four-GPU pod.
+        let in_use = used(&["g0", "g1"]);
+        assert_eq!(
+            pick_free_near(&node, &numa, &in_use, 2).unwrap(),
+            ids(&["g2", "g3"])
+        );
+        assert_eq!(
+            pick_free_near(&node, &numa, &in_use, 4).unwrap(),
+            ids(&["g4", "g5", "g6", "g7"])
+        );
+        // Two free on node 0, three on node 1: three GPUs go to node 1,
+        // where plain node order would split them across both.
+        let in_use = used(&["g0", "g1", "g6"]);
+        assert_eq!(
+            pick_free_near(&node, &numa, &in_use, 3).unwrap(),
+            ids(&["g4", "g5", "g7"])
+        );
+        assert_eq!(
+            pick_free(&node, &in_use, 3).unwrap(),
+            ids(&["g2", "g3", "g4"])
+        );
+        // No NUMA node holds five: the fuller node's first, then the other.
+        let in_use = used(&["g0", "g1"]);
+        assert_eq!(
+            pick_free_near(&node, &numa, &in_use, 5).unwrap(),
+            ids(&["g4", "g5", "g6", "g7", "g2"])
+        );
+        // Without topology: node order, as pick_free.
+        assert_eq!(
+            pick_free_near(&node, &BTreeMap::new(), &in_use, 3).unwrap(),
+            pick_free(&node, &in_use, 3).unwrap()
+        );
+        assert!(pick_free_near(&node, &numa, &in_use, 7).is_err());
     }
 }

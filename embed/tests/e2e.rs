@@ -46,6 +46,7 @@ use tether_embed::extender::{
     Extender, ExtenderBindingArgs, ExtenderBindingResult, ExtenderConfig, KubeBinder,
     serve_extender,
 };
+use tether_embed::inventory::DeviceSource;
 use tether_embed::v1beta1 as api;
 use tether_embed::v1beta1::device_plugin_client::DevicePluginClient;
 use tether_kube_testenv::{Plane, yaml_documents};
@@ -55,6 +56,7 @@ use tokio::net::{TcpListener, TcpStream};
 use tokio::task::JoinHandle;
 
 mod fake_kubelet;
+mod fixtures;
 mod roles;
 
 const NODE: &str = "gpu-node-1";
@@ -419,6 +421,8 @@ struct Rig {
     kubelet: Arc<FakeKubelet>,
     extender: std::net::SocketAddr,
     plugin: Option<RunningPlugin>,
+    /// Where the plugin's devices come from.
+    devices: DeviceSource,
     _dir: tempfile::TempDir,
 }
 
@@ -443,16 +447,19 @@ fn start_plugin(
     cluster: &Cluster,
     identities: &Identities,
     dir: &Path,
+    devices: &DeviceSource,
     hook: Option<BeforeRelease>,
 ) -> RunningPlugin {
     let config = PluginConfig {
         node: NODE.into(),
         scope: "gpu-bind".into(),
         resource_name: RESOURCE.into(),
-        devices: node_devices(),
+        devices: devices.clone(),
+        pod_uid: "device-plugin-pod".into(),
         allocate_deadline: DEADLINE,
     };
-    let mut plugin = GpuPlugin::new(client_as(cluster, identities, &plugin_role()), config);
+    let mut plugin =
+        GpuPlugin::new(client_as(cluster, identities, &plugin_role()), config).unwrap();
     if let Some(hook) = hook {
         plugin = plugin.with_before_release(hook);
     }
@@ -522,11 +529,17 @@ impl Rig {
             uids: Mutex::default(),
             bound: Mutex::default(),
         }));
-        Some(Self::start_on(api, kube, wait, abandoned_wait_grace).await)
+        let devices = DeviceSource::Fake(node_devices());
+        Some(Self::start_on(api, kube, wait, abandoned_wait_grace, devices).await)
     }
 
     /// A scenario on the fake API server (see the module doc for which).
     async fn start_on_fake(wait: Duration) -> Rig {
+        Self::start_on_fake_with(wait, DeviceSource::Fake(node_devices())).await
+    }
+
+    /// [`Rig::start_on_fake`] with the plugin's devices from `devices`.
+    async fn start_on_fake_with(wait: Duration, devices: DeviceSource) -> Rig {
         let api = Arc::new(FakeApi::default());
         let api_listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
         let api_url = format!("http://{}", api_listener.local_addr().unwrap());
@@ -542,7 +555,7 @@ impl Rig {
             std::future::pending(),
         ));
         let kube = kube::Client::try_from(kube::Config::new(api_url.parse().unwrap())).unwrap();
-        Self::start_on(KubeSide::Fake(api), kube, wait, None).await
+        Self::start_on(KubeSide::Fake(api), kube, wait, None, devices).await
     }
 
     async fn start_on(
@@ -550,6 +563,7 @@ impl Rig {
         kube: kube::Client,
         wait: Duration,
         abandoned_wait_grace: Option<Duration>,
+        devices: DeviceSource,
     ) -> Rig {
         let _ = tracing_subscriber::fmt()
             .with_test_writer()
@@ -587,8 +601,14 @@ impl Rig {
         let extender_addr = listener.local_addr().unwrap();
         tokio::spawn(serve_extender(listener, extender, std::future::pending()));
         let dir = tempfile::tempdir().unwrap();
-        let kubelet = FakeKubelet::start(dir.path(), RESOURCE, node_devices());
-        let plugin = start_plugin(&cluster, &identities, dir.path(), None);
+        // The kubelet knows fake devices from the start; real GPUs only
+        // from the plugin's ListAndWatch.
+        let seeded = match &devices {
+            DeviceSource::Fake(ids) => ids.clone(),
+            DeviceSource::Nvidia { .. } => Vec::new(),
+        };
+        let kubelet = FakeKubelet::start(dir.path(), RESOURCE, seeded);
+        let plugin = start_plugin(&cluster, &identities, dir.path(), &devices, None);
         let rig = Rig {
             cluster,
             client,
@@ -597,6 +617,7 @@ impl Rig {
             kubelet,
             extender: extender_addr,
             plugin: Some(plugin),
+            devices,
             _dir: dir,
         };
         rig.wait_for("the plugin to register", async || {
@@ -1197,6 +1218,7 @@ async fn a_plugin_crashing_mid_allocate_fails_only_that_pod() {
         &rig.cluster,
         &rig.identities,
         rig._dir.path(),
+        &rig.devices,
         Some(hook),
     ));
     assert_eq!(rig.bind("victim").await.error, "");
@@ -1216,6 +1238,7 @@ async fn a_plugin_crashing_mid_allocate_fails_only_that_pod() {
         &rig.cluster,
         &rig.identities,
         rig._dir.path(),
+        &rig.devices,
         None,
     ));
     assert_eq!(rig.bind("next").await.error, "");
@@ -1273,7 +1296,8 @@ async fn the_plugin_lists_its_devices_to_the_kubelet() {
         node: NODE.into(),
         scope: "gpu-bind".into(),
         resource_name: RESOURCE.into(),
-        devices: vec!["gpu0".into(), "gpu1".into()],
+        devices: DeviceSource::Fake(vec!["gpu0".into(), "gpu1".into()]),
+        pod_uid: "device-plugin-pod".into(),
         allocate_deadline: DEADLINE,
     };
     let placement = Placement {
@@ -1281,7 +1305,7 @@ async fn the_plugin_lists_its_devices_to_the_kubelet() {
         socket_name: "tether-gpu.sock".into(),
     };
     let plugin = tokio::spawn(run(
-        Arc::new(GpuPlugin::new(client, config)),
+        Arc::new(GpuPlugin::new(client, config).unwrap()),
         placement,
         std::future::pending(),
     ));
@@ -1671,5 +1695,205 @@ async fn a_bind_abandoned_just_before_the_holder_releases_gives_the_node_to_the_
         "the abandoned bind claimed devices"
     );
     assert!(!rig.api.bound().await.contains(&"second".to_string()));
+    rig.shutdown().await;
+}
+
+/// The plugin on a host root shaped like an eight-GPU node
+/// (`tests/fixtures/nvidia/eight-gpus`, GPUs on NUMA nodes 0 and 1): the
+/// kubelet learns the GPUs by UUID from `ListAndWatch`, the extender
+/// plans on the UUIDs the plugin published, and each container gets
+/// exactly its GPUs as CDI names, `NVIDIA_VISIBLE_DEVICES` and device
+/// nodes. A GPU that falls off the bus turns unhealthy for the kubelet
+/// and the extender alike, and no later pod is planned or given it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn nvidia_gpus_are_planned_and_handed_over_by_uuid_and_a_lost_one_goes_to_no_pod() {
+    use fixtures::{fall_off_the_bus, nvidia_node, uuid};
+    use tether_embed::inventory::published_inventory;
+    let host = nvidia_node("eight-gpus");
+    let rig = Rig::start_on_fake_with(
+        DEADLINE,
+        DeviceSource::Nvidia {
+            host_root: host.path().to_path_buf(),
+            rescan: Duration::from_millis(100),
+        },
+    )
+    .await;
+    let all: BTreeSet<String> = (0..8).map(uuid).collect();
+    rig.wait_for("the kubelet to list the eight GPUs", async || {
+        let listed = rig.kubelet.devices();
+        listed.iter().all(|(_, healthy)| *healthy)
+            && listed
+                .iter()
+                .map(|(id, _)| id.clone())
+                .collect::<BTreeSet<_>>()
+                == all
+    })
+    .await;
+    rig.wait_for("the plugin to publish the GPUs", async || {
+        published_inventory(&rig.client, NODE)
+            .await
+            .unwrap()
+            .is_some_and(|devices| devices.len() == 8)
+    })
+    .await;
+    let published = published_inventory(&rig.client, NODE)
+        .await
+        .unwrap()
+        .unwrap();
+    for device in &published {
+        let minor = (0..8).find(|m| uuid(*m) == device.id).unwrap();
+        assert!(device.healthy);
+        assert_eq!(device.numa_node, Some(minor / 4), "{}", device.id);
+    }
+
+    // A two-GPU pod: planned on two UUIDs, handed exactly those.
+    rig.add_pod("train-a", 2).await;
+    assert_eq!(rig.bind("train-a").await.error, "");
+    let claimed: BTreeSet<String> = rig.claims().await.into_keys().collect();
+    assert_eq!(claimed.len(), 2);
+    assert!(claimed.is_subset(&all), "claims name UUIDs: {claimed:?}");
+    let numa: BTreeSet<Option<u32>> = published
+        .iter()
+        .filter(|d| claimed.contains(&d.id))
+        .map(|d| d.numa_node)
+        .collect();
+    assert_eq!(numa.len(), 1, "both GPUs on one NUMA node: {claimed:?}");
+    let admitted = rig.admit("train-a").await.unwrap();
+    assert_eq!(admitted.len(), 1);
+    let answer = &admitted[0].1;
+    let given: BTreeSet<String> = answer.envs["NVIDIA_VISIBLE_DEVICES"]
+        .split(',')
+        .map(str::to_string)
+        .collect();
+    assert_eq!(given, claimed, "the kubelet was steered to the plan");
+    let cdi: BTreeSet<String> = answer.cdi_devices.iter().map(|d| d.name.clone()).collect();
+    assert_eq!(
+        cdi,
+        claimed
+            .iter()
+            .map(|u| format!("nvidia.com/gpu={u}"))
+            .collect::<BTreeSet<_>>()
+    );
+    let nodes: BTreeSet<String> = answer.devices.iter().map(|d| d.host_path.clone()).collect();
+    let minors = (0..8).filter(|m| claimed.contains(&uuid(*m)));
+    let wanted: BTreeSet<String> = minors
+        .map(|m| format!("/dev/nvidia{m}"))
+        .chain(["/dev/nvidiactl", "/dev/nvidia-uvm", "/dev/nvidia-uvm-tools"].map(String::from))
+        .collect();
+    assert_eq!(nodes, wanted);
+    rig.wait_for("the hold to be released", async || {
+        rig.holder().await.is_none()
+    })
+    .await;
+
+    // An unclaimed GPU falls off the bus.
+    let lost = (0..8).find(|m| !claimed.contains(&uuid(*m))).unwrap();
+    fall_off_the_bus(
+        host.path(),
+        &format!("0000:{:02x}:00.0", 0x18 + lost * 0x10),
+    );
+    rig.wait_for("the kubelet to see the lost GPU unhealthy", async || {
+        rig.kubelet
+            .devices()
+            .iter()
+            .any(|(id, healthy)| *id == uuid(lost) && !healthy)
+    })
+    .await;
+    assert_eq!(
+        rig.kubelet.allocatable(),
+        7,
+        "the kubelet counts it no more"
+    );
+    rig.wait_for("the plugin to publish it unhealthy", async || {
+        published_inventory(&rig.client, NODE)
+            .await
+            .unwrap()
+            .is_some_and(|devices| devices.iter().any(|d| d.id == uuid(lost) && !d.healthy))
+    })
+    .await;
+    // Five healthy GPUs are free: a six-GPU pod no longer fits, a
+    // five-GPU pod gets exactly the five, never the lost one.
+    let six = rig
+        .post(
+            "/scheduler/filter",
+            &serde_json::json!({"Pod": pod_json("six", &[("main", 6, Kind::App)]),
+                "NodeNames": [NODE]}),
+            DEADLINE,
+        )
+        .await
+        .unwrap();
+    assert_eq!(six["NodeNames"], serde_json::json!([]), "{six}");
+    rig.add_pod("train-b", 5).await;
+    assert_eq!(rig.bind("train-b").await.error, "");
+    let admitted = rig.admit("train-b").await.unwrap();
+    let given: BTreeSet<String> = admitted[0].1.envs["NVIDIA_VISIBLE_DEVICES"]
+        .split(',')
+        .map(str::to_string)
+        .collect();
+    let free: BTreeSet<String> = all
+        .iter()
+        .filter(|u| !claimed.contains(*u) && **u != uuid(lost))
+        .cloned()
+        .collect();
+    assert_eq!(given, free);
+    rig.shutdown().await;
+}
+
+/// The plugin's socket deleted while the kubelet runs (a directory
+/// cleaned by hand): the plugin serves and registers again, cutting the
+/// old server's `ListAndWatch` stream, which never ends by itself, rather
+/// than waiting on it for ever.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_deleted_plugin_socket_is_served_again_though_the_kubelet_still_watches_the_old_one() {
+    let rig = Rig::start_on_fake(DEADLINE).await;
+    rig.wait_for("the kubelet to follow ListAndWatch", async || {
+        rig.kubelet.device_updates() > 0
+    })
+    .await;
+    std::fs::remove_file(rig.kubelet.plugin_socket().unwrap()).unwrap();
+    rig.wait_for("the plugin to register again", async || {
+        rig.kubelet.registered() == 2 && rig.kubelet.plugin_socket().is_some()
+    })
+    .await;
+    rig.wait_for("the kubelet to follow the new server", async || {
+        rig.kubelet.device_updates() > 1
+    })
+    .await;
+    assert_eq!(rig.kubelet.allocatable(), 8);
+    rig.shutdown().await;
+}
+
+/// The node's published devices released by hand (or ended because Tether
+/// counted the plugin's pod stopped): the plugin publishes them again
+/// within its check period, so the extender keeps planning real ids.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn published_devices_that_vanish_are_published_again() {
+    use tether_embed::device_plugin::PUBLISHED_CHECK_EVERY;
+    use tether_embed::inventory::{inventory_key, published_inventory};
+    let rig = Rig::start_on_fake(DEADLINE).await;
+    rig.wait_for("the plugin to publish its devices", async || {
+        published_inventory(&rig.client, NODE)
+            .await
+            .unwrap()
+            .is_some()
+    })
+    .await;
+    let released = rig
+        .client
+        .release_pin(&inventory_key(NODE), "by hand")
+        .await
+        .unwrap();
+    assert!(released.is_some());
+    let gone_at = Instant::now();
+    rig.wait_for("the plugin to publish them again", async || {
+        published_inventory(&rig.client, NODE)
+            .await
+            .unwrap()
+            .is_some_and(|devices| devices.len() == 8)
+    })
+    .await;
+    let after = gone_at.elapsed();
+    println!("published again {after:?} after the release");
+    assert!(after <= PUBLISHED_CHECK_EVERY * 2, "{after:?}");
     rig.shutdown().await;
 }

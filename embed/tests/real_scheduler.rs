@@ -38,6 +38,7 @@ use tether_client::proto::LockKey;
 use tether_embed::accounting::{DEFAULT_LIFETIME, DeviceLedger};
 use tether_embed::device_plugin::{GpuPlugin, Placement, PluginConfig, run, unix_channel};
 use tether_embed::extender::{Extender, ExtenderConfig, KubeBinder, serve_extender};
+use tether_embed::inventory::DeviceSource;
 use tether_embed::v1beta1 as api;
 use tether_embed::v1beta1::device_plugin_client::DevicePluginClient;
 use tether_kube_testenv::{ControlPlane, Process, yaml_documents};
@@ -159,16 +160,20 @@ impl Rig {
         let dir = tempfile::tempdir().unwrap();
         let device_ids: Vec<String> = (0..devices).map(|i| format!("gpu{i}")).collect();
         let kubelet = FakeKubelet::start(dir.path(), RESOURCE, device_ids.clone());
-        let plugin = Arc::new(GpuPlugin::new(
-            client_as(&cluster, &identities, &format!("device-plugin:{NODE}")),
-            PluginConfig {
-                node: NODE.into(),
-                scope: "gpu-bind".into(),
-                resource_name: RESOURCE.into(),
-                devices: device_ids,
-                allocate_deadline: DEADLINE,
-            },
-        ));
+        let plugin = Arc::new(
+            GpuPlugin::new(
+                client_as(&cluster, &identities, &format!("device-plugin:{NODE}")),
+                PluginConfig {
+                    node: NODE.into(),
+                    scope: "gpu-bind".into(),
+                    resource_name: RESOURCE.into(),
+                    devices: DeviceSource::Fake(device_ids),
+                    pod_uid: "device-plugin-pod".into(),
+                    allocate_deadline: DEADLINE,
+                },
+            )
+            .unwrap(),
+        );
         let placement = Placement {
             dir: dir.path().to_path_buf(),
             socket_name: "tether-gpu.sock".into(),

@@ -1,5 +1,5 @@
-//! `tether-device-plugin`: a kubelet device plugin for a fake GPU resource
-//! whose `Allocate` learns its pod from Tether (see
+//! `tether-device-plugin`: a kubelet device plugin for a node's NVIDIA GPUs
+//! (or fake devices) whose `Allocate` learns its pod from Tether (see
 //! `tether_embed::device_plugin`).
 
 use std::sync::Arc;
@@ -9,6 +9,7 @@ use clap::Parser;
 use tether_client::Options;
 use tether_embed::cli::DevicePluginArgs;
 use tether_embed::device_plugin::{GpuPlugin, Placement, PluginConfig, router, run};
+use tether_embed::inventory::DeviceSource;
 
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
@@ -23,16 +24,28 @@ async fn main() -> anyhow::Result<()> {
         node: args.node_name.clone(),
         scope: args.scope,
         resource_name: args.resource_name.clone(),
-        devices: (0..args.devices)
-            .map(|i| format!("{}{i}", args.device_prefix))
-            .collect(),
+        devices: DeviceSource::parse(
+            &args.devices,
+            args.host_root.clone(),
+            args.rescan,
+            &args.device_prefix,
+        )
+        .map_err(anyhow::Error::msg)?,
+        pod_uid: args.pod_uid.clone().unwrap_or_else(|| {
+            let made = tether_embed::inventory::standalone_owner(&args.node_name);
+            tracing::warn!(owner = made, "no --pod-uid (POD_UID): the published devices are owned by no pod and end with the node only");
+            made
+        }),
         allocate_deadline: args.allocate_timeout,
     };
     let placement = Placement {
         dir: args.plugin_dir,
         socket_name: args.socket_name,
     };
-    let plugin = Arc::new(GpuPlugin::new(client, config));
+    let plugin = Arc::new(
+        GpuPlugin::new(client, config)
+            .with_context(|| format!("cannot read the GPUs under {}", args.host_root.display()))?,
+    );
     // One SIGTERM stops both the plugin and its HTTP side; so does the
     // plugin ending on its own (an error).
     let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);

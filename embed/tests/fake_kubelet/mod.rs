@@ -22,7 +22,12 @@
 //!   sidecar's and an app container's leave it;
 //! - an `Allocate` error fails the pod: no retry;
 //! - a kubelet restart deletes every socket in the plugin directory and
-//!   serves `kubelet.sock` afresh.
+//!   serves `kubelet.sock` afresh;
+//! - on registration it dials the plugin and follows its `ListAndWatch`
+//!   (`pkg/kubelet/cm/devicemanager/plugin/v1beta1/client.go`, `Run`):
+//!   each answer is the whole device list and replaces the last one, its
+//!   `Healthy` devices the ones it allocates from and counts as allocatable,
+//!   the rest unhealthy (`manager.go`, `genericDeviceUpdateCallback`).
 //!
 //! Shared by `e2e.rs` (a fake API server) and `real_scheduler.rs` (a real
 //! kube-apiserver and kube-scheduler): no real kubelet can run here without
@@ -39,9 +44,53 @@ use tether_embed::v1beta1::device_plugin_client::DevicePluginClient;
 use tether_embed::v1beta1::registration_server::{Registration, RegistrationServer};
 use tokio::task::JoinHandle;
 
-/// The kubelet's `Registration` service: records every registration.
+/// The kubelet's `Registration` service: records every registration and
+/// follows the registered plugin's `ListAndWatch`.
 #[derive(Clone, Default)]
-pub struct Registrations(pub Arc<Mutex<Vec<api::RegisterRequest>>>);
+pub struct Registrations(pub Arc<Mutex<Vec<api::RegisterRequest>>>, Following);
+
+/// The device list as the plugin last sent it (id, healthy), and the task
+/// that follows it.
+#[derive(Clone, Default)]
+pub struct Following {
+    dir: PathBuf,
+    devices: Arc<Mutex<Vec<(String, bool)>>>,
+    task: Arc<Mutex<Option<JoinHandle<()>>>>,
+    /// `ListAndWatch` answers received.
+    updates: Arc<std::sync::atomic::AtomicUsize>,
+}
+
+impl Following {
+    /// Dials the plugin at `endpoint` and replaces the device list with
+    /// each `ListAndWatch` answer until the stream ends.
+    fn follow(&self, endpoint: &str) {
+        let socket = self.dir.join(endpoint);
+        let (devices, updates) = (self.devices.clone(), self.updates.clone());
+        let task = tokio::spawn(async move {
+            let Ok(channel) = tether_embed::device_plugin::unix_channel(socket).await else {
+                return;
+            };
+            let Ok(stream) = DevicePluginClient::new(channel)
+                .list_and_watch(api::Empty {})
+                .await
+            else {
+                return;
+            };
+            let mut stream = stream.into_inner();
+            while let Ok(Some(answer)) = stream.message().await {
+                *devices.lock().unwrap() = answer
+                    .devices
+                    .into_iter()
+                    .map(|d| (d.id, d.health == "Healthy"))
+                    .collect();
+                updates.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+            }
+        });
+        if let Some(old) = self.task.lock().unwrap().replace(task) {
+            old.abort();
+        }
+    }
+}
 
 #[tonic::async_trait]
 impl Registration for Registrations {
@@ -49,7 +98,9 @@ impl Registration for Registrations {
         &self,
         request: tonic::Request<api::RegisterRequest>,
     ) -> Result<tonic::Response<api::Empty>, tonic::Status> {
-        self.0.lock().unwrap().push(request.into_inner());
+        let request = request.into_inner();
+        self.1.follow(&request.endpoint);
+        self.0.lock().unwrap().push(request);
         Ok(tonic::Response::new(api::Empty {}))
     }
 }
@@ -59,8 +110,6 @@ pub struct FakeKubelet {
     dir: PathBuf,
     /// The extended resource it admits pods for.
     resource: String,
-    /// The node's devices.
-    devices: Vec<String>,
     pub registrations: Registrations,
     server: Mutex<Option<JoinHandle<()>>>,
     /// Devices the kubelet has given to each pod.
@@ -71,14 +120,19 @@ pub struct FakeKubelet {
 pub type Admitted = Vec<(String, api::ContainerAllocateResponse)>;
 
 impl FakeKubelet {
-    /// A kubelet with `devices` of `resource`, serving `kubelet.sock` in
+    /// A kubelet with `devices` of `resource` (all healthy until a
+    /// plugin's `ListAndWatch` says otherwise), serving `kubelet.sock` in
     /// `dir`.
     pub fn start(dir: &Path, resource: &str, devices: Vec<String>) -> Arc<FakeKubelet> {
+        let following = Following {
+            dir: dir.to_path_buf(),
+            devices: Arc::new(Mutex::new(devices.into_iter().map(|d| (d, true)).collect())),
+            ..Following::default()
+        };
         let kubelet = Arc::new(FakeKubelet {
             dir: dir.to_path_buf(),
             resource: resource.to_string(),
-            devices,
-            registrations: Registrations::default(),
+            registrations: Registrations(Arc::default(), following),
             server: Mutex::new(None),
             allocated: Mutex::default(),
         });
@@ -99,10 +153,14 @@ impl FakeKubelet {
         }));
     }
 
-    /// What a kubelet restart does to the directory.
+    /// What a kubelet restart does: its connections close (the
+    /// `ListAndWatch` it follows too) and the directory is emptied.
     pub fn restart(&self) {
         if let Some(server) = self.server.lock().unwrap().take() {
             server.abort();
+        }
+        if let Some(following) = self.registrations.1.task.lock().unwrap().take() {
+            following.abort();
         }
         for entry in std::fs::read_dir(&self.dir).unwrap() {
             let path = entry.unwrap().path();
@@ -111,6 +169,27 @@ impl FakeKubelet {
             }
         }
         self.serve();
+    }
+
+    /// The device list as the plugin last sent it: (id, healthy).
+    pub fn devices(&self) -> Vec<(String, bool)> {
+        self.registrations.1.devices.lock().unwrap().clone()
+    }
+
+    /// `ListAndWatch` answers received so far.
+    pub fn device_updates(&self) -> usize {
+        self.registrations
+            .1
+            .updates
+            .load(std::sync::atomic::Ordering::SeqCst)
+    }
+
+    /// What the node reports as allocatable: the healthy devices.
+    pub fn allocatable(&self) -> usize {
+        self.devices()
+            .iter()
+            .filter(|(_, healthy)| *healthy)
+            .count()
     }
 
     pub fn registered(&self) -> usize {
@@ -180,10 +259,10 @@ impl FakeKubelet {
                     .cloned()
                     .collect();
                 let available: Vec<String> = self
-                    .devices
-                    .iter()
-                    .filter(|&d| !in_use.contains(d) && !picked.contains(d))
-                    .cloned()
+                    .devices()
+                    .into_iter()
+                    .filter(|(d, healthy)| *healthy && !in_use.contains(d) && !picked.contains(d))
+                    .map(|(d, _)| d)
                     .collect();
                 assert!(
                     available.len() >= needed - picked.len(),
