@@ -173,7 +173,7 @@ async fn the_tls_patch_applies_to_the_prod_overlay() {
 /// Every workload's pod template, created (dry run) as a Pod in a namespace
 /// that enforces PodSecurity `restricted`: the API server's own PodSecurity
 /// admission admits each, and refuses the device plugins' (host paths, and
-/// root for the kubelet's socket directory), as its manifest says.
+/// root for the kubelet's socket directory), as their manifests say.
 #[tokio::test]
 async fn pod_security_restricted_admits_every_pod_but_the_device_plugins() {
     let Some(plane) = ControlPlane::shared_or_skip(

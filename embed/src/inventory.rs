@@ -526,6 +526,25 @@ mod tests {
     }
 
     #[test]
+    fn one_gpu_without_a_numa_node_is_listed_without_topology_and_handed_over() {
+        let root = crate::test_fixtures::nvidia_tree("one-gpu");
+        let inventory = Inventory::read(&nvidia(&root)).unwrap();
+        let listed = inventory.devices();
+        assert_eq!(listed.len(), 1);
+        assert_eq!(
+            (&*listed[0].id, &*listed[0].health, &listed[0].topology),
+            (&*uuid(0), "Healthy", &None)
+        );
+        let given = inventory.handover(&[uuid(0)]).unwrap();
+        assert_eq!(given.cdi_devices, [format!("nvidia.com/gpu={}", uuid(0))]);
+        assert_eq!(given.device_nodes[0], "/dev/nvidia0");
+        assert_eq!(
+            inventory.labels()[&format!("inventory.tether.io/{}", uuid(0))],
+            "healthy"
+        );
+    }
+
+    #[test]
     fn a_node_without_the_driver_advertises_no_gpus() {
         let bare = tempfile::tempdir().unwrap();
         let inventory = Inventory::read(&nvidia(bare.path())).unwrap();
