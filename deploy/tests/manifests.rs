@@ -923,17 +923,27 @@ fn check_device_plugin(
         .flatten()
         .find(|m| m.mount_path == plugin_args.plugin_dir.to_str().unwrap())
         .expect("the plugin directory is mounted");
-    let volume = plugin
+    assert_eq!(
+        host_path_of(&plugin, mount),
+        "/var/lib/kubelet/device-plugins"
+    );
+    (plugin, plugin_args)
+}
+
+/// The host directory behind a pod's mount (its volume is a hostPath).
+fn host_path_of(pod: &PodSpec, mount: &k8s_openapi::api::core::v1::VolumeMount) -> String {
+    let volume = pod
         .volumes
         .iter()
         .flatten()
         .find(|v| v.name == mount.name)
-        .unwrap();
-    assert_eq!(
-        volume.host_path.as_ref().unwrap().path,
-        "/var/lib/kubelet/device-plugins"
-    );
-    (plugin, plugin_args)
+        .unwrap_or_else(|| panic!("no volume {}", mount.name));
+    volume
+        .host_path
+        .as_ref()
+        .expect("a hostPath volume")
+        .path
+        .clone()
 }
 
 /// The NVIDIA variant: real GPUs read under a read-only host root (the
@@ -968,13 +978,7 @@ fn check_nvidia_plugin(plugin: &PodSpec, args: &tether_embed::cli::DevicePluginA
             "{} read-only",
             mount.mount_path
         );
-        let volume = plugin
-            .volumes
-            .iter()
-            .flatten()
-            .find(|v| v.name == mount.name)
-            .unwrap();
-        assert_eq!(volume.host_path.as_ref().unwrap().path, host);
+        assert_eq!(host_path_of(plugin, mount), host);
     }
 }
 

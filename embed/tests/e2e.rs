@@ -723,6 +723,18 @@ impl Rig {
         }
     }
 
+    /// Waits until the plugin's published device list names `count`
+    /// devices.
+    async fn wait_for_published(&self, what: &str, count: usize) {
+        self.wait_for(what, async || {
+            tether_embed::inventory::published_inventory(&self.client, NODE)
+                .await
+                .unwrap()
+                .is_some_and(|devices| devices.len() == count)
+        })
+        .await;
+    }
+
     async fn waiters(&self) -> Vec<String> {
         let state = self.client.get(&key()).await.unwrap();
         state
@@ -1729,13 +1741,8 @@ async fn nvidia_gpus_are_planned_and_handed_over_by_uuid_and_a_lost_one_goes_to_
                 == all
     })
     .await;
-    rig.wait_for("the plugin to publish the GPUs", async || {
-        published_inventory(&rig.client, NODE)
-            .await
-            .unwrap()
-            .is_some_and(|devices| devices.len() == 8)
-    })
-    .await;
+    rig.wait_for_published("the plugin to publish the GPUs", 8)
+        .await;
     let published = published_inventory(&rig.client, NODE)
         .await
         .unwrap()
@@ -1885,13 +1892,8 @@ async fn published_devices_that_vanish_are_published_again() {
         .unwrap();
     assert!(released.is_some());
     let gone_at = Instant::now();
-    rig.wait_for("the plugin to publish them again", async || {
-        published_inventory(&rig.client, NODE)
-            .await
-            .unwrap()
-            .is_some_and(|devices| devices.len() == 8)
-    })
-    .await;
+    rig.wait_for_published("the plugin to publish them again", 8)
+        .await;
     let after = gone_at.elapsed();
     println!("published again {after:?} after the release");
     assert!(after <= PUBLISHED_CHECK_EVERY * 2, "{after:?}");
