@@ -115,6 +115,8 @@ impl GpuPlugin {
             tracing::warn!(entry, why, "a GPU entry of the driver is left out");
         }
         tracing::info!(devices = ?inventory.devices().iter().map(|d| &d.id).collect::<Vec<_>>(), "devices read");
+        let metrics = PluginMetrics::default();
+        count_devices(&metrics, &inventory);
         Ok(Self {
             ledger: DeviceLedger::new(client.clone(), DEFAULT_LIFETIME),
             inventory: tokio::sync::watch::Sender::new(inventory),
@@ -122,7 +124,7 @@ impl GpuPlugin {
             config,
             before_release: None,
             progress: tokio::sync::Mutex::default(),
-            metrics: PluginMetrics::default(),
+            metrics,
         })
     }
 
@@ -230,6 +232,7 @@ impl GpuPlugin {
             for (entry, why) in next.skipped() {
                 tracing::warn!(entry, why, "a GPU entry of the driver is left out");
             }
+            count_devices(&self.metrics, &next);
             self.inventory.send_replace(next);
         }
     }
@@ -445,6 +448,13 @@ impl GpuPlugin {
             }
         }
     }
+}
+
+/// Sets the device gauges from `inventory`.
+fn count_devices(metrics: &PluginMetrics, inventory: &Inventory) {
+    let devices = inventory.devices();
+    let healthy = devices.iter().filter(|d| d.health == "Healthy").count();
+    metrics.devices(healthy, devices.len() - healthy);
 }
 
 type ListAndWatchStream =

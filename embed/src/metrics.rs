@@ -9,6 +9,7 @@
 use prometheus_client::encoding::EncodeLabelSet;
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::metrics::histogram::Histogram;
 use prometheus_client::registry::Registry;
 use tether_http::metrics::{latency_histogram, wait_histogram};
@@ -16,6 +17,11 @@ use tether_http::metrics::{latency_histogram, wait_histogram};
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct OutcomeLabel {
     outcome: &'static str,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct HealthLabel {
+    health: &'static str,
 }
 
 /// A family whose known outcomes start at zero, so `increase()` sees the
@@ -105,6 +111,7 @@ pub struct PluginMetrics {
     allocate_duration: Histogram,
     corrections: Counter,
     registrations: Counter,
+    devices: Family<HealthLabel, Gauge>,
 }
 
 impl Default for PluginMetrics {
@@ -134,12 +141,19 @@ impl Default for PluginMetrics {
             "Registrations with the kubelet (one at start, one after each kubelet restart)",
             registrations.clone(),
         );
+        let devices = Family::<HealthLabel, Gauge>::default();
+        registry.register(
+            "tether_device_plugin_devices",
+            "Devices the plugin advertises to the kubelet, by health (unhealthy: a GPU whose driver entry is gone, given to no new pod)",
+            devices.clone(),
+        );
         Self {
             registry,
             allocates,
             allocate_duration,
             corrections,
             registrations,
+            devices,
         }
     }
 }
@@ -162,6 +176,15 @@ impl PluginMetrics {
     /// Counts a registration with the kubelet.
     pub fn registration(&self) {
         self.registrations.inc();
+    }
+
+    /// Sets the devices advertised now, healthy and not.
+    pub fn devices(&self, healthy: usize, unhealthy: usize) {
+        for (health, count) in [("healthy", healthy), ("unhealthy", unhealthy)] {
+            self.devices
+                .get_or_create(&HealthLabel { health })
+                .set(count as i64);
+        }
     }
 
     /// The OpenMetrics text.
@@ -201,7 +224,12 @@ mod tests {
         plugin.allocate(false, 0.01);
         plugin.correction();
         plugin.registration();
+        plugin.devices(7, 1);
         let text = plugin.render();
+        assert!(
+            text.contains("tether_device_plugin_devices{health=\"unhealthy\"} 1\n"),
+            "{text}"
+        );
         assert!(
             text.contains("tether_device_plugin_allocates_total{outcome=\"refused\"} 1\n"),
             "{text}"

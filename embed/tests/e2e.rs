@@ -1811,6 +1811,13 @@ async fn nvidia_gpus_are_planned_and_handed_over_by_uuid_and_a_lost_one_goes_to_
         7,
         "the kubelet counts it no more"
     );
+    let metrics = rig.plugin.as_ref().unwrap().service.metrics().render();
+    for line in [
+        "tether_device_plugin_devices{health=\"healthy\"} 7",
+        "tether_device_plugin_devices{health=\"unhealthy\"} 1",
+    ] {
+        assert!(metrics.contains(line), "{line} in {metrics}");
+    }
     rig.wait_for("the plugin to publish it unhealthy", async || {
         published_inventory(&rig.client, NODE)
             .await
