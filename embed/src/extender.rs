@@ -206,21 +206,14 @@ pub fn node_inventory(
     Ok((0..count).map(|i| format!("{prefix}{i}")).collect())
 }
 
-/// The device ids to plan on a node: the healthy devices its plugin
-/// published, if it published any list; else `counted` (from the Node
-/// object's allocatable count).
-pub fn planned_ids(
-    counted: Result<Vec<String>, String>,
-    published: Option<&[PublishedDevice]>,
-) -> Result<Vec<String>, String> {
-    match published {
-        Some(devices) => Ok(devices
-            .iter()
-            .filter(|d| d.healthy)
-            .map(|d| d.id.clone())
-            .collect()),
-        None => counted,
-    }
+/// The device ids to plan on a node whose plugin published `devices`: the
+/// healthy ones.
+pub fn healthy_ids(devices: &[PublishedDevice]) -> Vec<String> {
+    devices
+        .iter()
+        .filter(|d| d.healthy)
+        .map(|d| d.id.clone())
+        .collect()
 }
 
 /// More devices than any node has; a larger count is a misreport.
@@ -591,10 +584,12 @@ impl<B: Binder> Extender<B> {
                     args.node
                 )
             })?;
-        let node_devices = planned_ids(
-            self.devices_of(&args.node, Duration::ZERO).await,
-            published.as_deref(),
-        )?;
+        // The Node object is read only for a node whose plugin published
+        // nothing (its device count).
+        let node_devices = match published.as_deref() {
+            Some(devices) => healthy_ids(devices),
+            None => self.devices_of(&args.node, Duration::ZERO).await?,
+        };
         let numa_of: BTreeMap<String, u32> = published
             .iter()
             .flatten()
@@ -820,7 +815,7 @@ impl<B: Binder> Extender<B> {
             };
             for (node, ids) in inventory.iter_mut() {
                 if let Some(devices) = published.get(node) {
-                    *ids = planned_ids(Ok(Vec::new()), Some(devices));
+                    *ids = Ok(healthy_ids(devices));
                 }
             }
         }

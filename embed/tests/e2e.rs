@@ -497,6 +497,18 @@ impl Rig {
         wait: Duration,
         abandoned_wait_grace: Option<Duration>,
     ) -> Option<Rig> {
+        let devices = DeviceSource::Fake(node_devices());
+        Self::start_real(test, wait, abandoned_wait_grace, devices).await
+    }
+
+    /// A scenario on a real API server whose plugin's devices come from
+    /// `devices`.
+    async fn start_real(
+        test: &str,
+        wait: Duration,
+        abandoned_wait_grace: Option<Duration>,
+        devices: DeviceSource,
+    ) -> Option<Rig> {
         let plane = Plane::own_or_skip(test).await?;
         // The extender runs as its service account with the manifests' RBAC.
         let manifest =
@@ -529,17 +541,12 @@ impl Rig {
             uids: Mutex::default(),
             bound: Mutex::default(),
         }));
-        let devices = DeviceSource::Fake(node_devices());
         Some(Self::start_on(api, kube, wait, abandoned_wait_grace, devices).await)
     }
 
     /// A scenario on the fake API server (see the module doc for which).
     async fn start_on_fake(wait: Duration) -> Rig {
-        Self::start_on_fake_with(wait, DeviceSource::Fake(node_devices())).await
-    }
-
-    /// [`Rig::start_on_fake`] with the plugin's devices from `devices`.
-    async fn start_on_fake_with(wait: Duration, devices: DeviceSource) -> Rig {
+        let devices = DeviceSource::Fake(node_devices());
         let api = Arc::new(FakeApi::default());
         let api_listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
         let api_url = format!("http://{}", api_listener.local_addr().unwrap());
@@ -1722,14 +1729,19 @@ async fn nvidia_gpus_are_planned_and_handed_over_by_uuid_and_a_lost_one_goes_to_
     use fixtures::{fall_off_the_bus, nvidia_node, uuid};
     use tether_embed::inventory::published_inventory;
     let host = nvidia_node("eight-gpus");
-    let rig = Rig::start_on_fake_with(
+    let Some(rig) = Rig::start_real(
+        "nvidia_gpus_are_planned_and_handed_over_by_uuid_and_a_lost_one_goes_to_no_pod",
         DEADLINE,
+        None,
         DeviceSource::Nvidia {
             host_root: host.path().to_path_buf(),
             rescan: Duration::from_millis(100),
         },
     )
-    .await;
+    .await
+    else {
+        return;
+    };
     let all: BTreeSet<String> = (0..8).map(uuid).collect();
     rig.wait_for("the kubelet to list the eight GPUs", async || {
         let listed = rig.kubelet.devices();
