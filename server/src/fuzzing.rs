@@ -196,14 +196,16 @@ pub fn stored(data: &[u8]) -> bool {
             }
             Err(_) => false,
         },
-        4 => match decode::<openraft::raft::VoteRequest<u64>>(bytes) {
+        4 => match crate::raft::network::decode_vote_request(bytes) {
             Ok(rpc) => {
                 stable(&rpc);
                 true
             }
             Err(_) => false,
         },
-        _ => match decode::<openraft::raft::InstallSnapshotRequest<crate::raft::TypeConfig>>(bytes)
+        _ => match decode::<
+            openraft_legacy::network_v1::InstallSnapshotRequest<crate::raft::TypeConfig>,
+        >(bytes)
         {
             Ok(rpc) => {
                 stable(&rpc);
@@ -865,10 +867,12 @@ fn request_seeds() -> Vec<Vec<u8>> {
         tagged(
             24,
             &pb::RaftRequest {
-                data: encode(&openraft::raft::VoteRequest::<u64>::new(
-                    openraft::Vote::new(3, 2),
-                    None,
-                )),
+                data: encode(
+                    &openraft::raft::VoteRequest::<crate::raft::TypeConfig>::new(
+                        openraft::Vote::new(3, 2),
+                        None,
+                    ),
+                ),
             },
         ),
         tagged(
@@ -917,7 +921,7 @@ fn stored_seeds() -> Vec<Vec<u8>> {
         let request = Request::new(None, 1_000_000 + index * 100, command);
         let (_, events, _) = apply(&mut state, index, &request);
         let entry = crate::raft::Entry {
-            log_id: openraft::LogId::new(openraft::CommittedLeaderId::new(1, 1), index),
+            log_id: crate::raft::log_id(1, 1, index),
             payload: openraft::EntryPayload::Normal(request),
         };
         out.push([vec![0], encode(&entry)].concat());
@@ -929,7 +933,8 @@ fn stored_seeds() -> Vec<Vec<u8>> {
     let nodes: BTreeMap<u64, openraft::BasicNode> =
         [(1u64, openraft::BasicNode::new("127.0.0.1:7420"))].into();
     let voters: std::collections::BTreeSet<u64> = [1u64].into();
-    let membership = openraft::Membership::new(vec![voters], nodes);
+    let membership =
+        openraft::Membership::new(vec![voters], nodes).expect("one voter, who is a node");
     let last = entries.last().map(|e| e.log_id);
     let file = SnapshotFile {
         format_version: crate::sm::SNAPSHOT_FORMAT_VERSION,
@@ -947,12 +952,12 @@ fn stored_seeds() -> Vec<Vec<u8>> {
             entries: entries.into_iter().skip(1).take(4).collect(),
         };
     out.push([vec![3], encode(&append)].concat());
-    let ask = openraft::raft::VoteRequest::new(vote, last);
+    let ask = openraft::raft::VoteRequest::<crate::raft::TypeConfig>::new(vote, last);
     out.push([vec![4], encode(&ask)].concat());
-    let install: openraft::raft::InstallSnapshotRequest<crate::raft::TypeConfig> =
-        openraft::raft::InstallSnapshotRequest {
+    let install: openraft_legacy::network_v1::InstallSnapshotRequest<crate::raft::TypeConfig> =
+        openraft_legacy::network_v1::InstallSnapshotRequest {
             vote,
-            meta: openraft::SnapshotMeta {
+            meta: openraft_legacy::network_v1::SnapshotMeta {
                 last_log_id: last,
                 last_membership: openraft::StoredMembership::default(),
                 snapshot_id: "1-24".into(),

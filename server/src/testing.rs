@@ -2,6 +2,7 @@
 //! gRPC on loopback port 0) for this crate's tests and other crates' end-to-
 //! end tests. Not used by `tetherd`.
 
+use openraft::async_runtime::WatchReceiver as _;
 use std::collections::BTreeMap;
 use std::net::SocketAddr;
 use std::sync::Once;
@@ -104,9 +105,19 @@ impl Cluster {
         cluster
             .node(leader)
             .raft()
-            .ensure_linearizable()
+            .ensure_linearizable(openraft::ReadPolicy::ReadIndex)
             .await
             .expect("leader serves reads");
+        // The first leader records the cluster id in an entry of its own:
+        // wait for it too, so that the test's first write comes after it.
+        let deadline = tokio::time::Instant::now() + DEADLINE;
+        while cluster.node(leader).core().cluster_id.get().is_none() {
+            assert!(
+                tokio::time::Instant::now() < deadline,
+                "the cluster never recorded its id"
+            );
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
         cluster
     }
 
@@ -127,13 +138,14 @@ impl Cluster {
             let running: Vec<&Node> = self.nodes.values().flatten().collect();
             let leaders: Vec<Option<u64>> = running
                 .iter()
-                .map(|n| n.raft().metrics().borrow().current_leader)
+                .map(|n| n.raft().metrics().borrow_watched().current_leader)
                 .collect();
             if let Some(Some(leader)) = leaders.first().copied()
                 && leaders.iter().all(|l| *l == Some(leader))
                 && self.nodes.get(&leader).is_some_and(|n| {
-                    n.as_ref()
-                        .is_some_and(|n| n.raft().metrics().borrow().state == ServerState::Leader)
+                    n.as_ref().is_some_and(|n| {
+                        n.raft().metrics().borrow_watched().state == ServerState::Leader
+                    })
                 })
             {
                 return leader;
@@ -221,12 +233,14 @@ impl Cluster {
             .unwrap_or_else(|e| panic!("replica {id} did not apply {index}: {e}"));
     }
 
-    /// The leader's last applied index.
+    /// Replica `id`'s last applied index, as its state machine has it
+    /// (openraft 0.10 answers a write once it is applied, before its
+    /// metrics show the apply).
     pub fn applied(&self, id: u64) -> u64 {
         self.node(id)
-            .raft()
-            .metrics()
-            .borrow()
+            .core()
+            .state
+            .read()
             .last_applied
             .map_or(0, |l| l.index)
     }
@@ -262,7 +276,7 @@ pub async fn single_node_with(dir: &std::path::Path, tweak: impl FnOnce(&mut Con
         .await
         .expect("single node leads");
     node.raft()
-        .ensure_linearizable()
+        .ensure_linearizable(openraft::ReadPolicy::ReadIndex)
         .await
         .expect("single node serves reads");
     // The leader's first entry of its own gives the cluster its id: wait

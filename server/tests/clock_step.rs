@@ -13,6 +13,7 @@
 
 mod common;
 
+use openraft::async_runtime::WatchReceiver as _;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::Duration;
@@ -96,7 +97,7 @@ async fn a_clock_step_on_the_sitting_leader_neither_expires_kept_alive_leases_no
             .node(leader)
             .raft()
             .metrics()
-            .borrow()
+            .borrow_watched()
             .current_leader,
         Some(leader),
         "the leader stayed (its clock stepped while it led)"

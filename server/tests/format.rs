@@ -9,7 +9,7 @@
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::PathBuf;
 
-use openraft::{BasicNode, CommittedLeaderId, EntryPayload, Membership};
+use openraft::{BasicNode, EntryPayload, Membership};
 use tether_server::raft::{Entry, LogId, StoredMembership};
 use tether_server::sm::affinity::*;
 use tether_server::sm::command::*;
@@ -22,7 +22,7 @@ fn fixture(version: u16, name: &str) -> PathBuf {
 }
 
 fn log_id(term: u64, index: u64) -> LogId {
-    LogId::new(CommittedLeaderId::new(term, 1), index)
+    tether_server::raft::log_id(term, 1, index)
 }
 
 fn pod(uid: &str) -> Pod {
@@ -71,7 +71,7 @@ fn membership() -> Membership<u64, BasicNode> {
             addr: "127.0.0.1:7420".into(),
         },
     )]);
-    Membership::new(vec![BTreeSet::from([1])], nodes)
+    Membership::new(vec![BTreeSet::from([1])], nodes).expect("one voter, who is a node")
 }
 
 /// One entry of every kind that format 1 knows.

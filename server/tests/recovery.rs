@@ -3,6 +3,7 @@
 
 mod common;
 
+use openraft::async_runtime::WatchReceiver as _;
 use std::time::Duration;
 
 use common::{Cluster, DEADLINE, lock, pod};
@@ -21,7 +22,7 @@ async fn wait_purged(cluster: &Cluster, leader: u64, index: u64) {
         .node(leader)
         .raft()
         .metrics()
-        .borrow()
+        .borrow_watched()
         .purged
         .map_or(0, |l| l.index)
         < index
@@ -40,7 +41,7 @@ fn snapshot_index_of(cluster: &Cluster, id: u64) -> u64 {
         .node(id)
         .raft()
         .metrics()
-        .borrow()
+        .borrow_watched()
         .snapshot
         .map_or(0, |l| l.index)
 }
@@ -413,10 +414,10 @@ async fn write_backlog(
 }
 
 /// A follower back from a stop whose backlog is many times one Raft message:
-/// AppendEntries that would pass the limit are split (the network answers
-/// openraft with `PayloadTooLarge` and fewer entries; the receiver would
-/// refuse the whole message, and the follower would never catch up), and a
-/// snapshot goes over in chunks under the limit. The limit is lowered from
+/// AppendEntries that would pass the limit are sent as several messages
+/// that each fit (the network splits them; the receiver would refuse the
+/// whole message, and the follower would never catch up), and a snapshot
+/// goes over in chunks under the limit. The limit is lowered from
 /// 64 MiB to 256 KiB so that 2 MiB of payloads reach it.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_backlog_of_many_raft_messages_reaches_a_restarted_follower() {

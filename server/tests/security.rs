@@ -5,6 +5,7 @@
 
 mod common;
 
+use openraft::async_runtime::WatchReceiver as _;
 use std::path::Path;
 use std::sync::Arc;
 use std::time::Duration;
@@ -328,7 +329,7 @@ async fn a_replica_with_a_certificate_from_another_ca_cannot_join() {
         .node(1)
         .raft()
         .metrics()
-        .borrow()
+        .borrow_watched()
         .current_leader
         .expect("replica 1 knows the leader");
     cluster.wait_applied(5, cluster.applied(leader)).await;

@@ -1,30 +1,48 @@
 //! openraft's storage test suite against Tether's RocksDB log store and state
 //! machine, each run in a fresh temp directory.
 
-use openraft::testing::{StoreBuilder, Suite};
+use openraft::testing::log::{StoreBuilder, Suite};
+use openraft::{ErrorSubject, ErrorVerb, StorageError};
 use tempfile::TempDir;
-use tether_server::raft::{StorageError, TypeConfig};
+use tether_server::raft::TypeConfig;
 use tether_server::store::{self, LogStore, StateMachineStore};
 
 struct RocksBuilder;
 
 impl StoreBuilder<TypeConfig, LogStore, StateMachineStore, TempDir> for RocksBuilder {
-    async fn build(&self) -> Result<(TempDir, LogStore, StateMachineStore), StorageError> {
+    async fn build(
+        &self,
+    ) -> Result<(TempDir, LogStore, StateMachineStore), StorageError<TypeConfig>> {
         let dir = tempfile::tempdir().expect("a temp dir");
-        let (_db, log, sm) = store::open(dir.path()).await?;
+        let (_db, log, sm) = store::open(dir.path())
+            .await
+            .map_err(|e| StorageError::from_io_error(ErrorSubject::Store, ErrorVerb::Read, e))?;
         Ok((dir, log, sm))
     }
 }
 
-#[test]
-fn rocksdb_store_passes_openraft_storage_suite() {
-    Suite::test_all(RocksBuilder).expect("openraft storage suite");
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn rocksdb_store_passes_openraft_storage_suite() {
+    Suite::test_all(RocksBuilder)
+        .await
+        .expect("openraft storage suite");
+}
+
+/// Applies `entries` as openraft does: a stream of entries, none of which
+/// has a caller waiting for its answer here.
+async fn apply(
+    sm: &mut StateMachineStore,
+    entries: impl IntoIterator<Item = tether_server::raft::Entry>,
+) -> Result<(), std::io::Error> {
+    use openraft::storage::RaftStateMachine;
+    let entries: Vec<_> = entries.into_iter().map(|e| Ok((e, None))).collect();
+    RaftStateMachine::apply(sm, futures::stream::iter(entries)).await
 }
 
 /// An Acquire of lock `gpu-bind/node-<index>` at log index `index`, stamped
 /// with leader time `time_ms`.
 fn acquire_entry(index: u64, time_ms: u64) -> tether_server::raft::Entry {
-    use openraft::{CommittedLeaderId, EntryPayload, LogId};
+    use openraft::EntryPayload;
     use tether_server::sm::command::Acquire;
     use tether_server::sm::{Command, LockKey, Pod, Request};
     let command = Command::Acquire(Acquire {
@@ -40,7 +58,7 @@ fn acquire_entry(index: u64, time_ms: u64) -> tether_server::raft::Entry {
         queue_limit: 10,
     });
     tether_server::raft::Entry {
-        log_id: LogId::new(CommittedLeaderId::new(1, 1), index),
+        log_id: tether_server::raft::log_id(1, 1, index),
         payload: EntryPayload::Normal(Request::new(None, time_ms, command)),
     }
 }
@@ -56,7 +74,7 @@ mod store_behaviour {
         let dir = tempfile::tempdir().unwrap();
         {
             let (_db, _log, mut sm) = store::open(dir.path()).await.unwrap();
-            sm.apply((1..=20).map(|i| super::acquire_entry(i, 1000 + i)))
+            super::apply(&mut sm, (1..=20).map(|i| super::acquire_entry(i, 1000 + i)))
                 .await
                 .unwrap();
         }
@@ -92,11 +110,11 @@ mod store_behaviour {
     #[tokio::test]
     async fn the_log_is_never_purged_past_the_stored_snapshot() {
         use openraft::storage::RaftLogStorage;
-        use openraft::testing::log_id;
+        use tether_server::raft::log_id;
         let dir = tempfile::tempdir().unwrap();
         {
             let (_db, mut log, mut sm) = store::open(dir.path()).await.unwrap();
-            sm.apply((1..=10).map(|i| super::acquire_entry(i, 1000 + i)))
+            super::apply(&mut sm, (1..=10).map(|i| super::acquire_entry(i, 1000 + i)))
                 .await
                 .unwrap();
             sm.get_snapshot_builder()
@@ -106,13 +124,11 @@ mod store_behaviour {
                 .unwrap();
             // A snapshot up to 20 arrives and its install fails; openraft
             // has already asked to purge up to it.
-            let _ = sm.begin_receiving_snapshot().await.unwrap();
             let meta = openraft::SnapshotMeta {
                 last_log_id: Some(log_id(1, 1, 20)),
                 last_membership: Default::default(),
-                snapshot_id: "arrived".into(),
             };
-            let garbage = Box::new(std::io::Cursor::new(b"not a snapshot".to_vec()));
+            let garbage = std::io::Cursor::new(b"not a snapshot".to_vec());
             assert!(sm.install_snapshot(&meta, garbage).await.is_err());
             log.purge(log_id(1, 1, 20)).await.unwrap();
             let state = log.get_log_state().await.unwrap();
@@ -150,7 +166,7 @@ mod age_retention {
         let (db, _log, mut sm) = store::open(dir.path()).await.unwrap();
         // Entry i is stamped at i seconds.
         let entries = (1..=10u64).map(|index| super::acquire_entry(index, index * 1000));
-        sm.apply(entries).await.unwrap();
+        super::apply(&mut sm, entries).await.unwrap();
         // Keep 3.5 s of history at committed time 10 s: entries 7..=10.
         snapshot_keeping(&mut sm, 3_500).await;
         let kept = retained_indexes(&db);
@@ -185,19 +201,19 @@ mod age_retention {
     /// deleted event does, and then one past the newest deleted one.
     #[tokio::test]
     async fn a_watch_from_revision_one_misses_nothing_until_an_event_is_deleted() {
-        use openraft::{CommittedLeaderId, EntryPayload, LogId};
+        use openraft::EntryPayload;
         let dir = tempfile::tempdir().unwrap();
         let (db, _log, mut sm) = store::open(dir.path()).await.unwrap();
         // Entries 1-3 carry no events; 4-6 and 9-10 do; 7-8 carry none.
         let blank = |index| tether_server::raft::Entry {
-            log_id: LogId::new(CommittedLeaderId::new(1, 1), index),
+            log_id: tether_server::raft::log_id(1, 1, index),
             payload: EntryPayload::Blank,
         };
         let entries = (1..=10u64).map(|index| match index {
             1..=3 | 7 | 8 => blank(index),
             _ => super::acquire_entry(index, index * 1000),
         });
-        sm.apply(entries).await.unwrap();
+        super::apply(&mut sm, entries).await.unwrap();
         // Everything is young: nothing deleted, a watch may start anywhere.
         snapshot_keeping(&mut sm, 60_000).await;
         assert_eq!(events_first_index(&db).unwrap(), 0);
@@ -229,7 +245,7 @@ mod waits {
         let handle = sm.handle();
         let mut waiting = handle.register_wait(&LockKey::new("gpu-bind", "node-2"), "u2");
         let mut other_pod = handle.register_wait(&LockKey::new("gpu-bind", "node-2"), "u9");
-        sm.apply((1..=3).map(|i| super::acquire_entry(i, 1000 + i)))
+        super::apply(&mut sm, (1..=3).map(|i| super::acquire_entry(i, 1000 + i)))
             .await
             .unwrap();
         match tokio::time::timeout(DEADLINE, waiting.recv()).await {
@@ -251,10 +267,12 @@ mod waits {
     async fn a_snapshot_install_tells_every_wait_to_read_the_state() {
         let source_dir = tempfile::tempdir().unwrap();
         let (_db, _log, mut source) = store::open(source_dir.path()).await.unwrap();
-        source
-            .apply((1..=5).map(|i| super::acquire_entry(i, 1000 + i)))
-            .await
-            .unwrap();
+        super::apply(
+            &mut source,
+            (1..=5).map(|i| super::acquire_entry(i, 1000 + i)),
+        )
+        .await
+        .unwrap();
         let snapshot = source
             .get_snapshot_builder()
             .await
@@ -269,7 +287,6 @@ mod waits {
         let handle = behind.handle();
         let key = LockKey::new("gpu-bind", "node-3");
         let mut waiting = handle.register_wait(&key, "u3");
-        behind.begin_receiving_snapshot().await.unwrap();
         behind
             .install_snapshot(&snapshot.meta, snapshot.snapshot)
             .await

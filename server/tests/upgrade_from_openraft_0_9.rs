@@ -25,6 +25,7 @@
 
 mod common;
 
+use openraft::async_runtime::WatchReceiver as _;
 use std::collections::HashMap;
 use std::fmt::Write as _;
 use std::path::{Path, PathBuf};
@@ -88,9 +89,7 @@ async fn describe(dir: &Path) -> String {
     writeln!(
         out,
         "vote: term {}, node {}, committed {}",
-        vote.leader_id.term,
-        vote.leader_id.voted_for().unwrap_or(0),
-        vote.committed
+        vote.leader_id.term, vote.leader_id.node_id, vote.committed
     )
     .unwrap();
     let committed = log.read_committed().await.unwrap();
@@ -222,7 +221,7 @@ async fn leader_of(nodes: &[Node]) -> &Node {
     loop {
         if let Some(leader) = nodes
             .iter()
-            .find(|n| n.raft().metrics().borrow().state == ServerState::Leader)
+            .find(|n| n.raft().metrics().borrow_watched().state == ServerState::Leader)
         {
             return leader;
         }
@@ -449,7 +448,7 @@ async fn workload(cluster: &mut Cluster) {
             .node(id)
             .raft()
             .metrics()
-            .borrow()
+            .borrow_watched()
             .purged
             .is_none_or(|p| p.index + 5 < index)
         {

@@ -9,6 +9,7 @@
 //! holds one test.
 #![cfg(feature = "failpoints")]
 
+use openraft::async_runtime::WatchReceiver as _;
 use std::time::Duration;
 
 use tether_client::proto::watch_service_client::WatchServiceClient;
@@ -63,7 +64,7 @@ async fn a_snapshot_install_wakes_a_watch_whose_position_it_compacted() {
     while leader
         .raft()
         .metrics()
-        .borrow()
+        .borrow_watched()
         .purged
         .map_or(0, |l| l.index)
         < covered

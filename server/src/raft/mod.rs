@@ -15,8 +15,6 @@ openraft::declare_raft_types!(
         R = Response,
         NodeId = u64,
         Node = openraft::BasicNode,
-        Entry = openraft::Entry<TypeConfig>,
-        SnapshotData = Cursor<Vec<u8>>,
         AsyncRuntime = openraft::TokioRuntime,
 );
 
@@ -27,15 +25,27 @@ openraft::declare_raft_types!(
 pub const MAX_RAFT_MESSAGE_BYTES: usize = 64 * 1024 * 1024;
 
 /// A Tether replica's Raft handle.
-pub type Raft = openraft::Raft<TypeConfig>;
-/// A log id in Tether's configuration.
-pub type LogId = openraft::LogId<u64>;
+pub type Raft = openraft::Raft<TypeConfig, crate::store::StateMachineStore>;
+/// A log id in Tether's configuration: (term, leader node id) and index,
+/// the 0.9 layout (openraft's default, "advanced", leader ids).
+pub type LogId = openraft::type_config::alias::LogIdOf<TypeConfig>;
+/// The leader id a log id carries.
+pub type CommittedLeaderId = openraft::type_config::alias::CommittedLeaderIdOf<TypeConfig>;
+/// A vote.
+pub type Vote = openraft::type_config::alias::VoteOf<TypeConfig>;
+/// A membership (voter sets and nodes).
+pub type Membership = openraft::Membership<u64, openraft::BasicNode>;
 /// Membership as stored with its log id.
-pub type StoredMembership = openraft::StoredMembership<u64, openraft::BasicNode>;
+pub type StoredMembership = openraft::type_config::alias::StoredMembershipOf<TypeConfig>;
+/// What a snapshot covers.
+pub type SnapshotMeta = openraft::type_config::alias::SnapshotMetaOf<TypeConfig>;
+/// A snapshot with its data.
+pub type Snapshot = openraft::type_config::alias::SnapshotOf<TypeConfig, Cursor<Vec<u8>>>;
 /// A log entry.
-pub type Entry = openraft::Entry<TypeConfig>;
-/// Storage errors.
-pub type StorageError = openraft::StorageError<u64>;
+pub type Entry = openraft::type_config::alias::EntryOf<TypeConfig>;
+/// Storage errors. openraft 0.10's storage traits return `io::Error`; the
+/// store's messages say what was being read or written.
+pub type StorageError = std::io::Error;
 
 /// Starts replica `id`'s Raft node over `network` and the two stores, with
 /// the timing, snapshot policy and message limit of `config`.
@@ -71,4 +81,33 @@ pub async fn start(
     )
     .await
     .context("cannot start Raft")
+}
+
+/// Raft's metrics, as openraft publishes them.
+pub type Metrics = openraft::RaftMetrics<TypeConfig>;
+
+/// Waits until `raft`'s metrics satisfy `done` (openraft's watch receiver
+/// has no `wait_for`); Err if the Raft core is gone first.
+pub async fn wait_for_metrics(raft: &Raft, done: impl Fn(&Metrics) -> bool) -> Result<(), ()> {
+    use openraft::async_runtime::WatchReceiver as _;
+    let mut rx = raft.metrics();
+    loop {
+        if done(&rx.borrow_watched()) {
+            return Ok(());
+        }
+        if rx.changed().await.is_err() {
+            return Err(());
+        }
+    }
+}
+
+/// The log id of entry `index` proposed by `node` as leader in `term`.
+pub fn log_id(term: u64, node: u64, index: u64) -> LogId {
+    LogId::new(
+        CommittedLeaderId {
+            term,
+            node_id: node,
+        },
+        index,
+    )
 }

@@ -1,20 +1,31 @@
 //! openraft's network over the internal `RaftService` (tonic). Messages are
-//! openraft's own types in the log's postcard encoding. AppendEntries, the
-//! message of every commit and heartbeat, goes over one long-lived stream
-//! per follower; votes and snapshots are unary calls.
+//! openraft's own types in the log's postcard encoding, in their 0.9
+//! layouts (so that replicas of the 0.9 build and of this one understand
+//! each other during a rolling upgrade). AppendEntries, the message of every
+//! commit and heartbeat, go over a gRPC stream per replication session,
+//! pipelined: openraft's next request goes out before the answer to the
+//! previous one is back ([`PeerClient::stream_append`]). Votes and
+//! snapshots (in 0.9's chunks) are unary calls.
 
+use openraft::async_runtime::WatchReceiver as _;
 use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
+use futures::StreamExt;
 use openraft::BasicNode;
-use openraft::error::{
-    InstallSnapshotError, NetworkError, PayloadTooLarge, RPCError, RaftError, Unreachable,
-};
-use openraft::network::{RPCOption, RaftNetwork, RaftNetworkFactory};
+use openraft::base::{BoxFuture, BoxStream};
+use openraft::error::decompose::DecomposeResult;
+use openraft::error::{NetworkError, RPCError, RaftError, Unreachable};
+use openraft::error::{ReplicationClosed, StreamingError};
+use openraft::network::{Backoff, RaftNetworkV2};
+use openraft::network::{RPCOption, RaftNetworkFactory};
 use openraft::raft::{
-    AppendEntriesRequest, AppendEntriesResponse, InstallSnapshotRequest, InstallSnapshotResponse,
-    VoteRequest, VoteResponse,
+    AppendEntriesRequest, AppendEntriesResponse, SnapshotResponse, StreamAppendResult, VoteRequest,
+    VoteResponse,
+};
+use openraft_legacy::network_v1::{
+    Adapter, InstallSnapshotError, InstallSnapshotRequest, InstallSnapshotResponse, RaftNetwork,
 };
 use serde::Serialize;
 use serde::de::DeserializeOwned;
@@ -25,8 +36,8 @@ use tokio_stream::wrappers::ReceiverStream;
 use tonic::Status;
 use tonic::transport::Channel;
 
-use super::TypeConfig;
 use super::dial::{FORMAT_METADATA, PeerDialer};
+use super::{LogId, TypeConfig, Vote};
 use crate::metrics::{Metrics, RaftAppend};
 use crate::store::{decode, encode};
 
@@ -60,7 +71,7 @@ impl PeerFormats {
     /// membership, `id` being this replica.
     fn other_members(raft: &crate::raft::Raft, id: u64) -> Vec<u64> {
         let metrics = raft.metrics();
-        let metrics = metrics.borrow();
+        let metrics = metrics.borrow_watched();
         metrics
             .membership_config
             .membership()
@@ -212,10 +223,148 @@ impl Network {
     }
 }
 
-impl RaftNetworkFactory<TypeConfig> for Network {
-    type Network = PeerClient;
+/// What openraft talks to a peer through: [`PeerClient`]'s pipelined
+/// AppendEntries stream, and openraft-legacy's adapter for the rest of the
+/// 0.9 messages (votes; snapshots sent in chunks).
+pub struct PeerLink {
+    link: Adapter<TypeConfig, PeerClient, std::io::Cursor<Vec<u8>>>,
+}
 
-    async fn new_client(&mut self, target: u64, node: &BasicNode) -> PeerClient {
+impl RaftNetworkFactory<TypeConfig> for Network {
+    type Network = PeerLink;
+
+    async fn new_client(&mut self, target: u64, node: &BasicNode) -> PeerLink {
+        PeerLink {
+            link: Adapter::new(self.client(target, node)),
+        }
+    }
+}
+
+impl RaftNetworkV2<TypeConfig> for PeerLink {
+    type SnapshotData = std::io::Cursor<Vec<u8>>;
+
+    async fn append_entries(
+        &mut self,
+        rpc: AppendEntriesRequest<TypeConfig>,
+        option: RPCOption,
+    ) -> Result<AppendEntriesResponse<TypeConfig>, RPCError<TypeConfig>> {
+        RaftNetworkV2::append_entries(&mut self.link, rpc, option).await
+    }
+
+    fn stream_append<'s, S>(
+        &'s mut self,
+        input: S,
+        option: RPCOption,
+    ) -> BoxFuture<'s, Result<AppendResults<'s>, RPCError<TypeConfig>>>
+    where
+        S: futures::Stream<Item = AppendEntriesRequest<TypeConfig>> + Send + Unpin + 'static,
+    {
+        Box::pin(self.link.inner_mut().stream_append(input, option))
+    }
+
+    async fn vote(
+        &mut self,
+        rpc: VoteRequest<TypeConfig>,
+        option: RPCOption,
+    ) -> Result<VoteResponse<TypeConfig>, RPCError<TypeConfig>> {
+        RaftNetworkV2::vote(&mut self.link, rpc, option).await
+    }
+
+    async fn full_snapshot(
+        &mut self,
+        vote: Vote,
+        snapshot: crate::raft::Snapshot,
+        cancel: impl std::future::Future<Output = ReplicationClosed> + Send + 'static,
+        option: RPCOption,
+    ) -> Result<SnapshotResponse<TypeConfig>, StreamingError<TypeConfig>> {
+        RaftNetworkV2::full_snapshot(&mut self.link, vote, snapshot, cancel, option).await
+    }
+
+    fn backoff(&self) -> Option<Backoff> {
+        RaftNetworkV2::backoff(&self.link)
+    }
+}
+
+/// The answers of a pipelined AppendEntries stream, in request order.
+pub type AppendResults<'s> =
+    BoxStream<'s, Result<StreamAppendResult<TypeConfig>, RPCError<TypeConfig>>>;
+
+/// Most AppendEntries messages sent on a stream and not yet answered; the
+/// next waits for an answer. Enough for every batch the leader forms while
+/// one is being synced and replicated.
+const PIPELINE_DEPTH: usize = 64;
+
+/// The last log id an AppendEntries covers: its last entry's, or the one
+/// it follows when it carries none (a heartbeat).
+fn last_covered(rpc: &AppendEntriesRequest<TypeConfig>) -> Option<LogId> {
+    rpc.entries
+        .last()
+        .map(|entry| entry.log_id)
+        .or(rpc.prev_log_id)
+}
+
+/// `rpc` as consecutive requests of at most `fitting` entries each, for a
+/// request too big for one message (openraft 0.9 was told to send fewer,
+/// `PayloadTooLarge`; 0.10 has no such answer). Each part follows the
+/// previous one and commits no further than its own last entry: the
+/// follower cannot yet know that the rest matches.
+fn split_request(
+    rpc: AppendEntriesRequest<TypeConfig>,
+    fitting: usize,
+) -> Vec<AppendEntriesRequest<TypeConfig>> {
+    let AppendEntriesRequest {
+        vote,
+        prev_log_id,
+        leader_commit,
+        mut entries,
+    } = rpc;
+    let mut parts = Vec::new();
+    let mut prev = prev_log_id;
+    while !entries.is_empty() {
+        let rest = entries.split_off(fitting.clamp(1, entries.len()));
+        let part = std::mem::replace(&mut entries, rest);
+        let last = part.last().map(|entry| entry.log_id);
+        parts.push(AppendEntriesRequest {
+            vote,
+            prev_log_id: prev,
+            leader_commit: leader_commit.min(last),
+            entries: part,
+        });
+        prev = last;
+    }
+    parts
+}
+
+/// `rpc` encoded as messages of at most `limit` bytes each (with their
+/// framing), split again while a part is still too big (entries differ in
+/// size, the split's estimate does not), each with the log ids it follows
+/// and covers. A single entry always fits (`--max-request-bytes` is at
+/// most a quarter of the limit).
+fn encode_to_fit(
+    rpc: AppendEntriesRequest<TypeConfig>,
+    limit: usize,
+    out: &mut Vec<(Option<LogId>, Option<LogId>, Vec<u8>)>,
+) {
+    let data = encode(&rpc);
+    match fewer_entries(rpc.entries.len(), data.len() + RAFT_REQUEST_FRAMING, limit) {
+        None => out.push((rpc.prev_log_id, last_covered(&rpc), data)),
+        Some(fitting) => {
+            for part in split_request(rpc, fitting as usize) {
+                encode_to_fit(part, limit, out);
+            }
+        }
+    }
+}
+
+/// One request of a pipelined stream as sent: the log ids each of its
+/// messages follows and covers (several when it was split).
+struct Sent {
+    parts: Vec<(Option<LogId>, Option<LogId>)>,
+}
+
+impl Network {
+    /// A client to replica `target` at `node`'s address.
+    fn client(&self, target: u64, node: &BasicNode) -> PeerClient {
         PeerClient {
             own: self.own,
             target,
@@ -229,6 +378,27 @@ impl RaftNetworkFactory<TypeConfig> for Network {
             dialer: self.dialer.clone(),
         }
     }
+}
+
+/// Decodes a `VoteRequest` from a replica of either build: openraft 0.10
+/// appended `leadership_transfer`, which a 0.9 replica does not send
+/// (postcard is positional, so the field's serde default does not apply).
+pub fn decode_vote_request(data: &[u8]) -> Result<VoteRequest<TypeConfig>, postcard::Error> {
+    decode(data).or_else(|newer| {
+        #[derive(serde::Deserialize)]
+        struct VoteRequestV09 {
+            vote: Vote,
+            last_log_id: Option<LogId>,
+        }
+        match postcard::from_bytes::<VoteRequestV09>(data) {
+            Ok(old) => Ok(VoteRequest {
+                vote: old.vote,
+                last_log_id: old.last_log_id,
+                leadership_transfer: false,
+            }),
+            Err(_) => Err(newer),
+        }
+    })
 }
 
 /// Sends Raft RPCs to one replica over a lazily connected channel.
@@ -283,24 +453,22 @@ impl PeerClient {
     /// A partition for tests (failpoints builds): with
     /// `raft-cut-off=return(N)` every Raft message to or from replica N
     /// fails as unreachable, in a process whose replicas all run in it.
-    fn cut_off<Err: std::error::Error>(&self) -> Result<(), RPCError<u64, BasicNode, Err>> {
-        let cut = fail::eval("raft-cut-off", |arg| {
-            arg.and_then(|id| id.trim().parse::<u64>().ok())
-        });
-        match cut {
-            Some(Some(id)) if id == self.own || id == self.target => Err(RPCError::Unreachable(
-                Unreachable::new(&std::io::Error::other(format!(
-                    "failpoint raft-cut-off: replica {id} is cut off"
-                ))),
-            )),
-            _ => Ok(()),
+    fn cut_off<Err: std::error::Error>(&self) -> Result<(), RPCError<TypeConfig, Err>> {
+        if is_cut_off(self.own, self.target) {
+            return Err(RPCError::Unreachable(Unreachable::new(
+                &std::io::Error::other(format!(
+                    "failpoint raft-cut-off: replica {} or {} is cut off",
+                    self.own, self.target
+                )),
+            )));
         }
+        Ok(())
     }
 
     /// The client, or why there is none.
     fn client<Err: std::error::Error>(
         &mut self,
-    ) -> Result<&mut RaftServiceClient<Channel>, RPCError<u64, BasicNode, Err>> {
+    ) -> Result<&mut RaftServiceClient<Channel>, RPCError<TypeConfig, Err>> {
         match self.client.as_mut() {
             Some(client) => Ok(client),
             None => {
@@ -312,25 +480,6 @@ impl PeerClient {
                     &std::io::Error::other(msg),
                 )))
             }
-        }
-    }
-
-    /// `request` encoded, or the hint to send fewer entries when it is over
-    /// the message limit; `entries` is the number of log entries it carries
-    /// (AppendEntries).
-    fn encode_request<Req: Serialize, Err: std::error::Error>(
-        &self,
-        request: &Req,
-        entries: usize,
-    ) -> Result<Vec<u8>, RPCError<u64, BasicNode, Err>> {
-        let data = encode(request);
-        let message_bytes = data.len() + RAFT_REQUEST_FRAMING;
-        match fewer_entries(entries, message_bytes, self.message_limit) {
-            // openraft sends at most `hint` entries per message for a while.
-            Some(hint) => Err(RPCError::PayloadTooLarge(
-                PayloadTooLarge::new_entries_hint(hint),
-            )),
-            None => Ok(data),
         }
     }
 
@@ -353,10 +502,7 @@ impl PeerClient {
     /// A failed call as openraft's error: connection failures make the
     /// peer unreachable (openraft backs off); other statuses are network
     /// errors (retried at once).
-    fn status_error<Err: std::error::Error>(
-        &self,
-        status: &Status,
-    ) -> RPCError<u64, BasicNode, Err> {
+    fn status_error<Err: std::error::Error>(&self, status: &Status) -> RPCError<TypeConfig, Err> {
         let err = std::io::Error::other(format!(
             "RPC to replica {} at {}: {}",
             self.target, self.addr, status
@@ -368,10 +514,7 @@ impl PeerClient {
     }
 
     /// The receiver's answer: its value, or the error it sent back.
-    fn decode_reply<Resp, Err>(
-        &self,
-        reply: RaftReply,
-    ) -> Result<Resp, RPCError<u64, BasicNode, Err>>
+    fn decode_reply<Resp, Err>(&self, reply: RaftReply) -> Result<Resp, RPCError<TypeConfig, Err>>
     where
         Resp: DeserializeOwned,
         Err: std::error::Error + DeserializeOwned,
@@ -486,19 +629,31 @@ impl PeerClient {
     }
 
     /// Sends one AppendEntries: over the stream, or as a unary call to a
-    /// target that does not have the stream.
+    /// target that does not have the stream; in several when it is too big
+    /// for one message.
     async fn append(
         &mut self,
-        rpc: &AppendEntriesRequest<TypeConfig>,
+        rpc: AppendEntriesRequest<TypeConfig>,
         option: &RPCOption,
-    ) -> Result<AppendEntriesResponse<u64>, RPCError<u64, BasicNode, RaftError<u64>>> {
+    ) -> Result<AppendEntriesResponse<TypeConfig>, RPCError<TypeConfig, RaftError<TypeConfig>>>
+    {
+        let data = encode(&rpc);
+        if let Some(fitting) = fewer_entries(
+            rpc.entries.len(),
+            data.len() + RAFT_REQUEST_FRAMING,
+            self.message_limit,
+        ) {
+            return Box::pin(self.append_in_parts(rpc, fitting as usize, option)).await;
+        }
         // A client with its stream open need not ask.
         if self.append_stream.is_none() && !self.stream_refusals.may_stream(&self.addr) {
-            return self.unary_append(rpc, option).await;
+            return self.unary_append(data, option).await;
         }
-        self.client::<RaftError<u64>>()?;
-        let data = self.encode_request(rpc, rpc.entries.len())?;
-        match self.exchange_on_stream(data, option.hard_ttl()).await {
+        self.client::<RaftError<TypeConfig>>()?;
+        match self
+            .exchange_on_stream(data.clone(), option.hard_ttl())
+            .await
+        {
             Ok(reply) => self.decode_reply(reply),
             Err(status) if status.code() == tonic::Code::Unimplemented => {
                 tracing::info!(
@@ -507,40 +662,72 @@ impl PeerClient {
                      sending AppendEntries as unary calls"
                 );
                 self.stream_refusals.refused(&self.addr);
-                self.unary_append(rpc, option).await
+                self.unary_append(data, option).await
             }
             Err(status) => Err(self.status_error(&status)),
         }
     }
 
-    /// Sends one AppendEntries as a unary call, to a target without the
-    /// stream.
-    async fn unary_append(
+    /// Sends an AppendEntries too big for one message as consecutive ones
+    /// of at most `fitting` entries (each split again if still too big),
+    /// one after another. openraft 0.9 was told to send fewer
+    /// (`PayloadTooLarge`); 0.10 has no such answer. The answer is the last
+    /// part's, or the first that is not a success: what the follower
+    /// accepted up to there is a prefix of the request.
+    async fn append_in_parts(
         &mut self,
-        rpc: &AppendEntriesRequest<TypeConfig>,
+        rpc: AppendEntriesRequest<TypeConfig>,
+        fitting: usize,
         option: &RPCOption,
-    ) -> Result<AppendEntriesResponse<u64>, RPCError<u64, BasicNode, RaftError<u64>>> {
-        self.metrics.raft_append(self.target, RaftAppend::Unary);
-        self.call(Rpc::AppendEntries, rpc, rpc.entries.len(), option)
-            .await
+    ) -> Result<AppendEntriesResponse<TypeConfig>, RPCError<TypeConfig, RaftError<TypeConfig>>>
+    {
+        for part in split_request(rpc, fitting) {
+            match self.append(part, option).await? {
+                AppendEntriesResponse::Success => {}
+                other => return Ok(other),
+            }
+        }
+        Ok(AppendEntriesResponse::Success)
     }
 
-    /// Sends `request` as a unary call; `entries` is the number of log
-    /// entries it carries (AppendEntries), so that one too big for a Raft
-    /// message is sent again with fewer.
+    /// Sends one encoded AppendEntries as a unary call, to a target without
+    /// the stream.
+    async fn unary_append(
+        &mut self,
+        data: Vec<u8>,
+        option: &RPCOption,
+    ) -> Result<AppendEntriesResponse<TypeConfig>, RPCError<TypeConfig, RaftError<TypeConfig>>>
+    {
+        self.metrics.raft_append(self.target, RaftAppend::Unary);
+        self.call_encoded(Rpc::AppendEntries, data, option).await
+    }
+
+    /// Sends `request` as a unary call.
     async fn call<Req, Resp, Err>(
         &mut self,
         rpc: Rpc,
         request: &Req,
-        entries: usize,
         option: &RPCOption,
-    ) -> Result<Resp, RPCError<u64, BasicNode, Err>>
+    ) -> Result<Resp, RPCError<TypeConfig, Err>>
     where
         Req: Serialize,
         Resp: DeserializeOwned,
         Err: std::error::Error + DeserializeOwned,
     {
-        let data = self.encode_request(request, entries)?;
+        self.call_encoded(rpc, encode(request), option).await
+    }
+
+    /// Sends an encoded request as a unary call.
+    async fn call_encoded<Resp, Err>(
+        &mut self,
+        rpc: Rpc,
+        data: Vec<u8>,
+        option: &RPCOption,
+    ) -> Result<Resp, RPCError<TypeConfig, Err>>
+    where
+        Resp: DeserializeOwned,
+        Err: std::error::Error + DeserializeOwned,
+    {
         let mut req = tonic::Request::new(RaftRequest { data });
         req.set_timeout(option.hard_ttl());
         self.name_target(&mut req);
@@ -560,14 +747,243 @@ impl PeerClient {
     }
 }
 
+impl PeerClient {
+    /// Sends openraft's AppendEntries as they come, on a gRPC stream of
+    /// their own, without waiting for each answer before the next request
+    /// (at most [`PIPELINE_DEPTH`] unanswered); the answers come back in
+    /// order. The follower hands them to openraft as a stream too
+    /// (`peer_service`), so a leader's batches are appended and synced on
+    /// the follower while the next are on the wire. A replica of a build
+    /// that had no stream gets them one at a time, as unary calls.
+    ///
+    /// The session ends (openraft starts another) at the first answer that
+    /// is not a full success, an error, a cut-off (`raft-cut-off`), or an
+    /// answer not back within the option's TTL of the wait for it.
+    async fn stream_append<'s, S>(
+        &'s mut self,
+        input: S,
+        option: RPCOption,
+    ) -> Result<AppendResults<'s>, RPCError<TypeConfig>>
+    where
+        S: futures::Stream<Item = AppendEntriesRequest<TypeConfig>> + Send + Unpin + 'static,
+    {
+        self.cut_off()?;
+        if !self.stream_refusals.may_stream(&self.addr) {
+            return Ok(self.append_one_at_a_time(input, option));
+        }
+        let mut client = self.client()?.clone();
+        let (requests, outgoing) = mpsc::channel::<RaftRequest>(PIPELINE_DEPTH);
+        let (sent_tx, sent_rx) = mpsc::unbounded_channel::<Sent>();
+        // Dropped with the answers' stream: the sending task stops with it.
+        let (session, ended) = tokio::sync::oneshot::channel::<()>();
+        let mut request = tonic::Request::new(ReceiverStream::new(outgoing));
+        self.name_target(&mut request);
+        tokio::spawn(send_appends(
+            input,
+            requests,
+            sent_tx,
+            ended,
+            self.message_limit,
+            (self.own, self.target),
+        ));
+        let response = match client.append_entries_stream(request).await {
+            Ok(response) => response,
+            Err(status) if status.code() == tonic::Code::Unimplemented => {
+                tracing::info!(
+                    target = self.target,
+                    "replica has no AppendEntries stream (an older build): \
+                     sending AppendEntries as unary calls"
+                );
+                self.stream_refusals.refused(&self.addr);
+                return Err(self.status_error(&status));
+            }
+            Err(status) => return Err(self.status_error(&status)),
+        };
+        self.metrics
+            .raft_append(self.target, RaftAppend::StreamOpened);
+        self.stream_refusals.accepted(&self.addr);
+        self.record_format(response.metadata());
+        let answers = PipelinedAnswers {
+            replies: response.into_inner(),
+            sent: sent_rx,
+            ttl: option.hard_ttl(),
+            target: self.target,
+            addr: self.addr.clone(),
+            own: self.own,
+            _session: session,
+        };
+        Ok(Box::pin(futures::stream::unfold(
+            Some(answers),
+            |answers| async move {
+                let mut answers = answers?;
+                let (result, go_on) = answers.next().await?;
+                Some((result, go_on.then_some(answers)))
+            },
+        )))
+    }
+
+    /// openraft's AppendEntries one after another, as unary calls (a
+    /// replica without the stream), until one is not a full success.
+    fn append_one_at_a_time<'s, S>(&'s mut self, input: S, option: RPCOption) -> AppendResults<'s>
+    where
+        S: futures::Stream<Item = AppendEntriesRequest<TypeConfig>> + Send + Unpin + 'static,
+    {
+        Box::pin(futures::stream::unfold(Some((self, input)), move |state| {
+            let option = option.clone();
+            async move {
+                let (client, mut input) = state?;
+                let rpc = input.next().await?;
+                let (prev, last) = (rpc.prev_log_id, last_covered(&rpc));
+                match client.append(rpc, &option).await.decompose_infallible() {
+                    Ok(AppendEntriesResponse::Success) => {
+                        Some((Ok(Ok(last)), Some((client, input))))
+                    }
+                    Ok(other) => Some((Ok(other.into_stream_result(prev, last)), None)),
+                    Err(err) => Some((Err(err), None)),
+                }
+            }
+        }))
+    }
+}
+
+/// Encodes openraft's requests onto a pipelined stream (splitting one too
+/// big for a message), telling the answers' reader what each was, until
+/// the input ends, the answers' stream is dropped (`ended`), or a cut-off.
+async fn send_appends<S>(
+    mut input: S,
+    requests: mpsc::Sender<RaftRequest>,
+    sent: mpsc::UnboundedSender<Sent>,
+    mut ended: tokio::sync::oneshot::Receiver<()>,
+    message_limit: usize,
+    (own, target): (u64, u64),
+) where
+    S: futures::Stream<Item = AppendEntriesRequest<TypeConfig>> + Send + Unpin + 'static,
+{
+    loop {
+        let rpc = tokio::select! {
+            next = input.next() => match next {
+                Some(rpc) => rpc,
+                None => return,
+            },
+            _ = &mut ended => return,
+        };
+        if is_cut_off(own, target) {
+            return;
+        }
+        let mut messages = Vec::new();
+        encode_to_fit(rpc, message_limit, &mut messages);
+        let parts = messages
+            .iter()
+            .map(|(prev, last, _)| (*prev, *last))
+            .collect();
+        if sent.send(Sent { parts }).is_err() {
+            return;
+        }
+        for (_, _, data) in messages {
+            tokio::select! {
+                queued = requests.send(RaftRequest { data }) => if queued.is_err() { return },
+                _ = &mut ended => return,
+            }
+        }
+    }
+}
+
+/// Reads the answers of a pipelined stream, one request's at a time.
+struct PipelinedAnswers {
+    replies: tonic::Streaming<RaftReply>,
+    sent: mpsc::UnboundedReceiver<Sent>,
+    ttl: Duration,
+    target: u64,
+    addr: String,
+    own: u64,
+    /// Held while the answers are read; dropping it stops the sender.
+    _session: tokio::sync::oneshot::Sender<()>,
+}
+
+impl PipelinedAnswers {
+    /// The next request's result, and whether the session goes on; None
+    /// once the sender has stopped and every request was answered.
+    async fn next(
+        &mut self,
+    ) -> Option<(
+        Result<StreamAppendResult<TypeConfig>, RPCError<TypeConfig>>,
+        bool,
+    )> {
+        let sent = self.sent.recv().await?;
+        let mut covered = None;
+        for (prev, last) in sent.parts {
+            let response = match self.next_reply().await {
+                Ok(response) => response,
+                Err(err) => return Some((Err(err), false)),
+            };
+            match response {
+                AppendEntriesResponse::Success => covered = last,
+                AppendEntriesResponse::PartialSuccess(matching) if matching == last => {
+                    covered = last
+                }
+                other => return Some((Ok(other.into_stream_result(prev, last)), false)),
+            }
+        }
+        Some((Ok(Ok(covered)), true))
+    }
+
+    async fn next_reply(
+        &mut self,
+    ) -> Result<AppendEntriesResponse<TypeConfig>, RPCError<TypeConfig>> {
+        let failed = |message: String| {
+            let err = std::io::Error::other(format!(
+                "AppendEntries stream to replica {} at {}: {message}",
+                self.target, self.addr
+            ));
+            RPCError::Network(NetworkError::new(&err))
+        };
+        let reply = match tokio::time::timeout(self.ttl, self.replies.message()).await {
+            Err(_) => return Err(failed(format!("no answer within {:?}", self.ttl))),
+            Ok(Err(status)) if status.code() == tonic::Code::Unavailable => {
+                let err = std::io::Error::other(format!(
+                    "AppendEntries stream to replica {} at {}: {status}",
+                    self.target, self.addr
+                ));
+                return Err(RPCError::Unreachable(Unreachable::new(&err)));
+            }
+            Ok(Err(status)) => return Err(failed(status.to_string())),
+            Ok(Ok(None)) => return Err(failed("the replica ended the stream".into())),
+            Ok(Ok(Some(reply))) => reply,
+        };
+        if is_cut_off(self.own, self.target) {
+            let err = std::io::Error::other("failpoint raft-cut-off");
+            return Err(RPCError::Unreachable(Unreachable::new(&err)));
+        }
+        if !reply.error.is_empty() {
+            // A fatal error on the follower (its core stopped); its body is
+            // 0.9's or 0.10's shape, read as text only.
+            return Err(failed(format!(
+                "the replica answered with an error ({} bytes)",
+                reply.error.len()
+            )));
+        }
+        decode(&reply.data).map_err(|e| failed(format!("undecodable answer: {e}")))
+    }
+}
+
+/// Whether the `raft-cut-off` failpoint cuts messages between `own` and
+/// `target` off (failpoints builds; always false otherwise).
+fn is_cut_off(own: u64, target: u64) -> bool {
+    let cut = fail::eval("raft-cut-off", |arg| {
+        arg.and_then(|id| id.trim().parse::<u64>().ok())
+    });
+    matches!(cut, Some(Some(id)) if id == own || id == target)
+}
+
 impl RaftNetwork<TypeConfig> for PeerClient {
     async fn append_entries(
         &mut self,
         rpc: AppendEntriesRequest<TypeConfig>,
         option: RPCOption,
-    ) -> Result<AppendEntriesResponse<u64>, RPCError<u64, BasicNode, RaftError<u64>>> {
+    ) -> Result<AppendEntriesResponse<TypeConfig>, RPCError<TypeConfig, RaftError<TypeConfig>>>
+    {
         self.cut_off()?;
-        self.append(&rpc, &option).await
+        self.append(rpc, &option).await
     }
 
     async fn install_snapshot(
@@ -575,20 +991,20 @@ impl RaftNetwork<TypeConfig> for PeerClient {
         rpc: InstallSnapshotRequest<TypeConfig>,
         option: RPCOption,
     ) -> Result<
-        InstallSnapshotResponse<u64>,
-        RPCError<u64, BasicNode, RaftError<u64, InstallSnapshotError>>,
+        InstallSnapshotResponse<TypeConfig>,
+        RPCError<TypeConfig, RaftError<TypeConfig, InstallSnapshotError>>,
     > {
         self.cut_off()?;
-        self.call(Rpc::InstallSnapshot, &rpc, 0, &option).await
+        self.call(Rpc::InstallSnapshot, &rpc, &option).await
     }
 
     async fn vote(
         &mut self,
-        rpc: VoteRequest<u64>,
+        rpc: VoteRequest<TypeConfig>,
         option: RPCOption,
-    ) -> Result<VoteResponse<u64>, RPCError<u64, BasicNode, RaftError<u64>>> {
+    ) -> Result<VoteResponse<TypeConfig>, RPCError<TypeConfig, RaftError<TypeConfig>>> {
         self.cut_off()?;
-        self.call(Rpc::Vote, &rpc, 0, &option).await
+        self.call(Rpc::Vote, &rpc, &option).await
     }
 }
 
@@ -596,8 +1012,7 @@ impl RaftNetwork<TypeConfig> for PeerClient {
 mod tests {
     use super::*;
     use crate::config::PeerDial;
-    use crate::raft::LogId;
-    use openraft::{CommittedLeaderId, Vote};
+    use openraft::Vote;
     use std::pin::Pin;
     use std::sync::atomic::{AtomicUsize, Ordering};
     use tether_proto::raft_service_server::{RaftService, RaftServiceServer};
@@ -610,6 +1025,9 @@ mod tests {
     struct FakeFollower {
         has_stream: bool,
         delay_first: Duration,
+        /// Answers a stream's messages only once this many have arrived
+        /// (or the stream ended): 1 answers each as it comes.
+        answer_in_groups_of: usize,
         streams_opened: AtomicUsize,
         unary_calls: AtomicUsize,
         /// The leader-side address of every stream and call.
@@ -621,6 +1039,7 @@ mod tests {
             Arc::new(FakeFollower {
                 has_stream,
                 delay_first,
+                answer_in_groups_of: 1,
                 streams_opened: AtomicUsize::new(0),
                 unary_calls: AtomicUsize::new(0),
                 callers: Mutex::default(),
@@ -636,7 +1055,7 @@ mod tests {
 
     fn answer(request: &RaftRequest) -> RaftReply {
         let rpc: AppendEntriesRequest<TypeConfig> = decode(&request.data).unwrap();
-        let response = AppendEntriesResponse::<u64>::PartialSuccess(rpc.prev_log_id);
+        let response = AppendEntriesResponse::<TypeConfig>::PartialSuccess(rpc.prev_log_id);
         RaftReply {
             data: encode(&response),
             error: Vec::new(),
@@ -671,7 +1090,11 @@ mod tests {
             } else {
                 Duration::ZERO
             };
-            let replies = request.into_inner().then(move |message| async move {
+            let grouped = futures::StreamExt::flat_map(
+                futures::StreamExt::chunks(request.into_inner(), self.answer_in_groups_of),
+                futures::stream::iter,
+            );
+            let replies = futures::StreamExt::then(grouped, move |message| async move {
                 tokio::time::sleep(delay).await;
                 message.map(|m| answer(&m))
             });
@@ -735,7 +1158,7 @@ mod tests {
 
     /// A client of a new network to replica 2 at `addr`.
     async fn client_to(addr: &str) -> PeerClient {
-        network().new_client(2, &BasicNode::new(addr)).await
+        network().client(2, &BasicNode::new(addr))
     }
 
     /// Serves `follower` on a loopback port; a client to it.
@@ -746,13 +1169,13 @@ mod tests {
     fn append_after(index: u64) -> AppendEntriesRequest<TypeConfig> {
         AppendEntriesRequest {
             vote: Vote::new_committed(1, 1),
-            prev_log_id: Some(LogId::new(CommittedLeaderId::new(1, 1), index)),
+            prev_log_id: Some(crate::raft::log_id(1, 1, index)),
             leader_commit: None,
             entries: Vec::new(),
         }
     }
 
-    fn answered_up_to(response: AppendEntriesResponse<u64>) -> u64 {
+    fn answered_up_to(response: AppendEntriesResponse<TypeConfig>) -> u64 {
         match response {
             AppendEntriesResponse::PartialSuccess(Some(log_id)) => log_id.index,
             other => panic!("unexpected answer {other:?}"),
@@ -764,9 +1187,9 @@ mod tests {
     /// Sends `count` AppendEntries to replica 2 at `addr`, each from a new
     /// client of one network, as openraft does for read rounds.
     async fn appends_from_fresh_clients(addr: &str, count: u64) {
-        let mut network = network();
+        let network = network();
         for index in 1..=count {
-            let mut client = network.new_client(2, &BasicNode::new(addr)).await;
+            let mut client = network.client(2, &BasicNode::new(addr));
             let response = client
                 .append_entries(append_after(index), RPCOption::new(GENEROUS))
                 .await
@@ -945,6 +1368,83 @@ mod tests {
             .await
             .unwrap_err();
         assert!(matches!(err, RPCError::Unreachable(_)), "{err:?}");
+    }
+
+    #[tokio::test]
+    async fn appends_on_a_stream_do_not_wait_for_the_previous_answer() {
+        // The follower answers only once three requests are in: sent one
+        // at a time, the first would never be answered.
+        let follower = Arc::new(FakeFollower {
+            answer_in_groups_of: 3,
+            ..Arc::into_inner(FakeFollower::new(true, Duration::ZERO)).unwrap()
+        });
+        let mut client = serve(follower.clone()).await;
+        let requests = futures::stream::iter((1..=6).map(append_after));
+        let results: Vec<_> = client
+            .stream_append(requests, RPCOption::new(GENEROUS))
+            .await
+            .unwrap()
+            .collect()
+            .await;
+        let covered: Vec<Option<u64>> = results
+            .into_iter()
+            .map(|r| r.unwrap().unwrap().map(|l| l.index))
+            .collect();
+        assert_eq!(covered, (1..=6).map(Some).collect::<Vec<_>>());
+        assert_eq!(follower.streams_opened.load(Ordering::SeqCst), 1);
+        assert_eq!(follower.unary_calls.load(Ordering::SeqCst), 0);
+    }
+
+    #[tokio::test]
+    async fn a_pipelined_answer_not_back_within_the_ttl_ends_the_session() {
+        let follower = FakeFollower::new(true, Duration::from_millis(500));
+        let mut client = serve(follower).await;
+        let requests = futures::stream::iter((1..=3).map(append_after));
+        let results: Vec<_> = client
+            .stream_append(requests, RPCOption::new(Duration::from_millis(100)))
+            .await
+            .unwrap()
+            .collect()
+            .await;
+        assert_eq!(results.len(), 1, "{results:?}");
+        assert!(
+            matches!(results[0], Err(RPCError::Network(_))),
+            "{results:?}"
+        );
+    }
+
+    #[test]
+    fn a_request_split_to_fit_covers_the_same_entries_in_order() {
+        let entry = |index| crate::raft::Entry {
+            log_id: crate::raft::log_id(2, 1, index),
+            payload: openraft::EntryPayload::Blank,
+        };
+        let rpc = AppendEntriesRequest {
+            vote: Vote::new_committed(2, 1),
+            prev_log_id: Some(crate::raft::log_id(1, 1, 10)),
+            leader_commit: Some(crate::raft::log_id(2, 1, 15)),
+            entries: (11..=17).map(entry).collect(),
+        };
+        let parts = split_request(rpc, 3);
+        let shape: Vec<(u64, Vec<u64>, u64)> = parts
+            .iter()
+            .map(|p| {
+                (
+                    p.prev_log_id.unwrap().index,
+                    p.entries.iter().map(|e| e.log_id.index).collect(),
+                    p.leader_commit.unwrap().index,
+                )
+            })
+            .collect();
+        assert_eq!(
+            shape,
+            vec![
+                (10, vec![11, 12, 13], 13),
+                (13, vec![14, 15, 16], 15),
+                (16, vec![17], 15),
+            ],
+            "each part follows the previous; none commits past its own entries or the leader's commit"
+        );
     }
 
     #[test]

@@ -30,6 +30,7 @@
 //! the leader's fsync and a replication round (openraft 0.9 replicates one
 //! entry after another).
 
+use openraft::async_runtime::WatchReceiver as _;
 use std::collections::{BTreeSet, VecDeque};
 use std::sync::Arc;
 use std::time::Duration;
@@ -538,7 +539,7 @@ async fn propose(
     clock: &CommitClock,
     mut proposals: Vec<Proposal>,
 ) {
-    let stamp = clock.stamp(raft.metrics().borrow().current_term);
+    let stamp = clock.stamp(raft.metrics().borrow_watched().current_term);
     if proposals.len() == 1 {
         let proposal = proposals.pop().expect("one proposal");
         let request = Request::new(proposal.request_id, stamp, proposal.command)

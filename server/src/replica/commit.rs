@@ -22,6 +22,7 @@
 //! leader's. The write's outcome is then unknown (it may be in the snapshot),
 //! which is `UNAVAILABLE`: the client retries, its request id deduplicating.
 
+use openraft::async_runtime::WatchReceiver as _;
 use std::time::Duration;
 
 use openraft::ServerState;
@@ -44,12 +45,12 @@ pub fn stranded_grace(raft: &Raft) -> Duration {
 /// outcome unknown) if this replica stops leading the term it proposed in
 /// and no answer comes within [`stranded_grace`] (see the module doc).
 pub async fn commit(raft: &Raft, request: Request) -> Result<ClientWriteResponse<TypeConfig>> {
-    let mut metrics = raft.metrics();
-    let term = metrics.borrow().current_term;
+    let term = raft.metrics().borrow_watched().current_term;
     let write = raft.client_write(request);
     tokio::pin!(write);
-    let stopped_leading =
-        metrics.wait_for(|m| m.current_term != term || m.state != ServerState::Leader);
+    let stopped_leading = crate::raft::wait_for_metrics(raft, |m| {
+        m.current_term != term || m.state != ServerState::Leader
+    });
     tokio::select! {
         biased;
         written = &mut write => return written.map_err(from_raft_error),

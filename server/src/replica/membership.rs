@@ -2,6 +2,7 @@
 //! earlier one to commit instead of failing), leader transfer by hand
 //! (openraft 0.9 has none), snapshots on request.
 
+use openraft::async_runtime::WatchReceiver as _;
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::atomic::Ordering;
 use std::time::Duration;
@@ -18,7 +19,10 @@ const MEMBERSHIP_BUSY_WAIT: Duration = Duration::from_secs(10);
 
 type MembershipResult = std::result::Result<
     openraft::raft::ClientWriteResponse<crate::raft::TypeConfig>,
-    openraft::error::RaftError<u64, openraft::error::ClientWriteError<u64, openraft::BasicNode>>,
+    openraft::error::RaftError<
+        crate::raft::TypeConfig,
+        openraft::error::ClientWriteError<crate::raft::TypeConfig>,
+    >,
 >;
 
 impl Replica {
@@ -32,7 +36,7 @@ impl Replica {
         if target == self.id {
             return Ok(self.id);
         }
-        let metrics = self.raft.metrics().borrow().clone();
+        let metrics = self.raft.metrics().borrow_watched().clone();
         let membership = metrics.membership_config.membership().clone();
         if !membership.voter_ids().any(|id| id == target) {
             return Err(ApiError::FailedPrecondition(format!(
@@ -66,7 +70,7 @@ impl Replica {
             let mut rx = self.raft.metrics();
             loop {
                 let (last, matched) = {
-                    let m = rx.borrow();
+                    let m = rx.borrow_watched();
                     let matched = m
                         .replication
                         .as_ref()
@@ -111,7 +115,7 @@ impl Replica {
             let mut rx = self.raft.metrics();
             tokio::time::timeout(timeout, async {
                 loop {
-                    let leader = rx.borrow().current_leader;
+                    let leader = rx.borrow_watched().current_leader;
                     if leader.is_some() && leader != Some(self.id) {
                         return leader;
                     }
@@ -166,10 +170,11 @@ impl Replica {
                 index,
                 "a membership change is committing; waiting to apply it"
             );
-            let mut rx = self.raft.metrics();
             let applied = tokio::time::timeout(
                 remaining,
-                rx.wait_for(|m| m.last_applied.as_ref().is_some_and(|a| a.index >= index)),
+                crate::raft::wait_for_metrics(&self.raft, |m| {
+                    m.last_applied.as_ref().is_some_and(|a| a.index >= index)
+                }),
             )
             .await;
             if !matches!(applied, Ok(Ok(_))) {

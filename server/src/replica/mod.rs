@@ -31,6 +31,7 @@ pub mod reads;
 pub mod tasks;
 pub mod waits;
 
+use openraft::async_runtime::WatchReceiver as _;
 use std::sync::Arc;
 use std::time::{SystemTime, UNIX_EPOCH};
 
@@ -335,7 +336,7 @@ impl Replica {
 
     /// The stamp for an entry this replica proposes now ([`clock`]).
     pub fn stamp(&self) -> u64 {
-        let term = self.raft.metrics().borrow().current_term;
+        let term = self.raft.metrics().borrow_watched().current_term;
         self.clock.stamp(term)
     }
 
@@ -377,7 +378,7 @@ impl Replica {
 
     /// What this replica knows of its cluster now.
     pub fn view(&self) -> View {
-        let m = self.raft.metrics().borrow().clone();
+        let m = self.raft.metrics().borrow_watched().clone();
         let membership = m.membership_config.membership();
         let replication = m.replication.clone().unwrap_or_default();
         let members = membership
@@ -414,7 +415,10 @@ impl Replica {
             members,
             has_raft_state: m.last_log_index.is_some()
                 || m.snapshot.is_some()
-                || m.vote != openraft::Vote::default(),
+                // A fresh replica's vote is term 0 (openraft 0.10 names
+                // the replica itself in it, 0.9 named node 0).
+                || m.vote.leader_id.term > 0
+                || m.vote.committed,
         }
     }
 
@@ -423,7 +427,7 @@ impl Replica {
     /// the rest of the metrics.
     pub fn applied_and_leader(&self) -> (u64, Option<u64>) {
         let m = self.raft.metrics();
-        let m = m.borrow();
+        let m = m.borrow_watched();
         (m.last_applied.map_or(0, |l| l.index), m.current_leader)
     }
 

@@ -167,36 +167,113 @@ fn reply<T: Serialize, E: Serialize>(result: Result<T, E>) -> Result<Response<Ra
     Ok(with_format(reply_message(result)))
 }
 
-/// The answers on an `AppendEntriesStream`: each request is decoded and
-/// handed to openraft when the previous answer has been taken, so the
-/// stream's own task does the work (no task or channel in between) and
-/// answers stay in request order. Ends when the leader closes its side or
-/// breaks the stream, after an undecodable message, or with `UNAVAILABLE`
-/// when this replica shuts down (a stream is never "finished" on its own,
-/// and the gRPC server's graceful shutdown waits for every open one).
+/// The answers on an `AppendEntriesStream`. Requests are decoded as they
+/// arrive and handed to openraft's pipelined `stream_append`, which
+/// appends the next while the previous ones are being synced; answers come
+/// back in request order, in the shape a leader of either build reads (a
+/// 0.9 leader sends one request at a time and waits; that works the same).
+/// Ends when the leader closes its side or breaks the stream; after an
+/// undecodable message with `INVALID_ARGUMENT`, or with `UNAVAILABLE` when
+/// this replica shuts down (a stream is never "finished" on its own, and
+/// the gRPC server's graceful shutdown waits for every open one).
 fn append_replies(
     requests: Streaming<RaftRequest>,
     core: Arc<Replica>,
 ) -> impl Stream<Item = Result<RaftReply, Status>> + Send + 'static {
-    futures::stream::unfold(Some((requests, core)), |state| async move {
-        let (mut requests, core) = state?;
-        let next = tokio::select! {
-            next = requests.message() => next,
-            () = core.shutting_down() => {
-                let status = Status::unavailable("this replica is shutting down");
-                return Some((Err(status), None));
+    use futures::StreamExt;
+    use openraft::raft::{AppendEntriesRequest, AppendEntriesResponse, StreamAppendError};
+
+    use crate::raft::{LogId, TypeConfig};
+
+    // What each request covers, in order, for telling a full success from
+    // a partial one; and why the input ended, if not with the leader.
+    let covered: Arc<std::sync::Mutex<std::collections::VecDeque<Option<LogId>>>> = Arc::default();
+    let ended_with: Arc<std::sync::Mutex<Option<Status>>> = Arc::default();
+    let input = {
+        let (covered, ended_with, core) = (covered.clone(), ended_with.clone(), core.clone());
+        futures::stream::unfold(Some(requests), move |state| {
+            let (covered, ended_with, core) = (covered.clone(), ended_with.clone(), core.clone());
+            async move {
+                let mut requests = state?;
+                let next = tokio::select! {
+                    next = requests.message() => next,
+                    () = core.shutting_down() => {
+                        *ended_with.lock().unwrap_or_else(|p| p.into_inner()) =
+                            Some(Status::unavailable("this replica is shutting down"));
+                        return None;
+                    }
+                };
+                // An error reading the leader's side means it went away;
+                // there is no one left to answer.
+                let message = match next {
+                    Ok(message) => message?,
+                    Err(status) => {
+                        // Usually the leader went away and no one is left
+                        // to answer; but a message over the limit ends up
+                        // here too, and the leader must hear why.
+                        tracing::debug!(%status, "the leader's AppendEntries stream broke");
+                        *ended_with.lock().unwrap_or_else(|p| p.into_inner()) = Some(status);
+                        return None;
+                    }
+                };
+                match decode_message::<AppendEntriesRequest<TypeConfig>>(&message) {
+                    Ok(rpc) => {
+                        let last = rpc.entries.last().map(|e| e.log_id).or(rpc.prev_log_id);
+                        covered
+                            .lock()
+                            .unwrap_or_else(|p| p.into_inner())
+                            .push_back(last);
+                        Some((rpc, Some(requests)))
+                    }
+                    Err(status) => {
+                        *ended_with.lock().unwrap_or_else(|p| p.into_inner()) = Some(status);
+                        None
+                    }
+                }
             }
-        };
-        // An error reading the leader's side means it went away; there
-        // is no one left to answer.
-        let message = next.ok()??;
-        let rpc = match decode_message(&message) {
-            Ok(rpc) => rpc,
-            Err(status) => return Some((Err(status), None)),
-        };
-        let answer = reply_message(core.raft.append_entries(rpc).await);
-        Some((Ok(answer), Some((requests, core))))
-    })
+        })
+    };
+    // openraft's stream is `'static` but borrows the handle by its
+    // signature's lifetimes; boxed as `dyn` it stands on its own.
+    let answers: std::pin::Pin<Box<dyn Stream<Item = _> + Send + 'static>> =
+        Box::pin(core.raft.stream_append(input));
+    let answers = answers.map(move |result| {
+        let last = covered
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .pop_front()
+            .flatten();
+        match result {
+            Ok(Ok(matching)) if matching == last => Ok(reply_message(Ok::<_, ()>(
+                AppendEntriesResponse::<TypeConfig>::Success,
+            ))),
+            Ok(Ok(matching)) => Ok(reply_message(Ok::<_, ()>(AppendEntriesResponse::<
+                TypeConfig,
+            >::PartialSuccess(
+                matching
+            )))),
+            Ok(Err(StreamAppendError::Conflict(_))) => Ok(reply_message(Ok::<_, ()>(
+                AppendEntriesResponse::<TypeConfig>::Conflict,
+            ))),
+            Ok(Err(StreamAppendError::HigherVote(vote))) => {
+                Ok(reply_message(Ok::<_, ()>(AppendEntriesResponse::<
+                    TypeConfig,
+                >::HigherVote(
+                    vote
+                ))))
+            }
+            Err(fatal) => Ok(reply_message(Err::<AppendEntriesResponse<TypeConfig>, _>(
+                openraft::error::RaftError::<TypeConfig>::Fatal(fatal),
+            ))),
+        }
+    });
+    answers.chain(futures::stream::iter(std::iter::from_fn(move || {
+        ended_with
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .take()
+            .map(Err)
+    })))
 }
 
 #[tonic::async_trait]
@@ -227,7 +304,8 @@ impl RaftService for RaftApi {
     async fn vote(&self, request: Request<RaftRequest>) -> Result<Response<RaftReply>, Status> {
         self.check_target(&request)?;
         self.check_cluster(&request, false)?;
-        let rpc = decode_request(request)?;
+        let rpc = crate::raft::network::decode_vote_request(&request.into_inner().data)
+            .map_err(|e| Status::invalid_argument(format!("undecodable Raft message: {e}")))?;
         reply(self.core.raft.vote(rpc).await)
     }
 
@@ -237,8 +315,16 @@ impl RaftService for RaftApi {
     ) -> Result<Response<RaftReply>, Status> {
         self.check_target(&request)?;
         self.check_cluster(&request, true)?;
-        let rpc = decode_request(request)?;
-        reply(self.core.raft.install_snapshot(rpc).await)
+        // The 0.9 chunked transfer, which every build still sends.
+        let rpc: openraft_legacy::network_v1::InstallSnapshotRequest<crate::raft::TypeConfig> =
+            decode_request(request)?;
+        reply(
+            openraft_legacy::network_v1::ChunkedSnapshotReceiver::install_snapshot(
+                &self.core.raft,
+                rpc,
+            )
+            .await,
+        )
     }
 
     async fn timeout_now(
@@ -252,7 +338,7 @@ impl RaftService for RaftApi {
             .core
             .raft
             .trigger()
-            .elect()
+            .elect(false)
             .await
             .map_err(|e| e.to_string());
         reply(result)

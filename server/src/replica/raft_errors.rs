@@ -3,20 +3,18 @@
 //! `UNAVAILABLE`, a read round short of a quorum `UNAVAILABLE` too.
 
 use crate::error::ApiError;
+use crate::raft::TypeConfig;
 
 /// Maps a failed ReadIndex round. A round that did not hear from a quorum
 /// (a follower slow to answer, a stream being re-opened, a partition) says
 /// nothing lasting about the request: it is `UNAVAILABLE`, which clients
 /// retry, never `FAILED_PRECONDITION`, which they must not.
 pub fn from_read_check_error(
-    err: openraft::error::RaftError<
-        u64,
-        openraft::error::CheckIsLeaderError<u64, openraft::BasicNode>,
-    >,
+    err: openraft::error::RaftError<TypeConfig, openraft::error::LinearizableReadError<TypeConfig>>,
 ) -> ApiError {
     match err {
         openraft::error::RaftError::APIError(
-            openraft::error::CheckIsLeaderError::QuorumNotEnough(e),
+            openraft::error::LinearizableReadError::QuorumNotEnough(e),
         ) => ApiError::Unavailable(format!(
             "this replica could not confirm its leadership for a linearizable read ({e}); retry"
         )),
@@ -25,11 +23,11 @@ pub fn from_read_check_error(
 }
 
 /// Maps openraft's "forward to leader" and fatal errors.
-pub fn from_raft_error<E>(err: openraft::error::RaftError<u64, E>) -> ApiError
+pub fn from_raft_error<E>(err: openraft::error::RaftError<TypeConfig, E>) -> ApiError
 where
     E: std::fmt::Debug
         + std::fmt::Display
-        + openraft::TryAsRef<openraft::error::ForwardToLeader<u64, openraft::BasicNode>>,
+        + openraft::TryAsRef<openraft::error::ForwardToLeader<TypeConfig>>,
 {
     if let Some(forward) = err.forward_to_leader() {
         return ApiError::NotLeader {
@@ -48,12 +46,12 @@ where
 #[cfg(test)]
 mod tests {
     use super::*;
-    use openraft::error::{CheckIsLeaderError, QuorumNotEnough, RaftError};
+    use openraft::error::{LinearizableReadError, QuorumNotEnough, RaftError};
     use tonic::Status;
 
     #[test]
     fn a_read_round_short_of_a_quorum_is_retryable() {
-        let err = RaftError::APIError(CheckIsLeaderError::QuorumNotEnough(QuorumNotEnough {
+        let err = RaftError::APIError(LinearizableReadError::QuorumNotEnough(QuorumNotEnough {
             cluster: "{voters:[{1,2,3}]}".into(),
             got: [1].into(),
         }));

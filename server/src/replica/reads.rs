@@ -14,16 +14,16 @@
 use std::sync::{Arc, Mutex};
 
 use futures::future::BoxFuture;
-use openraft::BasicNode;
-use openraft::error::{CheckIsLeaderError, Fatal, RaftError};
+use openraft::ReadPolicy;
+use openraft::error::{Fatal, LinearizableReadError, RaftError};
 use tokio::sync::oneshot;
 
 use crate::metrics::Metrics;
-use crate::raft::Raft;
+use crate::raft::{Raft, TypeConfig};
 
 /// What a round answers: this replica leads and has applied everything
 /// committed before the round began, or why not.
-pub type ReadCheck = Result<(), RaftError<u64, CheckIsLeaderError<u64, BasicNode>>>;
+pub type ReadCheck = Result<(), RaftError<TypeConfig, LinearizableReadError<TypeConfig>>>;
 
 /// One ReadIndex round.
 type Round = Box<dyn Fn() -> BoxFuture<'static, ReadCheck> + Send + Sync>;
@@ -49,7 +49,11 @@ impl ReadBarrier {
         Self::with_round(
             Box::new(move || {
                 let raft = raft.clone();
-                Box::pin(async move { raft.ensure_linearizable().await.map(|_| ()) })
+                Box::pin(async move {
+                    raft.ensure_linearizable(ReadPolicy::ReadIndex)
+                        .await
+                        .map(|_| ())
+                })
             }),
             metrics,
         )

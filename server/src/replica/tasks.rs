@@ -3,6 +3,7 @@
 //! the cluster id's claim, the watch on Raft's core, the pruning of
 //! departed peers' connections; and the bootstrap of a new cluster.
 
+use openraft::async_runtime::WatchReceiver as _;
 use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -89,7 +90,7 @@ pub async fn bootstrap(core: &Replica, advertise: &str) -> anyhow::Result<()> {
 
 /// The voter other than this one with the highest replicated index.
 pub fn best_successor(core: &Replica) -> Option<u64> {
-    let m = core.raft.metrics().borrow().clone();
+    let m = core.raft.metrics().borrow_watched().clone();
     let replication = m.replication.clone().unwrap_or_default();
     m.membership_config
         .membership()
@@ -124,7 +125,12 @@ pub async fn forget_departed_peers(
             _ = tick.tick() => {}
             _ = shutdown.changed() => return,
         }
-        let membership = core.raft.metrics().borrow().membership_config.clone();
+        let membership = core
+            .raft
+            .metrics()
+            .borrow_watched()
+            .membership_config
+            .clone();
         if checked.as_ref() == Some(membership.log_id()) {
             continue;
         }
@@ -184,7 +190,7 @@ pub async fn sweeper(core: Arc<Replica>, mut shutdown: watch::Receiver<bool>) {
         }
         let (state, term) = {
             let m = core.raft.metrics();
-            let m = m.borrow();
+            let m = m.borrow_watched();
             (m.state, m.current_term)
         };
         if state != ServerState::Leader {

@@ -98,6 +98,14 @@ pub struct Request {
     pub command: Command,
 }
 
+/// What openraft logs for an entry's payload: its format and command
+/// (the command's fields are in its `Debug` form).
+impl std::fmt::Display for Request {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "format {} {:?}", self.format_version, self.command)
+    }
+}
+
 impl Request {
     /// A request in the oldest format that can express `command` with the
     /// rules of this build: client requests (and batches, whose items are)

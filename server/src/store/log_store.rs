@@ -1,21 +1,25 @@
-//! The Raft log in RocksDB (openraft `RaftLogStorage`, storage-v2).
+//! The Raft log in RocksDB (openraft `RaftLogStorage`).
 //!
-//! Every write that openraft must see durable (appends, votes, truncations,
-//! purges) is a synced RocksDB write.
+//! Votes, truncations and purges are synced RocksDB writes. Appends are
+//! written unsynced, so that openraft can read and replicate them at once,
+//! and made durable by the [`Flusher`] thread, which syncs RocksDB's
+//! write-ahead log and only then tells openraft (its `IOFlushed` callback):
+//! a leader's own fsync overlaps sending the entries to the followers, and
+//! appends that arrive while a sync runs share the next one.
 
 use std::fmt::Debug;
 use std::ops::{Bound, RangeBounds};
 use std::sync::Arc;
 
 use crate::metrics::Metrics;
-use openraft::storage::{LogFlushed, LogState, RaftLogStorage};
-use openraft::{RaftLogReader, Vote};
+use openraft::RaftLogReader;
+use openraft::storage::{IOFlushed, LogState, RaftLogStorage};
 use rocksdb::{DB, Direction, IteratorMode, WriteBatch, WriteOptions};
 
 use super::err;
 use super::keys::{log_index, log_key};
 use super::{CF_LOG, CF_META, SnapshotGate, decode, encode};
-use crate::raft::{Entry, LogId, StorageError, TypeConfig};
+use crate::raft::{Entry, LogId, StorageError, TypeConfig, Vote};
 use crate::sm::FORMAT_VERSION;
 
 const VOTE: &[u8] = b"vote";
@@ -29,6 +33,56 @@ pub struct LogStore {
     gate: Arc<SnapshotGate>,
     /// Where synced writes are timed (`tether_fsync_duration_seconds`).
     metrics: Option<Arc<Metrics>>,
+    /// Makes appends durable; started by the first append (after
+    /// [`LogStore::with_metrics`]), shared by the clones.
+    flusher: Arc<std::sync::OnceLock<Flusher>>,
+}
+
+/// Syncs the write-ahead log behind unsynced appends and then calls their
+/// callbacks, in append order, on a thread of its own (an fsync blocks).
+/// Every callback waiting when a sync starts is answered by it. The thread
+/// ends once every clone of the store is dropped.
+struct Flusher {
+    waiting: std::sync::mpsc::Sender<IOFlushed<TypeConfig>>,
+}
+
+impl Flusher {
+    fn start(db: Arc<DB>, metrics: Option<Arc<Metrics>>) -> Self {
+        let (waiting, queue) = std::sync::mpsc::channel::<IOFlushed<TypeConfig>>();
+        std::thread::Builder::new()
+            .name("tether-log-sync".into())
+            .spawn(move || {
+                while let Ok(first) = queue.recv() {
+                    let mut callbacks = vec![first];
+                    callbacks.extend(queue.try_iter());
+                    let started = std::time::Instant::now();
+                    // Everything written to the log before the sync began
+                    // is durable when it returns.
+                    let result = db.flush_wal(true);
+                    if let Some(metrics) = &metrics {
+                        metrics.fsynced(started.elapsed());
+                    }
+                    match result {
+                        Ok(()) => {
+                            // Synced but not yet acknowledged to Raft.
+                            fail::fail_point!("log-append-before-ack");
+                            for callback in callbacks {
+                                callback.io_completed(Ok(()));
+                            }
+                        }
+                        Err(e) => {
+                            for callback in callbacks {
+                                callback.io_completed(Err(std::io::Error::other(format!(
+                                    "cannot sync the log: {e}"
+                                ))));
+                            }
+                        }
+                    }
+                }
+            })
+            .expect("the log sync thread starts");
+        Self { waiting }
+    }
 }
 
 fn synced() -> WriteOptions {
@@ -44,6 +98,7 @@ impl LogStore {
             db,
             gate,
             metrics: None,
+            flusher: Arc::default(),
         }
     }
 
@@ -165,6 +220,10 @@ impl RaftLogReader<TypeConfig> for LogStore {
         }
         Ok(out)
     }
+
+    async fn read_vote(&mut self) -> Result<Option<Vote>, StorageError> {
+        self.get_meta(VOTE)
+    }
 }
 
 impl RaftLogStorage<TypeConfig> for LogStore {
@@ -189,14 +248,10 @@ impl RaftLogStorage<TypeConfig> for LogStore {
         self.clone()
     }
 
-    async fn save_vote(&mut self, vote: &Vote<u64>) -> Result<(), StorageError> {
+    async fn save_vote(&mut self, vote: &Vote) -> Result<(), StorageError> {
         self.put_meta(VOTE, vote).map_err(|_| {
             err::write_vote(&std::io::Error::other("RocksDB write of the vote failed"))
         })
-    }
-
-    async fn read_vote(&mut self) -> Result<Option<Vote<u64>>, StorageError> {
-        self.get_meta(VOTE)
     }
 
     async fn save_committed(&mut self, committed: Option<LogId>) -> Result<(), StorageError> {
@@ -216,7 +271,7 @@ impl RaftLogStorage<TypeConfig> for LogStore {
     async fn append<I>(
         &mut self,
         entries: I,
-        callback: LogFlushed<TypeConfig>,
+        callback: IOFlushed<TypeConfig>,
     ) -> Result<(), StorageError>
     where
         I: IntoIterator<Item = Entry> + Send,
@@ -233,27 +288,34 @@ impl RaftLogStorage<TypeConfig> for LogStore {
         #[cfg(feature = "failpoints")]
         if fail::eval("log-append-error", |_| ()).is_some() {
             let e = std::io::Error::other("failpoint log-append-error: the disk refused the write");
-            callback.log_io_completed(Err(std::io::Error::other(e.to_string())));
+            callback.io_completed(Err(std::io::Error::other(e.to_string())));
             return Err(err::write_logs(&e));
         }
-        let result = self.synced_write(|opts| self.db.write_opt(batch, opts));
-        match result {
+        match self.db.write(batch) {
             Ok(()) => {
-                // Synced but not yet acknowledged to Raft.
-                fail::fail_point!("log-append-before-ack");
-                callback.log_io_completed(Ok(()));
+                let flusher = self
+                    .flusher
+                    .get_or_init(|| Flusher::start(self.db.clone(), self.metrics.clone()));
+                if let Err(unsent) = flusher.waiting.send(callback) {
+                    // Only if the thread died (it does not return early).
+                    unsent
+                        .0
+                        .io_completed(Err(std::io::Error::other("the log sync thread is gone")));
+                    return Err(err::write_logs("the log sync thread is gone"));
+                }
                 Ok(())
             }
             Err(e) => {
-                callback.log_io_completed(Err(std::io::Error::other(e.to_string())));
+                callback.io_completed(Err(std::io::Error::other(e.to_string())));
                 Err(err::write_logs(&e))
             }
         }
     }
 
-    async fn truncate(&mut self, log_id: LogId) -> Result<(), StorageError> {
+    async fn truncate_after(&mut self, last_kept: Option<LogId>) -> Result<(), StorageError> {
+        let first_removed = last_kept.map_or(0, |l| l.index + 1);
         let mut batch = WriteBatch::default();
-        batch.delete_range_cf(self.cf_log(), log_key(log_id.index), log_key(u64::MAX));
+        batch.delete_range_cf(self.cf_log(), log_key(first_removed), log_key(u64::MAX));
         // delete_range's end is exclusive: remove the last possible key too.
         batch.delete_cf(self.cf_log(), log_key(u64::MAX));
         self.synced_write(|opts| self.db.write_opt(batch, opts))

@@ -232,36 +232,28 @@ pub fn decode<T: DeserializeOwned>(bytes: &[u8]) -> Result<T, postcard::Error> {
     postcard::from_bytes(bytes)
 }
 
-/// Constructors of openraft storage errors from any error value.
+/// Storage errors (`io::Error`, what openraft 0.10's storage traits
+/// return) from any error value, each saying what was being done.
 pub(crate) mod err {
-    use openraft::storage::SnapshotSignature;
-    use openraft::{AnyError, StorageIOError};
-
     use crate::raft::StorageError;
 
     macro_rules! io_errors {
-        ($($name:ident),*) => {$(
-            pub(crate) fn $name<E: std::error::Error + 'static>(e: &E) -> StorageError {
-                StorageIOError::$name(AnyError::new(e)).into()
+        ($($name:ident => $what:literal),*) => {$(
+            pub(crate) fn $name<E: std::fmt::Display + ?Sized>(e: &E) -> StorageError {
+                std::io::Error::other(format!(concat!("cannot ", $what, ": {}"), e))
             }
         )*};
     }
     io_errors!(
-        read,
-        write,
-        read_logs,
-        write_logs,
-        write_vote,
-        read_state_machine,
-        write_state_machine
+        read => "read the store",
+        write => "write the store",
+        read_logs => "read the log",
+        write_logs => "write the log",
+        write_vote => "write the vote",
+        read_state_machine => "read the state machine",
+        write_state_machine => "write the state machine",
+        write_snapshot => "write the snapshot"
     );
-
-    pub(crate) fn write_snapshot<E: std::error::Error + 'static>(
-        signature: Option<SnapshotSignature<u64>>,
-        e: &E,
-    ) -> StorageError {
-        StorageIOError::write_snapshot(signature, AnyError::new(e)).into()
-    }
 }
 
 /// The cluster id stored in `db`, if any.

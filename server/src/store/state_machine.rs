@@ -10,8 +10,10 @@ use std::io::Cursor;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, RwLock, RwLockReadGuard};
 
-use openraft::storage::{RaftStateMachine, Snapshot};
-use openraft::{EntryPayload, RaftSnapshotBuilder, SnapshotMeta};
+use futures::TryStreamExt;
+use openraft::storage::{EntryResponder, RaftStateMachine};
+use openraft::{EntryPayload, RaftSnapshotBuilder};
+use openraft_legacy::network_v1::SnapshotReceiverFactory;
 use rocksdb::{DB, IteratorMode, WriteBatch, WriteOptions};
 use serde::{Deserialize, Serialize};
 use tokio::sync::broadcast;
@@ -20,7 +22,9 @@ use super::keys::{self, LAST_APPLIED, MEMBERSHIP, NOW};
 use super::waiters::{WaitRegistry, WaitTicket};
 use super::{CF_EVENTS, CF_META, CF_SM, SnapshotGate, decode, encode, err};
 use crate::cluster_id::{self, ClusterIdCell};
-use crate::raft::{Entry, LogId, StorageError, StoredMembership, TypeConfig};
+use crate::raft::{
+    Entry, LogId, Snapshot, SnapshotMeta, StorageError, StoredMembership, TypeConfig,
+};
 use crate::sm::{self, Dirty, Event, FORMAT_VERSION, Response, SNAPSHOT_FORMAT_VERSION, State};
 use crate::store::compat::{ClientSessionV2, StateV2};
 
@@ -168,7 +172,7 @@ impl SnapshotFile {
 /// A snapshot as kept in the `meta` column family.
 #[derive(Serialize, Deserialize)]
 struct StoredSnapshot {
-    meta: SnapshotMeta<u64, openraft::BasicNode>,
+    meta: SnapshotMeta,
     data: Vec<u8>,
 }
 
@@ -475,7 +479,9 @@ pub struct SnapshotBuilder {
 }
 
 impl RaftSnapshotBuilder<TypeConfig> for SnapshotBuilder {
-    async fn build_snapshot(&mut self) -> Result<Snapshot<TypeConfig>, StorageError> {
+    type SnapshotData = Cursor<Vec<u8>>;
+
+    async fn build_snapshot(&mut self) -> Result<Snapshot, StorageError> {
         let started = std::time::Instant::now();
         let (data, last_applied, membership, now_ms) = {
             // Encoded under the read lock rather than from a copy: a copy of
@@ -495,14 +501,9 @@ impl RaftSnapshotBuilder<TypeConfig> for SnapshotBuilder {
                 applied.state.now_ms,
             )
         };
-        let snapshot_id = match last_applied {
-            Some(id) => format!("{}-{}-{}", id.leader_id.term, id.index, data.len()),
-            None => format!("0-0-{}", data.len()),
-        };
         let meta = SnapshotMeta {
             last_log_id: last_applied,
             last_membership: membership,
-            snapshot_id,
         };
         let stored = StoredSnapshot {
             meta: meta.clone(),
@@ -522,7 +523,7 @@ impl RaftSnapshotBuilder<TypeConfig> for SnapshotBuilder {
             } else {
                 self.db
                     .put_cf_opt(cf(&self.db, CF_META), SNAPSHOT, encode(&stored), &synced())
-                    .map_err(|e| err::write_snapshot(Some(meta.signature()), &e))?;
+                    .map_err(|e| err::write_snapshot(&e))?;
                 self.gate.stored(index);
             }
         }
@@ -546,7 +547,7 @@ impl RaftSnapshotBuilder<TypeConfig> for SnapshotBuilder {
         );
         Ok(Snapshot {
             meta,
-            snapshot: Box::new(Cursor::new(stored.data)),
+            snapshot: Cursor::new(stored.data),
         })
     }
 }
@@ -647,6 +648,7 @@ impl StateMachineStore {
 }
 
 impl RaftStateMachine<TypeConfig> for StateMachineStore {
+    type SnapshotData = Cursor<Vec<u8>>;
     type SnapshotBuilder = SnapshotBuilder;
 
     async fn applied_state(&mut self) -> Result<(Option<LogId>, StoredMembership), StorageError> {
@@ -654,17 +656,27 @@ impl RaftStateMachine<TypeConfig> for StateMachineStore {
         Ok((applied.last_applied, applied.membership.clone()))
     }
 
-    async fn apply<I>(&mut self, entries: I) -> Result<Vec<Response>, StorageError>
+    async fn apply<Strm>(&mut self, entries: Strm) -> Result<(), StorageError>
     where
-        I: IntoIterator<Item = Entry> + Send,
-        I::IntoIter: Send,
+        Strm:
+            futures::Stream<Item = Result<EntryResponder<TypeConfig>, StorageError>> + Unpin + Send,
     {
+        // openraft hands over the committed entries it read for this apply;
+        // all of them go into one RocksDB write, and their callers hear back
+        // once it is done.
+        let (entries, responders): (Vec<Entry>, Vec<_>) =
+            entries.try_collect::<Vec<_>>().await?.into_iter().unzip();
         let started = std::time::Instant::now();
-        let result = self.apply_entries(entries);
+        let responses = self.apply_entries(entries)?;
         if let Some(metrics) = &self.metrics {
             metrics.applied(started.elapsed());
         }
-        result
+        for (responder, response) in responders.into_iter().zip(responses) {
+            if let Some(responder) = responder {
+                responder.send(response);
+            }
+        }
+        Ok(())
     }
 
     async fn get_snapshot_builder(&mut self) -> Self::SnapshotBuilder {
@@ -676,16 +688,14 @@ impl RaftStateMachine<TypeConfig> for StateMachineStore {
         }
     }
 
-    async fn begin_receiving_snapshot(&mut self) -> Result<Box<Cursor<Vec<u8>>>, StorageError> {
-        self.gate.begin_install();
-        Ok(Box::new(Cursor::new(Vec::new())))
-    }
-
     async fn install_snapshot(
         &mut self,
-        meta: &SnapshotMeta<u64, openraft::BasicNode>,
-        snapshot: Box<Cursor<Vec<u8>>>,
+        meta: &SnapshotMeta,
+        snapshot: Cursor<Vec<u8>>,
     ) -> Result<(), StorageError> {
+        // Also marked when the first chunk arrived (the 0.9 chunked
+        // transfer): a purge must not pass the snapshot being installed.
+        self.gate.begin_install();
         let result = self.install(meta, snapshot.into_inner());
         let covered = meta.last_log_id.map_or(0, |l| l.index);
         self.gate.end_install(result.is_ok().then_some(covered));
@@ -695,21 +705,28 @@ impl RaftStateMachine<TypeConfig> for StateMachineStore {
         result
     }
 
-    async fn get_current_snapshot(&mut self) -> Result<Option<Snapshot<TypeConfig>>, StorageError> {
+    async fn get_current_snapshot(&mut self) -> Result<Option<Snapshot>, StorageError> {
         Ok(self.read_stored_snapshot()?.map(|s| Snapshot {
             meta: s.meta,
-            snapshot: Box::new(Cursor::new(s.data)),
+            snapshot: Cursor::new(s.data),
         }))
+    }
+}
+
+impl SnapshotReceiverFactory<TypeConfig> for StateMachineStore {
+    type SnapshotReceiver = Cursor<Vec<u8>>;
+
+    /// A snapshot sent in chunks (by a replica of the 0.9 build, or by any
+    /// replica: the chunked transfer is what every build sends) starts.
+    async fn begin_receiving_snapshot(&mut self) -> Result<Cursor<Vec<u8>>, StorageError> {
+        self.gate.begin_install();
+        Ok(Cursor::new(Vec::new()))
     }
 }
 
 impl StateMachineStore {
     /// Restores `data` and stores it as the current snapshot.
-    fn install(
-        &mut self,
-        meta: &SnapshotMeta<u64, openraft::BasicNode>,
-        data: Vec<u8>,
-    ) -> Result<(), StorageError> {
+    fn install(&mut self, meta: &SnapshotMeta, data: Vec<u8>) -> Result<(), StorageError> {
         fail::fail_point!("sm-install-snapshot-before");
         let started = std::time::Instant::now();
         self.restore(&data)?;
@@ -730,7 +747,7 @@ impl StateMachineStore {
             let _storing = self.gate.storing();
             self.db
                 .put_cf_opt(cf(&self.db, CF_META), SNAPSHOT, encode(&stored), &synced())
-                .map_err(|e| err::write_snapshot(Some(meta.signature()), &e))?;
+                .map_err(|e| err::write_snapshot(&e))?;
             self.gate.stored(covered);
         }
         fail::fail_point!("sm-install-snapshot-after");
@@ -754,8 +771,7 @@ pub fn stored_snapshot_log_id(db: &DB) -> Result<Option<LogId>, StorageError> {
     else {
         return Ok(None);
     };
-    let (meta, _) = postcard::take_from_bytes::<SnapshotMeta<u64, openraft::BasicNode>>(&bytes)
-        .map_err(|e| err::read(&e))?;
+    let (meta, _) = postcard::take_from_bytes::<SnapshotMeta>(&bytes).map_err(|e| err::read(&e))?;
     Ok(meta.last_log_id)
 }
 
@@ -800,7 +816,8 @@ impl StateMachineStore {
                     addr: addr.to_string(),
                 },
             )]),
-        );
+        )
+        .map_err(|e| err::read(&e))?;
         let file = SnapshotFile {
             format_version: SNAPSHOT_FORMAT_VERSION,
             last_applied: Some(last),
@@ -810,7 +827,6 @@ impl StateMachineStore {
         let meta = SnapshotMeta {
             last_log_id: Some(last),
             last_membership: StoredMembership::new(Some(last), membership),
-            snapshot_id: format!("restored-{}-{}", last.leader_id.term, last.index),
         };
         self.install(&meta, encode(&file))?;
         Ok(last)
