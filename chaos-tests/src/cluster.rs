@@ -89,6 +89,9 @@ pub struct ProcessCluster {
     dir: tempfile::TempDir,
     /// The cluster's one bridge client ([`ProcessCluster::bridge_client`]).
     bridge: std::sync::OnceLock<Client>,
+    /// Replicas that run another `tetherd` than the spec's (a rolling
+    /// upgrade, [`ProcessCluster::restart_on`]).
+    binaries: BTreeMap<u64, PathBuf>,
 }
 
 /// A loopback port that was free a moment ago.
@@ -213,6 +216,7 @@ impl ProcessCluster {
             initial_members,
             dir,
             bridge: std::sync::OnceLock::new(),
+            binaries: BTreeMap::new(),
         };
         for id in 1..=cluster.spec.voters as u64 {
             cluster.spawn(id, None)?;
@@ -260,7 +264,8 @@ impl ProcessCluster {
     /// a `failpoints` build acts on it).
     fn spawn(&mut self, id: u64, failpoints: Option<&str>) -> anyhow::Result<()> {
         let replica = &self.replicas[&id];
-        let mut command = Command::new(&self.spec.tetherd);
+        let tetherd = self.binaries.get(&id).unwrap_or(&self.spec.tetherd);
+        let mut command = Command::new(tetherd);
         command
             .arg(format!("--node-id={id}"))
             .arg(format!("--listen=127.0.0.1:{}", replica.port))
@@ -292,7 +297,7 @@ impl ProcessCluster {
             command.env("FAILPOINTS", failpoints);
         }
         let child = Process::spawn_appending(&format!("tetherd-{id}"), command, &self.log_path(id))
-            .with_context(|| format!("starting {}", self.spec.tetherd.display()))?;
+            .with_context(|| format!("starting {}", tetherd.display()))?;
         let replica = self.replicas.get_mut(&id).expect("a slot");
         replica.child = Some(child);
         replica.paused = false;
@@ -413,6 +418,14 @@ impl ProcessCluster {
     pub fn restart(&mut self, id: u64, failpoints: Option<&str>) -> anyhow::Result<()> {
         self.kill(id);
         self.spawn(id, failpoints)
+    }
+
+    /// Stops replica `id` (SIGKILL) and starts it again with its data on
+    /// another `tetherd` build, which it keeps from then on.
+    pub fn restart_on(&mut self, id: u64, tetherd: &Path) -> anyhow::Result<()> {
+        anyhow::ensure!(tetherd.exists(), "no tetherd at {}", tetherd.display());
+        self.binaries.insert(id, tetherd.to_path_buf());
+        self.restart(id, None)
     }
 
     /// How replica `id`'s process ended, if it has (then it is marked
