@@ -656,16 +656,22 @@ impl PeerClient {
         {
             Ok(reply) => self.decode_reply(reply),
             Err(status) if status.code() == tonic::Code::Unimplemented => {
-                tracing::info!(
-                    target = self.target,
-                    "replica has no AppendEntries stream (an older build): \
-                     sending AppendEntries as unary calls"
-                );
-                self.stream_refusals.refused(&self.addr);
+                self.stream_refused();
                 self.unary_append(data, option).await
             }
             Err(status) => Err(self.status_error(&status)),
         }
+    }
+
+    /// The target answered that it has no AppendEntries stream (a build
+    /// older than it): AppendEntries go to it as unary calls for a while.
+    fn stream_refused(&self) {
+        tracing::info!(
+            target = self.target,
+            "replica has no AppendEntries stream (an older build): \
+             sending AppendEntries as unary calls"
+        );
+        self.stream_refusals.refused(&self.addr);
     }
 
     /// Sends an AppendEntries too big for one message as consecutive ones
@@ -789,12 +795,7 @@ impl PeerClient {
         let response = match client.append_entries_stream(request).await {
             Ok(response) => response,
             Err(status) if status.code() == tonic::Code::Unimplemented => {
-                tracing::info!(
-                    target = self.target,
-                    "replica has no AppendEntries stream (an older build): \
-                     sending AppendEntries as unary calls"
-                );
-                self.stream_refusals.refused(&self.addr);
+                self.stream_refused();
                 return Err(self.status_error(&status));
             }
             Err(status) => return Err(self.status_error(&status)),
