@@ -9,17 +9,15 @@
 //! | `sm` | `l/<scope>\0<name>`, `t/<lease id>`, `s/<client id>`, `m/...` | postcard |
 //! | `events` | log index + sub-index, big-endian | postcard `Event` |
 //!
-//! Log appends and votes are written with fsync (a group commit that let
-//! appends share one WAL sync was measured slower here and reverted: see
-//! BENCHMARKS.md). A state-machine apply writes its state changes, events
-//! and `last_applied` in one `WriteBatch`: the batch is atomic, and because it
-//! shares the write-ahead log with the (synced) Raft log, it is durable no
-//! later than the next synced log write; if a crash loses it, openraft
-//! re-applies the entries from the durable log.
-
-// openraft's traits fix the error type (`StorageError`, large); helpers here
-// return it too rather than converting back and forth.
-#![allow(clippy::result_large_err)]
+//! Votes are written with fsync; log appends are written unsynced and made
+//! durable by the log store's sync thread before openraft hears of them
+//! ([`log_store`]; on openraft 0.9 a group commit of this kind was measured
+//! slower and reverted, see BENCHMARKS.md; on 0.10 it is to be measured
+//! again). A state-machine apply writes its state changes, events and
+//! `last_applied` in one `WriteBatch`: the batch is atomic, and because it
+//! shares the write-ahead log with the Raft log, it is durable no later than
+//! the next log sync; if a crash loses it, openraft re-applies the entries
+//! from the durable log.
 
 pub mod compat;
 pub mod keys;
