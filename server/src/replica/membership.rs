@@ -143,8 +143,16 @@ impl Replica {
     /// joint change is still in flight), waits for that change to be applied
     /// and tries again: an operator's "add this learner" should not fail
     /// because the previous command's last entry is a few milliseconds from
-    /// commit. Other errors, and a change still pending after
-    /// [`MEMBERSHIP_BUSY_WAIT`], are returned as they are.
+    /// commit.
+    ///
+    /// The same for a joint change whose second step openraft 0.10 refused
+    /// because another change was appended between its two steps (the
+    /// second step requires the membership to be still the joint one): the
+    /// change is run again once the other one is applied. Every change
+    /// this runs names its goal (these voters, these learners), so running
+    /// it again reaches the same membership. Other errors, and a change
+    /// still pending after [`MEMBERSHIP_BUSY_WAIT`], are returned as they
+    /// are.
     async fn change_when_settled<F, Fut>(&self, change: F) -> MembershipResult
     where
         F: Fn() -> Fut,
@@ -159,6 +167,14 @@ impl Replica {
                         openraft::error::ChangeMembershipError::InProgress(busy),
                     ),
                 )) => busy.membership_log_id,
+                Err(openraft::error::RaftError::APIError(
+                    openraft::error::ClientWriteError::PreconditionFailed(
+                        openraft::error::PreconditionFailed::LastMembershipLogIdMismatch {
+                            actual,
+                            ..
+                        },
+                    ),
+                )) => *actual,
                 _ => return result,
             };
             let remaining = give_up.saturating_duration_since(tokio::time::Instant::now());
