@@ -342,7 +342,7 @@ async fn open_store(
         .with_context(|| format!("cannot open the store in {}", config.data_dir.display()))?;
     let metrics = Arc::new(Metrics::default());
     sm_store.set_metrics(metrics.clone());
-    let log_store = log_store.with_metrics(metrics.clone());
+    let log_store = log_store.with_metrics(metrics.clone()).with_own_id(id);
     sm_store.set_event_retention(store::EventRetention {
         entries: config.event_retention_entries,
         age_ms: config.event_retention_age.as_millis() as u64,

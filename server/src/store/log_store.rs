@@ -5,7 +5,11 @@
 //! and made durable by the [`Flusher`] thread, which syncs RocksDB's
 //! write-ahead log and only then tells openraft (its `IOFlushed` callback):
 //! a leader's own fsync overlaps sending the entries to the followers, and
-//! appends that arrive while a sync runs share the next one.
+//! appends that arrive while a sync runs share the next one. A follower's
+//! appends (entries another replica proposed) are synced in the write
+//! itself when the flusher has nothing pending: the leader waits for that
+//! sync anyway, and the hand-off to the flusher's thread and back cost a
+//! follower CPU and latency (an A/B is in BENCHMARKS.md).
 
 use std::fmt::Debug;
 use std::ops::{Bound, RangeBounds};
@@ -36,6 +40,12 @@ pub struct LogStore {
     /// Makes appends durable; started by the first append (after
     /// [`LogStore::with_metrics`]), shared by the clones.
     flusher: Arc<std::sync::OnceLock<Flusher>>,
+    /// Appends handed to the flusher and not yet acknowledged.
+    unsynced: Arc<std::sync::atomic::AtomicUsize>,
+    /// This replica's id: appends of entries it proposed as leader go to
+    /// the flusher (their sync overlaps sending them to the followers);
+    /// others are synced where they are written ([`LogStore::with_own_id`]).
+    own_id: Option<u64>,
 }
 
 /// Syncs the write-ahead log behind unsynced appends and then calls their
@@ -47,7 +57,11 @@ struct Flusher {
 }
 
 impl Flusher {
-    fn start(db: Arc<DB>, metrics: Option<Arc<Metrics>>) -> Self {
+    fn start(
+        db: Arc<DB>,
+        metrics: Option<Arc<Metrics>>,
+        unsynced: Arc<std::sync::atomic::AtomicUsize>,
+    ) -> Self {
         let (waiting, queue) = std::sync::mpsc::channel::<IOFlushed<TypeConfig>>();
         std::thread::Builder::new()
             .name("tether-log-sync".into())
@@ -66,11 +80,15 @@ impl Flusher {
                         Ok(()) => {
                             // Synced but not yet acknowledged to Raft.
                             fail::fail_point!("log-append-before-ack");
+                            let answered = callbacks.len();
                             for callback in callbacks {
                                 callback.io_completed(Ok(()));
                             }
+                            unsynced.fetch_sub(answered, std::sync::atomic::Ordering::AcqRel);
                         }
                         Err(e) => {
+                            unsynced
+                                .fetch_sub(callbacks.len(), std::sync::atomic::Ordering::AcqRel);
                             for callback in callbacks {
                                 callback.io_completed(Err(std::io::Error::other(format!(
                                     "cannot sync the log: {e}"
@@ -99,7 +117,15 @@ impl LogStore {
             gate,
             metrics: None,
             flusher: Arc::default(),
+            unsynced: Arc::default(),
+            own_id: None,
         }
+    }
+
+    /// This store, knowing its replica's id (see `own_id`).
+    pub fn with_own_id(mut self, id: u64) -> Self {
+        self.own_id = Some(id);
+        self
     }
 
     /// This store, timing its synced writes into `metrics`.
@@ -278,7 +304,9 @@ impl RaftLogStorage<TypeConfig> for LogStore {
         I::IntoIter: Send,
     {
         let mut batch = WriteBatch::default();
+        let mut proposer = None;
         for entry in entries {
+            proposer.get_or_insert(entry.log_id.leader_id.node_id);
             batch.put_cf(self.cf_log(), log_key(entry.log_id.index), encode(&entry));
         }
         fail::fail_point!("log-append-before-write");
@@ -291,11 +319,32 @@ impl RaftLogStorage<TypeConfig> for LogStore {
             callback.io_completed(Err(std::io::Error::other(e.to_string())));
             return Err(err::write_logs(&e));
         }
+        // A follower's append: nothing to overlap its sync with (the
+        // leader waits for it), so it is synced here, without a hand-off
+        // to the flusher's thread and back. Only when no earlier append
+        // is still waiting there, so that acknowledgements stay in order.
+        let synced_here = proposer.is_some_and(|p| Some(p) != self.own_id)
+            && self.unsynced.load(std::sync::atomic::Ordering::Acquire) == 0;
+        if synced_here {
+            return match self.synced_write(|opts| self.db.write_opt(batch, opts)) {
+                Ok(()) => {
+                    fail::fail_point!("log-append-before-ack");
+                    callback.io_completed(Ok(()));
+                    Ok(())
+                }
+                Err(e) => {
+                    callback.io_completed(Err(std::io::Error::other(e.to_string())));
+                    Err(err::write_logs(&e))
+                }
+            };
+        }
         match self.db.write(batch) {
             Ok(()) => {
-                let flusher = self
-                    .flusher
-                    .get_or_init(|| Flusher::start(self.db.clone(), self.metrics.clone()));
+                let flusher = self.flusher.get_or_init(|| {
+                    Flusher::start(self.db.clone(), self.metrics.clone(), self.unsynced.clone())
+                });
+                self.unsynced
+                    .fetch_add(1, std::sync::atomic::Ordering::AcqRel);
                 if let Err(unsent) = flusher.waiting.send(callback) {
                     // Only if the thread died (it does not return early).
                     unsent
