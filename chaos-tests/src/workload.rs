@@ -209,6 +209,25 @@ pub fn poisson_arrivals(rate: f64, nodes: usize, duration: Duration, seed: u64) 
 /// How long a bind holds its node's lock (HAMi's measured hold).
 pub const MIXED_HOLD: Duration = Duration::from_millis(20);
 
+/// Arrival-to-grant latencies the mixed scenario would show on a lock
+/// service whose every commit takes exactly `commit` and nothing else
+/// takes time: a bind is granted one commit after it arrives, or, when its
+/// node's lock is held, by the commit of the holder's release, which starts
+/// [`MIXED_HOLD`] after the holder's grant. With `commit` zero it is the
+/// queueing the arrivals themselves cause (binds to a node already
+/// binding wait), under any system.
+pub fn mixed_floor(arrivals: &[Arrival], commit: Duration) -> crate::stats::Samples {
+    let mut free_at: std::collections::HashMap<usize, Duration> = Default::default();
+    let mut latencies = crate::stats::Samples::default();
+    for arrival in arrivals {
+        let released = free_at.get(&arrival.node).copied().unwrap_or_default();
+        let granted = (arrival.at + commit).max(released);
+        latencies.push(granted - arrival.at);
+        free_at.insert(arrival.node, granted + MIXED_HOLD + commit);
+    }
+    latencies
+}
+
 /// The mixed scenario: each arrival takes its node's lock (queueing behind
 /// a bind in progress there), holds it [`MIXED_HOLD`], releases it. The
 /// figure is the scheduler-perceived bind latency: arrival → lock granted.
@@ -251,4 +270,53 @@ pub async fn mixed(client: &Client, arrivals: &[Arrival], tag: &str) -> Run {
         }));
     }
     Run::gather(tasks, started).await
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Equal within the histogram's precision (3 significant digits).
+    fn assert_about(got: Duration, want: Duration) {
+        let slack = want / 200 + Duration::from_micros(1);
+        assert!(got.abs_diff(want) <= slack, "{got:?}, not {want:?}");
+    }
+
+    fn at(ms: u64, node: usize) -> Arrival {
+        Arrival {
+            at: Duration::from_millis(ms),
+            node,
+        }
+    }
+
+    #[test]
+    fn a_bind_to_a_free_node_waits_one_commit() {
+        let floor = mixed_floor(&[at(0, 1), at(3, 2), at(50, 1)], Duration::from_millis(1));
+        assert_eq!(floor.len(), 3);
+        assert_about(floor.quantile(0.0), Duration::from_millis(1));
+        assert_about(floor.quantile(1.0), Duration::from_millis(1));
+    }
+
+    #[test]
+    fn a_bind_to_a_busy_node_waits_for_the_release_to_commit() {
+        // Granted at 1 ms, released from 21 ms, the release committed at
+        // 22 ms: the second bind, arrived at 5 ms, waited 17 ms.
+        let floor = mixed_floor(&[at(0, 7), at(5, 7)], Duration::from_millis(1));
+        assert_about(floor.quantile(1.0), Duration::from_millis(17));
+        // With no commit time it is the hold's remainder alone.
+        let floor = mixed_floor(&[at(0, 7), at(5, 7)], Duration::ZERO);
+        assert_about(floor.quantile(1.0), Duration::from_millis(15));
+    }
+
+    #[test]
+    fn the_floor_rises_with_the_arrival_rate() {
+        let seconds = Duration::from_secs(5);
+        let p99 = |rate| {
+            mixed_floor(&poisson_arrivals(rate, 1000, seconds, 1), Duration::ZERO).quantile(0.99)
+        };
+        // At 100 binds/s a bind rarely meets another on its node; at 1,000
+        // about 2 % do (1 bind/s per node x 20 ms), and the p99 waits.
+        assert_about(p99(100.0), Duration::ZERO);
+        assert!(p99(1000.0) > Duration::from_millis(5), "{:?}", p99(1000.0));
+    }
 }

@@ -46,7 +46,9 @@ use tether_chaos::chart::{Chart, PALETTE, Scale, Series};
 use tether_chaos::cluster::{ClusterSpec, ProcessCluster, sibling_binary};
 use tether_chaos::etcd::{self, EtcdCluster};
 use tether_chaos::stats::{Samples, ms};
-use tether_chaos::workload::{Run, contended, mixed, poisson_arrivals, reads, uncontended};
+use tether_chaos::workload::{
+    Run, contended, mixed, mixed_floor, poisson_arrivals, reads, uncontended,
+};
 
 #[derive(Parser)]
 #[command(
@@ -576,6 +578,23 @@ async fn main() -> anyhow::Result<()> {
              second, latencies = arrival -> lock granted (what the scheduler waits for)",
             args.mixed_nodes, args.seed
         );
+        // What the arrivals alone cost: binds to a node already binding
+        // wait for its release whatever the system.
+        let commit = 2 * rpc.quantile(0.5) + 2 * floor.quantile(0.5);
+        for rate in &args.mixed_rates {
+            let arrivals = poisson_arrivals(*rate, args.mixed_nodes, args.duration, args.seed);
+            let idle = mixed_floor(&arrivals, Duration::ZERO);
+            let at_floor = mixed_floor(&arrivals, commit);
+            println!(
+                "mixed {rate} binds/s, arrival -> grant if commits took no time: p50 {} ms, p99 {} ms; \
+                 if each took the commit floor ({} ms): p50 {} ms, p99 {} ms",
+                ms(idle.quantile(0.5)),
+                ms(idle.quantile(0.99)),
+                ms(commit),
+                ms(at_floor.quantile(0.5)),
+                ms(at_floor.quantile(0.99)),
+            );
+        }
     }
     if !args.reads.is_empty() {
         println!(
