@@ -122,7 +122,8 @@ impl LogStore {
         }
     }
 
-    /// This store, knowing its replica's id (see `own_id`).
+    /// This store, knowing its replica's id (see `own_id`); without it,
+    /// every append is synced on the flusher's thread.
     pub fn with_own_id(mut self, id: u64) -> Self {
         self.own_id = Some(id);
         self
@@ -323,7 +324,11 @@ impl RaftLogStorage<TypeConfig> for LogStore {
         // leader waits for it), so it is synced here, without a hand-off
         // to the flusher's thread and back. Only when no earlier append
         // is still waiting there, so that acknowledgements stay in order.
-        let synced_here = proposer.is_some_and(|p| Some(p) != self.own_id)
+        // Without an id (a store opened for tools and tests) every append
+        // goes to the flusher.
+        let synced_here = self
+            .own_id
+            .is_some_and(|own| proposer.is_some_and(|p| p != own))
             && self.unsynced.load(std::sync::atomic::Ordering::Acquire) == 0;
         if synced_here {
             return match self.synced_write(|opts| self.db.write_opt(batch, opts)) {
