@@ -84,16 +84,20 @@ impl Flusher {
                             for callback in callbacks {
                                 callback.io_completed(Ok(()));
                             }
+                            // Counted down after the answers: a later
+                            // append synced in its own write is never
+                            // answered before these.
                             unsynced.fetch_sub(answered, std::sync::atomic::Ordering::AcqRel);
                         }
                         Err(e) => {
-                            unsynced
-                                .fetch_sub(callbacks.len(), std::sync::atomic::Ordering::AcqRel);
+                            let answered = callbacks.len();
                             for callback in callbacks {
                                 callback.io_completed(Err(std::io::Error::other(format!(
                                     "cannot sync the log: {e}"
                                 ))));
                             }
+                            // After the answers too.
+                            unsynced.fetch_sub(answered, std::sync::atomic::Ordering::AcqRel);
                         }
                     }
                 }
