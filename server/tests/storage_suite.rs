@@ -320,4 +320,66 @@ mod waits {
         let holder = handle.read().state.locks[&key].holder.clone();
         assert_eq!(holder.map(|h| h.pod.uid), Some("u3".to_string()));
     }
+
+    /// Short ranges are read by key (`log_store.rs`,
+    /// `POINT_READ_MAX_ENTRIES`), longer ones through an iterator: both
+    /// return the same entries, skip a purged start and a missing end, and
+    /// a hole in the middle is an error on the keyed path.
+    #[tokio::test]
+    async fn log_reads_by_key_and_by_iterator_agree_and_a_hole_is_an_error() {
+        use openraft::RaftLogReader;
+        use openraft::storage::{IOFlushed, RaftLogStorage};
+        let dir = tempfile::tempdir().unwrap();
+        let (db, mut log, _sm) = store::open(dir.path()).await.unwrap();
+        log.append(
+            (1..=100).map(|i| super::acquire_entry(i, i)),
+            IOFlushed::noop(),
+        )
+        .await
+        .unwrap();
+        let indexes = |entries: Vec<tether_server::raft::Entry>| -> Vec<u64> {
+            entries.iter().map(|e| e.log_id.index).collect()
+        };
+        // Keyed (short) and iterated (long) reads over the same entries.
+        assert_eq!(
+            indexes(log.try_get_log_entries(5..9).await.unwrap()),
+            vec![5, 6, 7, 8]
+        );
+        assert_eq!(
+            indexes(log.try_get_log_entries(98..=105).await.unwrap()),
+            vec![98, 99, 100]
+        );
+        let long = indexes(log.try_get_log_entries(1..=100).await.unwrap());
+        assert_eq!(long, (1..=100).collect::<Vec<_>>());
+        assert_eq!(
+            indexes(log.try_get_log_entries(95..).await.unwrap()),
+            (95..=100).collect::<Vec<_>>()
+        );
+
+        // A purged start is skipped on both paths.
+        log.purge(tether_server::raft::log_id(1, 1, 10))
+            .await
+            .unwrap();
+        assert_eq!(
+            indexes(log.try_get_log_entries(8..13).await.unwrap()),
+            vec![11, 12]
+        );
+        let long = indexes(log.try_get_log_entries(1..=100).await.unwrap());
+        assert_eq!(long, (11..=100).collect::<Vec<_>>());
+
+        // A hole (written here directly: the store never makes one) is an
+        // error when read by key, not a shorter answer.
+        let cf = db.cf_handle(store::CF_LOG).unwrap();
+        db.delete_cf(cf, store::keys::log_key(50)).unwrap();
+        let err = log.try_get_log_entries(48..53).await.unwrap_err();
+        assert!(
+            err.to_string().contains("entry 51 but not entry 50"),
+            "{err}"
+        );
+        // Reading up to the hole is fine.
+        assert_eq!(
+            indexes(log.try_get_log_entries(48..50).await.unwrap()),
+            vec![48, 49]
+        );
+    }
 }

@@ -26,6 +26,15 @@ use super::{CF_LOG, CF_META, SnapshotGate, decode, encode};
 use crate::raft::{Entry, LogId, StorageError, TypeConfig, Vote};
 use crate::sm::FORMAT_VERSION;
 
+/// Longest range of entries read by key instead of through an iterator.
+/// openraft reads a few entries at a time in steady state (those just
+/// committed, to apply them; those just appended, to replicate them), and a
+/// RocksDB iterator costs far more to set up than a few point reads: it
+/// opens a cursor on every memtable and table file and on the range
+/// deletions of purges. A profile at 64 clients had 4 % of all samples in
+/// setting up the iterators of these reads.
+const POINT_READ_MAX_ENTRIES: u64 = 64;
+
 const VOTE: &[u8] = b"vote";
 const COMMITTED: &[u8] = b"committed";
 const LAST_PURGED: &[u8] = b"last_purged";
@@ -208,6 +217,36 @@ impl LogStore {
     }
 }
 
+impl LogStore {
+    /// The entries `start..end` (at most [`POINT_READ_MAX_ENTRIES`]) read by
+    /// key in one `MultiGet`, which reads all of them from one view of the
+    /// database, as an iterator would. Missing keys are allowed at the start
+    /// (purged) and at the end (not appended yet), as openraft's
+    /// `try_get_log_entries` asks; a key missing between two present ones
+    /// is a hole in the log, an error.
+    fn read_entries_by_key(&self, start: u64, end: u64) -> Result<Vec<Entry>, StorageError> {
+        let keys: Vec<[u8; 8]> = (start..end).map(log_key).collect();
+        let mut out = Vec::with_capacity(keys.len());
+        let mut ended_at = None;
+        for (index, value) in
+            (start..end).zip(self.db.batched_multi_get_cf(self.cf_log(), &keys, true))
+        {
+            match value.map_err(|e| err::read_logs(&e))? {
+                Some(bytes) if ended_at.is_none() => out.push(decode_entry(&bytes)?),
+                Some(_) => {
+                    let missing = ended_at.unwrap_or_default();
+                    return Err(err::read_logs(&format!(
+                        "the log holds entry {index} but not entry {missing} before it"
+                    )));
+                }
+                None if out.is_empty() => {}
+                None => ended_at = ended_at.or(Some(index)),
+            }
+        }
+        Ok(out)
+    }
+}
+
 /// Decodes a log entry, stopping the replica with a clear error if it was
 /// written by a newer format than this build understands.
 pub fn decode_entry(bytes: &[u8]) -> Result<Entry, StorageError> {
@@ -239,6 +278,16 @@ impl RaftLogReader<TypeConfig> for LogStore {
             Bound::Excluded(i) => i + 1,
             Bound::Unbounded => 0,
         };
+        let end = match range.end_bound() {
+            Bound::Included(i) => Some(i.saturating_add(1)),
+            Bound::Excluded(i) => Some(*i),
+            Bound::Unbounded => None,
+        };
+        if let Some(end) = end
+            && end.saturating_sub(start) <= POINT_READ_MAX_ENTRIES
+        {
+            return self.read_entries_by_key(start, end);
+        }
         let mut out = Vec::new();
         let mode = IteratorMode::From(&log_key(start), Direction::Forward);
         for item in self.db.iterator_cf(self.cf_log(), mode) {
