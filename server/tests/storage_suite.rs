@@ -382,4 +382,36 @@ mod waits {
             vec![48, 49]
         );
     }
+
+    /// The committed log id openraft saves is written with the next append,
+    /// not on its own (`log_store.rs`, `save_committed`): read back at once,
+    /// stored once an append follows, and lagging by what no append
+    /// followed after a restart.
+    #[tokio::test]
+    async fn the_committed_id_is_stored_with_the_next_append() {
+        use openraft::storage::{IOFlushed, RaftLogStorage};
+        use tether_server::raft::log_id;
+        let dir = tempfile::tempdir().unwrap();
+        {
+            let (_db, log, _sm) = store::open(dir.path()).await.unwrap();
+            // Synced where written, so that no sync thread outlives the store.
+            let mut log = log.with_own_id(u64::MAX);
+            log.append(
+                (1..=3).map(|i| super::acquire_entry(i, i)),
+                IOFlushed::noop(),
+            )
+            .await
+            .unwrap();
+            log.save_committed(Some(log_id(1, 1, 2))).await.unwrap();
+            assert_eq!(log.read_committed().await.unwrap(), Some(log_id(1, 1, 2)));
+            log.append([super::acquire_entry(4, 4)], IOFlushed::noop())
+                .await
+                .unwrap();
+            // No append after this one: it is not stored.
+            log.save_committed(Some(log_id(1, 1, 4))).await.unwrap();
+            assert_eq!(log.read_committed().await.unwrap(), Some(log_id(1, 1, 4)));
+        }
+        let (_db, mut log, _sm) = store::open(dir.path()).await.unwrap();
+        assert_eq!(log.read_committed().await.unwrap(), Some(log_id(1, 1, 2)));
+    }
 }
