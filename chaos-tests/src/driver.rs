@@ -82,6 +82,9 @@ pub struct Summary {
     pub recoveries: crate::stats::Samples,
     /// Recoveries the progress bound was judged on.
     pub recoveries_judged: u64,
+    /// The judged recoveries that came, timed from where their bound
+    /// starts (`progress::judged_times`).
+    pub judged_times: crate::stats::Samples,
 }
 
 impl Summary {
@@ -104,6 +107,9 @@ impl Summary {
             self.recoveries.push(*time);
         }
         self.recoveries_judged += report.recoveries_judged;
+        for time in &report.judged_times {
+            self.judged_times.push(*time);
+        }
         for (kind, n) in &report.faults {
             *self.faults.entry(kind).or_default() += n;
         }
@@ -134,7 +140,7 @@ impl Summary {
         format!(
             "chaos summary: schedules={} operations={} unknown={} faults[{}] failpoint_crashes={} \
              core_restarts={} elections={} watch_relists={} partial_logs={} violations[{}] undecided_searches={} failed_seeds={} \
-             recovery_ms[n={} judged={} p50={} p99={} max={} bound={}] | {} replicas, {} lanes, first seed {}, {:.0} s",
+             recovery_ms[n={} judged={} p50={} p99={} max={} judged_max={} bound={}] | {} replicas, {} lanes, first seed {}, {:.0} s",
             self.schedules,
             self.ops,
             self.unknown,
@@ -152,6 +158,7 @@ impl Summary {
             crate::stats::ms(self.recoveries.quantile(0.5)),
             crate::stats::ms(self.recoveries.quantile(0.99)),
             crate::stats::ms(self.recoveries.quantile(1.0)),
+            crate::stats::ms(self.judged_times.quantile(1.0)),
             crate::stats::ms(crate::checkers::progress::BOUND),
             options.replicas,
             options.lanes,

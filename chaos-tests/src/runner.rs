@@ -119,6 +119,8 @@ pub struct Report {
     pub recoveries: Vec<Duration>,
     /// Recoveries the `progress` bound was judged on.
     pub recoveries_judged: u64,
+    /// Their times as judged (`progress::judged_times`), those that came.
+    pub judged_times: Vec<Duration>,
     /// When something was found: the run's evidence, printed in full, for
     /// the driver to keep beside the replicas' logs.
     pub evidence_dump: Option<String>,
@@ -996,6 +998,7 @@ pub async fn run(
     let fault_windows = shared.history.fault_windows();
     report.recoveries = checkers::progress::recovery_times(&recoveries);
     report.recoveries_judged = checkers::progress::judged(&recoveries, &fault_windows) as u64;
+    report.judged_times = checkers::progress::judged_times(&recoveries, &fault_windows);
     let evidence = Evidence {
         ops,
         events,

@@ -158,6 +158,23 @@ pub fn judged(recoveries: &[Recovery], windows: &[(u64, Option<u64>)]) -> usize 
         .count()
 }
 
+/// The times the bound was judged on: for each judged recovery that came,
+/// from where its bound starts ([`counted_from`]: when it was due, or
+/// [`SETTLE`] after the last fault near it healed) to its grant. A raw
+/// time ([`recovery_times`]) over the bound is no stall when a fault was in
+/// force meanwhile; this one is what the checker holds to [`BOUND`].
+pub fn judged_times(recoveries: &[Recovery], windows: &[(u64, Option<u64>)]) -> Vec<Duration> {
+    recoveries
+        .iter()
+        .filter(|r| !voided(r, windows))
+        .filter_map(|r| {
+            let from = counted_from(r, windows)?;
+            let at = r.granted_us?;
+            Some(Duration::from_micros(at.saturating_sub(from)))
+        })
+        .collect()
+}
+
 /// Entries after which `key` had queued waiters and no holder.
 fn waiters_behind_a_free_lock(key: &str, events: &[tether_client::proto::Event]) -> Vec<String> {
     let mut out = Vec::new();
@@ -291,6 +308,17 @@ mod tests {
             ]
         );
         assert_eq!(judged(&evidence.recoveries, &evidence.fault_windows), 4);
+        // As judged: the one behind the fault from its heal plus settle
+        // (1 s), not from when it was due (over the bound raw).
+        assert_eq!(
+            judged_times(&evidence.recoveries, &evidence.fault_windows),
+            [
+                Duration::from_millis(450),
+                Duration::from_millis(bound + 1),
+                Duration::from_millis(1_000)
+            ]
+        );
+        assert!(1_000 + settle + 1_000 > bound, "raw, it is over the bound");
         // A give-up held in one replica's memory, with a fault before it:
         // not judged.
         let mut fragile = recovery(50_000, None, 70_000);
