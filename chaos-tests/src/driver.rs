@@ -82,8 +82,8 @@ pub struct Summary {
     pub recoveries: crate::stats::Samples,
     /// Recoveries the progress bound was judged on.
     pub recoveries_judged: u64,
-    /// The judged recoveries that came, timed from where their bound
-    /// starts (`progress::judged_times`).
+    /// The judged recoveries that came, timed from when they were due or
+    /// from the heal of the fault near them (`progress::judged_times`).
     pub judged_times: crate::stats::Samples,
 }
 
@@ -140,7 +140,7 @@ impl Summary {
         format!(
             "chaos summary: schedules={} operations={} unknown={} faults[{}] failpoint_crashes={} \
              core_restarts={} elections={} watch_relists={} partial_logs={} violations[{}] undecided_searches={} failed_seeds={} \
-             recovery_ms[n={} judged={} p50={} p99={} max={} judged_max={} bound={}] | {} replicas, {} lanes, first seed {}, {:.0} s",
+             recovery_ms[n={} judged={} p50={} p99={} max={} after_heal_max={} bound={}] | {} replicas, {} lanes, first seed {}, {:.0} s",
             self.schedules,
             self.ops,
             self.unknown,

@@ -119,7 +119,8 @@ pub struct Report {
     pub recoveries: Vec<Duration>,
     /// Recoveries the `progress` bound was judged on.
     pub recoveries_judged: u64,
-    /// Their times as judged (`progress::judged_times`), those that came.
+    /// Those that came: due (or the nearby fault's heal) to grant
+    /// (`progress::judged_times`).
     pub judged_times: Vec<Duration>,
     /// When something was found: the run's evidence, printed in full, for
     /// the driver to keep beside the replicas' logs.

@@ -158,19 +158,26 @@ pub fn judged(recoveries: &[Recovery], windows: &[(u64, Option<u64>)]) -> usize 
         .count()
 }
 
-/// The times the bound was judged on: for each judged recovery that came,
-/// from where its bound starts ([`counted_from`]: when it was due, or
-/// [`SETTLE`] after the last fault near it healed) to its grant. A raw
-/// time ([`recovery_times`]) over the bound is no stall when a fault was in
-/// force meanwhile; this one is what the checker holds to [`BOUND`].
+/// How long each judged recovery that came took, from when it was due or,
+/// when a fault near it moved its bound ([`counted_from`]), from that
+/// fault's heal, to its grant (zero if it came before). The checker allows
+/// [`BOUND`] from when it was due, [`SETTLE`] + [`BOUND`] from a heal; a
+/// raw time ([`recovery_times`], due to grant) over the bound is no stall
+/// when a fault was in force meanwhile. For the summary.
 pub fn judged_times(recoveries: &[Recovery], windows: &[(u64, Option<u64>)]) -> Vec<Duration> {
+    let settle = SETTLE.as_micros() as u64;
     recoveries
         .iter()
         .filter(|r| !voided(r, windows))
         .filter_map(|r| {
             let from = counted_from(r, windows)?;
+            let start = if from == r.due_us {
+                from
+            } else {
+                from - settle
+            };
             let at = r.granted_us?;
-            Some(Duration::from_micros(at.saturating_sub(from)))
+            Some(Duration::from_micros(at.saturating_sub(start)))
         })
         .collect()
 }
@@ -308,17 +315,28 @@ mod tests {
             ]
         );
         assert_eq!(judged(&evidence.recoveries, &evidence.fault_windows), 4);
-        // As judged: the one behind the fault from its heal plus settle
-        // (1 s), not from when it was due (over the bound raw).
+        // As judged: the one behind the fault from the fault's heal at 51 s
+        // (settle + 1 s), not from when it was due at 50 s (over the bound
+        // raw).
         assert_eq!(
             judged_times(&evidence.recoveries, &evidence.fault_windows),
             [
                 Duration::from_millis(450),
                 Duration::from_millis(bound + 1),
-                Duration::from_millis(1_000)
+                Duration::from_millis(settle + 1_000)
             ]
         );
         assert!(1_000 + settle + 1_000 > bound, "raw, it is over the bound");
+        // Granted while the fault was in force: zero after the heal.
+        let early = Evidence {
+            recoveries: vec![recovery(50_000, Some(50_500), 50_500)],
+            fault_windows: vec![(49_000_000, Some(51_000_000))],
+            ..Evidence::default()
+        };
+        assert_eq!(
+            judged_times(&early.recoveries, &early.fault_windows),
+            [Duration::ZERO]
+        );
         // A give-up held in one replica's memory, with a fault before it:
         // not judged.
         let mut fragile = recovery(50_000, None, 70_000);
