@@ -320,6 +320,11 @@ mod waits {
         let holder = handle.read().state.locks[&key].holder.clone();
         assert_eq!(holder.map(|h| h.pod.uid), Some("u3".to_string()));
     }
+}
+
+/// The log store's reads and its committed id, beyond openraft's suite.
+mod log_store {
+    use tether_server::store;
 
     /// Short ranges are read by key (`log_store.rs`,
     /// `POINT_READ_MAX_ENTRIES`), longer ones through an iterator: both

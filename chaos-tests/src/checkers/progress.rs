@@ -160,7 +160,7 @@ pub fn judged(recoveries: &[Recovery], windows: &[(u64, Option<u64>)]) -> usize 
 
 /// How long each judged recovery that came took, from when it was due or,
 /// when a fault near it moved its bound ([`counted_from`]), from that
-/// fault's heal, to its grant (zero if it came before). The checker allows
+/// fault's heal if that came later, to its grant (zero if it came before). The checker allows
 /// [`BOUND`] from when it was due, [`SETTLE`] + [`BOUND`] from a heal; a
 /// raw time ([`recovery_times`], due to grant) over the bound is no stall
 /// when a fault was in force meanwhile. For the summary.
@@ -171,10 +171,12 @@ pub fn judged_times(recoveries: &[Recovery], windows: &[(u64, Option<u64>)]) -> 
         .filter(|r| !voided(r, windows))
         .filter_map(|r| {
             let from = counted_from(r, windows)?;
+            // A fault that healed shortly before the recovery was due
+            // still moves its bound; time it from the later of the two.
             let start = if from == r.due_us {
                 from
             } else {
-                from - settle
+                (from - settle).max(r.due_us)
             };
             let at = r.granted_us?;
             Some(Duration::from_micros(at.saturating_sub(start)))
@@ -336,6 +338,17 @@ mod tests {
         assert_eq!(
             judged_times(&early.recoveries, &early.fault_windows),
             [Duration::ZERO]
+        );
+        // A fault healed 1 s before the recovery was due: timed from when
+        // it was due.
+        let healed_before = Evidence {
+            recoveries: vec![recovery(52_000, Some(52_300), 52_300)],
+            fault_windows: vec![(49_000_000, Some(51_000_000))],
+            ..Evidence::default()
+        };
+        assert_eq!(
+            judged_times(&healed_before.recoveries, &healed_before.fault_windows),
+            [Duration::from_millis(300)]
         );
         // A give-up held in one replica's memory, with a fault before it:
         // not judged.
