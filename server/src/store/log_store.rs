@@ -222,9 +222,7 @@ impl LogStore {
             }
         }
     }
-}
 
-impl LogStore {
     /// The entries `start..end` (at most [`POINT_READ_MAX_ENTRIES`]) read by
     /// key in one `MultiGet`, which reads all of them from one view of the
     /// database, as an iterator would. Missing keys are allowed at the start
