@@ -9,15 +9,22 @@
 //! applied pin in the same entry, so two claims racing for a device can
 //! never both win. The pin ends with its pod, as pins do: when the bridge
 //! reports the pod stopped or deleted, the pin expires after its lifetime
-//! (short, see [`DEFAULT_LIFETIME`]); when the node is gone, with the node.
-//! A claim that fails after the fact (the bind failed) is released at once.
+//! (the shortest there is, see [`DEFAULT_LIFETIME`]); when the node is gone,
+//! with the node. A claim that fails after the fact (the bind failed) is
+//! released at once.
+//!
+//! A claim whose pod Tether knows has stopped (its owner state is
+//! `OWNER_STOPPED`: the bridge reported it terminal or its object deleted,
+//! both only once the kubelet has stopped its containers) is free for
+//! planning ([`DeviceLedger::live_claims_by_node`]): it ends at the leader's
+//! next sweep, and a bind that meets it waits for that.
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::time::Duration;
 
 use tether_client::proto::{
-    Affinity, AffinityTerm, LabelRequirement, LabelSelector, POD_NAME_LABEL, POD_NAMESPACE_LABEL,
-    Pin, PinKey,
+    Affinity, AffinityTerm, LabelRequirement, LabelSelector, OwnerState, POD_NAME_LABEL,
+    POD_NAMESPACE_LABEL, Pin, PinKey,
 };
 use tether_client::{Client, Error};
 
@@ -27,10 +34,15 @@ pub const DEVICE_SET: &str = "gpu-devices";
 /// A claim's pin carries one label `<this><device id>` per device.
 pub const DEVICE_LABEL_PREFIX: &str = "devices.tether.io/";
 
-/// How long a claim outlives its stopped pod: long enough for the kubelet
-/// to have torn the containers down, short enough that the device is
-/// offered again at once.
-pub const DEFAULT_LIFETIME: Duration = Duration::from_secs(1);
+/// How long a claim outlives its stopped pod: the shortest lifetime there
+/// is (0 would make the pin permanent), so the claim ends at the leader's
+/// next sweep (`--sweep-interval`, 100 ms by default) after the bridge's
+/// report. Nothing is gained by waiting longer: the bridge reports a pod
+/// stopped only once the kubelet has stopped its containers (its phase is
+/// terminal, or its object is deleted, which the kubelet does last), and
+/// every moment a freed device stays claimed is a moment a pending pod is
+/// refused it (issue 49: a second here cost a pending pod five minutes).
+pub const DEFAULT_LIFETIME: Duration = Duration::from_millis(1);
 
 /// Attempts of [`DeviceLedger::correct`] before it gives up.
 const CORRECT_ATTEMPTS: usize = 3;
@@ -64,6 +76,20 @@ pub struct ClaimOwner<'a> {
     pub namespace: &'a str,
     /// Its name.
     pub name: &'a str,
+}
+
+/// Who claims a device.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ClaimedBy {
+    /// The pod's UID.
+    pub pod_uid: String,
+    /// Tether knows the pod has stopped: the claim ends at the next sweep.
+    pub owner_stopped: bool,
+}
+
+/// Whether the pod that owns `pin` is known to have stopped.
+pub fn owner_stopped(pin: &Pin) -> bool {
+    pin.owner == OwnerState::OwnerStopped as i32
 }
 
 /// Device claims over a Tether client.
@@ -145,24 +171,42 @@ impl DeviceLedger {
 
     /// Device id -> the pod UID that holds it, on `node`.
     pub async fn in_use(&self, node: &str) -> Result<BTreeMap<String, String>, Error> {
+        Ok(self
+            .claims_on(node)
+            .await?
+            .into_iter()
+            .map(|(device, by)| (device, by.pod_uid))
+            .collect())
+    }
+
+    /// Device id -> who claims it, on `node`, stopped owners included.
+    pub async fn claims_on(&self, node: &str) -> Result<BTreeMap<String, ClaimedBy>, Error> {
         let pins = self.client.list_pins(DEVICE_SET, node).await?;
         Ok(pins
             .iter()
             .flat_map(|pin| {
-                devices_of(pin)
-                    .into_iter()
-                    .map(|d| (d, pin.pod_uid.clone()))
+                devices_of(pin).into_iter().map(|d| {
+                    (
+                        d,
+                        ClaimedBy {
+                            pod_uid: pin.pod_uid.clone(),
+                            owner_stopped: owner_stopped(pin),
+                        },
+                    )
+                })
             })
             .collect())
     }
 
-    /// Every node's claims: node -> device -> pod uid.
-    pub async fn claims_by_node(
+    /// Every node's claims of pods not known to have stopped: node ->
+    /// device -> pod uid. A stopped pod's claim is left out: its devices
+    /// are free for planning (the claim ends at the next sweep).
+    pub async fn live_claims_by_node(
         &self,
     ) -> Result<BTreeMap<String, BTreeMap<String, String>>, Error> {
         let pins = self.client.list_pins(DEVICE_SET, "").await?;
         let mut out: BTreeMap<String, BTreeMap<String, String>> = BTreeMap::new();
-        for pin in &pins {
+        for pin in pins.iter().filter(|pin| !owner_stopped(pin)) {
             let node = out.entry(pin.node.clone()).or_default();
             for device in devices_of(pin) {
                 node.insert(device, pin.pod_uid.clone());

@@ -40,6 +40,9 @@ use crate::inventory::{PublishedDevice, published_inventories, published_invento
 use crate::kubelet;
 use crate::metrics::{BindOutcome, ExtenderMetrics};
 use crate::plan::{PodCalls, pick_free, pick_free_near};
+use crate::requeue::{
+    NUDGE_ANNOTATION, NUDGES_PER_PASS, Nudged, POLL_INTERVAL, Refusal, Refusals, to_nudge,
+};
 use axum::Router;
 use axum::body::Bytes;
 use axum::extract::{DefaultBodyLimit, Path, State};
@@ -232,6 +235,16 @@ pub trait Binder: Send + Sync + 'static {
     /// Binds (the `pods/binding` subresource); an error is returned to the
     /// scheduler as text.
     fn bind(&self, args: &ExtenderBindingArgs) -> impl Future<Output = Result<(), String>> + Send;
+    /// Makes kube-scheduler look at an unscheduled pod again (see
+    /// [`crate::requeue`]): sets [`NUDGE_ANNOTATION`] on the pod of this
+    /// UID to `value`.
+    fn nudge(
+        &self,
+        namespace: &str,
+        name: &str,
+        uid: &str,
+        value: &str,
+    ) -> impl Future<Output = Result<Nudged, String>> + Send;
 }
 
 /// Binds through the Kubernetes API with kube-rs.
@@ -286,6 +299,36 @@ impl Binder for KubeBinder {
             )
         })
     }
+
+    async fn nudge(
+        &self,
+        namespace: &str,
+        name: &str,
+        uid: &str,
+        value: &str,
+    ) -> Result<Nudged, String> {
+        let pods: kube::Api<KubePod> = kube::Api::namespaced(self.client.clone(), namespace);
+        // The UID in the patch is a precondition: a pod created again
+        // under the name is another pod, and is not touched.
+        let patch = serde_json::json!({"metadata": {
+            "uid": uid,
+            "annotations": {NUDGE_ANNOTATION: value},
+        }});
+        match pods
+            .patch(
+                name,
+                &kube::api::PatchParams::default(),
+                &kube::api::Patch::Merge(&patch),
+            )
+            .await
+        {
+            Ok(_) => Ok(Nudged::Asked),
+            Err(kube::Error::Api(status)) if [404, 409, 422].contains(&status.code) => {
+                Ok(Nudged::Gone)
+            }
+            Err(e) => Err(format!("cannot annotate pod {namespace}/{name}: {e}")),
+        }
+    }
 }
 
 /// Extender settings.
@@ -320,6 +363,12 @@ const NODE_READS_IN_FLIGHT: usize = 16;
 /// after a lost race).
 const CLAIM_ATTEMPTS: usize = 5;
 
+/// How long a bind waits for claims of stopped pods to end when it needs
+/// their devices (they end at the leader's next sweep, 100 ms by default),
+/// and how often it looks.
+const STOPPED_CLAIM_WAIT: Duration = Duration::from_secs(3);
+const STOPPED_CLAIM_POLL: Duration = Duration::from_millis(25);
+
 /// The bind verb.
 pub struct Extender<B> {
     client: Client,
@@ -329,6 +378,9 @@ pub struct Extender<B> {
     /// Node -> when its device ids were read, and what they were.
     inventory: std::sync::Mutex<BTreeMap<String, (Instant, Vec<String>)>>,
     metrics: ExtenderMetrics,
+    /// Pods the filter left without a node for want of free devices, to be
+    /// asked about again when devices free up ([`crate::requeue`]).
+    refusals: Refusals,
 }
 
 impl<B: Binder> Extender<B> {
@@ -341,7 +393,13 @@ impl<B: Binder> Extender<B> {
             config,
             inventory: std::sync::Mutex::default(),
             metrics: ExtenderMetrics::default(),
+            refusals: Refusals::default(),
         }
+    }
+
+    /// The pods refused for want of free devices, not yet placed.
+    pub fn refusals(&self) -> &Refusals {
+        &self.refusals
     }
 
     /// What the verbs have counted.
@@ -401,6 +459,7 @@ impl<B: Binder> Extender<B> {
         self.metrics.bind(outcome, started.elapsed().as_secs_f64());
         match result {
             Ok(summary) => {
+                self.refusals.settled(&args.pod_uid);
                 tracing::info!(
                     pod_uid = args.pod_uid,
                     node = args.node,
@@ -606,31 +665,46 @@ impl<B: Binder> Extender<B> {
             ));
         }
         let mut last_loss = String::new();
-        for _ in 0..CLAIM_ATTEMPTS {
+        let mut attempts = 0;
+        let stopped_wait_until = Instant::now() + STOPPED_CLAIM_WAIT;
+        while attempts < CLAIM_ATTEMPTS {
             let in_use =
-                self.ledger.in_use(&args.node).await.map_err(|e| {
+                self.ledger.claims_on(&args.node).await.map_err(|e| {
                     format!("cannot read the device claims of node {}: {e}", args.node)
                 })?;
             let taken = in_use
                 .iter()
-                .filter(|(_, uid)| **uid != args.pod_uid)
+                .filter(|(_, by)| by.pod_uid != args.pod_uid)
                 .map(|(device, _)| device.clone())
                 .collect();
             let ours: Vec<String> = in_use
                 .iter()
-                .filter(|(_, uid)| **uid == args.pod_uid)
+                .filter(|(_, by)| by.pod_uid == args.pod_uid)
                 .map(|(device, _)| device.clone())
                 .collect();
             let devices = if ours.len() == count {
                 ours
             } else {
-                pick_free_near(&node_devices, &numa_of, &taken, count).map_err(|e| {
-                    format!(
-                        "node {} cannot take {}/{}: {e}",
-                        args.node, args.pod_namespace, args.pod_name
-                    )
-                })?
+                match pick_free_near(&node_devices, &numa_of, &taken, count) {
+                    Ok(devices) => devices,
+                    // The filter counted the claims of stopped pods free:
+                    // they end at the next sweep; wait for that.
+                    Err(_)
+                        if in_use.values().any(|by| by.owner_stopped)
+                            && Instant::now() < stopped_wait_until =>
+                    {
+                        tokio::time::sleep(STOPPED_CLAIM_POLL).await;
+                        continue;
+                    }
+                    Err(e) => {
+                        return Err(format!(
+                            "node {} cannot take {}/{}: {e}",
+                            args.node, args.pod_namespace, args.pod_name
+                        ));
+                    }
+                }
             };
+            attempts += 1;
             match self
                 .ledger
                 .claim(
@@ -727,6 +801,108 @@ impl<B: Binder> Extender<B> {
 
     /// The filter verb: drops the candidate nodes without enough free
     /// devices for the pod, with a reason for each.
+    /// Records a pod that no candidate fits because devices are claimed
+    /// (the scheduler parks it until some event; [`crate::requeue`] makes
+    /// one when devices free up), or forgets it once a node fits.
+    fn note_refusal(
+        &self,
+        pod: &KubePod,
+        needed: usize,
+        candidates: &[String],
+        failed: &BTreeMap<String, String>,
+        inventory: &BTreeMap<String, Result<Vec<String>, String>>,
+        fits: &dyn Fn(&str) -> bool,
+    ) {
+        let uid = pod.metadata.uid.clone().unwrap_or_default();
+        if uid.is_empty() {
+            return;
+        }
+        if candidates.iter().any(|n| fits(n)) {
+            self.refusals.settled(&uid);
+            return;
+        }
+        // Nodes refused for claimed devices: those whose devices were read.
+        let nodes: BTreeMap<String, usize> = failed
+            .keys()
+            .filter_map(|node| match inventory.get(node) {
+                Some(Ok(devices)) => Some((node.clone(), devices.len())),
+                _ => None,
+            })
+            .collect();
+        if nodes.is_empty() {
+            return;
+        }
+        self.refusals.refused(Refusal {
+            uid,
+            namespace: pod.metadata.namespace.clone().unwrap_or_default(),
+            name: pod.metadata.name.clone().unwrap_or_default(),
+            needed,
+            nodes,
+            refused_at: Instant::now(),
+            nudged: None,
+        });
+    }
+
+    /// One pass of the requeuer: reads the claims and nudges the refused
+    /// pods that now fit a node they were refused on. Returns how many
+    /// were asked about.
+    pub async fn requeue_pass(&self) -> usize {
+        let now = Instant::now();
+        let standing = self.refusals.standing(now);
+        if standing.is_empty() {
+            return 0;
+        }
+        let claims = match self.ledger.live_claims_by_node().await {
+            Ok(claims) => claims,
+            Err(err) => {
+                tracing::warn!(%err, "cannot read the device claims to ask about refused pods; next pass");
+                return 0;
+            }
+        };
+        let claimed: BTreeMap<String, usize> = claims
+            .iter()
+            .map(|(node, devices)| (node.clone(), devices.len()))
+            .collect();
+        let mut asked = 0;
+        for (uid, node) in to_nudge(&standing, &claimed, now, NUDGES_PER_PASS) {
+            let Some(refusal) = standing.iter().find(|r| r.uid == uid) else {
+                continue;
+            };
+            let stamp = std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .unwrap_or_default()
+                .as_millis()
+                .to_string();
+            match self
+                .binder
+                .nudge(&refusal.namespace, &refusal.name, &uid, &stamp)
+                .await
+            {
+                Ok(Nudged::Asked) => {
+                    self.refusals.nudged(&uid, &node, Instant::now());
+                    self.metrics.nudge();
+                    asked += 1;
+                    tracing::info!(
+                        pod_uid = uid,
+                        pod = format!("{}/{}", refusal.namespace, refusal.name),
+                        node,
+                        refused_ms = now
+                            .saturating_duration_since(refusal.refused_at)
+                            .as_millis() as u64,
+                        "devices freed on a node the pod was refused: asked the scheduler again"
+                    );
+                }
+                Ok(Nudged::Gone) => self.refusals.settled(&uid),
+                Err(err) => tracing::warn!(
+                    pod_uid = uid,
+                    err,
+                    "cannot ask the scheduler about a refused pod; next pass"
+                ),
+            }
+        }
+        asked
+    }
+
     pub async fn filter(&self, args: ExtenderArgs) -> ExtenderFilterResult {
         let result = self.filter_nodes(args).await;
         self.metrics.filter(result.error.is_empty());
@@ -761,7 +937,7 @@ impl<B: Binder> Extender<B> {
         let claims = if needed == 0 {
             BTreeMap::new()
         } else {
-            match self.ledger.claims_by_node().await {
+            match self.ledger.live_claims_by_node().await {
                 Ok(claims) => claims,
                 Err(err) => {
                     return ExtenderFilterResult {
@@ -829,6 +1005,9 @@ impl<B: Binder> Extender<B> {
             &self.config.resource,
         );
         let fits = |name: &str| !failed.contains_key(name) && !unresolvable.contains_key(name);
+        if needed > 0 {
+            self.note_refusal(&pod, needed, &candidates, &failed, &inventory, &fits);
+        }
         ExtenderFilterResult {
             node_names: args
                 .node_names
@@ -922,7 +1101,20 @@ pub async fn serve_extender<B: Binder>(
     extender: Arc<Extender<B>>,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) {
+    let requeuer = tokio::spawn(requeue_refused(extender.clone()));
     tether_http::serve(listener, router(extender), shutdown).await;
+    requeuer.abort();
+}
+
+/// Runs [`Extender::requeue_pass`] every [`POLL_INTERVAL`] (a pass with no
+/// refused pod reads nothing).
+pub async fn requeue_refused<B: Binder>(extender: Arc<Extender<B>>) {
+    let mut tick = tokio::time::interval(POLL_INTERVAL);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tick.tick().await;
+        extender.requeue_pass().await;
+    }
 }
 
 #[cfg(test)]

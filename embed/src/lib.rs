@@ -21,6 +21,8 @@
 //! - [`kubelet`]: the kubelet's `Allocate` calls for a pod, derived from
 //!   its device manager's algorithm.
 //! - [`accounting`]: which devices of a node live pods hold, kept as pins.
+//! - [`requeue`]: asking kube-scheduler again about pods the filter refused
+//!   for want of devices, once devices free up on their nodes.
 //! - [`plan`]: the device plan carried as the hold's payload.
 //! - [`metrics`]: what both count, for `/metrics`.
 //! - [`inventory`]: the devices the plugin advertises (`--devices nvidia`
@@ -30,8 +32,8 @@
 //!   names, `NVIDIA_VISIBLE_DEVICES`, device nodes).
 //!
 //! # Layout
-//! - `extender.rs`, `device_plugin.rs`, `kubelet.rs`, `accounting.rs`,
-//!   `plan.rs`, `metrics.rs`, `inventory.rs`, `nvidia.rs` — the logic above.
+//! - `extender.rs`, `requeue.rs`, `device_plugin.rs`, `kubelet.rs`,
+//!   `accounting.rs`, `plan.rs`, `metrics.rs`, `inventory.rs`, `nvidia.rs` — the logic above.
 //! - `bin/tether-extender.rs`, `bin/tether-device-plugin.rs` — the binaries.
 
 pub mod accounting;
@@ -43,6 +45,7 @@ pub mod kubelet;
 pub mod metrics;
 pub mod nvidia;
 pub mod plan;
+pub mod requeue;
 
 /// The fixture host roots of the tests (`tests/fixtures/`), shared with
 /// the integration tests.

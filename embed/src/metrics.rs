@@ -49,6 +49,7 @@ pub struct ExtenderMetrics {
     binds: Family<OutcomeLabel, Counter>,
     bind_duration: Histogram,
     filters: Family<OutcomeLabel, Counter>,
+    nudges: Counter,
 }
 
 impl Default for ExtenderMetrics {
@@ -72,11 +73,18 @@ impl Default for ExtenderMetrics {
             "Filter verb calls by outcome (error: the scheduling attempt fails)",
             filters.clone(),
         );
+        let nudges = Counter::default();
+        registry.register(
+            "tether_extender_requeue_nudges",
+            "Refused pods the extender asked the scheduler about again because devices freed up",
+            nudges.clone(),
+        );
         Self {
             registry,
             binds,
             bind_duration,
             filters,
+            nudges,
         }
     }
 }
@@ -96,6 +104,11 @@ impl ExtenderMetrics {
     pub fn filter(&self, answered: bool) {
         let outcome = if answered { "answered" } else { "error" };
         self.filters.get_or_create(&OutcomeLabel { outcome }).inc();
+    }
+
+    /// Counts a refused pod asked about again.
+    pub fn nudge(&self) {
+        self.nudges.inc();
     }
 
     /// The OpenMetrics text.

@@ -23,6 +23,7 @@ use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 use tether_client::{Client, Options};
 use tether_embed::accounting::DeviceLedger;
 use tether_embed::extender::{Binder, Extender, ExtenderBindingArgs, ExtenderConfig};
+use tether_embed::requeue::Nudged;
 use tether_http::Departure;
 use tether_server::testing::Cluster;
 use tokio::sync::{mpsc, oneshot};
@@ -95,6 +96,10 @@ impl Binder for QuorumTaker {
 
     async fn bind(&self, _args: &ExtenderBindingArgs) -> Result<(), String> {
         Ok(())
+    }
+
+    async fn nudge(&self, _: &str, _: &str, _: &str, _: &str) -> Result<Nudged, String> {
+        Ok(Nudged::Asked)
     }
 }
 
