@@ -740,12 +740,12 @@ async fn a_pending_pod_gets_the_gpus_an_ended_pod_freed_within_the_bound_on_a_qu
 }
 
 /// The order the scheduler's own events cannot fix: the scheduler has
-/// tried the pending pod again after the GPUs' holder ended and been
-/// refused, and only then does Tether hear (the bridge was down, or slow).
-/// No Kubernetes event follows on a quiet node; the extender, seeing the
-/// claim end, asks the scheduler again, and the pod is bound within
-/// [`FREED_TO_BOUND`] of the bridge's report (before issue 49 it waited
-/// for the scheduler's five-minute flush of unschedulable pods).
+/// tried the pending pod again after the GPUs' holder ended (deleted,
+/// succeeded, failed) and been refused, and only then does Tether hear (the
+/// bridge was down, or slow). No Kubernetes event follows on a quiet node;
+/// the extender, seeing the claim end, asks the scheduler again, and the
+/// pod is bound within [`FREED_TO_BOUND`] of the report (before issue 49 it
+/// waited for the scheduler's five-minute flush of unschedulable pods).
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_pod_refused_before_tether_heard_of_the_freed_gpus_is_bound_once_it_hears() {
     let Some(rig) = Rig::start(
@@ -758,52 +758,60 @@ async fn a_pod_refused_before_tether_heard_of_the_freed_gpus_is_bound_once_it_he
     else {
         return;
     };
-    let first = rig.create_pod("first", 1).await;
-    assert_eq!(rig.admit_next().await, "first");
-    rig.create_pod("wide", 2).await;
-    // Parked by the scheduler's own resource fit while the first pod runs.
-    rig.wait_for("the scheduler to park the wide pod", async || {
-        rig.unschedulable_message("wide").await.is_some()
-    })
-    .await;
-    // The first pod is deleted; no bridge runs. The scheduler tries the
-    // wide pod again on the delete event and the extender refuses it: the
-    // first pod's claim is live as far as Tether knows.
-    let filters = rig.filters_answered();
-    rig.delete_as_the_kubelet_does("first").await;
-    rig.wait_for("the scheduler to try the wide pod again", async || {
-        rig.filters_answered() > filters
-    })
-    .await;
-    let mut message = None;
-    rig.wait_for(
-        "the scheduler to report the extender's reason",
-        async || {
-            message = rig.unschedulable_message("wide").await;
+    rig.create_pod("p0", 2).await;
+    assert_eq!(rig.admit_next().await, "p0");
+    for (i, way) in ["deleted", "succeeded", "failed"].into_iter().enumerate() {
+        let (holder, next) = (format!("p{i}"), format!("p{}", i + 1));
+        let holder_uid = rig.pods.get(&holder).await.unwrap().metadata.uid.unwrap();
+        rig.create_pod(&next, 2).await;
+        // Parked by the scheduler's own resource fit while the holder runs.
+        rig.wait_for("the scheduler to park the next pod", async || {
+            rig.unschedulable_message(&next).await.is_some()
+        })
+        .await;
+        // The holder ends; no bridge runs. The scheduler tries the next pod
+        // again on the holder's event and the extender refuses it: the
+        // holder's claim is live as far as Tether knows.
+        let (filters, nudges) = (rig.filters_answered(), rig.nudges());
+        match way {
+            "deleted" => rig.delete_as_the_kubelet_does(&holder).await,
+            "succeeded" => rig.end(&holder, "Succeeded").await,
+            _ => rig.end(&holder, "Failed").await,
+        };
+        rig.wait_for("the scheduler to try the next pod again", async || {
+            rig.filters_answered() > filters
+        })
+        .await;
+        let mut message = None;
+        rig.wait_for("the scheduler to report the extender's reason", async || {
+            message = rig.unschedulable_message(&next).await;
             message
                 .as_deref()
                 .is_some_and(|m| m.contains("claimed by live pods"))
-        },
-    )
-    .await;
-    assert!(message.unwrap().contains("1 of 2 free"));
-    assert!(rig.bound().await.is_empty(), "bound before Tether heard");
-    // Now Tether hears, as from the bridge; the claim ends at the next
-    // sweep.
-    let reported = Instant::now();
-    rig.client
-        .revoke_pod(first.metadata.uid.as_deref().unwrap(), "pod deleted")
-        .await
-        .unwrap();
-    assert_eq!(rig.admit_next().await, "wide");
-    let waited = reported.elapsed();
-    println!(
-        "reported to bound {waited:?}; extender nudges {}",
-        rig.nudges()
-    );
-    assert!(waited <= FREED_TO_BOUND, "waited {waited:?}");
-    assert!(rig.nudges() >= 1, "bound without the extender asking again");
-    assert_eq!(rig.admitted.lock().unwrap()["wide"], ["gpu0", "gpu1"]);
+        })
+        .await;
+        assert!(message.unwrap().contains("0 of 2 free"));
+        assert!(
+            !rig.bound().await.contains(&next),
+            "bound before Tether heard"
+        );
+        // Now Tether hears, as from the bridge; the claim ends at the next
+        // sweep.
+        let reported = Instant::now();
+        rig.client.revoke_pod(&holder_uid, way).await.unwrap();
+        assert_eq!(rig.admit_next().await, next);
+        let waited = reported.elapsed();
+        println!(
+            "{holder} {way}, reported after the refusal -> {next} bound {waited:?}; nudges {}",
+            rig.nudges() - nudges
+        );
+        assert!(waited <= FREED_TO_BOUND, "{way}: waited {waited:?}");
+        assert!(
+            rig.nudges() > nudges,
+            "{way}: bound without the extender asking again"
+        );
+    }
+    assert_devices_distinct_and_claimed(&rig).await;
     rig.shutdown().await;
 }
 
