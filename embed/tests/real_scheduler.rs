@@ -44,7 +44,7 @@ use roles::{Identities, client_as, cluster_on_tls};
 use serde_json::{Value, json};
 use tether_client::Client;
 use tether_client::proto::LockKey;
-use tether_embed::accounting::{DEFAULT_LIFETIME, DeviceLedger};
+use tether_embed::accounting::{ClaimOwner, DEFAULT_LIFETIME, DeviceLedger};
 use tether_embed::device_plugin::{GpuPlugin, Placement, PluginConfig, run, unix_channel};
 use tether_embed::extender::{Extender, ExtenderConfig, KubeBinder, serve_extender};
 use tether_embed::inventory::DeviceSource;
@@ -783,12 +783,15 @@ async fn a_pod_refused_before_tether_heard_of_the_freed_gpus_is_bound_once_it_he
         })
         .await;
         let mut message = None;
-        rig.wait_for("the scheduler to report the extender's reason", async || {
-            message = rig.unschedulable_message(&next).await;
-            message
-                .as_deref()
-                .is_some_and(|m| m.contains("claimed by live pods"))
-        })
+        rig.wait_for(
+            "the scheduler to report the extender's reason",
+            async || {
+                message = rig.unschedulable_message(&next).await;
+                message
+                    .as_deref()
+                    .is_some_and(|m| m.contains("claimed by live pods"))
+            },
+        )
         .await;
         assert!(message.unwrap().contains("0 of 2 free"));
         assert!(
@@ -811,6 +814,99 @@ async fn a_pod_refused_before_tether_heard_of_the_freed_gpus_is_bound_once_it_he
             "{way}: bound without the extender asking again"
         );
     }
+    assert_devices_distinct_and_claimed(&rig).await;
+    rig.shutdown().await;
+}
+
+/// GPUs freed by the device plugin's claim correction: a stale claim (a
+/// pod that was never admitted with it) names gpu1, so the extender plans
+/// gpu0 for pod `a`, and a second pod `b` is refused (both GPUs claimed).
+/// The kubelet, which knows nothing of the stale claim but has gpu0 in use
+/// by a pod Tether never saw, gives `a` gpu1; the plugin corrects the
+/// claims (`a` holds gpu1, the stale claim loses it), which frees gpu0 in
+/// Tether without any Kubernetes event. The extender asks about `b` again
+/// and it is bound within [`FREED_TO_BOUND`] of the correction.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_pod_refused_for_a_device_a_claim_correction_frees_is_bound() {
+    let Some(rig) = Rig::start(
+        "a_pod_refused_for_a_device_a_claim_correction_frees_is_bound",
+        2,
+        1,
+        DEPLOYED_WAIT,
+    )
+    .await
+    else {
+        return;
+    };
+    let stale = "5e7a1e00-0000-4000-8000-000000000001";
+    let ledger = DeviceLedger::new(rig.client.clone(), DEFAULT_LIFETIME);
+    ledger
+        .claim(
+            NODE,
+            ClaimOwner {
+                uid: stale,
+                namespace: "gone",
+                name: "never-admitted",
+            },
+            &["gpu1".to_string()],
+        )
+        .await
+        .unwrap();
+    rig.kubelet.occupy("unseen-pod", &["gpu0"]);
+    rig.create_pod("a", 1).await;
+    rig.wait_for("a to be bound", async || rig.bound().await == ["a"])
+        .await;
+    assert_eq!(
+        rig.claims().await.get("gpu0").map(String::as_str),
+        rig.pods.get("a").await.unwrap().metadata.uid.as_deref()
+    );
+    rig.create_pod("b", 1).await;
+    let mut message = None;
+    rig.wait_for(
+        "the scheduler to report the extender's reason",
+        async || {
+            message = rig.unschedulable_message("b").await;
+            message
+                .as_deref()
+                .is_some_and(|m| m.contains("claimed by live pods"))
+        },
+    )
+    .await;
+    // The kubelet admits `a` with gpu1 (gpu0 is in use in its own
+    // accounting); the plugin's correction frees gpu0 in Tether. Then the
+    // unseen pod ends, so the kubelet can give gpu0 to `b`.
+    // Only the device plugin's `Allocate` here, not yet the pod's status
+    // update (an update of a bound pod is an event of its own).
+    let nudges = rig.nudges();
+    let a = rig.pods.get("a").await.unwrap();
+    let answers = rig.kubelet.admit(&a, 7).await.unwrap();
+    let corrected = Instant::now();
+    let given: Vec<&str> = answers
+        .iter()
+        .map(|(_, answer)| answer.envs["TETHER_DEVICES"].as_str())
+        .collect();
+    assert_eq!(given, ["gpu1"]);
+    rig.admitted
+        .lock()
+        .unwrap()
+        .insert("a".into(), vec!["gpu1".into()]);
+    rig.kubelet.pod_ended("unseen-pod");
+    rig.wait_for("b to be bound", async || {
+        rig.bound().await.contains(&"b".to_string())
+    })
+    .await;
+    let waited = corrected.elapsed();
+    println!(
+        "claim corrected -> b bound {waited:?}; nudges {}",
+        rig.nudges() - nudges
+    );
+    assert!(waited <= FREED_TO_BOUND, "waited {waited:?}");
+    assert!(
+        rig.nudges() > nudges,
+        "bound without the extender asking again"
+    );
+    rig.set_phase("a", "Running").await;
+    rig.admit("b").await;
     assert_devices_distinct_and_claimed(&rig).await;
     rig.shutdown().await;
 }
@@ -841,7 +937,14 @@ async fn a_bind_refused_after_the_wait_is_scheduled_again_and_bound_once_the_nod
     assert_eq!(rig.bound().await, ["first"]);
     assert_eq!(rig.holder().await.as_deref(), Some("first"));
     rig.admit("first").await;
+    // The lock is handed over at the first pod's `Allocate`; the second,
+    // in the scheduler's back-off after its refused bind (no event is
+    // needed for a bind error), is bound within the bound.
+    let handed_over = Instant::now();
     assert_eq!(rig.admit_next().await, "second");
+    let waited = handed_over.elapsed();
+    println!("lock handed over -> second bound {waited:?}");
+    assert!(waited <= FREED_TO_BOUND, "waited {waited:?}");
     assert_devices_distinct_and_claimed(&rig).await;
     rig.shutdown().await;
 }
