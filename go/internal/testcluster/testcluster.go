@@ -14,6 +14,7 @@ import (
 	"os/exec"
 	"path/filepath"
 	"strings"
+	"sync/atomic"
 	"testing"
 	"time"
 )
@@ -51,13 +52,29 @@ func Binary(t testing.TB) string {
 	return binary
 }
 
+// nextPort walks this process's stretch of ports (freePort).
+var nextPort atomic.Uint32
+
+// freePort returns a loopback port that was free a moment ago, below
+// Linux's ephemeral range (32768+), where bind(0) and outgoing connections
+// never land: a port bind(0) handed out, closed and passed to tetherd can
+// be handed to another process of a parallel test run before tetherd binds
+// it (seen: a replica's peer port answered another server's HTTP 404 and
+// the cluster never formed). Each process walks its own stretch, from its
+// pid, as the chaos harness's replica ports do (chaos-tests/src/cluster.rs).
 func freePort(t testing.TB) int {
-	listener, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		t.Fatalf("no free port: %v", err)
+	const low, span = 20000, 12000
+	offset := uint32(os.Getpid()) * 397
+	for i := 0; i < span; i++ {
+		port := low + int((offset+nextPort.Add(1))%span)
+		listener, err := net.Listen("tcp", fmt.Sprintf("127.0.0.1:%d", port))
+		if err == nil {
+			listener.Close()
+			return port
+		}
 	}
-	defer listener.Close()
-	return listener.Addr().(*net.TCPAddr).Port
+	t.Fatalf("no free loopback port in %d..%d", low, low+span)
+	return 0
 }
 
 // Start runs n replicas forming one cluster and waits until each knows the
