@@ -721,10 +721,31 @@ impl<B: Binder> Extender<B> {
             {
                 Claim::Held(held) if held.len() == count => return Ok(held),
                 Claim::Held(held) => {
-                    return Err(format!(
-                        "pod {}/{} already claims {held:?} on {} but needs {count} devices",
-                        args.pod_namespace, args.pod_name, args.node
-                    ));
+                    // The pod's own claim from an earlier attempt, changed
+                    // since (another pod's claim correction took a device
+                    // from it, issue 53): ended and made again, or every
+                    // later bind to this node would find it short.
+                    tracing::info!(
+                        pod_uid = args.pod_uid,
+                        node = args.node,
+                        ?held,
+                        count,
+                        "the pod's claim from an earlier bind names other devices than it needs; making it again"
+                    );
+                    self.ledger
+                        .release(
+                            &args.pod_uid,
+                            "the pod's claim from an earlier bind was short; made again",
+                        )
+                        .await
+                        .map_err(|e| {
+                            format!(
+                                "pod {}/{} claims {held:?} on {} but needs {count} devices, and \
+                                 the claim cannot be ended: {e}",
+                                args.pod_namespace, args.pod_name, args.node
+                            )
+                        })?;
+                    last_loss = format!("the pod's own claim named {held:?}");
                 }
                 Claim::OnOtherNode { node, devices } => {
                     tracing::info!(

@@ -1634,6 +1634,43 @@ async fn the_kubelets_choice_of_devices_becomes_the_pods_claim() {
     rig.shutdown().await;
 }
 
+/// A claim left by an earlier bind of a pod (the bind did not finish and
+/// its claim was not ended) that another pod's claim correction then
+/// shrank: the pod's next bind to the node ends it and claims afresh,
+/// rather than failing every time on the short claim (issue 53).
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_bind_remakes_the_pods_own_claim_that_another_correction_shrank() {
+    let Some(rig) =
+        Rig::start("a_bind_remakes_the_pods_own_claim_that_another_correction_shrank").await
+    else {
+        return;
+    };
+    rig.add_pod("b", 2).await;
+    rig.add_pod("a", 1).await;
+    let ledger = DeviceLedger::new(rig.client.clone(), DEFAULT_LIFETIME);
+    let (a, b) = (rig.uid("a"), rig.uid("b"));
+    let owner = |uid| tether_embed::accounting::ClaimOwner {
+        uid,
+        namespace: "ml",
+        name: "x",
+    };
+    ledger
+        .claim(NODE, owner(&b), &["gpu6".to_string(), "gpu7".to_string()])
+        .await
+        .unwrap();
+    ledger
+        .correct(NODE, owner(&a), &["gpu7".to_string()])
+        .await
+        .unwrap();
+    assert_eq!(ledger.claim_of(&b).await.unwrap().unwrap().1, ["gpu6"]);
+    let result = rig.bind("b").await;
+    assert_eq!(result.error, "", "the short claim failed the bind");
+    let (node, devices) = ledger.claim_of(&b).await.unwrap().unwrap();
+    assert_eq!((node.as_str(), devices.len()), (NODE, 2), "{devices:?}");
+    assert!(!devices.contains(&"gpu7".to_string()), "{devices:?}");
+    rig.shutdown().await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_bind_whose_scheduler_went_away_leaves_the_queue_and_keeps_nothing() {
     // A bind wait far longer than the scheduler's timeout (a
