@@ -41,7 +41,8 @@ use crate::kubelet;
 use crate::metrics::{BindOutcome, ExtenderMetrics};
 use crate::plan::{PodCalls, pick_free, pick_free_near};
 use crate::requeue::{
-    NUDGE_ANNOTATION, NUDGES_PER_PASS, Nudged, POLL_INTERVAL, Refusal, Refusals, to_nudge,
+    NUDGE_ANNOTATION, NUDGES_PER_PASS, Nudged, POLL_INTERVAL, REFUSED_MARK, Refusal, Refusals,
+    refused_by_filter, to_nudge,
 };
 use axum::Router;
 use axum::body::Bytes;
@@ -166,10 +167,7 @@ pub fn unfit_nodes(
             .map(|(device, _)| device.clone())
             .collect();
         if let Err(why) = pick_free(node_devices, &taken, needed) {
-            failed.insert(
-                node.clone(),
-                format!("{resource}: {why} (claimed by live pods)"),
-            );
+            failed.insert(node.clone(), format!("{resource}: {why} {REFUSED_MARK}"));
         }
     }
     (failed, unresolvable)
@@ -235,6 +233,9 @@ pub trait Binder: Send + Sync + 'static {
     /// Binds (the `pods/binding` subresource); an error is returned to the
     /// scheduler as text.
     fn bind(&self, args: &ExtenderBindingArgs) -> impl Future<Output = Result<(), String>> + Send;
+    /// The pods not bound to a node yet (`spec.nodeName` empty), for
+    /// finding those an earlier extender refused ([`crate::requeue`]).
+    fn unbound_pods(&self) -> impl Future<Output = Result<Vec<KubePod>, String>> + Send;
     /// Makes kube-scheduler look at an unscheduled pod again (see
     /// [`crate::requeue`]): sets [`NUDGE_ANNOTATION`] on the pod of this
     /// UID to `value`.
@@ -298,6 +299,15 @@ impl Binder for KubeBinder {
                 args.pod_namespace, args.pod_name, args.node
             )
         })
+    }
+
+    async fn unbound_pods(&self) -> Result<Vec<KubePod>, String> {
+        let pods: kube::Api<KubePod> = kube::Api::all(self.client.clone());
+        let params = kube::api::ListParams::default().fields("spec.nodeName=");
+        pods.list(&params)
+            .await
+            .map(|list| list.items)
+            .map_err(|e| format!("cannot list the pods not yet bound: {e}"))
     }
 
     async fn nudge(
@@ -861,7 +871,49 @@ impl<B: Binder> Extender<B> {
             nodes,
             refused_at: Instant::now(),
             nudged: None,
+            recovered: false,
         });
+    }
+
+    /// Finds the pods an earlier extender (before a restart, or another
+    /// replica that stopped) refused and the scheduler has parked: pending,
+    /// `PodScheduled=False` with this filter's reason. Each is remembered as
+    /// refused on every node whose devices are published, to be asked
+    /// about once devices fit. Returns how many.
+    pub async fn recover_refusals(&self) -> Result<usize, String> {
+        let pods = self.binder.unbound_pods().await?;
+        let published = published_inventories(&self.client)
+            .await
+            .map_err(|e| format!("cannot read the devices the nodes published: {e}"))?;
+        let nodes: BTreeMap<String, usize> = published
+            .iter()
+            .map(|(node, devices)| (node.clone(), healthy_ids(devices).len()))
+            .collect();
+        let mut recovered = 0;
+        for pod in pods.iter().filter(|p| refused_by_filter(p)) {
+            let Some(uid) = pod.metadata.uid.clone() else {
+                continue;
+            };
+            let Ok(demands) = kubelet::demands(pod, &self.config.resource) else {
+                continue;
+            };
+            let needed = kubelet::admission(&demands).devices() as usize;
+            if needed == 0 || self.refusals.get(&uid).is_some() {
+                continue;
+            }
+            self.refusals.refused(Refusal {
+                uid,
+                namespace: pod.metadata.namespace.clone().unwrap_or_default(),
+                name: pod.metadata.name.clone().unwrap_or_default(),
+                needed,
+                nodes: nodes.clone(),
+                refused_at: Instant::now(),
+                nudged: None,
+                recovered: true,
+            });
+            recovered += 1;
+        }
+        Ok(recovered)
     }
 
     /// One pass of the requeuer: reads the claims and nudges the refused
@@ -900,7 +952,13 @@ impl<B: Binder> Extender<B> {
                 .await
             {
                 Ok(Nudged::Asked) => {
-                    self.refusals.nudged(&uid, &node, Instant::now());
+                    if refusal.recovered {
+                        // Asked once; the filter records it again if it
+                        // still does not fit.
+                        self.refusals.settled(&uid);
+                    } else {
+                        self.refusals.nudged(&uid, &node, Instant::now());
+                    }
                     self.metrics.nudge();
                     asked += 1;
                     tracing::info!(
@@ -1122,21 +1180,58 @@ pub async fn serve_extender<B: Binder>(
     extender: Arc<Extender<B>>,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) {
-    let requeuer = tokio::spawn(requeue_refused(extender.clone()));
+    // Stopped with the server, also when this future is dropped.
+    let _requeuer = AbortOnDrop(tokio::spawn(requeue_refused(extender.clone())));
     tether_http::serve(listener, router(extender), shutdown).await;
-    requeuer.abort();
+}
+
+/// Aborts its task when dropped.
+struct AbortOnDrop(tokio::task::JoinHandle<()>);
+
+impl Drop for AbortOnDrop {
+    fn drop(&mut self) {
+        self.0.abort();
+    }
 }
 
 /// Runs [`Extender::requeue_pass`] every [`POLL_INTERVAL`] (a pass with no
 /// refused pod reads nothing).
+/// First finds the pods an earlier extender refused
+/// ([`Extender::recover_refusals`], again every [`RECOVER_RETRY`] until it
+/// succeeds).
 pub async fn requeue_refused<B: Binder>(extender: Arc<Extender<B>>) {
     let mut tick = tokio::time::interval(POLL_INTERVAL);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    let mut recover_at = Some(Instant::now());
     loop {
         tick.tick().await;
+        if let Some(at) = recover_at
+            && Instant::now() >= at
+        {
+            match extender.recover_refusals().await {
+                Ok(count) => {
+                    tracing::info!(
+                        count,
+                        "pods an earlier extender refused, to ask about again once devices free up"
+                    );
+                    recover_at = None;
+                }
+                Err(err) => {
+                    tracing::warn!(
+                        err,
+                        "cannot look for pods an earlier extender refused yet; retrying"
+                    );
+                    recover_at = Some(Instant::now() + RECOVER_RETRY);
+                }
+            }
+        }
         extender.requeue_pass().await;
     }
 }
+
+/// How long [`requeue_refused`] waits before looking again for pods an
+/// earlier extender refused, after a failed look.
+const RECOVER_RETRY: Duration = Duration::from_secs(5);
 
 #[cfg(test)]
 mod tests {

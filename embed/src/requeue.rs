@@ -59,6 +59,37 @@ pub const FORGET_AFTER: Duration = Duration::from_secs(600);
 /// Nudges one pass sends at most (the rest wait for the next pass).
 pub const NUDGES_PER_PASS: usize = 64;
 
+/// The mark the filter's reason for a node short of free devices carries,
+/// which kube-scheduler copies into the pod's `PodScheduled` condition: how
+/// a restarted extender finds the pods an earlier one refused.
+pub const REFUSED_MARK: &str = "(claimed by live pods)";
+
+/// Whether `pod` is pending, parked by the scheduler with a reason of this
+/// extender's filter among its nodes' ([`REFUSED_MARK`]).
+pub fn refused_by_filter(pod: &k8s_openapi::api::core::v1::Pod) -> bool {
+    let unbound = pod
+        .spec
+        .as_ref()
+        .and_then(|s| s.node_name.as_deref())
+        .is_none_or(str::is_empty);
+    unbound
+        && pod.metadata.deletion_timestamp.is_none()
+        && pod
+            .status
+            .as_ref()
+            .and_then(|s| s.conditions.as_ref())
+            .into_iter()
+            .flatten()
+            .any(|c| {
+                c.type_ == "PodScheduled"
+                    && c.status == "False"
+                    && c.reason.as_deref() == Some("Unschedulable")
+                    && c.message
+                        .as_deref()
+                        .is_some_and(|m| m.contains(REFUSED_MARK))
+            })
+}
+
 /// A pod the filter left without a node because devices were claimed.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Refusal {
@@ -77,6 +108,10 @@ pub struct Refusal {
     pub refused_at: Instant,
     /// When it was last nudged, and toward which node.
     pub nudged: Option<(Instant, String)>,
+    /// Read back from the pod's `PodScheduled` condition after this
+    /// extender started, not seen by its filter: asked about once, then
+    /// forgotten (the filter records it again if it still does not fit).
+    pub recovered: bool,
 }
 
 impl Refusal {
@@ -215,6 +250,7 @@ mod tests {
             nodes: nodes.iter().map(|(n, d)| (n.to_string(), *d)).collect(),
             refused_at: now - Duration::from_millis(age_ms),
             nudged: None,
+            recovered: false,
         }
     }
 
@@ -294,6 +330,30 @@ mod tests {
             to_nudge(&refusals, &claimed(&[("n1", 1)]), now, 10),
             [("first".to_string(), "n1".to_string())]
         );
+    }
+
+    #[test]
+    fn a_pod_parked_with_the_filters_reason_is_found_again() {
+        let pod = |node: Option<&str>, reason: &str, message: &str| {
+            let pod: k8s_openapi::api::core::v1::Pod = serde_json::from_value(serde_json::json!({
+                "metadata": {"name": "p", "uid": "u"},
+                "spec": {"containers": [], "nodeName": node},
+                "status": {"phase": "Pending", "conditions": [{"type": "PodScheduled",
+                    "status": "False", "reason": reason, "message": message}]},
+            }))
+            .unwrap();
+            refused_by_filter(&pod)
+        };
+        let ours = "0/1 nodes are available: 1 tether.io/gpu: 2 devices needed, 0 of 2 free \
+                    (claimed by live pods).";
+        assert!(pod(None, "Unschedulable", ours));
+        assert!(!pod(Some("n1"), "Unschedulable", ours), "bound");
+        assert!(!pod(None, "SchedulerError", ours));
+        assert!(!pod(
+            None,
+            "Unschedulable",
+            "0/1 nodes are available: 1 Insufficient tether.io/gpu."
+        ));
     }
 
     #[test]

@@ -98,6 +98,10 @@ impl Binder for QuorumTaker {
         Ok(())
     }
 
+    async fn unbound_pods(&self) -> Result<Vec<KubePod>, String> {
+        Ok(Vec::new())
+    }
+
     async fn nudge(&self, _: &str, _: &str, _: &str, _: &str) -> Result<Nudged, String> {
         Ok(Nudged::Asked)
     }

@@ -85,6 +85,12 @@ struct Rig {
     pods: Api<Pod>,
     kubelet: Arc<FakeKubelet>,
     extenders: Vec<RunningExtender>,
+    /// Each extender's server, its address, and what it needs to start
+    /// again ([`Rig::restart_extender`]).
+    serving: Vec<JoinHandle<()>>,
+    extender_addrs: Vec<SocketAddr>,
+    extender_kube: kube::Client,
+    wait: Duration,
     tasks: Vec<JoinHandle<()>>,
     /// Pods admitted so far and the devices each got.
     admitted: std::sync::Mutex<BTreeMap<String, Vec<String>>>,
@@ -142,6 +148,37 @@ async fn round_robin(targets: Vec<SocketAddr>) -> (SocketAddr, JoinHandle<()>) {
         }
     });
     (addr, task)
+}
+
+/// An extender replica as deployed (role `scheduler`, waiting `wait` for
+/// a node's lock), serving on `listener`.
+fn start_extender(
+    cluster: &Cluster,
+    identities: &Identities,
+    kube: &kube::Client,
+    wait: Duration,
+    listener: TcpListener,
+) -> (RunningExtender, JoinHandle<()>) {
+    let tether = client_as(cluster, identities, "scheduler");
+    let extender = Arc::new(Extender::new(
+        tether.clone(),
+        DeviceLedger::new(tether, DEFAULT_LIFETIME),
+        KubeBinder::new(kube.clone()),
+        ExtenderConfig {
+            scope: "gpu-bind".into(),
+            resource: RESOURCE.into(),
+            wait,
+            bind_deadline: DEADLINE,
+            device_prefix: "gpu".into(),
+            inventory_ttl: Duration::from_secs(30),
+        },
+    ));
+    let task = tokio::spawn(serve_extender(
+        listener,
+        extender.clone(),
+        std::future::pending(),
+    ));
+    (extender, task)
 }
 
 impl Rig {
@@ -205,35 +242,20 @@ impl Rig {
 
         // The extender replicas, behind a round-robin "Service" when two.
         let mut extenders = Vec::new();
+        let mut serving = Vec::new();
         let mut addrs = Vec::new();
         for _ in 0..replicas {
-            let tether = client_as(&cluster, &identities, "scheduler");
-            let extender = Arc::new(Extender::new(
-                tether.clone(),
-                DeviceLedger::new(tether, DEFAULT_LIFETIME),
-                KubeBinder::new(extender_kube.clone()),
-                ExtenderConfig {
-                    scope: "gpu-bind".into(),
-                    resource: RESOURCE.into(),
-                    wait,
-                    bind_deadline: DEADLINE,
-                    device_prefix: "gpu".into(),
-                    inventory_ttl: Duration::from_secs(30),
-                },
-            ));
             let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
             addrs.push(listener.local_addr().unwrap());
-            tasks.push(tokio::spawn(serve_extender(
-                listener,
-                extender.clone(),
-                std::future::pending(),
-            )));
+            let (extender, task) =
+                start_extender(&cluster, &identities, &extender_kube, wait, listener);
+            serving.push(task);
             extenders.push(extender);
         }
         let extender_addr = if replicas == 1 {
             addrs[0]
         } else {
-            let (addr, task) = round_robin(addrs).await;
+            let (addr, task) = round_robin(addrs.clone()).await;
             tasks.push(task);
             addr
         };
@@ -251,6 +273,10 @@ impl Rig {
             pods: Api::namespaced(admin, &namespace),
             kubelet,
             extenders,
+            serving,
+            extender_addrs: addrs,
+            extender_kube,
+            wait,
             tasks,
             admitted: Default::default(),
             ended: Default::default(),
@@ -560,9 +586,34 @@ impl Rig {
             .sum()
     }
 
+    /// Stops extender `replica` (its server and requeuer, as a process
+    /// that exits) and starts a new one on the same address: what it
+    /// remembered is gone.
+    async fn restart_extender(&mut self, replica: usize) {
+        self.serving[replica].abort();
+        let _ = (&mut self.serving[replica]).await;
+        let addr = self.extender_addrs[replica];
+        let socket = tokio::net::TcpSocket::new_v4().unwrap();
+        socket.set_reuseaddr(true).unwrap();
+        socket.bind(addr).unwrap();
+        let listener = socket.listen(64).unwrap();
+        let (extender, task) = start_extender(
+            &self.cluster,
+            &self.identities,
+            &self.extender_kube,
+            self.wait,
+            listener,
+        );
+        self.extenders[replica] = extender;
+        self.serving[replica] = task;
+    }
+
     async fn shutdown(self) {
         if let Some(bridge) = self.bridge.lock().unwrap().take() {
             bridge.abort();
+        }
+        for task in &self.serving {
+            task.abort();
         }
         for task in &self.tasks {
             task.abort();
@@ -814,6 +865,57 @@ async fn a_pod_refused_before_tether_heard_of_the_freed_gpus_is_bound_once_it_he
             "{way}: bound without the extender asking again"
         );
     }
+    assert_devices_distinct_and_claimed(&rig).await;
+    rig.shutdown().await;
+}
+
+/// The extender that refused a pod restarts (a rolling update) before
+/// the GPUs free up: what it remembered is gone, and the new one finds the
+/// pod again from the scheduler's verdict on it (`PodScheduled=False` with
+/// the filter's reason), so the pod is still bound within
+/// [`FREED_TO_BOUND`] of Tether hearing that the GPUs' holder was deleted.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_pod_refused_by_an_extender_that_restarted_is_bound_once_the_gpus_free_up() {
+    let Some(mut rig) = Rig::start(
+        "a_pod_refused_by_an_extender_that_restarted_is_bound_once_the_gpus_free_up",
+        2,
+        1,
+        DEPLOYED_WAIT,
+    )
+    .await
+    else {
+        return;
+    };
+    rig.create_pod("p0", 2).await;
+    assert_eq!(rig.admit_next().await, "p0");
+    let holder_uid = rig.pods.get("p0").await.unwrap().metadata.uid.unwrap();
+    rig.create_pod("p1", 2).await;
+    rig.wait_for("the scheduler to park p1", async || {
+        rig.unschedulable_message("p1").await.is_some()
+    })
+    .await;
+    // p0 is deleted while no bridge runs: the scheduler's retry is refused.
+    rig.delete_as_the_kubelet_does("p0").await;
+    rig.wait_for(
+        "the scheduler to report the extender's reason",
+        async || {
+            rig.unschedulable_message("p1")
+                .await
+                .is_some_and(|m| m.contains("claimed by live pods"))
+        },
+    )
+    .await;
+    rig.restart_extender(0).await;
+    let reported = Instant::now();
+    rig.client.revoke_pod(&holder_uid, "deleted").await.unwrap();
+    assert_eq!(rig.admit_next().await, "p1");
+    let waited = reported.elapsed();
+    println!(
+        "extender restarted; reported -> p1 bound {waited:?}; nudges {}",
+        rig.nudges()
+    );
+    assert!(waited <= FREED_TO_BOUND, "waited {waited:?}");
+    assert_eq!(rig.nudges(), 1, "bound without the new extender asking");
     assert_devices_distinct_and_claimed(&rig).await;
     rig.shutdown().await;
 }
