@@ -863,16 +863,8 @@ impl<B: Binder> Extender<B> {
         if nodes.is_empty() {
             return;
         }
-        self.refusals.refused(Refusal {
-            uid,
-            namespace: pod.metadata.namespace.clone().unwrap_or_default(),
-            name: pod.metadata.name.clone().unwrap_or_default(),
-            needed,
-            nodes,
-            refused_at: Instant::now(),
-            nudged: None,
-            recovered: false,
-        });
+        self.refusals
+            .refused(Refusal::of(pod, uid, needed, nodes, false));
     }
 
     /// Finds the pods an earlier extender (before a restart, or another
@@ -901,16 +893,8 @@ impl<B: Binder> Extender<B> {
             if needed == 0 || self.refusals.get(&uid).is_some() {
                 continue;
             }
-            self.refusals.refused(Refusal {
-                uid,
-                namespace: pod.metadata.namespace.clone().unwrap_or_default(),
-                name: pod.metadata.name.clone().unwrap_or_default(),
-                needed,
-                nodes: nodes.clone(),
-                refused_at: Instant::now(),
-                nudged: None,
-                recovered: true,
-            });
+            self.refusals
+                .refused(Refusal::of(pod, uid, needed, nodes.clone(), true));
             recovered += 1;
         }
         Ok(recovered)

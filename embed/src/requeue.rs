@@ -115,6 +115,26 @@ pub struct Refusal {
 }
 
 impl Refusal {
+    /// A refusal of `pod` (UID `uid`) made now.
+    pub fn of(
+        pod: &k8s_openapi::api::core::v1::Pod,
+        uid: String,
+        needed: usize,
+        nodes: BTreeMap<String, usize>,
+        recovered: bool,
+    ) -> Refusal {
+        Refusal {
+            uid,
+            namespace: pod.metadata.namespace.clone().unwrap_or_default(),
+            name: pod.metadata.name.clone().unwrap_or_default(),
+            needed,
+            nodes,
+            refused_at: Instant::now(),
+            nudged: None,
+            recovered,
+        }
+    }
+
     /// Nudged since the last refusal, and recently enough that the
     /// scheduler's retry may still be on its way.
     fn awaiting_retry(&self, now: Instant) -> Option<&str> {

@@ -556,6 +556,48 @@ impl Rig {
         Instant::now()
     }
 
+    /// Creates `next` asking for `gpus` while another pod holds them,
+    /// waits for the scheduler to park it, ends the holder with `end` while
+    /// Tether does not hear of it (no bridge runs), and waits for the
+    /// scheduler's retry on the holder's event to be refused by the
+    /// extender (the holder's claim is live as far as Tether knows). The
+    /// scheduler's message on `next`.
+    async fn refused_after(
+        &self,
+        next: &str,
+        gpus: u32,
+        end: impl AsyncFnOnce() -> Instant,
+    ) -> String {
+        self.create_pod(next, gpus).await;
+        // Parked by the scheduler's own resource fit while the holder runs.
+        self.wait_for("the scheduler to park the next pod", async || {
+            self.unschedulable_message(next).await.is_some()
+        })
+        .await;
+        let filters = self.filters_answered();
+        end().await;
+        self.wait_for("the scheduler to try the next pod again", async || {
+            self.filters_answered() > filters
+        })
+        .await;
+        let mut message = None;
+        self.wait_for(
+            "the scheduler to report the extender's reason",
+            async || {
+                message = self.unschedulable_message(next).await;
+                message
+                    .as_deref()
+                    .is_some_and(|m| m.contains("claimed by live pods"))
+            },
+        )
+        .await;
+        assert!(
+            !self.bound().await.iter().any(|n| n == next),
+            "bound before Tether heard"
+        );
+        message.unwrap()
+    }
+
     /// Filter calls the extenders have answered.
     fn filters_answered(&self) -> u64 {
         let prefix = "tether_extender_filters_total{outcome=\"answered\"} ";
@@ -814,41 +856,15 @@ async fn a_pod_refused_before_tether_heard_of_the_freed_gpus_is_bound_once_it_he
     for (i, way) in ["deleted", "succeeded", "failed"].into_iter().enumerate() {
         let (holder, next) = (format!("p{i}"), format!("p{}", i + 1));
         let holder_uid = rig.pods.get(&holder).await.unwrap().metadata.uid.unwrap();
-        rig.create_pod(&next, 2).await;
-        // Parked by the scheduler's own resource fit while the holder runs.
-        rig.wait_for("the scheduler to park the next pod", async || {
-            rig.unschedulable_message(&next).await.is_some()
-        })
-        .await;
-        // The holder ends; no bridge runs. The scheduler tries the next pod
-        // again on the holder's event and the extender refuses it: the
-        // holder's claim is live as far as Tether knows.
-        let (filters, nudges) = (rig.filters_answered(), rig.nudges());
-        match way {
-            "deleted" => rig.delete_as_the_kubelet_does(&holder).await,
-            "succeeded" => rig.end(&holder, "Succeeded").await,
-            _ => rig.end(&holder, "Failed").await,
-        };
-        rig.wait_for("the scheduler to try the next pod again", async || {
-            rig.filters_answered() > filters
-        })
-        .await;
-        let mut message = None;
-        rig.wait_for(
-            "the scheduler to report the extender's reason",
-            async || {
-                message = rig.unschedulable_message(&next).await;
-                message
-                    .as_deref()
-                    .is_some_and(|m| m.contains("claimed by live pods"))
-            },
-        )
-        .await;
-        assert!(message.unwrap().contains("0 of 2 free"));
-        assert!(
-            !rig.bound().await.contains(&next),
-            "bound before Tether heard"
-        );
+        let nudges = rig.nudges();
+        let message = rig
+            .refused_after(&next, 2, async || match way {
+                "deleted" => rig.delete_as_the_kubelet_does(&holder).await,
+                "succeeded" => rig.end(&holder, "Succeeded").await,
+                _ => rig.end(&holder, "Failed").await,
+            })
+            .await;
+        assert!(message.contains("0 of 2 free"), "{message}");
         // Now Tether hears, as from the bridge; the claim ends at the next
         // sweep.
         let reported = Instant::now();
@@ -889,22 +905,8 @@ async fn a_pod_refused_by_an_extender_that_restarted_is_bound_once_the_gpus_free
     rig.create_pod("p0", 2).await;
     assert_eq!(rig.admit_next().await, "p0");
     let holder_uid = rig.pods.get("p0").await.unwrap().metadata.uid.unwrap();
-    rig.create_pod("p1", 2).await;
-    rig.wait_for("the scheduler to park p1", async || {
-        rig.unschedulable_message("p1").await.is_some()
-    })
-    .await;
-    // p0 is deleted while no bridge runs: the scheduler's retry is refused.
-    rig.delete_as_the_kubelet_does("p0").await;
-    rig.wait_for(
-        "the scheduler to report the extender's reason",
-        async || {
-            rig.unschedulable_message("p1")
-                .await
-                .is_some_and(|m| m.contains("claimed by live pods"))
-        },
-    )
-    .await;
+    rig.refused_after("p1", 2, async || rig.delete_as_the_kubelet_does("p0").await)
+        .await;
     rig.restart_extender(0).await;
     let reported = Instant::now();
     rig.client.revoke_pod(&holder_uid, "deleted").await.unwrap();
