@@ -5,13 +5,68 @@ use crate::sm::Command;
 use crate::sm::command::Audit;
 use std::collections::BTreeSet;
 use std::sync::Arc;
+use std::time::Duration;
 
 use tether_proto as pb;
 use tether_proto::cluster_service_server::ClusterService;
+use tokio::sync::mpsc;
+use tokio_stream::wrappers::ReceiverStream;
 use tonic::{Request, Response, Status};
 
 use super::Ctx;
 use crate::error::{ApiError, Result};
+
+/// Bytes of the snapshot in one `SnapshotChunk`.
+const EXPORT_CHUNK: usize = 1 << 20;
+
+/// An export reader that does not take a chunk within this long is cut, as
+/// a slow watcher is: what it holds (the snapshot) is let go.
+const SLOW_EXPORT_READER_TIMEOUT: Duration = Duration::from_secs(30);
+
+/// Chunks in flight to one export reader beyond the one being sent.
+const EXPORT_CHUNKS_BUFFERED: usize = 2;
+
+/// Sends `data` (the snapshot at `index`) in chunks of `chunk` bytes as the
+/// reader takes them: a chunk is copied out only when the one before it
+/// has gone into the stream's small buffer, so an export holds the snapshot
+/// once and a few chunks, not the snapshot twice (issue 53). A reader that
+/// takes nothing for `timeout` gets an error saying so and the stream ends,
+/// letting the snapshot go.
+pub fn stream_snapshot(
+    index: u64,
+    data: Vec<u8>,
+    chunk: usize,
+    timeout: Duration,
+) -> ReceiverStream<std::result::Result<pb::SnapshotChunk, Status>> {
+    // One slot more than the chunks buffered, kept free for the error: a
+    // chunk goes in only when two slots are free.
+    let (tx, rx) = mpsc::channel(EXPORT_CHUNKS_BUFFERED + 1);
+    tokio::spawn(async move {
+        let total = data.len() as u64;
+        for piece in data.chunks(chunk.max(1)) {
+            match tokio::time::timeout(timeout, tx.reserve_many(2)).await {
+                Ok(Ok(mut permits)) => {
+                    let permit = permits.next().expect("two permits");
+                    permit.send(Ok(pb::SnapshotChunk {
+                        data: piece.to_vec(),
+                        snapshot_index: index,
+                        total_bytes: total,
+                    }));
+                }
+                Ok(Err(_)) => return, // the reader left
+                Err(_) => {
+                    let err = ApiError::TooLarge(format!(
+                        "snapshot export reader too slow: it did not read for {timeout:?}; \
+                         export again"
+                    ));
+                    let _ = tx.try_send(Err(err.into()));
+                    return;
+                }
+            }
+        }
+    });
+    ReceiverStream::new(rx)
+}
 
 /// The `ClusterService` implementation.
 pub struct ClusterApi {
@@ -126,23 +181,14 @@ impl ClusterApi {
 
     /// A fresh snapshot (leader only, so it holds everything committed), in
     /// 1 MiB chunks.
-    async fn do_export(&self) -> Result<Vec<pb::SnapshotChunk>> {
+    /// A fresh snapshot's index and data (one RocksDB value, read once).
+    async fn do_export(&self) -> Result<(u64, Vec<u8>)> {
         self.ctx.core.require_leader()?;
         self.do_snapshot().await?;
-        let (index, data) = self
-            .ctx
+        self.ctx
             .core
             .stored_snapshot()?
-            .ok_or_else(|| ApiError::Unavailable("no snapshot was stored; retry".into()))?;
-        let total = data.len() as u64;
-        Ok(data
-            .chunks(1 << 20)
-            .map(|piece| pb::SnapshotChunk {
-                data: piece.to_vec(),
-                snapshot_index: index,
-                total_bytes: total,
-            })
-            .collect())
+            .ok_or_else(|| ApiError::Unavailable("no snapshot was stored; retry".into()))
     }
 
     async fn do_snapshot(&self) -> Result<pb::SnapshotResponse> {
@@ -232,15 +278,14 @@ impl ClusterService for ClusterApi {
             .await
     }
 
-    type ExportSnapshotStream =
-        tokio_stream::Iter<std::vec::IntoIter<Result<pb::SnapshotChunk, Status>>>;
+    type ExportSnapshotStream = ReceiverStream<Result<pb::SnapshotChunk, Status>>;
 
     async fn export_snapshot(
         &self,
         request: Request<pb::ExportSnapshotRequest>,
     ) -> Result<Response<Self::ExportSnapshotStream>, Status> {
         let allow = Some(Action::ClusterAdmin);
-        let chunks = self
+        let (index, data) = self
             .ctx
             .serve("ExportSnapshot", request, allow, |caller, _| async move {
                 self.audit(&caller, "ExportSnapshot", String::new()).await?;
@@ -248,8 +293,63 @@ impl ClusterService for ClusterApi {
             })
             .await?
             .into_inner();
-        Ok(Response::new(tokio_stream::iter(
-            chunks.into_iter().map(Ok).collect::<Vec<_>>(),
+        Ok(Response::new(stream_snapshot(
+            index,
+            data,
+            EXPORT_CHUNK,
+            SLOW_EXPORT_READER_TIMEOUT,
         )))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use tokio_stream::StreamExt as _;
+
+    /// The chunks come in order and add up to the snapshot.
+    #[tokio::test]
+    async fn an_export_streams_the_snapshot_in_chunks() {
+        let data: Vec<u8> = (0..10u8).collect();
+        let chunks: Vec<_> = stream_snapshot(7, data.clone(), 4, Duration::from_secs(30))
+            .collect()
+            .await;
+        let chunks: Vec<pb::SnapshotChunk> = chunks.into_iter().map(Result::unwrap).collect();
+        assert_eq!(chunks.len(), 3);
+        assert!(
+            chunks
+                .iter()
+                .all(|c| c.snapshot_index == 7 && c.total_bytes == 10)
+        );
+        let joined: Vec<u8> = chunks.into_iter().flat_map(|c| c.data).collect();
+        assert_eq!(joined, data);
+    }
+
+    /// A reader that stops reading is cut after the timeout: what was
+    /// buffered, then an error that says why, then the end; the rest of
+    /// the snapshot is never copied out.
+    #[tokio::test]
+    async fn a_stalled_export_reader_is_cut() {
+        let mut stream = stream_snapshot(1, vec![0; 100], 10, Duration::from_millis(100));
+        assert!(stream.next().await.unwrap().is_ok());
+        // Stop reading until the exporter has given up (its sender gone).
+        let mut rx = stream.into_inner();
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
+        while !rx.is_closed() {
+            assert!(tokio::time::Instant::now() < deadline, "never cut");
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        let mut rest = Vec::new();
+        while let Some(item) = rx.recv().await {
+            rest.push(item);
+        }
+        let oks = rest.iter().filter(|r| r.is_ok()).count();
+        assert!(
+            oks <= EXPORT_CHUNKS_BUFFERED,
+            "{oks} chunks after the stall"
+        );
+        let err = rest.last().unwrap().as_ref().unwrap_err();
+        assert_eq!(err.code(), tonic::Code::ResourceExhausted);
+        assert!(err.message().contains("too slow"), "{}", err.message());
     }
 }
