@@ -13,7 +13,7 @@ use tokio::sync::mpsc;
 use tokio_stream::wrappers::ReceiverStream;
 use tonic::{Request, Response, Status};
 
-use super::Ctx;
+use super::{Ctx, Sent, send_or_cut};
 use crate::error::{ApiError, Result};
 
 /// Bytes of the snapshot in one `SnapshotChunk`.
@@ -38,30 +38,24 @@ pub fn stream_snapshot(
     chunk: usize,
     timeout: Duration,
 ) -> ReceiverStream<std::result::Result<pb::SnapshotChunk, Status>> {
-    // One slot more than the chunks buffered, kept free for the error: a
-    // chunk goes in only when two slots are free.
+    // One slot more than the chunks buffered, for the error (send_or_cut).
     let (tx, rx) = mpsc::channel(EXPORT_CHUNKS_BUFFERED + 1);
     tokio::spawn(async move {
         let total = data.len() as u64;
         for piece in data.chunks(chunk.max(1)) {
-            match tokio::time::timeout(timeout, tx.reserve_many(2)).await {
-                Ok(Ok(mut permits)) => {
-                    let permit = permits.next().expect("two permits");
-                    permit.send(Ok(pb::SnapshotChunk {
-                        data: piece.to_vec(),
-                        snapshot_index: index,
-                        total_bytes: total,
-                    }));
-                }
-                Ok(Err(_)) => return, // the reader left
-                Err(_) => {
-                    let err = ApiError::TooLarge(format!(
-                        "snapshot export reader too slow: it did not read for {timeout:?}; \
-                         export again"
-                    ));
-                    let _ = tx.try_send(Err(err.into()));
-                    return;
-                }
+            let chunk = pb::SnapshotChunk {
+                data: piece.to_vec(),
+                snapshot_index: index,
+                total_bytes: total,
+            };
+            let too_slow = || {
+                ApiError::TooLarge(format!(
+                    "snapshot export reader too slow: it did not read for {timeout:?}; export \
+                     again"
+                ))
+            };
+            if send_or_cut(&tx, chunk, timeout, too_slow).await != Sent::Sent {
+                return;
             }
         }
     });

@@ -22,6 +22,43 @@ use crate::sm::RequestId;
 
 pub use crate::replica::unexpected;
 
+/// What [`send_or_cut`] did.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Sent {
+    /// The item is in the stream.
+    Sent,
+    /// The reader has left.
+    Left,
+    /// The reader took nothing for the timeout: it was sent the error and
+    /// the stream must end.
+    Cut,
+}
+
+/// Sends `item` to a streaming reader, waiting at most `timeout` for it to
+/// take what is queued; a reader too slow gets `too_slow()` as the stream's
+/// last item instead. Give the channel one slot more than it should buffer:
+/// an item goes in only while two slots are free, so the error always has
+/// room (a full channel would drop it and the reader would see the stream
+/// end without a reason).
+pub async fn send_or_cut<T>(
+    tx: &tokio::sync::mpsc::Sender<std::result::Result<T, tonic::Status>>,
+    item: T,
+    timeout: std::time::Duration,
+    too_slow: impl FnOnce() -> ApiError,
+) -> Sent {
+    match tokio::time::timeout(timeout, tx.reserve_many(2)).await {
+        Ok(Ok(mut permits)) => {
+            permits.next().expect("two permits").send(Ok(item));
+            Sent::Sent
+        }
+        Ok(Err(_)) => Sent::Left,
+        Err(_) => {
+            let _ = tx.try_send(Err(too_slow().into()));
+            Sent::Cut
+        }
+    }
+}
+
 /// What every handler needs: the replica core, who may call, and the
 /// watches open per caller.
 pub struct Ctx {

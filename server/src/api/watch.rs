@@ -13,8 +13,8 @@ use tokio::sync::{broadcast, mpsc};
 use tokio_stream::wrappers::ReceiverStream;
 use tonic::{Request, Response, Status};
 
-use super::Ctx;
 use super::convert::{event_to, revision_to};
+use super::{Ctx, Sent, send_or_cut};
 use crate::error::{ApiError, Result};
 use crate::sm::Revision;
 
@@ -156,18 +156,16 @@ async fn follow(
                 next: Some(revision_to(next)),
                 header: Some(ctx.header(false)),
             };
-            match tokio::time::timeout(SLOW_WATCHER_TIMEOUT, tx.send(Ok(response))).await {
-                Ok(Ok(())) => continue,
-                Ok(Err(_)) => return, // the caller left
-                Err(_) => {
-                    let err = ApiError::TooLarge(format!(
-                        "watcher too slow: it did not read for {SLOW_WATCHER_TIMEOUT:?}; resume \
-                         from revision {}.{}",
-                        next.index, next.sub
-                    ));
-                    let _ = tx.try_send(Err(err.into()));
-                    return;
-                }
+            let too_slow = || {
+                ApiError::TooLarge(format!(
+                    "watcher too slow: it did not read for {SLOW_WATCHER_TIMEOUT:?}; resume \
+                     from revision {}.{}",
+                    next.index, next.sub
+                ))
+            };
+            match send_or_cut(&tx, response, SLOW_WATCHER_TIMEOUT, too_slow).await {
+                Sent::Sent => continue,
+                Sent::Left | Sent::Cut => return,
             }
         }
         // Caught up: sleep until something is applied, or a snapshot is
@@ -226,7 +224,9 @@ impl WatchApi {
         if start.index < first {
             return Err(compacted(start, first));
         }
-        let (tx, rx) = mpsc::channel(16);
+        // 16 responses buffered, and a slot for a too-slow error
+        // (send_or_cut).
+        let (tx, rx) = mpsc::channel(17);
         tokio::spawn(async move {
             follow(
                 slot.ctx.clone(),
