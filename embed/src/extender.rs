@@ -830,8 +830,6 @@ impl<B: Binder> Extender<B> {
         }
     }
 
-    /// The filter verb: drops the candidate nodes without enough free
-    /// devices for the pod, with a reason for each.
     /// Records a pod that no candidate fits because devices are claimed
     /// (the scheduler parks it until some event; [`crate::requeue`] makes
     /// one when devices free up), or forgets it once a node fits.
@@ -966,6 +964,9 @@ impl<B: Binder> Extender<B> {
         asked
     }
 
+    /// The filter verb: drops the candidate nodes without enough free
+    /// devices for the pod, with a reason for each (a stopped pod's claim
+    /// counts free), and remembers a pod it leaves without any node.
     pub async fn filter(&self, args: ExtenderArgs) -> ExtenderFilterResult {
         let result = self.filter_nodes(args).await;
         self.metrics.filter(result.error.is_empty());
