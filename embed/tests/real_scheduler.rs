@@ -471,12 +471,30 @@ impl Rig {
             .unwrap()
     }
 
-    fn binds(&self, replica: usize, outcome: &str) -> u64 {
-        let text = self.extenders[replica].metrics().render();
-        let prefix = format!("tether_extender_binds_total{{outcome=\"{outcome}\"}} ");
-        text.lines()
+    /// The sample of counter line `sample` (name and labels) on extender
+    /// `replica`'s `/metrics`.
+    fn counter(&self, replica: usize, sample: &str) -> u64 {
+        let prefix = format!("{sample} ");
+        self.extenders[replica]
+            .metrics()
+            .render()
+            .lines()
             .find_map(|l| l.strip_prefix(&prefix))
             .map_or(0, |v| v.parse().unwrap())
+    }
+
+    /// [`Rig::counter`] summed over the extender replicas.
+    fn counter_total(&self, sample: &str) -> u64 {
+        (0..self.extenders.len())
+            .map(|replica| self.counter(replica, sample))
+            .sum()
+    }
+
+    fn binds(&self, replica: usize, outcome: &str) -> u64 {
+        self.counter(
+            replica,
+            &format!("tether_extender_binds_total{{outcome=\"{outcome}\"}}"),
+        )
     }
 
     async fn wait_for(&self, what: &str, mut check: impl AsyncFnMut() -> bool) {
@@ -515,10 +533,13 @@ impl Rig {
 
     /// What the kubelet does when a running pod is deleted, in its order:
     /// the delete (graceful: the object stays, with a `deletionTimestamp`),
-    /// the containers stopped and reported with the pod's terminal phase
-    /// (kubelet ≥ 1.27 sets it before it lets the object go), the devices
-    /// given back in its own accounting, and the object deleted for good
-    /// (grace 0, the UID as precondition). Returns when the object is gone.
+    /// the containers stopped and reported with the pod's terminal phase,
+    /// the devices given back in its own accounting, and the object deleted
+    /// for good (grace 0, the UID as precondition). Copied from the
+    /// kubelet's status manager (`canBeDeleted` and `syncPod`,
+    /// `pkg/kubelet/status/status_manager.go`): it delays the final delete
+    /// until the pod's phase is terminal and its termination finished.
+    /// Returns when the object is gone.
     async fn delete_as_the_kubelet_does(&self, name: &str) -> Instant {
         let uid = self.pods.get(name).await.unwrap().metadata.uid.unwrap();
         self.pods
@@ -600,32 +621,12 @@ impl Rig {
 
     /// Filter calls the extenders have answered.
     fn filters_answered(&self) -> u64 {
-        let prefix = "tether_extender_filters_total{outcome=\"answered\"} ";
-        self.extenders
-            .iter()
-            .map(|e| {
-                e.metrics()
-                    .render()
-                    .lines()
-                    .find_map(|l| l.strip_prefix(prefix))
-                    .map_or(0, |v| v.parse::<u64>().unwrap())
-            })
-            .sum()
+        self.counter_total("tether_extender_filters_total{outcome=\"answered\"}")
     }
 
     /// Refused pods the extenders asked the scheduler about again.
     fn nudges(&self) -> u64 {
-        let prefix = "tether_extender_requeue_nudges_total ";
-        self.extenders
-            .iter()
-            .map(|e| {
-                e.metrics()
-                    .render()
-                    .lines()
-                    .find_map(|l| l.strip_prefix(prefix))
-                    .map_or(0, |v| v.parse::<u64>().unwrap())
-            })
-            .sum()
+        self.counter_total("tether_extender_requeue_nudges_total")
     }
 
     /// Stops extender `replica` (its server and requeuer, as a process
