@@ -731,6 +731,14 @@ async fn one_gpu_pods_racing_for_one_node_are_bound_one_at_a_time_and_share_no_d
 
 /// How long a pending pod may wait for GPUs another pod's end freed, on a
 /// loaded 2-core machine (issue 49: it was five minutes).
+///
+/// The tests print how many times the extender asked the scheduler again
+/// but do not require it: the scheduler's own write of a refused pod's
+/// `PodScheduled` condition is an update of that unscheduled pod, which
+/// re-queues it once more after its back-off, and that retry sometimes
+/// lands after the GPUs are freed. Once it has passed, nothing but the
+/// extender's nudge moves the pod: without the nudge these tests waited
+/// out their 60 s deadline.
 const FREED_TO_BOUND: Duration = Duration::from_secs(10);
 
 impl Rig {
@@ -877,10 +885,6 @@ async fn a_pod_refused_before_tether_heard_of_the_freed_gpus_is_bound_once_it_he
             rig.nudges() - nudges
         );
         assert!(waited <= FREED_TO_BOUND, "{way}: waited {waited:?}");
-        assert!(
-            rig.nudges() > nudges,
-            "{way}: bound without the extender asking again"
-        );
     }
     assert_devices_distinct_and_claimed(&rig).await;
     rig.shutdown().await;
@@ -918,7 +922,6 @@ async fn a_pod_refused_by_an_extender_that_restarted_is_bound_once_the_gpus_free
         rig.nudges()
     );
     assert!(waited <= FREED_TO_BOUND, "waited {waited:?}");
-    assert!(rig.nudges() >= 1, "bound without the new extender asking");
     assert_devices_distinct_and_claimed(&rig).await;
     rig.shutdown().await;
 }
@@ -1006,10 +1009,6 @@ async fn a_pod_refused_for_a_device_a_claim_correction_frees_is_bound() {
         rig.nudges() - nudges
     );
     assert!(waited <= FREED_TO_BOUND, "waited {waited:?}");
-    assert!(
-        rig.nudges() > nudges,
-        "bound without the extender asking again"
-    );
     rig.set_phase("a", "Running").await;
     rig.admit("b").await;
     assert_devices_distinct_and_claimed(&rig).await;
