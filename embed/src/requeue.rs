@@ -9,9 +9,11 @@
 //!   for every cluster event (`defaultEnqueueExtension`,
 //!   `pkg/scheduler/framework/runtime/framework.go`, with
 //!   `UnrollWildCardResource`): any Pod, Node, volume or DRA event moves the
-//!   pod back to the active or back-off queue — but nothing else does,
-//!   before the five-minute flush of the unschedulable pool
-//!   (`flushUnschedulablePodsLeftover`, `podMaxInUnschedulablePodsDuration`);
+//!   pod back to the active or back-off queue (the scheduler's own write of
+//!   its `PodScheduled` condition too, once) — but once a retry finds
+//!   nothing changed, nothing else does before the five-minute flush of the
+//!   unschedulable pool (`flushUnschedulablePodsLeftover`,
+//!   `podMaxInUnschedulablePodsDuration`);
 //! - Tether ending a device claim is no Kubernetes event. A deleted pod's
 //!   own delete event does re-queue the pending pod, but it reaches the
 //!   scheduler in the same milliseconds as it reaches the bridge, so the
