@@ -725,10 +725,6 @@ fn file_identity(path: &Path) -> Option<(u64, u64)> {
     std::fs::metadata(path).ok().map(|m| (m.dev(), m.ino()))
 }
 
-/// Serves `plugin` in `placement` and registers it with the kubelet, and
-/// does both again whenever the kubelet restarts (its `kubelet.sock` is
-/// created afresh, or the plugin's own socket is deleted), until
-/// `shutdown` resolves. Registration is retried until the kubelet answers.
 /// How often a plugin checks that its published devices are still there.
 pub const PUBLISHED_CHECK_EVERY: Duration = Duration::from_secs(30);
 
@@ -756,6 +752,10 @@ async fn stop_server(
     }
 }
 
+/// Serves `plugin` in `placement` and registers it with the kubelet, and
+/// does both again whenever the kubelet restarts (its `kubelet.sock` is
+/// created afresh, or the plugin's own socket is deleted), until
+/// `shutdown` resolves. Registration is retried until the kubelet answers.
 /// For as long as it runs, the devices are read again (for
 /// `ListAndWatch`) and published in Tether (for the extender).
 pub async fn run(
@@ -795,7 +795,11 @@ async fn serve_and_register(
         while file_identity(&socket).is_none() && !server.is_finished() {
             tokio::time::sleep(Duration::from_millis(20)).await;
         }
-        let (registered_with, ours) = loop {
+        // Which file is ours is read before registering: once registered,
+        // the kubelet may dial, and the socket may be deleted, before this
+        // task runs again.
+        let ours = file_identity(&socket);
+        let registered_with = loop {
             if server.is_finished() {
                 return server.await?;
             }
@@ -804,7 +808,7 @@ async fn serve_and_register(
                 Ok(()) => {
                     plugin.metrics.registration();
                     tracing::info!(node = plugin.config.node, resource, socket = %socket.display(), "registered with the kubelet");
-                    break (kubelet, file_identity(&socket));
+                    break kubelet;
                 }
                 Err(err) => {
                     tracing::warn!(%err, kubelet = %kubelet_socket.display(), "cannot register with the kubelet yet; retrying");
@@ -829,7 +833,11 @@ async fn serve_and_register(
                 return server.await?;
             }
             let kubelet = file_identity(&kubelet_socket);
-            if kubelet.is_some() && kubelet != registered_with || file_identity(&socket) != ours {
+            let now_ours = file_identity(&socket);
+            if kubelet.is_some() && kubelet != registered_with
+                || now_ours.is_none()
+                || now_ours != ours
+            {
                 tracing::info!(
                     "the kubelet restarted (its socket or ours was replaced): serving and registering again"
                 );

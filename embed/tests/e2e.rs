@@ -175,6 +175,23 @@ impl FakeApi {
                 ),
             };
         }
+        if path == "/api/v1/pods" && method == Method::GET {
+            // The extender's look, at its start, for pods an earlier
+            // extender refused: those not yet bound (its field selector).
+            let unbound: Vec<serde_json::Value> = self
+                .pods
+                .lock()
+                .unwrap()
+                .values()
+                .filter(|pod| pod["spec"]["nodeName"].as_str().is_none())
+                .cloned()
+                .collect();
+            return json_response(
+                StatusCode::OK,
+                serde_json::json!({"apiVersion": "v1", "kind": "PodList",
+                    "metadata": {"resourceVersion": "1"}, "items": unbound}),
+            );
+        }
         if parts.len() < 7 || parts[5] != "pods" {
             return json_response(
                 StatusCode::NOT_FOUND,
@@ -1923,6 +1940,31 @@ async fn a_deleted_plugin_socket_is_served_again_though_the_kubelet_still_watche
     })
     .await;
     assert_eq!(rig.kubelet.allocatable(), 8);
+    rig.shutdown().await;
+}
+
+/// The plugin's socket deleted in the moment between the kubelet's answer
+/// to a registration and the plugin's next look at its socket: the plugin
+/// still sees it gone and serves and registers again (it once read which
+/// file was its own only after registering, saw none, and took "none" for
+/// its own from then on).
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_plugin_socket_deleted_while_registering_is_served_again() {
+    let rig = Rig::start_on_fake(DEADLINE).await;
+    rig.wait_for("the kubelet to follow ListAndWatch", async || {
+        rig.kubelet.device_updates() > 0
+    })
+    .await;
+    rig.kubelet.delete_socket_on_next_register();
+    std::fs::remove_file(rig.kubelet.plugin_socket().unwrap()).unwrap();
+    rig.wait_for("the plugin to register twice more", async || {
+        rig.kubelet.registered() == 3 && rig.kubelet.plugin_socket().is_some()
+    })
+    .await;
+    rig.wait_for("the kubelet to follow the newest server", async || {
+        rig.kubelet.allocatable() == 8 && rig.kubelet.device_updates() > 1
+    })
+    .await;
     rig.shutdown().await;
 }
 

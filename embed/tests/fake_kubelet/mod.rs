@@ -58,6 +58,10 @@ pub struct Following {
     task: Arc<Mutex<Option<JoinHandle<()>>>>,
     /// `ListAndWatch` answers received.
     updates: Arc<std::sync::atomic::AtomicUsize>,
+    /// Set by a test: the next registration deletes the plugin's socket
+    /// before it answers, as a directory cleaned by hand can between the
+    /// plugin's registration and its next look at its socket.
+    delete_socket_on_register: Arc<std::sync::atomic::AtomicBool>,
 }
 
 impl Following {
@@ -99,6 +103,13 @@ impl Registration for Registrations {
         request: tonic::Request<api::RegisterRequest>,
     ) -> Result<tonic::Response<api::Empty>, tonic::Status> {
         let request = request.into_inner();
+        if self
+            .1
+            .delete_socket_on_register
+            .swap(false, std::sync::atomic::Ordering::SeqCst)
+        {
+            let _ = std::fs::remove_file(self.1.dir.join(&request.endpoint));
+        }
         self.1.follow(&request.endpoint);
         self.0.lock().unwrap().push(request);
         Ok(tonic::Response::new(api::Empty {}))
@@ -169,6 +180,15 @@ impl FakeKubelet {
             }
         }
         self.serve();
+    }
+
+    /// The next registration deletes the plugin's socket before it
+    /// answers.
+    pub fn delete_socket_on_next_register(&self) {
+        self.registrations
+            .1
+            .delete_socket_on_register
+            .store(true, std::sync::atomic::Ordering::SeqCst);
     }
 
     /// The device list as the plugin last sent it: (id, healthy).
