@@ -584,7 +584,7 @@ impl RunLocks {
         }
     }
 
-    /// The event-log key of every lock and pin set the run touched.
+    /// The event-log key of every lock, pin set and node the run touched.
     fn event_keys(&self, shared: &Shared, prefix: &str, config: &RunConfig) -> Vec<String> {
         let mut keys: Vec<String> = self.try_locks.iter().map(workers::lock_event_key).collect();
         keys.push(workers::lock_event_key(&self.queue_lock));
@@ -597,6 +597,14 @@ impl RunLocks {
                 .unwrap_or_else(|p| p.into_inner())
                 .iter()
                 .map(workers::lock_event_key),
+        );
+        keys.extend(
+            shared
+                .extra_nodes
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .iter()
+                .map(|name| format!("node/{name}")),
         );
         for member in 0..config.pins {
             keys.push(format!("pin/{prefix}/{member}"));
@@ -877,6 +885,7 @@ pub async fn run(
         workload_ends: tokio::time::Instant::now() + schedule.workload,
         prefix: prefix.to_string(),
         extra_locks: Mutex::new(Vec::new()),
+        extra_nodes: Mutex::new(Vec::new()),
     });
     let mut rng = Rng::new(schedule.seed ^ 0x5EED);
     let locks = RunLocks::new(&shared, config);

@@ -474,6 +474,27 @@ async fn a_build_that_hands_a_gone_nodes_lock_to_its_waiter_is_caught() {
     assert!(violations["ends"] > 0, "{violations:?}");
 }
 
+/// A build that adopts a report about another node object under a known
+/// name, as format 7 did: the ender's re-create rounds (a report naming the
+/// new object while the old one holds a lock with a waiter) must reach it,
+/// and the nodes checker must see the live node turn into another object.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_build_that_lets_a_live_node_turn_into_another_object_is_caught() {
+    let run = RunConfig {
+        enders: 2,
+        ..RunConfig::default()
+    };
+    let violations = planted_bug_runs(
+        "sm-node-adopts-another-object",
+        94_500,
+        2,
+        Duration::from_millis(3000),
+        run,
+    )
+    .await;
+    assert!(violations["nodes"] > 0, "{violations:?}");
+}
+
 /// Builds without exactly-once answers: one that applies every retry again
 /// (no dedupe table), and one that answers any command under a kept id from
 /// the table (the forged-answer bug format 6 fixed). The retry storm (copies

@@ -664,9 +664,11 @@ impl Bridge {
         complete & self.send_orphans(orphans, seen_at).await
     }
 
-    /// The nodes' side of a resync: registry nodes the cache lacks, each
+    /// The nodes' side of a resync: registry nodes whose object the cache
+    /// lacks (no node under the name, or one with another UID), each
     /// reported gone only when a GET shows that node object gone; listed
-    /// nodes the registry lacks, reported joined; and listed nodes whose
+    /// nodes the registry lacks (or had under an object just reported
+    /// gone), reported joined; and listed nodes whose
     /// registry entry differs (labels, schedulability, readiness), corrected
     /// ([`node_corrections`]). False when something could not be sent or
     /// read.
@@ -706,18 +708,25 @@ impl Bridge {
                 .map(|(name, n)| (name.clone(), n.uid.clone()))
                 .collect(),
         };
-        let mut commands = missing_joins(&tether, &live);
+        let mut commands = Vec::new();
         let mut complete = true;
+        let mut after_gones = tether.clone();
         for (name, uid) in node_candidates(&tether, &live) {
             let lookup = self.lookup_node(&name).await;
             complete &= !matches!(lookup, Lookup::Failed);
             match confirm_node(&name, &uid, lookup) {
-                Some(gone) => commands.push(gone),
+                Some(gone) => {
+                    after_gones.nodes.remove(&name);
+                    commands.push(gone);
+                }
                 None => {
                     self.metrics.unconfirmed.inc();
                 }
             }
         }
+        // Sent after the gones: a node re-created under its name joins once
+        // its old object has been reported gone.
+        commands.extend(missing_joins(&after_gones, &live));
         let corrections = node_corrections(&registry, &live.nodes);
         if !corrections.is_empty() {
             tracing::info!(

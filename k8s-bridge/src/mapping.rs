@@ -46,7 +46,12 @@ fn pod_report(uid: &str, report: PodReport) -> Command {
 }
 
 /// What Tether should hear about one node, given its previous view (`None`
-/// if first seen) and its new one (`None` if a delete event arrived).
+/// if first seen) and its new one (`None` if a delete event arrived). A
+/// node is its UID: a view under the same name with another UID (a watch
+/// that relisted, or missed the delete) is the old node deleted — to be
+/// confirmed, then reported gone, so that what it held ends — and a new
+/// one joined, in that order (Tether refuses reports about a node object
+/// other than the one it has registered under the name).
 pub fn node_change(old: Option<&NodeView>, new: Option<&NodeView>) -> Vec<Command> {
     let Some(new) = new else {
         return match old {
@@ -71,6 +76,14 @@ pub fn node_change(old: Option<&NodeView>, new: Option<&NodeView>) -> Vec<Comman
     };
     match old {
         None => vec![node(NodeReport::Joined, true), node(readiness, false)],
+        Some(old) if !old.uid.is_empty() && !new.uid.is_empty() && old.uid != new.uid => vec![
+            Command::ConfirmNodeGone {
+                name: old.name.clone(),
+                uid: old.uid.clone(),
+            },
+            node(NodeReport::Joined, true),
+            node(readiness, false),
+        ],
         Some(old) => {
             let mut out = Vec::new();
             if old.labels != new.labels
@@ -378,5 +391,38 @@ mod tests {
                 uid: "nu1".into()
             }]
         );
+    }
+
+    #[test]
+    fn a_node_seen_under_another_uid_is_the_old_one_gone_then_a_new_one_joined() {
+        let recreated = NodeView {
+            uid: "nu2".into(),
+            ..node(false, "b")
+        };
+        let commands = node_change(Some(&node(true, "a")), Some(&recreated));
+        assert_eq!(
+            commands[0],
+            Command::ConfirmNodeGone {
+                name: "n1".into(),
+                uid: "nu1".into()
+            }
+        );
+        assert!(
+            matches!(&commands[1], Command::Node { uid, report: NodeReport::Joined, labels: Some(l), .. } if uid == "nu2" && l["zone"] == "b")
+        );
+        assert!(matches!(
+            &commands[2],
+            Command::Node { uid, report: NodeReport::NotReady, .. } if uid == "nu2"
+        ));
+        assert_eq!(commands.len(), 3);
+        // Nothing to compare: the same node, whose UID is now known.
+        let no_uid = NodeView {
+            uid: String::new(),
+            ..node(true, "a")
+        };
+        assert!(matches!(
+            node_change(Some(&no_uid), Some(&node(true, "a"))).as_slice(),
+            [Command::Node { uid, report: NodeReport::Joined, .. }] if uid == "nu1"
+        ));
     }
 }

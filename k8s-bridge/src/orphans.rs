@@ -75,14 +75,18 @@ pub fn confirm_pod(uid: &str, lookup: Lookup<PodView>) -> Option<Command> {
     }
 }
 
-/// Registry nodes not in the bridge's cache, with the UID the registry has
-/// for them: each must be confirmed ([`confirm_node`]) before it is
-/// reported gone.
+/// Registry nodes whose object is not in the bridge's cache — no cached
+/// node has the name, or the cached node under the name has another UID
+/// (deleted and re-created) — with the UID the registry has for them:
+/// each must be confirmed ([`confirm_node`]) before it is reported gone.
 pub fn node_candidates(tether: &TetherView, live: &LiveView) -> Vec<(String, String)> {
     tether
         .nodes
         .iter()
-        .filter(|(name, _)| !live.nodes.contains_key(*name))
+        .filter(|(name, uid)| match live.nodes.get(*name) {
+            None => true,
+            Some(cached) => !uid.is_empty() && !cached.uid.is_empty() && cached.uid != **uid,
+        })
         .map(|(name, uid)| (name.clone(), uid.clone()))
         .collect()
 }
@@ -106,7 +110,10 @@ pub fn confirm_node(name: &str, uid: &str, lookup: Lookup<NodeView>) -> Option<C
 
 /// Listed nodes Tether's registry lacks: reported joined, with their
 /// readiness. Safe from any cache (a report of a live node changes nothing
-/// that is not so).
+/// that is not so). A name whose registered object was just confirmed gone
+/// is passed without it in `tether` (its new object joins after the old
+/// one's `Gone`); one registered under another UID that is not confirmed
+/// gone is not reported (Tether would refuse it).
 pub fn missing_joins(tether: &TetherView, live: &LiveView) -> Vec<Command> {
     let mut out = Vec::new();
     for (name, node) in live
@@ -270,6 +277,42 @@ mod tests {
             None
         );
         assert_eq!(confirm_node("n-unseen", "uid-x", Lookup::Failed), None);
+    }
+
+    #[test]
+    fn a_registry_node_cached_under_another_uid_is_a_candidate() {
+        let tether = TetherView {
+            pod_uids: BTreeSet::new(),
+            nodes: BTreeMap::from([
+                ("n1".into(), "uid-old".into()),
+                ("n2".into(), "".into()),
+                ("n3".into(), "uid-n3".into()),
+            ]),
+        };
+        let live = LiveView {
+            pod_uids: BTreeSet::new(),
+            nodes: BTreeMap::from([
+                ("n1".into(), node("n1", "uid-new")),
+                ("n2".into(), node("n2", "uid-n2")),
+                ("n3".into(), node("n3", "uid-n3")),
+            ]),
+        };
+        // n1 was re-created; n2's registry entry has no UID to compare.
+        assert_eq!(
+            node_candidates(&tether, &live),
+            [("n1".to_string(), "uid-old".to_string())]
+        );
+        // Nothing joins under a name registered to another object...
+        assert!(missing_joins(&tether, &live).is_empty());
+        // ...until that object is confirmed gone.
+        let mut after = tether.clone();
+        after.nodes.remove("n1");
+        let joins = missing_joins(&after, &live);
+        assert!(matches!(
+            &joins[0],
+            Command::Node { name, uid, report: NodeReport::Joined, .. } if name == "n1" && uid == "uid-new"
+        ));
+        assert_eq!(joins.len(), 2);
     }
 
     #[test]

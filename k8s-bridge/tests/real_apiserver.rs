@@ -894,6 +894,303 @@ async fn a_deleted_node_loses_its_pins_and_pod_gc_ends_its_pods_holds() {
     rig.shutdown().await;
 }
 
+/// What a node's object holds before it is deleted and re-created under its
+/// name: an operator's permanent pin, a pod's device claim, its lock's
+/// holder and a waiter in its queue.
+struct OldNodeHoldings {
+    node: String,
+    old_uid: String,
+    pin: pb::PinKey,
+    claim: pb::PinKey,
+    holder_token: u64,
+    waiter: JoinHandle<tether_client::Result<tether_client::Held>>,
+    /// Tether's node events from before the re-create on.
+    watch: tether_client::Watcher,
+}
+
+impl Rig {
+    /// Creates node `name`, waits until Tether has it registered and ready,
+    /// and gives its object everything a node can hold.
+    async fn node_holding_everything(&self, name: &str) -> OldNodeHoldings {
+        let node = self.node(name);
+        let old_uid = self
+            .kubelet
+            .create_node(&node, "a")
+            .await
+            .metadata
+            .uid
+            .unwrap();
+        eventually("the node registered and ready", async || {
+            let nodes = self.client.list_nodes(false).await.unwrap();
+            nodes
+                .iter()
+                .any(|n| n.name == node && n.uid == old_uid && n.ready)
+        })
+        .await;
+        let pin = pb::PinKey {
+            set: "slurm/workers".into(),
+            member: format!("{node}-0"),
+        };
+        let pinned = self
+            .client
+            .assign(
+                &pin,
+                vec![node.clone()],
+                "",
+                Duration::ZERO,
+                Default::default(),
+                Default::default(),
+            )
+            .await
+            .unwrap();
+        assert_eq!(pinned.pin.unwrap().node, node);
+        let owner = self.kubelet.create_pod(&format!("{name}-owner")).await;
+        let next = self.kubelet.create_pod(&format!("{name}-next")).await;
+        let claim = pb::PinKey {
+            set: "gpu-devices".into(),
+            member: uid(&owner),
+        };
+        self.client
+            .assign(
+                &claim,
+                vec![node.clone()],
+                &uid(&owner),
+                Duration::from_secs(1),
+                [("devices.tether.io/gpu0".to_string(), "held".to_string())].into(),
+                Default::default(),
+            )
+            .await
+            .unwrap();
+        let holder_token = self.hold(&node, &owner).await.token();
+        let waiter = self.wait_for(&node, &next);
+        eventually("the next pod queued", async || {
+            let lock = self.client.get(&key(&node)).await.unwrap();
+            !lock.waiters.is_empty()
+        })
+        .await;
+        let watch = self
+            .client
+            .watch(
+                None,
+                vec!["NodeGone".into(), "NodeJoined".into()],
+                &format!("node/{node}"),
+            )
+            .await
+            .unwrap();
+        OldNodeHoldings {
+            node,
+            old_uid,
+            pin,
+            claim,
+            holder_token,
+            waiter,
+            watch,
+        }
+    }
+
+    /// Deletes the node object and creates one under the same name; returns
+    /// the new UID.
+    async fn recreate_node(&self, node: &str) -> String {
+        recreate_node_with(&self.kubelet, node).await
+    }
+}
+
+/// Checks, within the bridge's usual bound (the test deadline), that
+/// everything the old object held ended (each once, for the reason that its
+/// node is gone) and that the new object joined, once, under its UID.
+async fn assert_replaced(rig: &Rig, mut old: OldNodeHoldings, new_uid: &str) {
+    assert_ne!(old.old_uid, new_uid);
+    let started = std::time::Instant::now();
+    let mut seen: Vec<(String, String)> = Vec::new();
+    while !seen
+        .iter()
+        .any(|(kind, uid)| kind == "NodeJoined" && uid == new_uid)
+    {
+        match tokio::time::timeout(DEADLINE, old.watch.next())
+            .await
+            .expect("no NodeJoined for the re-created node")
+            .unwrap()
+        {
+            WatchUpdate::Events(events) => seen.extend(events.into_iter().map(|e| {
+                let uid = e.attributes.get("uid").cloned().unwrap_or_default();
+                (e.kind, uid)
+            })),
+            WatchUpdate::Relist { .. } => panic!("unexpected gap"),
+        }
+    }
+    println!(
+        "node {} re-created: old object gone and new one joined {:?} after the check began",
+        old.node,
+        started.elapsed()
+    );
+    assert_eq!(
+        seen.iter()
+            .map(|(kind, _)| kind.as_str())
+            .collect::<Vec<_>>(),
+        ["NodeGone", "NodeJoined"],
+        "the old object goes before the new one joins: {seen:?}"
+    );
+    let nodes = rig.client.list_nodes(false).await.unwrap();
+    let registered = nodes.iter().find(|n| n.name == old.node).unwrap();
+    assert_eq!(registered.uid, new_uid);
+    assert!(rig.client.get_pin(&old.pin).await.unwrap().is_none());
+    assert!(rig.client.get_pin(&old.claim).await.unwrap().is_none());
+    assert_eq!(rig.holder_uid(&old.node).await, None);
+    let waited = old.waiter.await.unwrap();
+    assert!(
+        waited.is_err(),
+        "the queued pod's wait ends with the old node: {waited:?}"
+    );
+    let lock = rig
+        .client
+        .history(&format!("lock/gpu-bind/{}", old.node), 0, 0)
+        .await
+        .unwrap();
+    let released: Vec<(u64, String)> = lock
+        .events
+        .iter()
+        .filter(|e| e.kind == "LockReleased")
+        .map(|e| (e.token, e.reason.clone()))
+        .collect();
+    assert_eq!(released.len(), 1, "released once: {released:?}");
+    assert_eq!(released[0].0, old.holder_token);
+    assert_eq!(released[0].1, "node gone", "{released:?}");
+    for key in [&old.pin, &old.claim] {
+        let history = rig
+            .client
+            .history(&format!("pin/{}/{}", key.set, key.member), 0, 0)
+            .await
+            .unwrap();
+        let reasons: Vec<&str> = history
+            .events
+            .iter()
+            .filter(|e| e.kind == "PinReleased")
+            .map(|e| e.reason.as_str())
+            .collect();
+        assert_eq!(reasons, ["NodeGone"], "{key:?}");
+    }
+    // The new object takes pins again.
+    let pinned = rig
+        .client
+        .assign(
+            &old.pin,
+            vec![old.node.clone()],
+            "",
+            Duration::ZERO,
+            Default::default(),
+            Default::default(),
+        )
+        .await
+        .unwrap();
+    assert_eq!(pinned.pin.unwrap().node, old.node);
+}
+
+/// A node deleted and re-created under its name (a cloud replacement, a
+/// re-imaged machine keeping its hostname) while the bridge was down: the
+/// bridge's first list finds the name under another UID, confirms the old
+/// object gone, reports it gone, and the new one joins.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_node_recreated_while_the_bridge_was_down_is_a_new_node() {
+    let Some(mut rig) =
+        Rig::shared("a_node_recreated_while_the_bridge_was_down_is_a_new_node").await
+    else {
+        return;
+    };
+    let old = rig.node_holding_everything("rn1").await;
+    rig.stop_bridge();
+    let new_uid = rig.recreate_node(&old.node).await;
+    rig.start_bridge();
+    assert_replaced(&rig, old, &new_uid).await;
+    rig.shutdown().await;
+}
+
+/// The same re-create while the bridge's watch is cut off by an API server
+/// outage, with etcd compacted: the resumed watch meets 410 Gone and
+/// relists, and the relist pairs the name's old and new objects.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_node_recreated_during_a_watch_gap_is_a_new_node_after_the_relist() {
+    let Some(rig) =
+        Rig::own("a_node_recreated_during_a_watch_gap_is_a_new_node_after_the_relist").await
+    else {
+        return;
+    };
+    let old = rig.node_holding_everything("rn1").await;
+    let before = rig
+        .kubelet
+        .nodes
+        .get(&old.node)
+        .await
+        .unwrap()
+        .metadata
+        .resource_version
+        .unwrap();
+    rig.plane.stop_apiserver();
+    let new_uid = {
+        let other = rig.plane.extra_apiserver().await.unwrap();
+        let kubelet = Kubelet::new(other.client().await, "default");
+        let new_uid = recreate_node_with(&kubelet, &old.node).await;
+        rig.plane.compact_etcd().await.unwrap();
+        new_uid
+    };
+    rig.plane.start_apiserver().await.unwrap();
+    let nodes: Api<Node> = Api::all(rig.plane.client().await);
+    assert_eq!(watch_error_code(&nodes, &before).await, Some(410));
+    assert_replaced(&rig, old, &new_uid).await;
+    rig.shutdown().await;
+}
+
+/// Deletes node `node` and creates one under the same name through
+/// `kubelet`'s API server; returns the new UID.
+async fn recreate_node_with(kubelet: &Kubelet, node: &str) -> String {
+    kubelet.delete_node(node).await;
+    kubelet.create_node(node, "b").await.metadata.uid.unwrap()
+}
+
+/// Two bridges, both away across the re-create and back at once: both find
+/// the name under another UID; the old object goes once and the new one
+/// joins once, whichever reports first (the other's reports change nothing
+/// or are refused and re-checked).
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn two_bridges_back_after_a_node_recreate_end_the_old_node_once() {
+    let Some(mut rig) =
+        Rig::shared("two_bridges_back_after_a_node_recreate_end_the_old_node_once").await
+    else {
+        return;
+    };
+    let old = rig.node_holding_everything("rn1").await;
+    rig.stop_bridge();
+    let new_uid = rig.recreate_node(&old.node).await;
+    rig.start_bridge();
+    let (second, second_task) = rig.spawn_bridge();
+    let node = old.node.clone();
+    assert_replaced(&rig, old, &new_uid).await;
+    eventually("the second bridge's lists done", async || second.healthy()).await;
+    // Both bridges are settled: a later event about the node is reported
+    // by both without bringing the old object back.
+    rig.kubelet.set_node_ready(&node, false).await;
+    eventually("the new node reported not ready", async || {
+        let nodes = rig.client.list_nodes(false).await.unwrap();
+        nodes
+            .iter()
+            .any(|n| n.name == node && n.uid == new_uid && !n.ready)
+    })
+    .await;
+    let history = rig
+        .client
+        .history(&format!("node/{node}"), 0, 0)
+        .await
+        .unwrap();
+    let kinds: Vec<&str> = history
+        .events
+        .iter()
+        .map(|e| e.kind.as_str())
+        .filter(|k| *k == "NodeGone" || *k == "NodeJoined")
+        .collect();
+    assert_eq!(kinds, ["NodeJoined", "NodeGone", "NodeJoined"]);
+    second_task.abort();
+    rig.shutdown().await;
+}
+
 /// The API server crashes. While it is down, a pod that holds is deleted
 /// (through a second API server on the same etcd) and etcd's history is
 /// compacted. The restarted API server's watch cache starts at etcd's

@@ -110,7 +110,8 @@ impl From<ApiError> for Status {
                     | CommandError::NotHolder { .. }
                     | CommandError::StaleToken { .. }
                     | CommandError::SequenceTooOld { .. }
-                    | CommandError::RequestIdReused { .. } => Code::FailedPrecondition,
+                    | CommandError::RequestIdReused { .. }
+                    | CommandError::NodeObjectMismatch { .. } => Code::FailedPrecondition,
                     CommandError::HoldEnded { .. } | CommandError::WaitEnded { .. } => {
                         Code::Aborted
                     }

@@ -617,6 +617,41 @@ fn format_v7_log_entries_still_decode() {
     check_log_fixture(7, &v7_entries());
 }
 
+/// Format 8: node reports, which from this format are refused when they
+/// name another node object than the registered one (the same shape as
+/// before; what changed is how they apply).
+fn v8_entries() -> Vec<Entry> {
+    let next = v1_entries().len() as u64 + v2_entries().len() as u64 + 11;
+    let report = |at: u64, uid: &str, state: NodeState| Entry {
+        log_id: log_id(5, next + at),
+        payload: EntryPayload::Normal(Request {
+            format_version: 8,
+            request_id: Some(RequestId {
+                client_id: "token:bridge/client.fedcba9876543210".into(),
+                sequence: 40 + at,
+                first_incomplete: 40 + at,
+            }),
+            leader_time_ms: 1_790_000_700_000 + at,
+            command: Command::ReportNode(ReportNode {
+                name: "node-9".into(),
+                uid: uid.into(),
+                state,
+                labels: None,
+                unschedulable: None,
+            }),
+        }),
+    };
+    vec![
+        report(0, "n-uid-9b", NodeState::Ready),
+        report(1, "n-uid-9a", NodeState::NotReady),
+    ]
+}
+
+#[test]
+fn format_v8_log_entries_still_decode() {
+    check_log_fixture(8, &v8_entries());
+}
+
 #[test]
 fn entries_are_written_in_the_oldest_format_that_expresses_them() {
     // A replica of an older build keeps reading single commands without a
@@ -669,7 +704,16 @@ fn entries_are_written_in_the_oldest_format_that_expresses_them() {
     );
     assert_eq!(newest(v6_entries()).for_members(Some(6)).format_version, 6);
     assert_eq!(newest(v6_entries()).for_members(None).format_version, 6);
-    assert_eq!(FORMAT_VERSION, 7);
+    // A node report naming another node object is refused from 8, and
+    // has older forms that adopt it, as builds of those formats did.
+    let EntryPayload::Normal(report) = &v8_entries()[0].payload else {
+        unreachable!("a normal entry")
+    };
+    let report = Request::new(report.request_id.clone(), 1, report.command.clone());
+    assert_eq!(report.format_version, 8);
+    assert_eq!(report.clone().for_members(Some(7)).format_version, 7);
+    assert_eq!(report.for_members(Some(5)).format_version, 5);
+    assert_eq!(FORMAT_VERSION, 8);
     assert_eq!(SNAPSHOT_FORMAT_VERSION, 6);
 }
 

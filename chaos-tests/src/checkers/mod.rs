@@ -16,6 +16,7 @@
 //! | `ends` | a gone node's lock and a revoked pod are granted nothing by the entry that ended them; an ended wait never comes back; no present caller is told it went away |
 //! | `progress` | no waiter is left behind a free lock; a lock due to move on reaches its next waiter within a bound once faults have healed |
 //! | `sessions` | one identity gets at most its session quota; the bridge is never refused a session |
+//! | `nodes` | a live node never turns into another node object (UID) without the old one going |
 //! | `leases` | a lease kept alive does not end before its TTL has run out in real time (clock steps included) |
 
 pub mod answers;
@@ -26,6 +27,7 @@ pub mod fifo;
 pub mod leases;
 pub mod linearizability;
 pub mod mutual_exclusion;
+pub mod nodes;
 pub mod pins;
 pub mod progress;
 pub mod sessions;
@@ -76,7 +78,7 @@ pub struct Evidence {
 }
 
 /// Names of every checker, in report order.
-pub const CHECKERS: [&str; 13] = [
+pub const CHECKERS: [&str; 14] = [
     "mutual_exclusion",
     "fencing",
     "tokens",
@@ -90,6 +92,7 @@ pub const CHECKERS: [&str; 13] = [
     "progress",
     "leases",
     "sessions",
+    "nodes",
 ];
 
 /// Runs every checker: violations by checker name, and the locks whose
@@ -113,6 +116,7 @@ pub fn check_all(
     out.insert("progress", progress::check(evidence));
     out.insert("leases", leases::check(evidence));
     out.insert("sessions", sessions::check(evidence));
+    out.insert("nodes", nodes::check(evidence));
     (out, undecided)
 }
 

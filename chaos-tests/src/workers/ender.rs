@@ -1,6 +1,6 @@
 //! The ender: ends holds the other ways, each on a fresh lock with a holder
-//! and a waiter (its node reported gone, a force release, the hold
-//! timeout).
+//! and a waiter (its node reported gone, its node deleted and re-created
+//! under its name, a force release, the hold timeout).
 
 use super::*;
 
@@ -14,12 +14,19 @@ enum Ending {
     ForceRelease,
     /// The holder never releases: the scope's hold timeout ends it.
     HoldTimeout,
+    /// The node the lock is named after is deleted and re-created under
+    /// its name, as the bridge reports it: the new object first (refused
+    /// while the old one is registered), then the old object gone (the
+    /// hold and the wait end as for `NodeGone`), the new object joined, and
+    /// a lagging report about the old object (refused).
+    NodeRecreated,
 }
 
 /// Ends holds the ways the other workers do not, until stopped. Each round
 /// takes a fresh lock: pod `h` takes it, pod `w` queues behind it, and the
-/// hold is ended by its node being reported gone, a force release, or the
-/// hold timeout of [`HOLD_TIMEOUT_SCOPE`], in turn. Then `w` uses and
+/// hold is ended by its node being reported gone, a force release, the
+/// hold timeout of [`HOLD_TIMEOUT_SCOPE`], or its node re-created under its
+/// name, in turn. Then `w` uses and
 /// releases what it was granted, and `h` tries its release (refused, unless
 /// the end did not happen). Pods `h` and `w` are processes `process` and
 /// `process + 1`.
@@ -27,8 +34,12 @@ pub async fn ender(shared: Arc<Shared>, process: u64, mut rng: Rng) {
     let mut round = 0u64;
     while !shared.stopped() {
         round += 1;
-        let ending =
-            [Ending::NodeGone, Ending::ForceRelease, Ending::HoldTimeout][(round % 3) as usize];
+        let ending = [
+            Ending::NodeGone,
+            Ending::ForceRelease,
+            Ending::HoldTimeout,
+            Ending::NodeRecreated,
+        ][(round % 4) as usize];
         let name = format!("{}-e{process}-{round}", shared.prefix);
         let key = pb::LockKey {
             scope: match ending {
@@ -42,8 +53,16 @@ pub async fn ender(shared: Arc<Shared>, process: u64, mut rng: Rng) {
             .lock()
             .unwrap_or_else(|p| p.into_inner())
             .push(key.clone());
-        if matches!(ending, Ending::NodeGone)
-            && report_ender_node(&shared, &name, pb::NodeState::NodeReady)
+        let names_a_node = matches!(ending, Ending::NodeGone | Ending::NodeRecreated);
+        if names_a_node {
+            shared
+                .extra_nodes
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .push(name.clone());
+        }
+        if names_a_node
+            && report_ender_node(&shared, &name, OLD_OBJECT, pb::NodeState::NodeReady)
                 .await
                 .is_err()
         {
@@ -78,7 +97,21 @@ pub async fn ender(shared: Arc<Shared>, process: u64, mut rng: Rng) {
         let _ = queued_rx.await;
         match ending {
             Ending::NodeGone => {
-                let _ = report_ender_node(&shared, &name, pb::NodeState::NodeGone).await;
+                let _ =
+                    report_ender_node(&shared, &name, OLD_OBJECT, pb::NodeState::NodeGone).await;
+            }
+            Ending::NodeRecreated => {
+                // Each answer is what the checkers judge by the log: a
+                // refused report leaves nothing there, an applied one does.
+                for (object, state) in [
+                    (NEW_OBJECT, pb::NodeState::NodeReady),
+                    (OLD_OBJECT, pb::NodeState::NodeGone),
+                    (NEW_OBJECT, pb::NodeState::NodeJoined),
+                    (NEW_OBJECT, pb::NodeState::NodeReady),
+                    (OLD_OBJECT, pb::NodeState::NodeReady),
+                ] {
+                    let _ = report_ender_node(&shared, &name, object, state).await;
+                }
             }
             Ending::ForceRelease => {
                 let _ = shared
@@ -118,18 +151,24 @@ pub async fn ender(shared: Arc<Shared>, process: u64, mut rng: Rng) {
     }
 }
 
-/// Reports the node an ender round's lock is named after (one UID per
-/// round's node).
+/// The UID suffix of the node object an ender round's lock is first named
+/// after, and of the object re-created under its name.
+const OLD_OBJECT: &str = "uid";
+const NEW_OBJECT: &str = "uid2";
+
+/// Reports the node an ender round's lock is named after, as its `object`
+/// (one UID per round's node and object).
 async fn report_ender_node(
     shared: &Shared,
     name: &str,
+    object: &str,
     state: pb::NodeState,
 ) -> tether_client::Result<()> {
     shared
         .client
         .report_node(pb::ReportNodeRequest {
             name: name.to_string(),
-            uid: format!("{name}-uid"),
+            uid: format!("{name}-{object}"),
             state: state as i32,
             ..Default::default()
         })

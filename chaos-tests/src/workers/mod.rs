@@ -149,6 +149,9 @@ pub struct Shared {
     /// Locks the workers made up as they went (the ender's), for the
     /// runner to read their logs.
     pub extra_locks: Mutex<Vec<pb::LockKey>>,
+    /// Nodes the workers reported (the ender's), for the runner to read
+    /// their logs.
+    pub extra_nodes: Mutex<Vec<String>>,
 }
 
 impl Shared {

@@ -322,6 +322,11 @@ pub fn event_to(event: &sm::Event) -> pb::Event {
             }
             attr("ready", info.ready.to_string());
             attr("unschedulable", info.unschedulable.to_string());
+            // Which node object: a name re-created after a delete joins
+            // again under a new UID.
+            if !info.uid.is_empty() {
+                attr("uid", info.uid.clone());
+            }
             let kind = if matches!(event.kind, K::NodeJoined { .. }) {
                 "NodeJoined"
             } else {

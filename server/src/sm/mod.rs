@@ -56,7 +56,9 @@ pub use types::*;
 /// ([`SNAPSHOT_FORMAT_VERSION`]); 7: an abandoned wait's grant that nobody
 /// took up is given back, a caller can withdraw an acquire, wait or hold,
 /// in one command, and a device claim is corrected in one command
-/// (`Reclaim`) ([`command::GIVE_BACK_FORMAT_VERSION`]).
+/// (`Reclaim`) ([`command::GIVE_BACK_FORMAT_VERSION`]); 8: a node report
+/// naming another node object than the registered one is refused
+/// ([`command::NODE_REPLACED_FORMAT_VERSION`]).
 ///
 /// An entry is written in the oldest format that can express it
 /// ([`Command::format_version`]) and snapshots in [`SNAPSHOT_FORMAT_VERSION`],
@@ -65,7 +67,7 @@ pub use types::*;
 /// every member has said that it reads them, and sweeps, node reports and
 /// client requests in the newest format unless a member has said that it
 /// reads only an older one (then in the oldest form, [`Command::oldest_form`]).
-pub const FORMAT_VERSION: u16 = 7;
+pub const FORMAT_VERSION: u16 = 8;
 
 /// From this format a client request's answer is kept with the fingerprint
 /// of its command, a retry is answered only when it carries the same
@@ -82,6 +84,8 @@ pub const SESSION_BINDING_FORMAT_VERSION: u16 = 6;
 /// this replica" rather than misreading it. Format 7 changes no stored
 /// shape that a format-6 member could meet: the only new answer a session
 /// keeps (a withdrawal's `GaveBack`) exists once every member reads 7.
+/// Nor does format 8: its one new answer (a refused node report's
+/// `NodeObjectMismatch`) is written only once every member reads 8.
 pub const SNAPSHOT_FORMAT_VERSION: u16 = 6;
 
 /// One log entry's application payload.

@@ -33,7 +33,9 @@ pub use lease::{GrantLease, KeepAliveLease, RevokeLease};
 pub use reclaim::{Reclaim, Reclaimed};
 pub use release::Release;
 pub use release_pin::ReleasePin;
-pub use report_node::{NODE_GONE_UID_FORMAT_VERSION, NODE_UID_FORMAT_VERSION, ReportNode};
+pub use report_node::{
+    NODE_GONE_UID_FORMAT_VERSION, NODE_REPLACED_FORMAT_VERSION, NODE_UID_FORMAT_VERSION, ReportNode,
+};
 pub use report_pod::ReportPod;
 pub use revoke_pod::RevokePod;
 pub use sweep::{
@@ -131,7 +133,7 @@ impl Command {
             Command::ReportNode(report) if report.state == NodeState::Gone => {
                 NODE_GONE_UID_FORMAT_VERSION
             }
-            Command::ReportNode(_) => NODE_UID_FORMAT_VERSION,
+            Command::ReportNode(_) => NODE_REPLACED_FORMAT_VERSION,
             Command::AbandonWait(_) | Command::Withdraw(_) | Command::Reclaim(_) => {
                 GIVE_BACK_FORMAT_VERSION
             }
@@ -365,6 +367,21 @@ pub enum CommandError {
     TooManySessions {
         /// The limit.
         limit: u32,
+    },
+    /// A node report naming another node object than the one registered
+    /// under the name (format 8): refused without applying anything.
+    #[error(
+        "node {node} is registered as the node object with UID {registered_uid}, not \
+         {reported_uid}: report {registered_uid} gone first if that object was deleted (the \
+         name re-created); otherwise this report is about an older object and changes nothing"
+    )]
+    NodeObjectMismatch {
+        /// The node name.
+        node: String,
+        /// The UID Tether has registered under the name.
+        registered_uid: String,
+        /// The UID the report named.
+        reported_uid: String,
     },
 }
 

@@ -12,6 +12,19 @@
 //! From format 6 ([`NODE_GONE_UID_FORMAT_VERSION`]) a `Gone` report names the
 //! node object it is about: one whose UID differs from the registered
 //! node's is about an older object under the name and changes nothing.
+//!
+//! From format 8 ([`NODE_REPLACED_FORMAT_VERSION`]) any other report naming
+//! a UID other than the registered live node's is refused
+//! ([`CommandError::NodeObjectMismatch`]) and changes nothing. A node is its
+//! UID: a new UID under a known name is a node deleted and re-created (a
+//! cloud replacement, a re-imaged machine that keeps its hostname), and
+//! what the old object held must end with it — which only a `Gone` for the
+//! old UID does, after the reporter has seen in the API server that the
+//! old object is gone. The state machine cannot tell which of two UIDs is
+//! the newer (a lagging reporter's stale view looks the same as a fresh
+//! one), so it neither adopts the new UID (format 7 and older did: the
+//! old node's pins, claims and locks stayed on the name, and a stale
+//! report could flip the UID back) nor guesses that the old object is gone.
 
 use std::collections::BTreeMap;
 
@@ -32,6 +45,11 @@ pub const NODE_UID_FORMAT_VERSION: u16 = 5;
 /// the node object with that UID: a report about an older object under the
 /// same name changes nothing.
 pub const NODE_GONE_UID_FORMAT_VERSION: u16 = 6;
+
+/// The log format from which a report (other than `Gone`) naming a node UID
+/// other than the registered live node's is refused and changes nothing
+/// (see the module doc).
+pub const NODE_REPLACED_FORMAT_VERSION: u16 = 8;
 
 /// Report node `name`.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -94,6 +112,27 @@ impl ReportNode {
                 changed: false,
                 pins_released: 0,
                 locks_released: 0,
+            });
+        }
+        // Deliberate bug for the property test's "can fail" test: format
+        // 7's rule, the new UID adopted under the name and what the old
+        // object held left on it. Only with the `failpoints` feature and
+        // FAILPOINTS=sm-node-adopts-another-object=return.
+        #[cfg(feature = "failpoints")]
+        let adopts = fail::eval("sm-node-adopts-another-object", |_| ()).is_some();
+        #[cfg(not(feature = "failpoints"))]
+        let adopts = false;
+        if txn.format_version >= NODE_REPLACED_FORMAT_VERSION
+            && !adopts
+            && let Some(live) = &existing
+            && !self.uid.is_empty()
+            && !live.uid.is_empty()
+            && live.uid != self.uid
+        {
+            return Err(CommandError::NodeObjectMismatch {
+                node: self.name,
+                registered_uid: live.uid.clone(),
+                reported_uid: self.uid,
             });
         }
         let Some(mut info) = existing else {
