@@ -30,6 +30,21 @@ const BINARIES: [&str; 4] = [
     "kube-controller-manager",
 ];
 
+/// What a real node is made of ([`crate::node`]): the kubelet, containerd
+/// with its shim and `ctr`, runc, the CNI plugins (unpacked as `cni-<name>`)
+/// and the archive of local images.
+const NODE_FILES: [&str; 9] = [
+    "kubelet",
+    "containerd",
+    "containerd-shim-runc-v2",
+    "ctr",
+    "runc",
+    "cni-dummy",
+    "cni-host-local",
+    "cni-loopback",
+    "node-images.tar",
+];
+
 /// Unpacked, checked control-plane binaries.
 #[derive(Debug)]
 pub struct Assets {
@@ -58,9 +73,39 @@ pub fn source_dir() -> PathBuf {
 pub fn assets() -> Result<&'static Assets, String> {
     static ASSETS: OnceLock<Result<Assets, String>> = OnceLock::new();
     ASSETS
-        .get_or_init(|| unpack(&source_dir()).map_err(|e| format!("{e:#}")))
+        .get_or_init(|| unpack(&source_dir(), &BINARIES).map_err(|e| format!("{e:#}")))
         .as_ref()
         .map_err(Clone::clone)
+}
+
+/// The node's assets ([`NODE_FILES`]), unpacked on first use beside the
+/// control plane's; `Err` says what is missing.
+pub fn node_assets() -> Result<&'static Assets, String> {
+    static ASSETS: OnceLock<Result<Assets, String>> = OnceLock::new();
+    ASSETS
+        .get_or_init(|| unpack(&source_dir(), &NODE_FILES).map_err(|e| format!("{e:#}")))
+        .as_ref()
+        .map_err(Clone::clone)
+}
+
+/// The node's assets for a test, or `None` after reporting the test as
+/// skipped (a failure under `CI=true`), as [`assets_or_skip`].
+pub fn node_assets_or_skip(test: &str) -> Option<&'static Assets> {
+    match node_assets() {
+        Ok(assets) => Some(assets),
+        Err(why) => {
+            let why = format!(
+                "{test}: no real Kubernetes node ({why}); set {ASSETS_VAR} to a directory \
+                 holding kubelet.xz, containerd.xz, containerd-shim-runc-v2.xz, ctr.xz, runc.xz, \
+                 cni-*.xz, node-images.tar.xz and SHA256SUMS"
+            );
+            if std::env::var("CI").is_ok_and(|v| v == "true") {
+                panic!("{why} (CI=true: missing assets are a failure, not a skip)");
+            }
+            report_skip(&format!("SKIPPED {why}"));
+            None
+        }
+    }
 }
 
 /// The assets for a test, or `None` after reporting the test as skipped
@@ -111,7 +156,7 @@ fn target_dir() -> anyhow::Result<PathBuf> {
         .context("the test binary is not under <target>/<profile>/deps")
 }
 
-fn unpack(source: &Path) -> anyhow::Result<Assets> {
+fn unpack(source: &Path, names: &[&str]) -> anyhow::Result<Assets> {
     let sums_path = source.join("SHA256SUMS");
     let sums = std::fs::read_to_string(&sums_path)
         .with_context(|| format!("cannot read {}", sums_path.display()))?;
@@ -119,7 +164,7 @@ fn unpack(source: &Path) -> anyhow::Result<Assets> {
     let bin_dir = target_dir()?.join("kube-assets").join(&digest[..16]);
     std::fs::create_dir_all(&bin_dir)
         .with_context(|| format!("cannot create {}", bin_dir.display()))?;
-    for name in BINARIES {
+    for &name in names {
         let target = bin_dir.join(name);
         if target.exists() {
             continue;

@@ -61,7 +61,7 @@ static NAMESPACES: AtomicU32 = AtomicU32::new(0);
 /// A free loopback port: bound, read and let go (as envtest picks its
 /// ports). Another process could take it in between; a start that fails is
 /// retried on new ports.
-fn free_port() -> anyhow::Result<u16> {
+pub(crate) fn free_port() -> anyhow::Result<u16> {
     Ok(TcpListener::bind("127.0.0.1:0")?.local_addr()?.port())
 }
 

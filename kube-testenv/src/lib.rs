@@ -30,6 +30,10 @@
 //!   tokens; outages (API server stop and start, a second API server on the
 //!   same etcd), etcd compaction; kube-scheduler and kube-controller-manager
 //!   on demand.
+//! - `node.rs` — a real node beside a control plane: containerd and a
+//!   kubelet in a mount namespace and a cgroup tree of their own, running
+//!   pods from local images and serving device plugins, all stopped and
+//!   removed on drop.
 
 #[cfg(feature = "control-plane")]
 pub mod apply;
@@ -37,12 +41,16 @@ pub mod apply;
 pub mod assets;
 #[cfg(feature = "control-plane")]
 pub mod control_plane;
+#[cfg(feature = "control-plane")]
+pub mod node;
 pub mod process;
 
 #[cfg(feature = "control-plane")]
-pub use assets::{ASSETS_VAR, Assets, assets_or_skip};
+pub use assets::{ASSETS_VAR, Assets, assets_or_skip, node_assets_or_skip};
 #[cfg(feature = "control-plane")]
 pub use control_plane::{
     ControlPlane, ExtraApiServer, Plane, client_from, watch_error_code, yaml_documents,
 };
+#[cfg(feature = "control-plane")]
+pub use node::{NodeOptions, RealNode};
 pub use process::Process;
