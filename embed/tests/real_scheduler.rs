@@ -29,44 +29,37 @@
 //! would, at a moment it chooses.
 
 mod fake_kubelet;
+mod gpu_scheduling;
 mod roles;
 
 use std::collections::BTreeMap;
 use std::net::SocketAddr;
-use std::path::Path;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use fake_kubelet::FakeKubelet;
+use gpu_scheduling::{
+    RESOURCE, RunningExtender, SYSTEM, apply_rbac, scheduler_config, spawn_bridge, start_extender,
+};
 use k8s_openapi::api::core::v1::{Node, Pod};
 use kube::api::{Api, DeleteParams, ListParams, Patch, PatchParams, PostParams, Preconditions};
 use roles::{Identities, client_as, cluster_on_tls};
-use serde_json::{Value, json};
+use serde_json::json;
 use tether_client::Client;
 use tether_client::proto::LockKey;
 use tether_embed::accounting::{ClaimOwner, DEFAULT_LIFETIME, DeviceLedger};
 use tether_embed::device_plugin::{GpuPlugin, Placement, PluginConfig, run, unix_channel};
-use tether_embed::extender::{Extender, ExtenderConfig, KubeBinder, serve_extender};
 use tether_embed::inventory::DeviceSource;
 use tether_embed::v1beta1 as api;
 use tether_embed::v1beta1::device_plugin_client::DevicePluginClient;
-use tether_kube_testenv::{ControlPlane, Process, yaml_documents};
+use tether_kube_testenv::{ControlPlane, Process};
 use tether_server::testing::{Cluster, DEADLINE};
 use tokio::net::TcpListener;
 use tokio::task::JoinHandle;
 
 const NODE: &str = "gpu-node-1";
-const RESOURCE: &str = "tether.io/gpu";
-/// The namespace the manifests' RBAC binds the accounts in.
-const SYSTEM: &str = "tether-system";
 /// The extender's bind wait as deployed (`tether-extender`'s default).
 const DEPLOYED_WAIT: Duration = Duration::from_secs(3);
-
-fn gpu_manifest(file: &str) -> std::path::PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR"))
-        .join("../deploy/optional/gpu")
-        .join(file)
-}
 
 fn key() -> LockKey {
     LockKey {
@@ -74,8 +67,6 @@ fn key() -> LockKey {
         name: NODE.into(),
     }
 }
-
-type RunningExtender = Arc<Extender<KubeBinder>>;
 
 struct Rig {
     cluster: Cluster,
@@ -105,30 +96,6 @@ struct Rig {
     _dir: tempfile::TempDir,
 }
 
-/// The manifests' objects of `kinds` in `file`.
-fn objects_of(file: &str, kinds: &[&str]) -> Vec<Value> {
-    yaml_documents(&gpu_manifest(file))
-        .unwrap()
-        .into_iter()
-        .filter(|o| kinds.contains(&o["kind"].as_str().unwrap_or_default()))
-        .collect()
-}
-
-/// The manifest's KubeSchedulerConfiguration, the extender at `extender`
-/// and the API server through `kubeconfig`.
-fn scheduler_config(extender: SocketAddr, kubeconfig: &Path) -> Value {
-    let config_map = objects_of("scheduler.yaml", &["ConfigMap"]).remove(0);
-    let text = config_map["data"]["config.yaml"].as_str().unwrap();
-    let mut config: Value = serde_saphyr::from_str(text).unwrap();
-    let extenders = config["extenders"].as_array_mut().unwrap();
-    assert_eq!(extenders.len(), 1);
-    let url = extenders[0]["urlPrefix"].as_str().unwrap();
-    let path = url.splitn(4, '/').nth(3).expect("the urlPrefix has a path");
-    extenders[0]["urlPrefix"] = json!(format!("http://{extender}/{path}"));
-    config["clientConnection"] = json!({"kubeconfig": kubeconfig.display().to_string()});
-    config
-}
-
 /// Forwards each connection to the next of `targets` in turn: a Service in
 /// front of extender replicas.
 async fn round_robin(targets: Vec<SocketAddr>) -> (SocketAddr, JoinHandle<()>) {
@@ -150,57 +117,12 @@ async fn round_robin(targets: Vec<SocketAddr>) -> (SocketAddr, JoinHandle<()>) {
     (addr, task)
 }
 
-/// An extender replica as deployed (role `scheduler`, waiting `wait` for
-/// a node's lock), serving on `listener`.
-fn start_extender(
-    cluster: &Cluster,
-    identities: &Identities,
-    kube: &kube::Client,
-    wait: Duration,
-    listener: TcpListener,
-) -> (RunningExtender, JoinHandle<()>) {
-    let tether = client_as(cluster, identities, "scheduler");
-    let extender = Arc::new(Extender::new(
-        tether.clone(),
-        DeviceLedger::new(tether, DEFAULT_LIFETIME),
-        KubeBinder::new(kube.clone()),
-        ExtenderConfig {
-            scope: "gpu-bind".into(),
-            resource: RESOURCE.into(),
-            wait,
-            bind_deadline: DEADLINE,
-            device_prefix: "gpu".into(),
-            inventory_ttl: Duration::from_secs(30),
-        },
-    ));
-    let task = tokio::spawn(serve_extender(
-        listener,
-        extender.clone(),
-        std::future::pending(),
-    ));
-    (extender, task)
-}
-
 impl Rig {
     /// A control plane, Tether, `devices` GPUs on one node, `replicas`
     /// extenders waiting `wait` for the node's lock, and kube-scheduler.
     async fn start(test: &str, devices: usize, replicas: usize, wait: Duration) -> Option<Rig> {
         let plane = ControlPlane::start_or_skip(test).await?;
-        let mut rbac = objects_of(
-            "extender.yaml",
-            &["ServiceAccount", "ClusterRole", "ClusterRoleBinding"],
-        );
-        rbac.extend(
-            yaml_documents(
-                &Path::new(env!("CARGO_MANIFEST_DIR")).join("../deploy/base/bridge-rbac.yaml"),
-            )
-            .unwrap(),
-        );
-        rbac.extend(objects_of(
-            "scheduler.yaml",
-            &["ServiceAccount", "ClusterRole", "ClusterRoleBinding"],
-        ));
-        plane.apply(&rbac, SYSTEM).await.unwrap();
+        apply_rbac(&plane).await;
         let extender_kube = plane
             .client_as_service_account(SYSTEM, "tether-extender")
             .await;
@@ -512,20 +434,7 @@ impl Rig {
     /// Starts the real bridge: as its service account, with Tether role
     /// `bridge` and its default resync.
     async fn start_bridge(&self) {
-        let kube = self
-            .plane
-            .client_as_service_account(SYSTEM, "tether-bridge")
-            .await;
-        let tether = client_as(&self.cluster, &self.identities, "bridge");
-        let bridge = tether_k8s_bridge::bridge::Bridge::new(tether, kube);
-        let task = tokio::spawn({
-            let bridge = bridge.clone();
-            async move {
-                bridge
-                    .run(Duration::from_secs(60), std::future::pending())
-                    .await
-            }
-        });
+        let (bridge, task) = spawn_bridge(&self.plane, &self.cluster, &self.identities).await;
         *self.bridge.lock().unwrap() = Some(task);
         self.wait_for("the bridge's first lists", async || bridge.healthy())
             .await;

@@ -1,0 +1,131 @@
+//! What the GPU suites on a real kube-scheduler share (`real_scheduler.rs`
+//! with the fake kubelet, `real_node.rs` with a real one): the manifests of
+//! `deploy/optional/gpu` read as deployed (RBAC, the scheduler's
+//! configuration), and extender replicas started as deployed.
+
+#![allow(dead_code)]
+
+use std::net::SocketAddr;
+use std::path::Path;
+use std::sync::Arc;
+use std::time::Duration;
+
+use serde_json::{Value, json};
+use tether_embed::accounting::{DEFAULT_LIFETIME, DeviceLedger};
+use tether_embed::extender::{Extender, ExtenderConfig, KubeBinder, serve_extender};
+use tether_kube_testenv::{ControlPlane, yaml_documents};
+use tether_server::testing::{Cluster, DEADLINE};
+use tokio::net::TcpListener;
+use tokio::task::JoinHandle;
+
+use crate::roles::{Identities, client_as};
+
+pub const RESOURCE: &str = "tether.io/gpu";
+/// The namespace the manifests' RBAC binds the accounts in.
+pub const SYSTEM: &str = "tether-system";
+
+pub type RunningExtender = Arc<Extender<KubeBinder>>;
+
+pub fn gpu_manifest(file: &str) -> std::path::PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("../deploy/optional/gpu")
+        .join(file)
+}
+
+/// The manifests' objects of `kinds` in `file`.
+pub fn objects_of(file: &str, kinds: &[&str]) -> Vec<Value> {
+    yaml_documents(&gpu_manifest(file))
+        .unwrap()
+        .into_iter()
+        .filter(|o| kinds.contains(&o["kind"].as_str().unwrap_or_default()))
+        .collect()
+}
+
+/// The manifest's KubeSchedulerConfiguration, the extender at `extender`
+/// and the API server through `kubeconfig`.
+pub fn scheduler_config(extender: SocketAddr, kubeconfig: &Path) -> Value {
+    let config_map = objects_of("scheduler.yaml", &["ConfigMap"]).remove(0);
+    let text = config_map["data"]["config.yaml"].as_str().unwrap();
+    let mut config: Value = serde_saphyr::from_str(text).unwrap();
+    let extenders = config["extenders"].as_array_mut().unwrap();
+    assert_eq!(extenders.len(), 1);
+    let url = extenders[0]["urlPrefix"].as_str().unwrap();
+    let path = url.splitn(4, '/').nth(3).expect("the urlPrefix has a path");
+    extenders[0]["urlPrefix"] = json!(format!("http://{extender}/{path}"));
+    config["clientConnection"] = json!({"kubeconfig": kubeconfig.display().to_string()});
+    config
+}
+
+/// Applies the RBAC of the extender, the bridge and the scheduler from the
+/// manifests (their service accounts in [`SYSTEM`]).
+pub async fn apply_rbac(plane: &ControlPlane) {
+    let mut rbac = objects_of(
+        "extender.yaml",
+        &["ServiceAccount", "ClusterRole", "ClusterRoleBinding"],
+    );
+    rbac.extend(
+        yaml_documents(
+            &Path::new(env!("CARGO_MANIFEST_DIR")).join("../deploy/base/bridge-rbac.yaml"),
+        )
+        .unwrap(),
+    );
+    rbac.extend(objects_of(
+        "scheduler.yaml",
+        &["ServiceAccount", "ClusterRole", "ClusterRoleBinding"],
+    ));
+    plane.apply(&rbac, SYSTEM).await.unwrap();
+}
+
+/// An extender replica as deployed (role `scheduler`, waiting `wait` for
+/// a node's lock), serving on `listener`.
+pub fn start_extender(
+    cluster: &Cluster,
+    identities: &Identities,
+    kube: &kube::Client,
+    wait: Duration,
+    listener: TcpListener,
+) -> (RunningExtender, JoinHandle<()>) {
+    let tether = client_as(cluster, identities, "scheduler");
+    let extender = Arc::new(Extender::new(
+        tether.clone(),
+        DeviceLedger::new(tether, DEFAULT_LIFETIME),
+        KubeBinder::new(kube.clone()),
+        ExtenderConfig {
+            scope: "gpu-bind".into(),
+            resource: RESOURCE.into(),
+            wait,
+            bind_deadline: DEADLINE,
+            device_prefix: "gpu".into(),
+            inventory_ttl: Duration::from_secs(30),
+        },
+    ));
+    let task = tokio::spawn(serve_extender(
+        listener,
+        extender.clone(),
+        std::future::pending(),
+    ));
+    (extender, task)
+}
+
+/// Starts the real bridge in the test's process: as its service account
+/// (the manifests' RBAC), with Tether role `bridge` and its default resync.
+pub async fn spawn_bridge(
+    plane: &ControlPlane,
+    cluster: &Cluster,
+    identities: &Identities,
+) -> (Arc<tether_k8s_bridge::bridge::Bridge>, JoinHandle<()>) {
+    let kube = plane
+        .client_as_service_account(SYSTEM, "tether-bridge")
+        .await;
+    let tether = client_as(cluster, identities, "bridge");
+    let bridge = tether_k8s_bridge::bridge::Bridge::new(tether, kube);
+    let task = tokio::spawn({
+        let bridge = bridge.clone();
+        async move {
+            bridge
+                .run(Duration::from_secs(60), std::future::pending())
+                .await
+        }
+    });
+    (bridge, task)
+}
