@@ -88,8 +88,23 @@ fn cdi_spec() -> serde_json::Value {
     json!({"cdiVersion": "0.6.0", "kind": "nvidia.com/gpu", "devices": devices})
 }
 
+/// What the node's plugin serves.
+#[derive(Clone, Copy)]
+enum Devices {
+    /// The NVIDIA fixture host's eight GPUs.
+    Nvidia,
+    /// `--devices fake:4`: `gpu0` to `gpu3`, device nodes `/dev/gpu<n>`.
+    Fake,
+}
+
+const FAKE_DEVICES: usize = 4;
+
 impl Rig {
     async fn start(test: &str) -> Option<Rig> {
+        Rig::start_with(test, Devices::Nvidia).await
+    }
+
+    async fn start_with(test: &str, devices: Devices) -> Option<Rig> {
         node_assets_or_skip(test)?;
         let plane = ControlPlane::start_or_skip(test).await?;
         apply_rbac(&plane).await;
@@ -99,10 +114,14 @@ impl Rig {
 
         // The node: the fixture's device nodes exist in its /dev.
         let host = fixtures::nvidia_node("eight-gpus");
-        let device_nodes = std::fs::read_dir(host.path().join("dev"))
-            .unwrap()
-            .map(|entry| (entry.unwrap().file_name().into_string().unwrap(), 1, 3))
-            .collect();
+        let fake_ids: Vec<String> = (0..FAKE_DEVICES).map(|n| format!("gpu{n}")).collect();
+        let device_nodes = match devices {
+            Devices::Nvidia => std::fs::read_dir(host.path().join("dev"))
+                .unwrap()
+                .map(|entry| (entry.unwrap().file_name().into_string().unwrap(), 1, 3))
+                .collect(),
+            Devices::Fake => fake_ids.iter().map(|id| (id.clone(), 1, 3)).collect(),
+        };
         let node = RealNode::start(&plane, NODE, NodeOptions { device_nodes })
             .await
             .expect("the node starts");
@@ -116,9 +135,12 @@ impl Rig {
                     node: NODE.into(),
                     scope: "gpu-bind".into(),
                     resource_name: RESOURCE.into(),
-                    devices: DeviceSource::Nvidia {
-                        host_root: host.path().to_path_buf(),
-                        rescan: Duration::from_secs(1),
+                    devices: match devices {
+                        Devices::Nvidia => DeviceSource::Nvidia {
+                            host_root: host.path().to_path_buf(),
+                            rescan: Duration::from_secs(1),
+                        },
+                        Devices::Fake => DeviceSource::Fake(fake_ids.clone()),
                     },
                     pod_uid: "device-plugin-pod".into(),
                     allocate_deadline: DEADLINE,
@@ -131,9 +153,11 @@ impl Rig {
             socket_name: "tether-gpu.sock".into(),
         };
         let mut tasks = vec![tokio::spawn(async move {
-            run(plugin, placement, std::future::pending())
-                .await
-                .unwrap()
+            // Ends with an error only once the node is gone (its namespace
+            // with it) at the end of a test.
+            if let Err(err) = run(plugin, placement, std::future::pending()).await {
+                println!("the device plugin stopped: {err:#}");
+            }
         })];
 
         let extender_kube = plane
@@ -174,8 +198,12 @@ impl Rig {
         };
         rig.wait_for("the bridge's first lists", async || bridge.healthy())
             .await;
-        rig.wait_for("the kubelet to count the plugin's eight GPUs", async || {
-            rig.allocatable().await == 8
+        let count = match devices {
+            Devices::Nvidia => 8,
+            Devices::Fake => FAKE_DEVICES as u64,
+        };
+        rig.wait_for("the kubelet to count the plugin's devices", async || {
+            rig.allocatable().await == count
         })
         .await;
         Some(rig)
@@ -210,19 +238,28 @@ impl Rig {
     /// printing its environment and `/dev`, then running on (its claim
     /// stands while it runs).
     async fn create_pod(&self, name: &str, gpus: u32) -> Pod {
+        self.create(name, vec![], vec![container("main", gpus, PRINT_AND_RUN)])
+            .await
+    }
+
+    /// A pod for the `tether-gpu` scheduler with these init and app
+    /// containers, on the host network, never restarted, stopped within
+    /// 2 s of its delete.
+    async fn create(
+        &self,
+        name: &str,
+        init: Vec<serde_json::Value>,
+        app: Vec<serde_json::Value>,
+    ) -> Pod {
         let pod: Pod = serde_json::from_value(json!({
             "metadata": {"name": name},
             "spec": {
                 "schedulerName": "tether-gpu",
                 "hostNetwork": true,
                 "restartPolicy": "Never",
-                "containers": [{
-                    "name": "main",
-                    "image": BUSYBOX_IMAGE,
-                    "imagePullPolicy": "Never",
-                    "command": ["sh", "-c", "env; echo DEV $(ls /dev); exec sleep 3600"],
-                    "resources": {"limits": {RESOURCE: gpus.to_string()}},
-                }],
+                "terminationGracePeriodSeconds": 2,
+                "initContainers": init,
+                "containers": app,
             },
         }))
         .unwrap();
@@ -230,6 +267,32 @@ impl Rig {
             .create(&PostParams::default(), &pod)
             .await
             .unwrap()
+    }
+
+    async fn phase(&self, name: &str) -> String {
+        self.pods
+            .get(name)
+            .await
+            .unwrap()
+            .status
+            .and_then(|s| s.phase)
+            .unwrap_or_default()
+    }
+
+    /// The devices claimed for pod `name`.
+    async fn claim_of(&self, name: &str) -> BTreeSet<String> {
+        let uid = self.uid_of(name).await;
+        self.claim_of_uid(&uid).await
+    }
+
+    /// The devices claimed for the pod with UID `uid`.
+    async fn claim_of_uid(&self, uid: &str) -> BTreeSet<String> {
+        self.claims()
+            .await
+            .into_iter()
+            .filter(|(_, owner)| owner == uid)
+            .map(|(device, _)| device)
+            .collect()
     }
 
     /// Waits for pod `name` to run and print what it was given; that.
@@ -256,7 +319,12 @@ impl Rig {
         })
         .await;
         println!("pod {name} created -> running in {:?}", started.elapsed());
-        ContainerView::parse(&self.node.container_log(&self.namespace, name, "main"))
+        self.printed(name, "main")
+    }
+
+    /// What container `container` of pod `name` printed.
+    fn printed(&self, name: &str, container: &str) -> ContainerView {
+        ContainerView::parse(&self.node.container_log(&self.namespace, name, container))
     }
 
     /// Device claims on the node: device -> pod uid.
@@ -289,6 +357,30 @@ impl Rig {
         drop(self.node);
         self.cluster.shutdown().await;
     }
+}
+
+/// What a container prints before it runs on: its environment and `/dev`.
+const PRINT_AND_RUN: &str = "env; echo DEV $(ls /dev); exec sleep 3600";
+/// The same, then it exits.
+const PRINT_AND_EXIT: &str = "env; echo DEV $(ls /dev)";
+
+/// A busybox container asking for `gpus`, running `script`.
+fn container(name: &str, gpus: u32, script: &str) -> serde_json::Value {
+    json!({
+        "name": name,
+        "image": BUSYBOX_IMAGE,
+        "imagePullPolicy": "Never",
+        "command": ["sh", "-c", script],
+        "resources": {"limits": {RESOURCE: gpus.to_string()}},
+    })
+}
+
+/// The devices a container was handed, by `TETHER_DEVICES`.
+fn handed(view: &ContainerView) -> BTreeSet<String> {
+    view.env
+        .get("TETHER_DEVICES")
+        .map(|v| v.split(',').map(str::to_string).collect())
+        .unwrap_or_default()
 }
 
 /// Removes the `node.kubernetes.io/not-ready` taint the node was
@@ -429,5 +521,210 @@ async fn two_two_gpu_pods_at_once_get_disjoint_gpus_on_a_real_node() {
     a.assert_handed(&gpus_a);
     b.assert_handed(&gpus_b);
     assert_eq!(rig.holder().await, None, "the lock is free after Allocate");
+    rig.shutdown().await;
+}
+
+/// Fake devices (`--devices fake:4`) the same way: the pod runs, and its
+/// container gets its planned devices (`TETHER_DEVICES`) and their device
+/// nodes, which exist on the node.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn fake_devices_are_handed_with_their_device_nodes_on_a_real_node() {
+    let Some(rig) = Rig::start_with(
+        "fake_devices_are_handed_with_their_device_nodes_on_a_real_node",
+        Devices::Fake,
+    )
+    .await
+    else {
+        return;
+    };
+    rig.create_pod("fake", 2).await;
+    let seen = rig.output_of("fake").await;
+    let planned = rig.claim_of("fake").await;
+    assert_eq!(planned.len(), 2);
+    assert_eq!(handed(&seen), planned);
+    let nodes: BTreeSet<String> = seen
+        .dev
+        .iter()
+        .filter(|d| d.starts_with("gpu"))
+        .cloned()
+        .collect();
+    assert_eq!(nodes, planned, "the device nodes: {seen:?}");
+    assert_eq!(rig.holder().await, None, "the lock is free after Allocate");
+    rig.shutdown().await;
+}
+
+/// A pod with a GPU in its init container and two in its app container, as
+/// the real kubelet admits it: one `Allocate` for each, the app container
+/// given the init container's GPU again (the kubelet's reusable set) and
+/// one more, and the pod's claim exactly the app container's GPUs.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn init_and_app_containers_get_their_gpus_from_the_real_kubelet() {
+    let Some(rig) =
+        Rig::start("init_and_app_containers_get_their_gpus_from_the_real_kubelet").await
+    else {
+        return;
+    };
+    rig.create(
+        "staged",
+        vec![container("check", 1, PRINT_AND_EXIT)],
+        vec![container("main", 2, PRINT_AND_RUN)],
+    )
+    .await;
+    let app = rig.output_of("staged").await;
+    let init = rig.printed("staged", "check");
+    let (init_gpus, app_gpus) = (handed(&init), handed(&app));
+    println!("init container: {init_gpus:?}, app container: {app_gpus:?}");
+    assert_eq!(init_gpus.len(), 1, "{init:?}");
+    assert_eq!(app_gpus.len(), 2, "{app:?}");
+    assert!(
+        init_gpus.is_subset(&app_gpus),
+        "the init container's GPU is reused"
+    );
+    init.assert_handed(&init_gpus);
+    app.assert_handed(&app_gpus);
+    assert_eq!(init.env["TETHER_CONTAINER"], "check");
+    assert_eq!(app.env["TETHER_CONTAINER"], "main");
+    assert_eq!(rig.claim_of("staged").await, app_gpus);
+    assert_eq!(rig.holder().await, None, "the lock is free after Allocate");
+    rig.shutdown().await;
+}
+
+/// A running pod that holds all eight GPUs is deleted while another waits
+/// for eight: while the kubelet stops it (the object terminating, its
+/// container still running through the grace period) its claim stands;
+/// once the kubelet has stopped it (a terminal phase, then the object
+/// gone), the bridge ends the claim and the waiting pod is bound and runs
+/// with all eight.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_deleted_gpu_pods_devices_go_to_a_waiting_pod_only_once_the_kubelet_stopped_it() {
+    let Some(rig) = Rig::start(
+        "a_deleted_gpu_pods_devices_go_to_a_waiting_pod_only_once_the_kubelet_stopped_it",
+    )
+    .await
+    else {
+        return;
+    };
+    let all: BTreeSet<String> = (0..8).map(fixtures::uuid).collect();
+    // Stops only when killed: the kubelet waits out the grace period (2 s).
+    let stubborn = "trap '' TERM; env; echo DEV $(ls /dev); while true; do sleep 1; done";
+    rig.create("first", vec![], vec![container("main", 8, stubborn)])
+        .await;
+    rig.output_of("first").await;
+    assert_eq!(rig.claim_of("first").await, all);
+    let first_uid = rig.uid_of("first").await;
+    rig.create_pod("second", 8).await;
+    rig.wait_for(
+        "the second pod to be refused for want of GPUs",
+        async || {
+            rig.pods
+                .get("second")
+                .await
+                .unwrap()
+                .status
+                .and_then(|s| s.conditions)
+                .is_some_and(|c| {
+                    c.iter()
+                        .any(|c| c.type_ == "PodScheduled" && c.status == "False")
+                })
+        },
+    )
+    .await;
+    let deleted_at = Instant::now();
+    rig.pods.delete("first", &Default::default()).await.unwrap();
+    // While the kubelet is stopping it, the claim stands and the second
+    // pod does not run. The claim is read before the pod: a claim ended
+    // by the pod's terminal phase is read after that phase.
+    let mut running_while_terminating = 0;
+    loop {
+        let claim = rig.claim_of_uid(&first_uid).await;
+        let Some(pod) = rig.pods.get_opt("first").await.unwrap() else {
+            break;
+        };
+        let phase = pod.status.and_then(|s| s.phase).unwrap_or_default();
+        if pod.metadata.deletion_timestamp.is_some() && phase == "Running" {
+            running_while_terminating += 1;
+            assert_eq!(
+                claim, all,
+                "the claim ended while the kubelet was still stopping the pod"
+            );
+            assert_ne!(rig.phase("second").await, "Running");
+        }
+        assert!(
+            deleted_at.elapsed() < POD_DEADLINE,
+            "the pod was never deleted"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    println!("the terminating pod was seen running {running_while_terminating} times");
+    assert!(
+        running_while_terminating > 0,
+        "the grace period was never seen"
+    );
+    let gone_after = deleted_at.elapsed();
+    let seen = rig.output_of("second").await;
+    println!(
+        "first pod deleted -> object gone in {gone_after:?} -> second running {:?} after the delete",
+        deleted_at.elapsed()
+    );
+    seen.assert_handed(&all);
+    assert_eq!(rig.claim_of("second").await, all);
+    rig.shutdown().await;
+}
+
+/// The kubelet restarted under a running GPU pod: the plugin serves and
+/// registers again, a new GPU pod runs, and it gets another GPU than the
+/// running pod's (the kubelet's checkpoint kept that one taken; so did
+/// Tether's claim).
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn after_a_kubelet_restart_a_new_gpu_pod_runs_beside_the_running_one() {
+    let Some(mut rig) =
+        Rig::start("after_a_kubelet_restart_a_new_gpu_pod_runs_beside_the_running_one").await
+    else {
+        return;
+    };
+    rig.create_pod("before", 1).await;
+    let before = handed(&rig.output_of("before").await);
+    rig.node
+        .restart_kubelet()
+        .await
+        .expect("the kubelet restarts");
+    rig.wait_for("the plugin registered again, eight GPUs", async || {
+        rig.allocatable().await == 8
+    })
+    .await;
+    rig.create_pod("after", 1).await;
+    let after = rig.output_of("after").await;
+    after.assert_handed(&handed(&after));
+    assert!(
+        before.is_disjoint(&handed(&after)),
+        "{before:?} {:?}",
+        handed(&after)
+    );
+    assert_eq!(rig.phase("before").await, "Running");
+    rig.shutdown().await;
+}
+
+/// A GPU pod whose container exits: its terminal phase (reported by the
+/// bridge) ends its claim, and the node's lock is free.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_gpu_pod_that_exits_gives_its_gpus_back_on_a_real_node() {
+    let Some(rig) = Rig::start("a_gpu_pod_that_exits_gives_its_gpus_back_on_a_real_node").await
+    else {
+        return;
+    };
+    rig.create("brief", vec![], vec![container("main", 2, PRINT_AND_EXIT)])
+        .await;
+    rig.wait_for("the pod to succeed", async || {
+        rig.phase("brief").await == "Succeeded"
+    })
+    .await;
+    let ended_at = Instant::now();
+    rig.wait_for("its claim to end", async || {
+        rig.claim_of("brief").await.is_empty()
+    })
+    .await;
+    println!("pod succeeded -> claim ended in {:?}", ended_at.elapsed());
+    assert_eq!(handed(&rig.printed("brief", "main")).len(), 2);
+    assert_eq!(rig.holder().await, None);
     rig.shutdown().await;
 }
