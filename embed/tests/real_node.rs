@@ -387,6 +387,11 @@ fn handed(view: &ContainerView) -> BTreeSet<String> {
 /// registered with, as the node lifecycle controller does once it is Ready.
 async fn remove_not_ready_taint(plane: &ControlPlane) {
     let nodes: Api<Node> = Api::all(plane.client().await);
+    let registered = nodes.get(NODE).await.unwrap();
+    println!(
+        "the kubelet registered {NODE} with taints {:?}",
+        registered.spec.and_then(|s| s.taints)
+    );
     nodes
         .patch(
             NODE,
@@ -604,11 +609,47 @@ async fn a_deleted_gpu_pods_devices_go_to_a_waiting_pod_only_once_the_kubelet_st
     else {
         return;
     };
+    deleted_while_another_waits(&rig, vec![], vec![container("main", 8, STUBBORN)]).await;
+    rig.shutdown().await;
+}
+
+/// The same with the GPUs in a sidecar (a restartable init container) that
+/// outlives the app container it serves: the app container stops at once,
+/// the sidecar only when killed, and the claim stands until the sidecar
+/// has stopped too.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_deleted_pods_gpus_stay_claimed_while_its_sidecar_still_runs() {
+    let Some(rig) =
+        Rig::start("a_deleted_pods_gpus_stay_claimed_while_its_sidecar_still_runs").await
+    else {
+        return;
+    };
+    let mut sidecar = container("side", 8, STUBBORN);
+    sidecar["restartPolicy"] = json!("Always");
+    let app = json!({
+        "name": "main",
+        "image": BUSYBOX_IMAGE,
+        "imagePullPolicy": "Never",
+        "command": ["sh", "-c", "trap 'exit 0' TERM; echo DEV $(ls /dev); while true; do sleep 1; done"],
+    });
+    deleted_while_another_waits(&rig, vec![sidecar], vec![app]).await;
+    rig.shutdown().await;
+}
+
+/// Stops only when killed: the kubelet waits out the grace period (2 s).
+const STUBBORN: &str = "trap '' TERM; env; echo DEV $(ls /dev); while true; do sleep 1; done";
+
+/// Pod `first` (these containers, all eight GPUs) runs; pod `second`
+/// waits for eight; `first` is deleted. Checks that the claim of `first`
+/// stands, and `second` does not run, while any container of `first`
+/// runs, and that `second` then runs with all eight.
+async fn deleted_while_another_waits(
+    rig: &Rig,
+    init: Vec<serde_json::Value>,
+    app: Vec<serde_json::Value>,
+) {
     let all: BTreeSet<String> = (0..8).map(fixtures::uuid).collect();
-    // Stops only when killed: the kubelet waits out the grace period (2 s).
-    let stubborn = "trap '' TERM; env; echo DEV $(ls /dev); while true; do sleep 1; done";
-    rig.create("first", vec![], vec![container("main", 8, stubborn)])
-        .await;
+    rig.create("first", init, app).await;
     rig.output_of("first").await;
     assert_eq!(rig.claim_of("first").await, all);
     let first_uid = rig.uid_of("first").await;
@@ -631,21 +672,20 @@ async fn a_deleted_gpu_pods_devices_go_to_a_waiting_pod_only_once_the_kubelet_st
     .await;
     let deleted_at = Instant::now();
     rig.pods.delete("first", &Default::default()).await.unwrap();
-    // While the kubelet is stopping it, the claim stands and the second
-    // pod does not run. The claim is read before the pod: a claim ended
-    // by the pod's terminal phase is read after that phase.
+    // The claim is read before the pod: a claim ended by the pod's
+    // terminal phase is read after the status that carried that phase.
     let mut running_while_terminating = 0;
     loop {
         let claim = rig.claim_of_uid(&first_uid).await;
         let Some(pod) = rig.pods.get_opt("first").await.unwrap() else {
             break;
         };
-        let phase = pod.status.and_then(|s| s.phase).unwrap_or_default();
-        if pod.metadata.deletion_timestamp.is_some() && phase == "Running" {
+        if pod.metadata.deletion_timestamp.is_some() && some_container_runs(&pod) {
             running_while_terminating += 1;
             assert_eq!(
                 claim, all,
-                "the claim ended while the kubelet was still stopping the pod"
+                "the claim ended while a container of the pod still ran: {:?}",
+                pod.status
             );
             assert_ne!(rig.phase("second").await, "Running");
         }
@@ -655,7 +695,9 @@ async fn a_deleted_gpu_pods_devices_go_to_a_waiting_pod_only_once_the_kubelet_st
         );
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
-    println!("the terminating pod was seen running {running_while_terminating} times");
+    println!(
+        "the terminating pod was seen with a container running {running_while_terminating} times"
+    );
     assert!(
         running_while_terminating > 0,
         "the grace period was never seen"
@@ -668,7 +710,22 @@ async fn a_deleted_gpu_pods_devices_go_to_a_waiting_pod_only_once_the_kubelet_st
     );
     seen.assert_handed(&all);
     assert_eq!(rig.claim_of("second").await, all);
-    rig.shutdown().await;
+}
+
+/// Whether the kubelet reports some container of `pod` (init containers
+/// and sidecars included) running.
+fn some_container_runs(pod: &Pod) -> bool {
+    pod.status.as_ref().is_some_and(|s| {
+        s.init_container_statuses
+            .iter()
+            .flatten()
+            .chain(s.container_statuses.iter().flatten())
+            .any(|c| {
+                c.state
+                    .as_ref()
+                    .is_some_and(|state| state.running.is_some())
+            })
+    })
 }
 
 /// The kubelet restarted under a running GPU pod: the plugin serves and
