@@ -66,7 +66,8 @@ struct Rig {
     _extender: RunningExtender,
     scheduler: Process,
     tasks: Vec<JoinHandle<()>>,
-    _host: tempfile::TempDir,
+    /// The fixture host root the plugin reads (a test may change it).
+    host: tempfile::TempDir,
     plane: ControlPlane,
 }
 
@@ -193,7 +194,7 @@ impl Rig {
             _extender: extender,
             scheduler,
             tasks,
-            _host: host,
+            host,
             plane,
         };
         rig.wait_for("the bridge's first lists", async || bridge.healthy())
@@ -783,5 +784,45 @@ async fn a_gpu_pod_that_exits_gives_its_gpus_back_on_a_real_node() {
     println!("pod succeeded -> claim ended in {:?}", ended_at.elapsed());
     assert_eq!(handed(&rig.printed("brief", "main")).len(), 2);
     assert_eq!(rig.holder().await, None);
+    rig.shutdown().await;
+}
+
+/// A GPU falls off the bus (the driver drops its entry in the fixture host):
+/// the plugin reports it unhealthy, the real kubelet counts seven GPUs, a
+/// pod asking for eight is not placed, and a pod asking for seven gets the
+/// seven that are left, never the lost one.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_gpu_that_falls_off_the_bus_is_given_to_no_pod_by_the_real_kubelet() {
+    let Some(rig) =
+        Rig::start("a_gpu_that_falls_off_the_bus_is_given_to_no_pod_by_the_real_kubelet").await
+    else {
+        return;
+    };
+    let lost = 5;
+    fixtures::fall_off_the_bus(
+        rig.host.path(),
+        &format!("0000:{:02x}:00.0", 0x18 + lost * 0x10),
+    );
+    rig.wait_for("the kubelet to count seven GPUs", async || {
+        rig.allocatable().await == 7
+    })
+    .await;
+    rig.create_pod("too-many", 8).await;
+    rig.create_pod("seven", 7).await;
+    let seen = rig.output_of("seven").await;
+    let left: BTreeSet<String> = (0..8).filter(|m| *m != lost).map(fixtures::uuid).collect();
+    seen.assert_handed(&left);
+    assert_eq!(rig.claim_of("seven").await, left);
+    assert_ne!(rig.phase("too-many").await, "Running");
+    assert!(
+        rig.pods
+            .get("too-many")
+            .await
+            .unwrap()
+            .spec
+            .and_then(|s| s.node_name)
+            .is_none(),
+        "a pod asking for eight is not placed"
+    );
     rig.shutdown().await;
 }
