@@ -562,6 +562,68 @@ fn the_image_holds_the_binaries_the_manifests_run_as_the_user_they_expect() {
     );
 }
 
+/// `deploy/image.sh` (the registry-free build `./dev image` runs, and the
+/// real-node test imports) builds the image `deploy/Dockerfile` describes:
+/// the same binaries in `/usr/local/bin`, the same user, working directory,
+/// volume, ports and command, the CA certificates, and the tether user's
+/// data directory. (Its shared libraries are whatever the binaries link;
+/// `embed/tests/real_node.rs` runs the device plugin from it.)
+#[test]
+fn the_registry_free_image_build_matches_the_dockerfile() {
+    let dockerfile = std::fs::read_to_string(deploy_dir().join("Dockerfile")).unwrap();
+    let script = std::fs::read_to_string(deploy_dir().join("image.sh")).unwrap();
+    let copied: Vec<String> = dockerfile
+        .lines()
+        .filter_map(|l| l.strip_prefix("COPY --from=build /src/target/release/"))
+        .map(|rest| rest.split_whitespace().next().unwrap().to_string())
+        .collect();
+    let listed: Vec<String> = script
+        .lines()
+        .find_map(|l| l.strip_prefix("BINARIES=("))
+        .expect("image.sh lists its binaries")
+        .trim_end_matches(')')
+        .split_whitespace()
+        .map(String::from)
+        .collect();
+    assert_eq!(listed, copied, "the same binaries, in the same order");
+    // The image is the last stage's.
+    let last_stage = dockerfile.rsplit("\nFROM ").next().unwrap();
+    let line = |prefix: &str| -> String {
+        last_stage
+            .lines()
+            .find_map(|l| l.strip_prefix(prefix))
+            .unwrap_or_else(|| panic!("the Dockerfile has {prefix}"))
+            .trim()
+            .to_string()
+    };
+    let user = line("USER ");
+    assert_eq!(line("WORKDIR "), "/var/lib/tether");
+    assert_eq!(line("VOLUME "), "/var/lib/tether");
+    let ports: Vec<String> = line("EXPOSE ")
+        .split_whitespace()
+        .map(|p| format!("\"{p}/tcp\":{{}}"))
+        .collect();
+    let cmd = line("CMD ");
+    for expected in [
+        format!("\"User\":\"{user}\""),
+        "\"WorkingDir\":\"/var/lib/tether\"".to_string(),
+        "\"Volumes\":{\"/var/lib/tether\":{}}".to_string(),
+        format!("\"ExposedPorts\":{{{}}}", ports.join(",")),
+        format!("\"Cmd\":{}", cmd.replace(' ', "")),
+    ] {
+        assert!(
+            script.contains(&expected),
+            "image.sh's config has {expected}"
+        );
+    }
+    assert!(dockerfile.contains("ca-certificates"));
+    assert!(script.contains("/etc/ssl/certs/ca-certificates.crt"));
+    assert!(
+        dockerfile.contains("--uid 10001") && dockerfile.contains("--home-dir /var/lib/tether")
+    );
+    assert!(script.contains("chown 10001:10001 \"$root/var/lib/tether\""));
+}
+
 /// Whether DNS `name` is covered by certificate name `pattern` (a leading
 /// `*.` matches one label).
 fn covers(pattern: &str, name: &str) -> bool {

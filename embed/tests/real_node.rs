@@ -25,6 +25,7 @@ mod gpu_scheduling;
 mod roles;
 
 use std::collections::{BTreeMap, BTreeSet};
+use std::path::Path;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -825,4 +826,130 @@ async fn a_gpu_that_falls_off_the_bus_is_given_to_no_pod_by_the_real_kubelet() {
         "a pod asking for eight is not placed"
     );
     rig.shutdown().await;
+}
+
+/// The plugin as its DaemonSet runs it: the project's image, built from
+/// the binaries beside the test's (`deploy/image.sh`, as `./dev image`
+/// builds it from a release build) and imported into the node's
+/// containerd, runs the pod template of `deploy/optional/gpu/device-plugin.yaml`
+/// (the node labelled as its selector asks, its socket in the hostPath
+/// plugin directory, `POD_UID` from the downward API); the kubelet counts
+/// its eight fake devices and the plugin publishes them in Tether as owned
+/// by its pod. Changed for the test, in code: the pod is placed directly
+/// (no DaemonSet controller runs here), on the host network with
+/// `TETHER_ENDPOINTS` on loopback (Tether runs in the test's process, not
+/// behind a Service), and its metrics port moved to a free one (the host
+/// network is shared with the other tests).
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn the_device_plugin_image_runs_from_its_daemonset_manifest_on_a_real_node() {
+    use tether_embed::inventory::{inventory_key, published_inventory};
+    let test = "the_device_plugin_image_runs_from_its_daemonset_manifest_on_a_real_node";
+    node_assets_or_skip(test);
+    let Some(plane) = ControlPlane::start_or_skip(test).await else {
+        return;
+    };
+    let bin_dir = Path::new(env!("CARGO_BIN_EXE_tether-device-plugin"))
+        .parent()
+        .unwrap()
+        .to_path_buf();
+    let work = tempfile::tempdir().unwrap();
+    let archive = work.path().join("tether-image.tar");
+    let built = std::process::Command::new(
+        Path::new(env!("CARGO_MANIFEST_DIR")).join("../deploy/image.sh"),
+    )
+    .arg(&bin_dir)
+    .arg(&archive)
+    .output()
+    .unwrap();
+    assert!(
+        built.status.success(),
+        "deploy/image.sh failed (are tetherd, lockctl and tether-bridge built beside {}?): {}",
+        bin_dir.display(),
+        String::from_utf8_lossy(&built.stderr)
+    );
+    let cluster = Cluster::start(3).await;
+    let node = RealNode::start(&plane, NODE, NodeOptions::default())
+        .await
+        .expect("the node starts");
+    node.import_image(&archive).expect("the image imports");
+    remove_not_ready_taint(&plane).await;
+    let nodes: Api<Node> = Api::all(plane.client().await);
+    nodes
+        .patch(
+            NODE,
+            &PatchParams::default(),
+            &Patch::Merge(json!({"metadata": {"labels": {"tether.io/gpu-node": "true"}}})),
+        )
+        .await
+        .unwrap();
+
+    let manifest = gpu_scheduling::objects_of("device-plugin.yaml", &["DaemonSet"]).remove(0);
+    let mut template = manifest["spec"]["template"].clone();
+    let spec = &mut template["spec"];
+    spec["nodeName"] = json!(NODE);
+    spec["hostNetwork"] = json!(true);
+    let metrics_port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let container = &mut spec["containers"][0];
+    container["ports"][0]["containerPort"] = json!(metrics_port);
+    for env in container["env"].as_array_mut().unwrap() {
+        match env["name"].as_str().unwrap() {
+            "TETHER_ENDPOINTS" => env["value"] = json!(cluster.endpoints().join(",")),
+            "TETHER_DEVICE_PLUGIN_HTTP_LISTEN" => {
+                env["value"] = json!(format!("0.0.0.0:{metrics_port}"))
+            }
+            _ => {}
+        }
+    }
+    let namespace = plane.namespace("plugin").await;
+    let pods: Api<Pod> = Api::namespaced(plane.client().await, &namespace);
+    template["metadata"]["name"] = json!("tether-device-plugin");
+    let pod: Pod = serde_json::from_value(template).unwrap();
+    let uid = pods
+        .create(&PostParams::default(), &pod)
+        .await
+        .unwrap()
+        .metadata
+        .uid
+        .unwrap();
+
+    let client = Client::new(cluster.endpoints(), Default::default()).unwrap();
+    let deadline = Instant::now() + POD_DEADLINE;
+    loop {
+        let allocatable = nodes
+            .get(NODE)
+            .await
+            .ok()
+            .and_then(|n| n.status?.allocatable?.get(RESOURCE).cloned())
+            .map(|q| q.0)
+            .unwrap_or_default();
+        let published = published_inventory(&client, NODE)
+            .await
+            .ok()
+            .flatten()
+            .map_or(0, |devices| devices.len());
+        if allocatable == "8" && published == 8 {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "the plugin from the image did not serve (allocatable {allocatable:?}, published \
+             {published}):\n{}\n{}",
+            node.log_tails(30),
+            node.container_log(&namespace, "tether-device-plugin", "device-plugin")
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    let pin = client.get_pin(&inventory_key(NODE)).await.unwrap().unwrap();
+    assert_eq!(pin.pod_uid, uid, "owned by the plugin's pod (POD_UID)");
+    let running = pods.get("tether-device-plugin").await.unwrap();
+    assert_eq!(
+        running.status.and_then(|s| s.phase).as_deref(),
+        Some("Running")
+    );
+    drop(node);
+    cluster.shutdown().await;
 }

@@ -496,6 +496,12 @@ imageGCLowThresholdPercent: 99
     }
 
     fn import_images(&self) -> anyhow::Result<()> {
+        self.import_image(&self.assets.binary("node-images.tar"))
+    }
+
+    /// Imports an image archive (OCI layout or `docker save`) into the
+    /// node's containerd, where the kubelet finds it by its name.
+    pub fn import_image(&self, archive: &Path) -> anyhow::Result<()> {
         let output = self
             .in_namespace(&self.assets.binary("ctr"), false)
             .arg("-a")
@@ -504,7 +510,7 @@ imageGCLowThresholdPercent: 99
             .arg("k8s.io")
             .arg("images")
             .arg("import")
-            .arg(self.assets.binary("node-images.tar"))
+            .arg(archive)
             .output()?;
         if !output.status.success() {
             bail!(
