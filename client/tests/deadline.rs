@@ -9,10 +9,12 @@ use std::time::{Duration, Instant};
 use tether_client::proto::LockKey;
 use tether_client::{Client, Error, Options, deadline};
 
-/// A loopback address with nothing listening on it.
+/// A loopback address with nothing listening on it: port 1, which no test
+/// binds (they take ports the kernel picks). A port picked free and let go
+/// was once taken by another test's HTTP server while this one ran, and
+/// the client got its 404 instead of a refused connection.
 fn dead_endpoint() -> String {
-    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-    listener.local_addr().unwrap().to_string()
+    "127.0.0.1:1".to_string()
 }
 
 fn client(retry_timeout: Duration) -> Client {
