@@ -2,8 +2,9 @@
 //! kube-apiserver (`tether-kube-testenv`), with a 3-replica Tether on mutual
 //! TLS (the extender as role `scheduler`, the plugin as
 //! `device-plugin:<node>`, the test as `admin`) and the device plugin driven
-//! by the fake kubelet (`fake_kubelet/`: no real kubelet runs without a
-//! container runtime).
+//! by the fake kubelet (`fake_kubelet/`), so that a test chooses when each
+//! bound pod is admitted; `real_node.rs` runs the same path on a real
+//! kubelet and containerd.
 //!
 //! kube-scheduler runs the KubeSchedulerConfiguration of
 //! `deploy/optional/gpu/scheduler.yaml`, read from the manifest, with two

@@ -30,8 +30,18 @@
 //!   the rest unhealthy (`manager.go`, `genericDeviceUpdateCallback`).
 //!
 //! Shared by `e2e.rs` (a fake API server) and `real_scheduler.rs` (a real
-//! kube-apiserver and kube-scheduler): no real kubelet can run here without
-//! a container runtime.
+//! kube-apiserver and kube-scheduler). A real kubelet and containerd do run
+//! here now (`real_node.rs`, through `tether_kube_testenv::RealNode`), and
+//! the GPU path is checked end to end there; these suites keep the fake
+//! where a test must choose what the kubelet does and when: admit a bound
+//! pod at a moment of its choosing (to see the node's lock held between
+//! bind and `Allocate`), give a pod other devices than planned or devices
+//! Tether never planned ([`FakeKubelet::occupy`]), or run many
+//! admissions in a second. Which of their scenarios move to a real node is
+//! still open (issue 50's last item). What the real kubelet did that this
+//! model had not: it registers its node with the
+//! `node.kubernetes.io/not-ready:NoSchedule` taint (`real_scheduler.rs`
+//! removes it as the node lifecycle controller would).
 
 #![allow(dead_code)]
 
