@@ -43,8 +43,7 @@ use tether_client::{Client, Options};
 use tether_embed::accounting::{DEFAULT_LIFETIME, DeviceLedger};
 use tether_embed::device_plugin::{BeforeRelease, GpuPlugin, Placement, PluginConfig, run};
 use tether_embed::extender::{
-    Extender, ExtenderBindingArgs, ExtenderBindingResult, ExtenderConfig, KubeBinder,
-    serve_extender,
+    Extender, ExtenderBindingArgs, ExtenderBindingResult, KubeBinder, serve_extender,
 };
 use tether_embed::inventory::DeviceSource;
 use tether_embed::v1beta1 as api;
@@ -57,6 +56,7 @@ use tokio::task::JoinHandle;
 
 mod fake_kubelet;
 mod fixtures;
+mod gpu_scheduling;
 mod roles;
 
 const NODE: &str = "gpu-node-1";
@@ -606,14 +606,7 @@ impl Rig {
         let client = client_as(&cluster, &identities, "admin");
         api.add_node(NODE, Some("8")).await;
         api.add_node("gpu-node-2", Some("8")).await;
-        let config = ExtenderConfig {
-            scope: "gpu-bind".into(),
-            resource: RESOURCE.into(),
-            wait,
-            bind_deadline: DEADLINE,
-            device_prefix: "gpu".into(),
-            inventory_ttl: Duration::from_secs(30),
-        };
+        let config = gpu_scheduling::extender_config(wait);
         let scheduler = client_as(&cluster, &identities, "scheduler");
         let extender = Arc::new(Extender::new(
             scheduler.clone(),

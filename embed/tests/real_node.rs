@@ -128,7 +128,7 @@ impl Rig {
             .await
             .expect("the node starts");
         std::fs::write(node.cdi_dir().join("nvidia.json"), cdi_spec().to_string()).unwrap();
-        remove_not_ready_taint(&plane).await;
+        remove_registration_taint(&plane).await;
 
         let plugin = Arc::new(
             GpuPlugin::new(
@@ -385,23 +385,16 @@ fn handed(view: &ContainerView) -> BTreeSet<String> {
         .unwrap_or_default()
 }
 
-/// Removes the `node.kubernetes.io/not-ready` taint the node was
-/// registered with, as the node lifecycle controller does once it is Ready.
-async fn remove_not_ready_taint(plane: &ControlPlane) {
+/// Prints the taints the kubelet registered the node with, then removes
+/// them as the node lifecycle controller would.
+async fn remove_registration_taint(plane: &ControlPlane) {
     let nodes: Api<Node> = Api::all(plane.client().await);
     let registered = nodes.get(NODE).await.unwrap();
     println!(
         "the kubelet registered {NODE} with taints {:?}",
         registered.spec.and_then(|s| s.taints)
     );
-    nodes
-        .patch(
-            NODE,
-            &PatchParams::default(),
-            &Patch::Merge(json!({"spec": {"taints": null}})),
-        )
-        .await
-        .unwrap();
+    gpu_scheduling::remove_not_ready_taint(&nodes, NODE).await;
 }
 
 /// What a pod's container printed: its environment and its `/dev`.
@@ -872,7 +865,7 @@ async fn the_device_plugin_image_runs_from_its_daemonset_manifest_on_a_real_node
         .await
         .expect("the node starts");
     node.import_image(&archive).expect("the image imports");
-    remove_not_ready_taint(&plane).await;
+    remove_registration_taint(&plane).await;
     let nodes: Api<Node> = Api::all(plane.client().await);
     nodes
         .patch(

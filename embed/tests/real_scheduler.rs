@@ -40,7 +40,8 @@ use std::time::{Duration, Instant};
 
 use fake_kubelet::FakeKubelet;
 use gpu_scheduling::{
-    RESOURCE, RunningExtender, SYSTEM, apply_rbac, scheduler_config, spawn_bridge, start_extender,
+    RESOURCE, RunningExtender, SYSTEM, apply_rbac, remove_not_ready_taint, scheduler_config,
+    spawn_bridge, start_extender,
 };
 use k8s_openapi::api::core::v1::{Node, Pod};
 use kube::api::{Api, DeleteParams, ListParams, Patch, PatchParams, PostParams, Preconditions};
@@ -252,14 +253,7 @@ impl Rig {
             )
             .await
             .unwrap();
-        nodes
-            .patch(
-                NODE,
-                &PatchParams::default(),
-                &Patch::Merge(json!({"spec": {"taints": null}})),
-            )
-            .await
-            .unwrap();
+        remove_not_ready_taint(&nodes, NODE).await;
     }
 
     /// A pod for the `tether-gpu` scheduler asking for `gpus`.

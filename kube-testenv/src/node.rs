@@ -80,7 +80,7 @@ pub struct NodeOptions {
 
 /// The holder's script: makes the mounts and the cgroup tree, says it is
 /// ready, then waits for the test process to die or the node to be stopped,
-/// and cleans up (again, after a `Drop`: idempotent). Arguments: the test's
+/// and cleans up. Arguments: the test's
 /// pid, the node's directory, the cgroup tree's name, then device nodes as
 /// `name:major:minor`.
 const HOLDER_SCRIPT: &str = r#"
@@ -583,12 +583,8 @@ impl Drop for RealNode {
         if let Some(mut containerd) = self.containerd.take() {
             containerd.kill();
         }
-        let _ = Command::new("sh")
-            .arg(self.dir.path().join("cleanup.sh"))
-            .arg(&self.cgroup)
-            .status();
-        // The holder sees the stop within half a second, cleans up once
-        // more and exits, taking the namespace with it.
+        // The holder sees the stop within half a second, cleans up and
+        // exits, taking the namespace with it.
         let deadline = Instant::now() + Duration::from_secs(15);
         while matches!(self.holder.try_wait(), Ok(None)) && Instant::now() < deadline {
             std::thread::sleep(Duration::from_millis(50));
@@ -601,6 +597,13 @@ impl Drop for RealNode {
             let _ = self.holder.kill();
         }
         let _ = self.holder.wait();
+        // A holder that died (or was killed) before it cleaned up.
+        if Path::new("/sys/fs/cgroup/pids").join(&self.cgroup).exists() {
+            let _ = Command::new("sh")
+                .arg(self.dir.path().join("cleanup.sh"))
+                .arg(&self.cgroup)
+                .status();
+        }
     }
 }
 

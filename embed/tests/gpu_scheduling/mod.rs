@@ -90,14 +90,7 @@ pub fn start_extender(
         tether.clone(),
         DeviceLedger::new(tether, DEFAULT_LIFETIME),
         KubeBinder::new(kube.clone()),
-        ExtenderConfig {
-            scope: "gpu-bind".into(),
-            resource: RESOURCE.into(),
-            wait,
-            bind_deadline: DEADLINE,
-            device_prefix: "gpu".into(),
-            inventory_ttl: Duration::from_secs(30),
-        },
+        extender_config(wait),
     ));
     let task = tokio::spawn(serve_extender(
         listener,
@@ -128,4 +121,34 @@ pub async fn spawn_bridge(
         }
     });
     (bridge, task)
+}
+
+/// The extender's configuration as deployed, waiting `wait` for a node's
+/// lock, its binds bounded by the test deadline.
+pub fn extender_config(wait: Duration) -> ExtenderConfig {
+    ExtenderConfig {
+        scope: "gpu-bind".into(),
+        resource: RESOURCE.into(),
+        wait,
+        bind_deadline: DEADLINE,
+        device_prefix: "gpu".into(),
+        inventory_ttl: Duration::from_secs(30),
+    }
+}
+
+/// Removes the taints of node `name` (the `node.kubernetes.io/not-ready`
+/// one it was registered with), as the node lifecycle controller does once
+/// the node is Ready; no such controller runs in these tests.
+pub async fn remove_not_ready_taint(
+    nodes: &kube::Api<k8s_openapi::api::core::v1::Node>,
+    name: &str,
+) {
+    nodes
+        .patch(
+            name,
+            &kube::api::PatchParams::default(),
+            &kube::api::Patch::Merge(json!({"spec": {"taints": null}})),
+        )
+        .await
+        .unwrap();
 }
