@@ -3,7 +3,7 @@
 //! and containerd (`tether_kube_testenv::RealNode`) driving the device
 //! plugin over the real v1beta1 API, containerd applying the CDI devices
 //! the plugin names, the real bridge, and a 3-replica Tether on mutual TLS
-//! (in the test's process).
+//! (three `tetherd` processes, the workspace's build).
 //!
 //! The node is the NVIDIA fixture host (`tests/fixtures/nvidia/eight-gpus`:
 //! eight GPUs on NUMA nodes 0 and 1). Its device nodes exist in the node's
@@ -34,7 +34,7 @@ use gpu_scheduling::{
 };
 use k8s_openapi::api::core::v1::{Node, Pod};
 use kube::api::{Api, Patch, PatchParams, PostParams};
-use roles::{Identities, client_as, cluster_on_tls};
+use roles::{Endpoints, Identities, ReplicaProcesses, client_as};
 use serde_json::json;
 use tether_client::Client;
 use tether_client::proto::LockKey;
@@ -43,7 +43,7 @@ use tether_embed::device_plugin::{GpuPlugin, Placement, PluginConfig, run};
 use tether_embed::inventory::DeviceSource;
 use tether_kube_testenv::node::BUSYBOX_IMAGE;
 use tether_kube_testenv::{ControlPlane, NodeOptions, Process, RealNode, node_assets_or_skip};
-use tether_server::testing::{Cluster, DEADLINE};
+use tether_server::testing::DEADLINE;
 use tokio::net::TcpListener;
 use tokio::task::JoinHandle;
 
@@ -58,7 +58,7 @@ const DEPLOYED_WAIT: Duration = Duration::from_secs(3);
 const POD_DEADLINE: Duration = Duration::from_secs(120);
 
 struct Rig {
-    cluster: Cluster,
+    cluster: ReplicaProcesses,
     /// Tether as an operator would act.
     client: Client,
     pods: Api<Pod>,
@@ -111,7 +111,7 @@ impl Rig {
         let plane = ControlPlane::start_or_skip(test).await?;
         apply_rbac(&plane).await;
         let identities = Identities::new();
-        let cluster = cluster_on_tls(&identities).await;
+        let cluster = ReplicaProcesses::start(&sibling("tetherd"), &identities, true).await;
         let client = client_as(&cluster, &identities, "admin");
 
         // The node: the fixture's device nodes exist in its /dev.
@@ -357,8 +357,18 @@ impl Rig {
             task.abort();
         }
         drop(self.node);
-        self.cluster.shutdown().await;
+        drop(self.cluster);
     }
+}
+
+/// A binary of the workspace's build, beside this crate's
+/// `tether-device-plugin` (a workspace test build builds every package's
+/// binaries).
+fn sibling(binary: &str) -> std::path::PathBuf {
+    Path::new(env!("CARGO_BIN_EXE_tether-device-plugin"))
+        .parent()
+        .unwrap()
+        .join(binary)
 }
 
 /// What a container prints before it runs on: its environment and `/dev`.
@@ -830,8 +840,9 @@ async fn a_gpu_that_falls_off_the_bus_is_given_to_no_pod_by_the_real_kubelet() {
 /// its eight fake devices and the plugin publishes them in Tether as owned
 /// by its pod. Changed for the test, in code: the pod is placed directly
 /// (no DaemonSet controller runs here), on the host network with
-/// `TETHER_ENDPOINTS` on loopback (Tether runs in the test's process, not
-/// behind a Service), and its metrics port moved to a free one (the host
+/// `TETHER_ENDPOINTS` on loopback (the replicas are `tetherd` processes on
+/// loopback, not behind a Service; in clear text, as the manifest's
+/// plugin calls), and its metrics port moved to a free one (the host
 /// network is shared with the other tests).
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn the_device_plugin_image_runs_from_its_daemonset_manifest_on_a_real_node() {
@@ -841,7 +852,7 @@ async fn the_device_plugin_image_runs_from_its_daemonset_manifest_on_a_real_node
     let Some(plane) = ControlPlane::start_or_skip(test).await else {
         return;
     };
-    let bin_dir = Path::new(env!("CARGO_BIN_EXE_tether-device-plugin"))
+    let bin_dir = sibling("tether-device-plugin")
         .parent()
         .unwrap()
         .to_path_buf();
@@ -860,7 +871,8 @@ async fn the_device_plugin_image_runs_from_its_daemonset_manifest_on_a_real_node
         bin_dir.display(),
         String::from_utf8_lossy(&built.stderr)
     );
-    let cluster = Cluster::start(3).await;
+    let cluster =
+        ReplicaProcesses::start(&bin_dir.join("tetherd"), &Identities::new(), false).await;
     let node = RealNode::start(&plane, NODE, NodeOptions::default())
         .await
         .expect("the node starts");
@@ -944,5 +956,5 @@ async fn the_device_plugin_image_runs_from_its_daemonset_manifest_on_a_real_node
         Some("Running")
     );
     drop(node);
-    cluster.shutdown().await;
+    drop(cluster);
 }

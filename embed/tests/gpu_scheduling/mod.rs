@@ -14,11 +14,11 @@ use serde_json::{Value, json};
 use tether_embed::accounting::{DEFAULT_LIFETIME, DeviceLedger};
 use tether_embed::extender::{Extender, ExtenderConfig, KubeBinder, serve_extender};
 use tether_kube_testenv::{ControlPlane, yaml_documents};
-use tether_server::testing::{Cluster, DEADLINE};
+use tether_server::testing::DEADLINE;
 use tokio::net::TcpListener;
 use tokio::task::JoinHandle;
 
-use crate::roles::{Identities, client_as};
+use crate::roles::{Endpoints, Identities, client_as};
 
 pub const RESOURCE: &str = "tether.io/gpu";
 /// The namespace the manifests' RBAC binds the accounts in.
@@ -79,7 +79,7 @@ pub async fn apply_rbac(plane: &ControlPlane) {
 /// An extender replica as deployed (role `scheduler`, waiting `wait` for
 /// a node's lock), serving on `listener`.
 pub fn start_extender(
-    cluster: &Cluster,
+    cluster: &impl Endpoints,
     identities: &Identities,
     kube: &kube::Client,
     wait: Duration,
@@ -104,7 +104,7 @@ pub fn start_extender(
 /// (the manifests' RBAC), with Tether role `bridge` and its default resync.
 pub async fn spawn_bridge(
     plane: &ControlPlane,
-    cluster: &Cluster,
+    cluster: &impl Endpoints,
     identities: &Identities,
 ) -> (Arc<tether_k8s_bridge::bridge::Bridge>, JoinHandle<()>) {
     let kube = plane

@@ -1,11 +1,16 @@
 //! Tether on mutual TLS with each part holding the role it is deployed
 //! with: a throwaway CA, the replicas' certificate, and a client certificate
-//! per role (`admin`, `scheduler`, `device-plugin:<node>`).
+//! per role (`admin`, `scheduler`, `device-plugin:<node>`); the replicas
+//! either in the test's process ([`cluster_on_tls`]) or as `tetherd`
+//! processes ([`ReplicaProcesses`]).
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
+use std::process::Command;
 use std::sync::Arc;
+use std::time::Duration;
 
 use tether_client::{Client, Options};
+use tether_kube_testenv::Process;
 use tether_server::testing::{Cluster, DEADLINE};
 use tether_tls::TlsMaterial;
 use tether_tls::testing::TestCa;
@@ -40,8 +45,20 @@ impl Identities {
     }
 }
 
+/// Where a Tether cluster serves clients.
+pub trait Endpoints {
+    /// Its replicas' gRPC addresses.
+    fn endpoints(&self) -> Vec<String>;
+}
+
+impl Endpoints for Cluster {
+    fn endpoints(&self) -> Vec<String> {
+        Cluster::endpoints(self)
+    }
+}
+
 /// A client of `cluster` with the certificate of `role`.
-pub fn client_as(cluster: &Cluster, identities: &Identities, role: &str) -> Client {
+pub fn client_as(cluster: &impl Endpoints, identities: &Identities, role: &str) -> Client {
     Client::new(
         cluster.endpoints(),
         Options {
@@ -73,4 +90,129 @@ pub async fn cluster_on_tls_with(
         tweak(config);
     })
     .await
+}
+
+/// Three `tetherd` processes (the binary beside the test's, as a workspace
+/// build leaves it), each with its own data directory and log, on mutual
+/// TLS with the identities' replica certificate when given one. Killed on
+/// drop, or by `Process`'s watchdog when the test process dies.
+// Only real_node runs the replicas as processes.
+#[allow(dead_code)]
+pub struct ReplicaProcesses {
+    endpoints: Vec<String>,
+    replicas: Vec<Process>,
+    dir: tempfile::TempDir,
+}
+
+#[allow(dead_code)]
+impl ReplicaProcesses {
+    /// Starts them and waits for a leader, asking as `admin`.
+    pub async fn start(tetherd: &Path, identities: &Identities, tls: bool) -> ReplicaProcesses {
+        assert!(
+            tetherd.exists(),
+            "no {}: the replicas run the workspace's tetherd (cargo build -p tether-server)",
+            tetherd.display()
+        );
+        let dir = tempfile::tempdir().unwrap();
+        let ports: Vec<(u16, u16)> = (0..3).map(|_| (unused_port(), unused_port())).collect();
+        let members = ports
+            .iter()
+            .enumerate()
+            .map(|(i, (grpc, _))| format!("{}=127.0.0.1:{grpc}", i + 1))
+            .collect::<Vec<_>>()
+            .join(",");
+        let certificates = tls.then(|| identities.replicas());
+        let mut replicas = Vec::new();
+        for (i, (grpc, http)) in ports.iter().enumerate() {
+            let id = i + 1;
+            let mut command = Command::new(tetherd);
+            command
+                .arg(format!("--node-id={id}"))
+                .arg(format!("--listen=127.0.0.1:{grpc}"))
+                .arg(format!("--http-listen=127.0.0.1:{http}"))
+                .arg(format!(
+                    "--data-dir={}",
+                    dir.path().join(format!("data-{id}")).display()
+                ))
+                .arg(format!("--initial-members={members}"))
+                .env("RUST_LOG", "warn");
+            if let Some(certificates) = &certificates {
+                command.arg(format!("--tls-dir={}", certificates.display()));
+            }
+            let log = dir.path().join(format!("tetherd-{id}.log"));
+            replicas.push(Process::spawn(&format!("tetherd-{id}"), command, &log, None).unwrap());
+        }
+        let cluster = ReplicaProcesses {
+            endpoints: ports
+                .iter()
+                .map(|(grpc, _)| format!("127.0.0.1:{grpc}"))
+                .collect(),
+            replicas,
+            dir,
+        };
+        let admin = if tls {
+            client_as(&cluster, identities, "admin")
+        } else {
+            Client::new(cluster.endpoints(), Options::default()).unwrap()
+        };
+        let deadline = tokio::time::Instant::now() + DEADLINE;
+        'waiting: loop {
+            for addr in &cluster.endpoints {
+                if admin
+                    .status_of(addr)
+                    .await
+                    .is_ok_and(|status| status.role == "leader")
+                {
+                    break 'waiting;
+                }
+            }
+            assert!(
+                tokio::time::Instant::now() < deadline,
+                "no leader among the tetherd processes within {DEADLINE:?}:\n{}",
+                cluster.log_tails(20)
+            );
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        cluster
+    }
+
+    /// The last `lines` lines of each replica's log.
+    pub fn log_tails(&self, lines: usize) -> String {
+        (1..=self.replicas.len())
+            .map(|id| {
+                let text =
+                    std::fs::read_to_string(self.dir.path().join(format!("tetherd-{id}.log")))
+                        .unwrap_or_default();
+                let all: Vec<&str> = text.lines().collect();
+                format!(
+                    "tetherd-{id}:\n{}",
+                    all[all.len().saturating_sub(lines)..].join("\n")
+                )
+            })
+            .collect::<Vec<_>>()
+            .join("\n")
+    }
+}
+
+impl Endpoints for ReplicaProcesses {
+    fn endpoints(&self) -> Vec<String> {
+        self.endpoints.clone()
+    }
+}
+
+/// A loopback port free a moment ago, below Linux's ephemeral range
+/// (32768+) where `bind(0)` and outgoing connections land: the port cannot
+/// be taken by another test's client or listener between here and the
+/// replica's bind. Each test process walks its own stretch (from its pid).
+#[allow(dead_code)]
+fn unused_port() -> u16 {
+    use std::sync::atomic::{AtomicU32, Ordering};
+    static NEXT: AtomicU32 = AtomicU32::new(0);
+    let start = std::process::id() * 389;
+    loop {
+        let port = (20_000 + (start + NEXT.fetch_add(1, Ordering::SeqCst)) % 12_000) as u16;
+        if std::net::TcpListener::bind(("127.0.0.1", port)).is_ok() {
+            return port;
+        }
+    }
 }
