@@ -1001,71 +1001,6 @@ async fn a_pod_with_an_init_container_and_two_gpu_containers_gets_one_allocate_p
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-async fn a_two_gpu_pod_and_a_pod_without_gpus() {
-    let Some(rig) = Rig::start("a_two_gpu_pod_and_a_pod_without_gpus").await else {
-        return;
-    };
-    rig.add_pod("pair", 2).await;
-    rig.add_pod("web", 0).await;
-    // A pod that asks for no GPU is bound at once and takes no lock.
-    assert_eq!(rig.bind("web").await.error, "");
-    assert_eq!(rig.api.bound().await, ["web"]);
-    assert!(rig.lock_history().await.is_empty(), "no lock event for web");
-    assert!(rig.claims().await.is_empty());
-    assert_eq!(rig.bind("pair").await.error, "");
-    let admitted = rig.admit("pair").await.unwrap();
-    let (_, devices) = devices_of(&admitted).remove(0);
-    assert_eq!(devices.len(), 2);
-    assert_eq!(
-        rig.claims().await.into_keys().collect::<Vec<_>>(),
-        devices,
-        "the two devices the kubelet gave are the two Tether accounts"
-    );
-    // The claim names its pod, so the bridge can confirm it gone by GET.
-    let pins = rig
-        .client
-        .list_pins(tether_embed::accounting::DEVICE_SET, NODE)
-        .await
-        .unwrap();
-    let labels = &pins[0].labels;
-    assert_eq!(labels[tether_client::proto::POD_NAMESPACE_LABEL], "ml");
-    assert_eq!(labels[tether_client::proto::POD_NAME_LABEL], "pair");
-    assert_eq!(rig.holder().await, None);
-    rig.shutdown().await;
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-async fn the_plugin_registers_again_after_a_kubelet_restart() {
-    let Some(rig) = Rig::start("the_plugin_registers_again_after_a_kubelet_restart").await else {
-        return;
-    };
-    rig.add_pod("before", 1).await;
-    rig.add_pod("after", 1).await;
-    assert_eq!(rig.bind("before").await.error, "");
-    rig.admit("before").await.unwrap();
-    assert_eq!(rig.kubelet.registered(), 1);
-    let first = rig.kubelet.registrations.0.lock().unwrap()[0].clone();
-    assert_eq!(
-        (
-            first.version.as_str(),
-            first.endpoint.as_str(),
-            first.resource_name.as_str()
-        ),
-        ("v1beta1", "tether-gpu.sock", RESOURCE)
-    );
-    rig.kubelet.restart();
-    rig.wait_for("the plugin to register again", async || {
-        rig.kubelet.registered() == 2 && rig.kubelet.plugin_socket().is_some()
-    })
-    .await;
-    assert_eq!(rig.bind("after").await.error, "");
-    let admitted = rig.admit("after").await.expect("served after the restart");
-    assert_eq!(admitted[0].1.envs["TETHER_POD_UID"], rig.uid("after"));
-    assert_eq!(rig.holder().await, None);
-    rig.shutdown().await;
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_bind_the_scheduler_gave_up_on_is_retried_without_failing_anything() {
     // The bind wait (3 s) is below the scheduler's 5 s httpTimeout. On the
     // fake API server: its binding answers late on demand.
@@ -1203,24 +1138,6 @@ async fn a_failed_bind_releases_the_lock_and_the_claim_and_the_next_waiter_proce
         .unwrap();
     assert_eq!(bad_release.reason, "released (Failed)");
     Arc::into_inner(rig).unwrap().shutdown().await;
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-async fn allocate_with_no_holder_is_refused_instead_of_guessing() {
-    let Some(rig) = Rig::start("allocate_with_no_holder_is_refused_instead_of_guessing").await
-    else {
-        return;
-    };
-    rig.add_pod("stray", 1).await;
-    // Bound without the extender (another scheduler): nothing holds the lock.
-    let err = rig.admit("stray").await.unwrap_err();
-    assert_eq!(err.code(), tonic::Code::FailedPrecondition);
-    assert!(
-        err.message().contains("refusing to guess"),
-        "{}",
-        err.message()
-    );
-    rig.shutdown().await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
@@ -1909,30 +1826,6 @@ async fn nvidia_gpus_are_planned_and_handed_over_by_uuid_and_a_lost_one_goes_to_
         .cloned()
         .collect();
     assert_eq!(given, free);
-    rig.shutdown().await;
-}
-
-/// The plugin's socket deleted while the kubelet runs (a directory
-/// cleaned by hand): the plugin serves and registers again, cutting the
-/// old server's `ListAndWatch` stream, which never ends by itself, rather
-/// than waiting on it for ever.
-#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-async fn a_deleted_plugin_socket_is_served_again_though_the_kubelet_still_watches_the_old_one() {
-    let rig = Rig::start_on_fake(DEADLINE).await;
-    rig.wait_for("the kubelet to follow ListAndWatch", async || {
-        rig.kubelet.device_updates() > 0
-    })
-    .await;
-    std::fs::remove_file(rig.kubelet.plugin_socket().unwrap()).unwrap();
-    rig.wait_for("the plugin to register again", async || {
-        rig.kubelet.registered() == 2 && rig.kubelet.plugin_socket().is_some()
-    })
-    .await;
-    rig.wait_for("the kubelet to follow the new server", async || {
-        rig.kubelet.device_updates() > 1
-    })
-    .await;
-    assert_eq!(rig.kubelet.allocatable(), 8);
     rig.shutdown().await;
 }
 

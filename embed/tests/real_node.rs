@@ -25,6 +25,7 @@ mod gpu_scheduling;
 mod roles;
 
 use std::collections::{BTreeMap, BTreeSet};
+use std::os::unix::fs::MetadataExt;
 use std::path::Path;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -244,27 +245,19 @@ impl Rig {
             .await
     }
 
-    /// A pod for the `tether-gpu` scheduler with these init and app
-    /// containers, on the host network, never restarted, stopped within
-    /// 2 s of its delete.
+    /// Creates [`pod_json`]'s pod.
     async fn create(
         &self,
         name: &str,
         init: Vec<serde_json::Value>,
         app: Vec<serde_json::Value>,
     ) -> Pod {
-        let pod: Pod = serde_json::from_value(json!({
-            "metadata": {"name": name},
-            "spec": {
-                "schedulerName": "tether-gpu",
-                "hostNetwork": true,
-                "restartPolicy": "Never",
-                "terminationGracePeriodSeconds": 2,
-                "initContainers": init,
-                "containers": app,
-            },
-        }))
-        .unwrap();
+        self.create_from(pod_json(name, init, app)).await
+    }
+
+    /// Creates `pod`, a Pod's JSON.
+    async fn create_from(&self, pod: serde_json::Value) -> Pod {
+        let pod: Pod = serde_json::from_value(pod).unwrap();
         self.pods
             .create(&PostParams::default(), &pod)
             .await
@@ -369,6 +362,27 @@ fn sibling(binary: &str) -> std::path::PathBuf {
         .parent()
         .unwrap()
         .join(binary)
+}
+
+/// A pod for the `tether-gpu` scheduler with these init and app
+/// containers, on the host network, never restarted, stopped within 2 s of
+/// its delete.
+fn pod_json(
+    name: &str,
+    init: Vec<serde_json::Value>,
+    app: Vec<serde_json::Value>,
+) -> serde_json::Value {
+    json!({
+        "metadata": {"name": name},
+        "spec": {
+            "schedulerName": "tether-gpu",
+            "hostNetwork": true,
+            "restartPolicy": "Never",
+            "terminationGracePeriodSeconds": 2,
+            "initContainers": init,
+            "containers": app,
+        },
+    })
 }
 
 /// What a container prints before it runs on: its environment and `/dev`.
@@ -788,6 +802,138 @@ async fn a_gpu_pod_that_exits_gives_its_gpus_back_on_a_real_node() {
     println!("pod succeeded -> claim ended in {:?}", ended_at.elapsed());
     assert_eq!(handed(&rig.printed("brief", "main")).len(), 2);
     assert_eq!(rig.holder().await, None);
+    rig.shutdown().await;
+}
+
+/// Eight one-GPU pods and a pod without GPUs created at once: the real
+/// scheduler binds the eight one at a time through the node's lock, and
+/// each runs with a GPU of its own, exactly its claim, which names its pod
+/// (so the bridge can confirm it gone by GET); the pod without GPUs takes
+/// no claim and is handed nothing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn eight_one_gpu_pods_and_one_without_gpus_at_once_each_run_with_their_own_on_a_real_node() {
+    let Some(rig) = Rig::start(
+        "eight_one_gpu_pods_and_one_without_gpus_at_once_each_run_with_their_own_on_a_real_node",
+    )
+    .await
+    else {
+        return;
+    };
+    let names: Vec<String> = (0..8).map(|n| format!("one-{n}")).collect();
+    let without_gpus = json!({
+        "name": "main",
+        "image": BUSYBOX_IMAGE,
+        "imagePullPolicy": "Never",
+        "command": ["sh", "-c", PRINT_AND_RUN],
+    });
+    let created = names
+        .iter()
+        .map(|name| rig.create_pod(name, 1))
+        .collect::<Vec<_>>();
+    futures::future::join_all(created).await;
+    rig.create("web", vec![], vec![without_gpus]).await;
+    let mut given = BTreeSet::new();
+    for name in &names {
+        let seen = rig.output_of(name).await;
+        let claim = rig.claim_of(name).await;
+        assert_eq!(claim.len(), 1, "{name}: {claim:?}");
+        seen.assert_handed(&claim);
+        assert!(given.is_disjoint(&claim), "{name} shares {claim:?}");
+        given.extend(claim);
+    }
+    assert_eq!(given, (0..8).map(fixtures::uuid).collect());
+    let web = rig.output_of("web").await;
+    assert!(
+        handed(&web).is_empty() && web.visible().is_empty(),
+        "{web:?}"
+    );
+    assert!(rig.claim_of("web").await.is_empty());
+    let pins = rig
+        .client
+        .list_pins(tether_embed::accounting::DEVICE_SET, NODE)
+        .await
+        .unwrap();
+    assert_eq!(pins.len(), 8, "{pins:?}");
+    for pin in &pins {
+        assert_eq!(
+            pin.labels[tether_client::proto::POD_NAMESPACE_LABEL],
+            rig.namespace
+        );
+        assert!(
+            names.contains(&pin.labels[tether_client::proto::POD_NAME_LABEL]),
+            "{pin:?}"
+        );
+    }
+    assert_eq!(
+        rig.holder().await,
+        None,
+        "the lock is free after the Allocates"
+    );
+    rig.shutdown().await;
+}
+
+/// A GPU pod placed around the scheduler (`spec.nodeName` set by its
+/// creator, so no extender bound it and nothing holds the node's lock):
+/// the real kubelet calls `Allocate`, the plugin refuses rather than guess
+/// which pod it serves, and the kubelet fails the pod at admission; nothing
+/// is claimed, and a pod placed by the scheduler then runs.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_gpu_pod_placed_around_the_scheduler_fails_admission_and_claims_nothing() {
+    let Some(rig) =
+        Rig::start("a_gpu_pod_placed_around_the_scheduler_fails_admission_and_claims_nothing")
+            .await
+    else {
+        return;
+    };
+    let mut stray = pod_json("stray", vec![], vec![container("main", 1, PRINT_AND_RUN)]);
+    stray["spec"]["nodeName"] = json!(NODE);
+    rig.create_from(stray).await;
+    rig.wait_for("the kubelet to fail the stray pod", async || {
+        rig.phase("stray").await == "Failed"
+    })
+    .await;
+    let status = rig.pods.get("stray").await.unwrap().status.unwrap();
+    println!(
+        "the kubelet failed the stray pod: {:?}: {:?}",
+        status.reason, status.message
+    );
+    assert_eq!(status.reason.as_deref(), Some("UnexpectedAdmissionError"));
+    assert!(
+        status
+            .message
+            .as_deref()
+            .is_some_and(|m| m.contains("refusing to guess")),
+        "{status:?}"
+    );
+    assert!(rig.claims().await.is_empty());
+    assert_eq!(rig.holder().await, None);
+    rig.create_pod("placed", 1).await;
+    let seen = rig.output_of("placed").await;
+    seen.assert_handed(&rig.claim_of("placed").await);
+    rig.shutdown().await;
+}
+
+/// The plugin's socket deleted under the real kubelet (a directory cleaned
+/// by hand): the plugin serves and registers again, the kubelet keeps
+/// counting eight GPUs, and a new GPU pod runs through the new socket.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_deleted_plugin_socket_is_served_again_under_the_real_kubelet() {
+    let Some(rig) =
+        Rig::start("a_deleted_plugin_socket_is_served_again_under_the_real_kubelet").await
+    else {
+        return;
+    };
+    let socket = rig.node.device_plugin_dir().join("tether-gpu.sock");
+    let first = std::fs::metadata(&socket).unwrap().ino();
+    std::fs::remove_file(&socket).unwrap();
+    rig.wait_for("the plugin to serve a new socket", async || {
+        std::fs::metadata(&socket).is_ok_and(|m| m.ino() != first)
+    })
+    .await;
+    rig.create_pod("after", 1).await;
+    let seen = rig.output_of("after").await;
+    seen.assert_handed(&rig.claim_of("after").await);
+    assert_eq!(rig.allocatable().await, 8);
     rig.shutdown().await;
 }
 

@@ -30,18 +30,39 @@
 //!   the rest unhealthy (`manager.go`, `genericDeviceUpdateCallback`).
 //!
 //! Shared by `e2e.rs` (a fake API server) and `real_scheduler.rs` (a real
-//! kube-apiserver and kube-scheduler). A real kubelet and containerd do run
-//! here now (`real_node.rs`, through `tether_kube_testenv::RealNode`), and
-//! the GPU path is checked end to end there; these suites keep the fake
-//! where a test must choose what the kubelet does and when: admit a bound
-//! pod at a moment of its choosing (to see the node's lock held between
-//! bind and `Allocate`), give a pod other devices than planned or devices
-//! Tether never planned ([`FakeKubelet::occupy`]), or run many
-//! admissions in a second. Which of their scenarios move to a real node is
-//! still open (issue 50's last item). What the real kubelet did that this
-//! model had not: it registers its node with the
-//! `node.kubernetes.io/not-ready:NoSchedule` taint (`real_scheduler.rs`
-//! removes it as the node lifecycle controller would).
+//! kube-apiserver and kube-scheduler). A real kubelet and containerd run
+//! here too (`real_node.rs`, through `tether_kube_testenv::RealNode`), and
+//! every scenario that needs nothing but the kubelet's own behaviour runs
+//! there: a pod's exact GPUs by env, CDI and device node; pods at once;
+//! init, app and sidecar containers; a pod without GPUs; a pod placed around
+//! the scheduler (Allocate refused, the pod failed at admission); a deleted
+//! pod's claim standing until its containers stop; a pod that exits; a
+//! kubelet restart; a deleted plugin socket; a GPU falling off the bus; the
+//! plugin from its image. The fake stays for what a real node cannot be
+//! made to do here, use by use:
+//!
+//! | scenario | what the fake lets it do that a real node does not |
+//! |---|---|
+//! | e2e: eight pods in FIFO order | bind each at a moment chosen and admit none yet, to see the queue and the lock held between bind and `Allocate` |
+//! | e2e: init and two GPU containers, one `Allocate` each | count and read each `Allocate` call (the real kubelet shows only the outcome) |
+//! | e2e: a bind the scheduler gave up on; a pod deleted right after its bind; a failed bind; an abandoned bind | put a delete, a timeout or a release between bind and `Allocate`, a gap a real kubelet gives no handle on |
+//! | e2e: a plugin crashing mid-`Allocate`; the release on a new leader | stop the plugin, or the leader, inside one `Allocate` |
+//! | e2e: the plugin lists its devices | read the `ListAndWatch` answer itself (ids, health, NUMA) |
+//! | e2e: the filter verb across nodes | many nodes at once |
+//! | e2e: the kubelet's choice becomes the claim; a bind remakes a shrunk claim | admit other devices than planned ([`FakeKubelet::occupy`]), which a real kubelet does only when its own books differ from Tether's (devices it gave outside Tether), never on demand |
+//! | e2e: NVIDIA by UUID and a lost GPU | read the `Allocate` answer (CDI names, control device nodes) and the extender's filter on a node that lost a GPU while claims stand |
+//! | e2e: a socket deleted while registering | delete the socket between the kubelet's answer and the plugin's next look |
+//! | e2e: published devices that vanish | no kubelet work at all; the fake is the cheapest registration |
+//! | real_scheduler: pods racing, two extender replicas | admit each bound pod at a moment chosen, so the lock's hold is seen |
+//! | real_scheduler: freed GPUs reach a pending pod (ended, unheard, extender restarted, claim correction, refused after the wait, HTTP timeout) | end a pod (a terminal phase) at a moment chosen, measured without the kubelet's grace period, on a node quiet by construction |
+//!
+//! What the real kubelet did that this model had not: it registers its node
+//! with the `node.kubernetes.io/not-ready:NoSchedule` taint
+//! (`real_scheduler.rs` removes it as the node lifecycle controller
+//! would); with a sidecar still running it reports no terminal phase for
+//! the pod; it fails a pod whose `Allocate` fails with phase `Failed` and
+//! reason `UnexpectedAdmissionError` (the plugin's message in the pod's
+//! status).
 
 #![allow(dead_code)]
 
