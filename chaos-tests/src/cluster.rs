@@ -11,7 +11,7 @@
 //! Ids are never reused: a replaced member's slot stays empty.
 
 use std::collections::BTreeMap;
-use std::net::{SocketAddr, TcpListener};
+use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::Duration;
@@ -94,31 +94,11 @@ pub struct ProcessCluster {
     binaries: BTreeMap<u64, PathBuf>,
 }
 
-/// A loopback port that was free a moment ago.
+/// A loopback port for a replica or a proxy (`tether_kube_testenv`'s,
+/// below the ephemeral range: a proxy or a client connection cannot take
+/// it while its replica restarts).
 pub(crate) fn free_port() -> u16 {
-    TcpListener::bind("127.0.0.1:0")
-        .and_then(|l| l.local_addr())
-        .map(|a| a.port())
-        .expect("a free loopback port")
-}
-
-/// A free loopback port for a replica, below Linux's ephemeral range
-/// (32768+), where `bind(0)` and outgoing connections never land: a proxy
-/// or a client connection cannot take it while its replica restarts. Each
-/// process walks its own stretch (from its pid) and skips ports in use.
-fn replica_port() -> u16 {
-    use std::sync::atomic::{AtomicU32, Ordering};
-    const LOW: u32 = 20_000;
-    const SPAN: u32 = 12_000;
-    static NEXT: AtomicU32 = AtomicU32::new(0);
-    let offset = std::process::id() * 397;
-    loop {
-        let n = NEXT.fetch_add(1, Ordering::SeqCst);
-        let port = (LOW + (offset + n) % SPAN) as u16;
-        if TcpListener::bind(("127.0.0.1", port)).is_ok() {
-            return port;
-        }
-    }
+    tether_kube_testenv::unused_port()
 }
 
 /// The voters' ids in a replica's status.
@@ -179,8 +159,8 @@ impl ProcessCluster {
             replicas.insert(
                 id,
                 Replica {
-                    port: replica_port(),
-                    http: replica_port(),
+                    port: free_port(),
+                    http: free_port(),
                     child: None,
                     paused: false,
                     started: false,

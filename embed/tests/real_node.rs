@@ -1039,11 +1039,7 @@ async fn the_device_plugin_image_runs_from_its_daemonset_manifest_on_a_real_node
     let spec = &mut template["spec"];
     spec["nodeName"] = json!(NODE);
     spec["hostNetwork"] = json!(true);
-    let metrics_port = std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port();
+    let metrics_port = tether_kube_testenv::unused_port();
     let container = &mut spec["containers"][0];
     container["ports"][0]["containerPort"] = json!(metrics_port);
     for env in container["env"].as_array_mut().unwrap() {

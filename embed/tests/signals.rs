@@ -5,6 +5,8 @@
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
+use tether_kube_testenv::unused_port;
+
 const DEADLINE: Duration = Duration::from_secs(60);
 
 fn sigterm(child: &Child) {
@@ -37,15 +39,6 @@ fn wait_until(what: &str, mut check: impl FnMut() -> bool) {
     }
 }
 
-/// A port free when asked (the binary binds it right after).
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
-}
-
 /// `GET path` over HTTP/1.1: the whole answer, or `None` if nothing
 /// listens yet.
 fn http_get(port: u16, path: &str) -> Option<String> {
@@ -64,7 +57,7 @@ fn http_get(port: u16, path: &str) -> Option<String> {
 #[test]
 fn the_device_plugin_stops_on_sigterm() {
     let dir = tempfile::tempdir().unwrap();
-    let http_port = free_port();
+    let http_port = unused_port();
     let mut plugin = Command::new(env!("CARGO_BIN_EXE_tether-device-plugin"))
         .arg(format!("--plugin-dir={}", dir.path().display()))
         .arg(format!("--http-listen=127.0.0.1:{http_port}"))
@@ -108,7 +101,7 @@ fn the_extender_stops_on_sigterm() {
          contexts:\n- name: c\n  context: {cluster: c, user: u}\ncurrent-context: c\nusers:\n- name: u\n  user: {}\n",
     )
     .unwrap();
-    let port = free_port();
+    let port = unused_port();
     let mut extender = Command::new(env!("CARGO_BIN_EXE_tether-extender"))
         .arg(format!("--listen=127.0.0.1:{port}"))
         .arg("--endpoints=127.0.0.1:1")

@@ -10,7 +10,6 @@
 //! `default` namespace exists (a post-start hook creates it a moment after
 //! `/readyz`).
 
-use std::net::TcpListener;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::sync::atomic::{AtomicU32, Ordering};
@@ -27,7 +26,7 @@ use tether_tls::testing::TestCa;
 
 use crate::apply::Mode;
 use crate::assets::{Assets, assets_or_skip};
-use crate::process::Process;
+use crate::process::{Process, unused_port};
 
 /// How long a start may take on a loaded 2-core machine.
 const START_DEADLINE: Duration = Duration::from_secs(120);
@@ -57,13 +56,6 @@ pub struct ControlPlane {
 
 /// Namespaces handed out so far by this process.
 static NAMESPACES: AtomicU32 = AtomicU32::new(0);
-
-/// A free loopback port: bound, read and let go (as envtest picks its
-/// ports). Another process could take it in between; a start that fails is
-/// retried on new ports.
-pub(crate) fn free_port() -> anyhow::Result<u16> {
-    Ok(TcpListener::bind("127.0.0.1:0")?.local_addr()?.port())
-}
 
 impl ControlPlane {
     /// The control plane shared by every test of this test binary, started
@@ -125,8 +117,8 @@ impl ControlPlane {
         // one before etcd or the API server binds it. Try again on new ones.
         for _ in 0..3 {
             let started = Instant::now();
-            let etcd_port = free_port()?;
-            let apiserver_port = free_port()?;
+            let etcd_port = unused_port();
+            let apiserver_port = unused_port();
             let etcd = start_etcd(assets, &dir, etcd_port)?;
             let plane = ControlPlane {
                 assets,
@@ -283,7 +275,7 @@ impl ControlPlane {
     /// credentials), ready, with a kubeconfig for it: a way to change
     /// objects while the first is down.
     pub async fn extra_apiserver(&self) -> anyhow::Result<ExtraApiServer> {
-        let port = free_port()?;
+        let port = unused_port();
         let mut process = self.spawn_apiserver(port, &format!("kube-apiserver-{port}"))?;
         let kubeconfig = self.dir.join(format!("admin-{port}.kubeconfig"));
         std::fs::write(
@@ -574,7 +566,7 @@ pub async fn client_from(path: &Path) -> anyhow::Result<kube::Client> {
 /// etcd, whose watchdog also removes the plane's directory when the test
 /// process dies (a plane that is dropped removes it itself).
 fn start_etcd(assets: &Assets, dir: &Path, port: u16) -> anyhow::Result<Process> {
-    let peer_port = free_port()?;
+    let peer_port = unused_port();
     let data = dir.join(format!("etcd-{port}"));
     let mut command = Command::new(assets.binary("etcd"));
     command

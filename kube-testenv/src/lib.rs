@@ -53,4 +53,4 @@ pub use control_plane::{
 };
 #[cfg(feature = "control-plane")]
 pub use node::{NodeOptions, RealNode};
-pub use process::Process;
+pub use process::{Process, unused_port};

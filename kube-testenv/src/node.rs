@@ -56,8 +56,9 @@ use k8s_openapi::api::core::v1::Node;
 use kube::Api;
 
 use crate::assets::Assets;
-use crate::control_plane::{ControlPlane, free_port};
+use crate::control_plane::ControlPlane;
 use crate::process::Process;
+use crate::process::unused_port;
 
 /// The local images' references (`node-images.tar`).
 pub const BUSYBOX_IMAGE: &str = "localhost/tether/busybox:1";
@@ -429,8 +430,8 @@ evictionHard:
 imageGCHighThresholdPercent: 100
 imageGCLowThresholdPercent: 99
 "#,
-            port = free_port()?,
-            healthz = free_port()?,
+            port = unused_port(),
+            healthz = unused_port(),
             socket = self.socket().display(),
             cgroup = self.cgroup,
             logs = d("pod-logs"),

@@ -152,3 +152,25 @@ impl Drop for Process {
         self.kill();
     }
 }
+
+/// A loopback port that was free a moment ago, for a child process to
+/// listen on. Taken below Linux's ephemeral range (32768+), where `bind(0)`
+/// and outgoing connections land, so no other test's client or listener
+/// can take it between here and the child's bind (a port from `bind(0)`
+/// and let go was once taken by another test's HTTP server, which then
+/// answered in the child's place). Each test process walks a stretch of
+/// its own (from its pid) and skips ports in use.
+pub fn unused_port() -> u16 {
+    use std::sync::atomic::{AtomicU32, Ordering};
+    const LOW: u32 = 20_000;
+    const SPAN: u32 = 12_000;
+    static NEXT: AtomicU32 = AtomicU32::new(0);
+    let start = std::process::id().wrapping_mul(397);
+    loop {
+        let n = NEXT.fetch_add(1, Ordering::SeqCst);
+        let port = (LOW + start.wrapping_add(n) % SPAN) as u16;
+        if std::net::TcpListener::bind(("127.0.0.1", port)).is_ok() {
+            return port;
+        }
+    }
+}

@@ -6,7 +6,7 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::Duration;
 
-use tether_kube_testenv::Process;
+use tether_kube_testenv::{Process, unused_port};
 
 use tether_client::proto::Outcome;
 use tether_client::{Client, Options};
@@ -43,16 +43,8 @@ impl Replica {
     }
 }
 
-fn free_port() -> u16 {
-    TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
-}
-
 fn start_cluster(dir: &Path, n: u64) -> Vec<Replica> {
-    let ports: Vec<(u16, u16)> = (0..n).map(|_| (free_port(), free_port())).collect();
+    let ports: Vec<(u16, u16)> = (0..n).map(|_| (unused_port(), unused_port())).collect();
     let members = ports
         .iter()
         .enumerate()

@@ -7,14 +7,13 @@
 //! replicas' own doing.
 
 use std::collections::BTreeMap;
-use std::net::TcpListener;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::Duration;
 
 use tether_client::proto::{LockKey, PinKey, Pod};
 use tether_client::{Client, Options};
-use tether_kube_testenv::Process;
+use tether_kube_testenv::{Process, unused_port};
 
 const DEADLINE: Duration = Duration::from_secs(90);
 
@@ -102,14 +101,6 @@ fn http_get(addr: &str, path: &str) -> String {
     let mut response = String::new();
     stream.read_to_string(&mut response).unwrap();
     response
-}
-
-fn free_port() -> u16 {
-    TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
 }
 
 /// `count` pods of a set whose `--bootstrap-expect` is `expect`.
@@ -254,7 +245,7 @@ async fn until_ids(pods: &[PodProcess]) {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_statefulset_bootstraps_survives_restarts_and_lost_volumes_and_scales_out_and_in() {
     let dir = tempfile::tempdir().unwrap();
-    let (port, http) = (free_port(), free_port());
+    let (port, http) = (unused_port(), unused_port());
     let mut pods = pods(dir.path(), 5, 3, port, http);
 
     // podManagementPolicy: Parallel — three pods start at once.
@@ -496,7 +487,7 @@ async fn a_fresh_set_started_in_every_order_with_delays_forms_one_cluster() {
     ];
     for order in orders {
         let dir = tempfile::tempdir().unwrap();
-        let (port, http) = (free_port(), free_port());
+        let (port, http) = (unused_port(), unused_port());
         let mut pods = pods(dir.path(), 3, 3, port, http);
         for (position, ordinal) in order.into_iter().enumerate() {
             // The scenario's delays (not a wait on a condition): longer than
@@ -525,7 +516,7 @@ async fn a_fresh_set_started_in_every_order_with_delays_forms_one_cluster() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_whole_set_restart_with_ordinal_0s_volume_lost_and_slow_peers_keeps_one_cluster() {
     let dir = tempfile::tempdir().unwrap();
-    let (port, http) = (free_port(), free_port());
+    let (port, http) = (unused_port(), unused_port());
     let mut pods = pods(dir.path(), 3, 3, port, http);
     for pod in pods.iter_mut() {
         pod.start();
@@ -581,7 +572,7 @@ async fn a_whole_set_restart_with_ordinal_0s_volume_lost_and_slow_peers_keeps_on
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn two_lost_volumes_start_nothing_and_the_ops_guides_restore_brings_the_set_back() {
     let dir = tempfile::tempdir().unwrap();
-    let (port, http) = (free_port(), free_port());
+    let (port, http) = (unused_port(), unused_port());
     let mut pods = pods(dir.path(), 3, 3, port, http);
     for pod in pods.iter_mut() {
         pod.start();

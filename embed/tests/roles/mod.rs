@@ -10,7 +10,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use tether_client::{Client, Options};
-use tether_kube_testenv::Process;
+use tether_kube_testenv::{Process, unused_port};
 use tether_server::testing::{Cluster, DEADLINE};
 use tether_tls::TlsMaterial;
 use tether_tls::testing::TestCa;
@@ -197,22 +197,5 @@ impl ReplicaProcesses {
 impl Endpoints for ReplicaProcesses {
     fn endpoints(&self) -> Vec<String> {
         self.endpoints.clone()
-    }
-}
-
-/// A loopback port free a moment ago, below Linux's ephemeral range
-/// (32768+) where `bind(0)` and outgoing connections land: the port cannot
-/// be taken by another test's client or listener between here and the
-/// replica's bind. Each test process walks its own stretch (from its pid).
-#[allow(dead_code)]
-fn unused_port() -> u16 {
-    use std::sync::atomic::{AtomicU32, Ordering};
-    static NEXT: AtomicU32 = AtomicU32::new(0);
-    let start = std::process::id() * 389;
-    loop {
-        let port = (20_000 + (start + NEXT.fetch_add(1, Ordering::SeqCst)) % 12_000) as u16;
-        if std::net::TcpListener::bind(("127.0.0.1", port)).is_ok() {
-            return port;
-        }
     }
 }
