@@ -34,7 +34,7 @@ use gpu_scheduling::{
     RESOURCE, RunningExtender, apply_rbac, scheduler_config, spawn_bridge, start_extender,
 };
 use k8s_openapi::api::core::v1::{Node, Pod};
-use kube::api::{Api, Patch, PatchParams, PostParams};
+use kube::api::{Api, ListParams, Patch, PatchParams, PostParams};
 use roles::{Endpoints, Identities, ReplicaProcesses, client_as};
 use serde_json::json;
 use tether_client::Client;
@@ -979,17 +979,18 @@ async fn a_gpu_that_falls_off_the_bus_is_given_to_no_pod_by_the_real_kubelet() {
 
 /// The plugin as its DaemonSet runs it: the project's image, built from
 /// the binaries beside the test's (`deploy/image.sh`, as `./dev image`
-/// builds it from a release build) and imported into the node's
-/// containerd, runs the pod template of `deploy/optional/gpu/device-plugin.yaml`
-/// (the node labelled as its selector asks, its socket in the hostPath
-/// plugin directory, `POD_UID` from the downward API); the kubelet counts
-/// its eight fake devices and the plugin publishes them in Tether as owned
-/// by its pod. Changed for the test, in code: the pod is placed directly
-/// (no DaemonSet controller runs here), on the host network with
-/// `TETHER_ENDPOINTS` on loopback (the replicas are `tetherd` processes on
-/// loopback, not behind a Service; in clear text, as the manifest's
-/// plugin calls), and its metrics port moved to a free one (the host
-/// network is shared with the other tests).
+/// builds it from a release build), is imported into the node's
+/// containerd; `deploy/optional/gpu/device-plugin.yaml`'s DaemonSet is
+/// applied; the DaemonSet controller (kube-controller-manager) makes its
+/// pod and the default kube-scheduler places it on the node, labelled as
+/// its selector asks (its affinity and tolerations let it). The kubelet
+/// runs it (its socket in the hostPath plugin directory, `POD_UID` from the
+/// downward API), counts its eight fake devices, and the plugin publishes
+/// them in Tether as owned by its pod. Changed for the test, in code: the
+/// pod runs on the host network with `TETHER_ENDPOINTS` on loopback (the
+/// replicas are `tetherd` processes on loopback, not behind a Service; in
+/// clear text, as the manifest's plugin calls), and its metrics port moved
+/// to a free one (the host network is shared with the other tests).
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn the_device_plugin_image_runs_from_its_daemonset_manifest_on_a_real_node() {
     use tether_embed::inventory::{inventory_key, published_inventory};
@@ -1034,10 +1035,30 @@ async fn the_device_plugin_image_runs_from_its_daemonset_manifest_on_a_real_node
         .await
         .unwrap();
 
-    let manifest = gpu_scheduling::objects_of("device-plugin.yaml", &["DaemonSet"]).remove(0);
-    let mut template = manifest["spec"]["template"].clone();
-    let spec = &mut template["spec"];
-    spec["nodeName"] = json!(NODE);
+    // The DaemonSet controller makes the pod; the default scheduler places
+    // it (DaemonSet pods go through a scheduler, with affinity for their
+    // node).
+    let _daemonsets = plane
+        .controller_manager(&["daemonset"])
+        .expect("kube-controller-manager starts");
+    let default_config = node.dir().join("default-scheduler.json");
+    std::fs::write(
+        &default_config,
+        json!({
+            "apiVersion": "kubescheduler.config.k8s.io/v1",
+            "kind": "KubeSchedulerConfiguration",
+            "leaderElection": {"leaderElect": false},
+            "clientConnection": {"kubeconfig": plane.kubeconfig().display().to_string()},
+        })
+        .to_string(),
+    )
+    .unwrap();
+    let _default_scheduler = plane
+        .scheduler(&default_config)
+        .expect("kube-scheduler starts");
+
+    let mut daemonset = gpu_scheduling::objects_of("device-plugin.yaml", &["DaemonSet"]).remove(0);
+    let spec = &mut daemonset["spec"]["template"]["spec"];
     spec["hostNetwork"] = json!(true);
     let metrics_port = tether_kube_testenv::unused_port();
     let container = &mut spec["containers"][0];
@@ -1052,16 +1073,32 @@ async fn the_device_plugin_image_runs_from_its_daemonset_manifest_on_a_real_node
         }
     }
     let namespace = plane.namespace("plugin").await;
-    let pods: Api<Pod> = Api::namespaced(plane.client().await, &namespace);
-    template["metadata"]["name"] = json!("tether-device-plugin");
-    let pod: Pod = serde_json::from_value(template).unwrap();
-    let uid = pods
-        .create(&PostParams::default(), &pod)
+    plane
+        .apply(&[daemonset], &namespace)
         .await
-        .unwrap()
-        .metadata
-        .uid
-        .unwrap();
+        .expect("the DaemonSet applies");
+    let pods: Api<Pod> = Api::namespaced(plane.client().await, &namespace);
+    let by_label = ListParams::default().labels("app.kubernetes.io/name=tether-device-plugin");
+    let deadline = Instant::now() + POD_DEADLINE;
+    let plugin_pod = loop {
+        let listed = pods.list(&by_label).await.unwrap().items;
+        if let Some(pod) = listed
+            .into_iter()
+            .find(|p| p.spec.as_ref().and_then(|s| s.node_name.as_deref()) == Some(NODE))
+        {
+            break pod;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "the DaemonSet's pod was never placed on {NODE}"
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    };
+    let (name, uid) = (
+        plugin_pod.metadata.name.unwrap(),
+        plugin_pod.metadata.uid.unwrap(),
+    );
+    println!("the DaemonSet controller made pod {name}, placed on {NODE}");
 
     let client = Client::new(cluster.endpoints(), Default::default()).unwrap();
     let deadline = Instant::now() + POD_DEADLINE;
@@ -1086,13 +1123,13 @@ async fn the_device_plugin_image_runs_from_its_daemonset_manifest_on_a_real_node
             "the plugin from the image did not serve (allocatable {allocatable:?}, published \
              {published}):\n{}\n{}",
             node.log_tails(30),
-            node.container_log(&namespace, "tether-device-plugin", "device-plugin")
+            node.container_log(&namespace, &name, "device-plugin")
         );
         tokio::time::sleep(Duration::from_millis(200)).await;
     }
     let pin = client.get_pin(&inventory_key(NODE)).await.unwrap().unwrap();
     assert_eq!(pin.pod_uid, uid, "owned by the plugin's pod (POD_UID)");
-    let running = pods.get("tether-device-plugin").await.unwrap();
+    let running = pods.get(&name).await.unwrap();
     assert_eq!(
         running.status.and_then(|s| s.phase).as_deref(),
         Some("Running")
