@@ -23,13 +23,16 @@
 //! - `process.rs` — child processes that die with the test process (a
 //!   watchdog beside each), killed on drop: the control plane's, and the
 //!   `tetherd` replicas of the server's process tests and the chaos
-//!   harness. The only module without the default `control-plane`
-//!   feature.
+//!   harness; `unused_port`. Without the default `control-plane` feature
+//!   too.
 //! - `control_plane.rs` — etcd and kube-apiserver on free loopback ports
 //!   with a throwaway CA, an admin token, kubeconfigs and service-account
 //!   tokens; outages (API server stop and start, a second API server on the
 //!   same etcd), etcd compaction; kube-scheduler and kube-controller-manager
 //!   on demand.
+//! - `lazyfs.rs` — directories on LazyFS, which loses every write not
+//!   fsynced when its cache is cleared (a power cut), each mount in a
+//!   mount namespace of its own. Without the `control-plane` feature too.
 //! - `node.rs` — a real node beside a control plane: containerd and a
 //!   kubelet in a mount namespace and a cgroup tree of their own, running
 //!   pods from local images and serving device plugins, all stopped and
@@ -43,6 +46,7 @@ pub mod assets;
 pub mod control_plane;
 #[cfg(feature = "control-plane")]
 pub mod node;
+pub mod lazyfs;
 pub mod process;
 
 #[cfg(feature = "control-plane")]
