@@ -19,6 +19,7 @@ use std::time::Duration;
 use anyhow::Context;
 use tether_client::{Client, Options, proto as pb};
 use tether_kube_testenv::Process;
+use tether_kube_testenv::lazyfs::LazyFs;
 
 use crate::proxy::{LinkMode, Proxy};
 
@@ -44,6 +45,10 @@ pub struct ClusterSpec {
     /// [`tokens`] module's): clients of the cluster then call as `admin`,
     /// or as another role through [`ProcessCluster::client_as`].
     pub tokens: bool,
+    /// Each slot's data directory on a LazyFS mount of its own (mounted at
+    /// the slot's first start), so that [`ProcessCluster::power_cut`] can
+    /// drop what a replica had not fsynced.
+    pub lazyfs: bool,
 }
 
 /// The bearer tokens of a cluster started with [`ClusterSpec::tokens`].
@@ -82,6 +87,9 @@ struct Replica {
 pub struct ProcessCluster {
     spec: ClusterSpec,
     replicas: BTreeMap<u64, Replica>,
+    /// Each started slot's LazyFS (with [`ClusterSpec::lazyfs`]); dropped
+    /// after the replicas, whose processes use it.
+    disks: BTreeMap<u64, LazyFs>,
     proxies: BTreeMap<(u64, u64), Proxy>,
     /// gRPC endpoints of every slot, `127.0.0.1:PORT` (ids 1, 2, ...).
     pub endpoints: Vec<String>,
@@ -138,6 +146,7 @@ impl ProcessCluster {
             failpoints: None,
             log_filter: None,
             tokens: false,
+            lazyfs: false,
         })
         .await
     }
@@ -191,6 +200,7 @@ impl ProcessCluster {
         let mut cluster = ProcessCluster {
             spec,
             replicas,
+            disks: BTreeMap::new(),
             proxies,
             endpoints,
             initial_members,
@@ -243,9 +253,13 @@ impl ProcessCluster {
     /// Starts `id`'s process; `failpoints` is the FAILPOINTS setting (only
     /// a `failpoints` build acts on it).
     fn spawn(&mut self, id: u64, failpoints: Option<&str>) -> anyhow::Result<()> {
+        let tetherd = self.binaries.get(&id).unwrap_or(&self.spec.tetherd).clone();
+        let mut command = if self.spec.lazyfs {
+            self.disk(id)?.command(&tetherd)
+        } else {
+            Command::new(&tetherd)
+        };
         let replica = &self.replicas[&id];
-        let tetherd = self.binaries.get(&id).unwrap_or(&self.spec.tetherd);
-        let mut command = Command::new(tetherd);
         command
             .arg(format!("--node-id={id}"))
             .arg(format!("--listen=127.0.0.1:{}", replica.port))
@@ -673,7 +687,56 @@ impl ProcessCluster {
     /// Kills `id` and deletes its data (a lost disk); its id is not reused.
     pub fn wipe(&mut self, id: u64) {
         self.kill(id);
-        let _ = std::fs::remove_dir_all(self.data_dir(id));
+        match self.disks.get(&id) {
+            // The mount's root stays; what is in it goes, through LazyFS.
+            Some(disk) => {
+                for entry in std::fs::read_dir(disk.path())
+                    .into_iter()
+                    .flatten()
+                    .flatten()
+                {
+                    let _ = std::fs::remove_dir_all(entry.path())
+                        .or_else(|_| std::fs::remove_file(entry.path()));
+                }
+            }
+            None => {
+                let _ = std::fs::remove_dir_all(self.data_dir(id));
+            }
+        }
+    }
+
+    /// `id`'s LazyFS, mounted on first use over `disk-<id>` in the
+    /// cluster's directory, at its data directory.
+    fn disk(&mut self, id: u64) -> anyhow::Result<&LazyFs> {
+        if !self.disks.contains_key(&id) {
+            let dir = self.dir.path();
+            let disk = LazyFs::mount(
+                dir,
+                &format!("lazyfs-{id}"),
+                &dir.join(format!("disk-{id}")),
+                &self.data_dir(id),
+            )
+            .map_err(anyhow::Error::msg)?;
+            self.disks.insert(id, disk);
+        }
+        Ok(&self.disks[&id])
+    }
+
+    /// A power cut on `id`: `kill -9`, then every write it had not fsynced
+    /// is lost (its LazyFS cache cleared). Restart it with
+    /// [`ProcessCluster::restart`]. Needs [`ClusterSpec::lazyfs`].
+    pub fn power_cut(&mut self, id: u64) -> anyhow::Result<()> {
+        anyhow::ensure!(self.spec.lazyfs, "a power cut needs the data on LazyFS");
+        self.kill(id);
+        if let Some(disk) = self.disks.get(&id) {
+            disk.clear_cache().map_err(anyhow::Error::msg)?;
+        }
+        Ok(())
+    }
+
+    /// Whether the replicas' data is on LazyFS.
+    pub fn on_lazyfs(&self) -> bool {
+        self.spec.lazyfs
     }
 
     /// Starts a spare id empty, adds it as a learner and promotes it next to

@@ -169,11 +169,12 @@ impl Summary {
 }
 
 async fn fresh_cluster(options: &DriverOptions) -> anyhow::Result<ProcessCluster> {
-    chaos_cluster_logging(
+    chaos_cluster_on(
         options.tetherd.clone(),
         options.replicas,
         options.failpoints_env.clone(),
         options.replica_log.clone(),
+        options.faults.power_loss,
     )
     .await
 }
@@ -187,16 +188,18 @@ pub async fn chaos_cluster(
     replicas: usize,
     failpoints: Option<String>,
 ) -> anyhow::Result<ProcessCluster> {
-    chaos_cluster_logging(tetherd, replicas, failpoints, None).await
+    chaos_cluster_on(tetherd, replicas, failpoints, None, false).await
 }
 
 /// [`chaos_cluster`] whose replicas log with RUST_LOG `replica_log` (None:
-/// warnings only).
-pub async fn chaos_cluster_logging(
+/// warnings only), each replica's data on a LazyFS mount of its own when
+/// `lazyfs` (the power-loss runs).
+pub async fn chaos_cluster_on(
     tetherd: PathBuf,
     replicas: usize,
     failpoints: Option<String>,
     replica_log: Option<String>,
+    lazyfs: bool,
 ) -> anyhow::Result<ProcessCluster> {
     let cluster = ProcessCluster::start_spec(ClusterSpec {
         tetherd,
@@ -231,6 +234,7 @@ pub async fn chaos_cluster_logging(
         failpoints,
         log_filter: replica_log,
         tokens: true,
+        lazyfs,
     })
     .await?;
     // The nodes the pin assigner places pins on, once per cluster.

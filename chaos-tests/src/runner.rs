@@ -170,6 +170,18 @@ fn pick_target(target: Target, leader: Option<u64>, live: &[u64]) -> Option<u64>
     }
 }
 
+/// A random minority of `ids` (at least one) and the rest, by `pick`.
+fn split_minority(ids: &[u64], pick: u64) -> (Vec<u64>, Vec<u64>) {
+    let mut rng = Rng::new(pick);
+    let mut ids = ids.to_vec();
+    for i in (1..ids.len()).rev() {
+        ids.swap(i, rng.below(i as u64 + 1) as usize);
+    }
+    let minority = rng.between(1, ((ids.len() as u64).saturating_sub(1) / 2).max(1));
+    let rest = ids.split_off(minority as usize);
+    (ids, rest)
+}
+
 /// Starts one fault; returns whether it was injected.
 async fn inject(
     cluster: &mut ProcessCluster,
@@ -186,14 +198,22 @@ async fn inject(
     };
     match fault {
         Fault::Partition { pick } => {
-            let mut rng = Rng::new(*pick);
-            let mut ids = voters.clone();
-            for i in (1..ids.len()).rev() {
-                ids.swap(i, rng.below(i as u64 + 1) as usize);
+            let (a, b) = split_minority(&voters, *pick);
+            cluster.partition(&a, &b);
+        }
+        Fault::PowerLoss { pick } => {
+            let (cut, _) = split_minority(&voters, *pick);
+            for id in cut {
+                cluster.power_cut(id)?;
+                damage.stopped.insert(id);
             }
-            let minority = rng.between(1, ((ids.len() as u64).saturating_sub(1) / 2).max(1));
-            let (a, b) = ids.split_at(minority as usize);
-            cluster.partition(a, b);
+        }
+        Fault::PowerLossAll => {
+            // Every replica that runs, voters or not, at once.
+            for id in cluster.running() {
+                cluster.power_cut(id)?;
+                damage.stopped.insert(id);
+            }
         }
         Fault::IsolateLeader => {
             let Some(leader) = leader else {

@@ -81,6 +81,17 @@ pub enum Fault {
         /// The step, ms (negative: back).
         offset_ms: i64,
     },
+    /// A power cut on a random minority (one replica or more, the leader
+    /// perhaps among them): `kill -9`, then every write they had not
+    /// fsynced is lost (LazyFS's cache cleared); restarted on what their
+    /// disks kept when the fault ends. Needs a cluster on LazyFS.
+    PowerLoss {
+        /// Seed for picking the minority.
+        pick: u64,
+    },
+    /// A power cut on every replica at once; all restarted on what their
+    /// disks kept when the fault ends. Needs a cluster on LazyFS.
+    PowerLossAll,
 }
 
 impl Fault {
@@ -100,6 +111,8 @@ impl Fault {
             Fault::CrashInMembershipChange => "membership-crash",
             Fault::ClockSkew { .. } => "clock-skew",
             Fault::ClockStep { .. } => "clock-step",
+            Fault::PowerLoss { .. } => "power-loss",
+            Fault::PowerLossAll => "power-loss-all",
         }
     }
 }
@@ -152,10 +165,15 @@ pub struct FaultOptions {
     pub membership: bool,
     /// Only this kind (one of [`KINDS`]), for chasing one kind of fault.
     pub only: Option<&'static str>,
+    /// Power-loss schedules (the replicas' data on LazyFS): each schedule's
+    /// first fault is a power cut, of a minority or of every replica (half
+    /// the schedules each); its second, if any, is drawn from the rest,
+    /// power cuts included.
+    pub power_loss: bool,
 }
 
 /// Every fault kind's name.
-pub const KINDS: [&str; 13] = [
+pub const KINDS: [&str; 15] = [
     "partition",
     "isolate-leader",
     "one-way",
@@ -169,6 +187,8 @@ pub const KINDS: [&str; 13] = [
     "membership-crash",
     "clock-skew",
     "clock-step",
+    "power-loss",
+    "power-loss-all",
 ];
 
 impl Schedule {
@@ -183,7 +203,17 @@ impl Schedule {
         let slot = total / count;
         let mut steps = Vec::new();
         for n in 0..count {
-            let fault = draw(&mut rng, options);
+            let fault = if n == 0 && options.power_loss && options.only.is_none() {
+                if rng.percent(50) {
+                    Fault::PowerLoss {
+                        pick: rng.next_u64(),
+                    }
+                } else {
+                    Fault::PowerLossAll
+                }
+            } else {
+                draw(&mut rng, options)
+            };
             let at = n * slot + rng.between(0, slot / 4);
             let lasts = rng.between(slot / 2, slot * 3 / 4).max(100);
             steps.push(Step {
@@ -210,7 +240,10 @@ fn target(rng: &mut Rng) -> Target {
 
 fn draw(rng: &mut Rng, options: FaultOptions) -> Fault {
     loop {
-        let fault = match rng.below(15) {
+        // Power cuts only where drawn for: other runs draw as before, so a
+        // seed keeps its schedule.
+        let kinds = if options.power_loss { 17 } else { 15 };
+        let fault = match rng.below(kinds) {
             0 | 1 => Fault::Partition {
                 pick: rng.next_u64(),
             },
@@ -242,6 +275,10 @@ fn draw(rng: &mut Rng, options: FaultOptions) -> Fault {
             14 if options.failpoints => Fault::ClockStep {
                 offset_ms: if rng.percent(50) { 600_000 } else { -600_000 },
             },
+            15 if options.power_loss => Fault::PowerLoss {
+                pick: rng.next_u64(),
+            },
+            16 if options.power_loss => Fault::PowerLossAll,
             _ => continue,
         };
         if options.only.is_some_and(|only| only != fault.kind()) {
@@ -277,6 +314,7 @@ mod tests {
             failpoints: true,
             membership: true,
             only: None,
+            power_loss: false,
         };
         for seed in 0..200 {
             let a = Schedule::generate(seed, options, Duration::from_millis(2500));

@@ -109,6 +109,24 @@ async fn planted_bug_runs(
     workload: Duration,
     run: RunConfig,
 ) -> std::collections::BTreeMap<&'static str, u64> {
+    let delays = FaultOptions {
+        failpoints: false,
+        membership: false,
+        only: Some("delay"),
+        power_loss: false,
+    };
+    planted_bug_runs_with(failpoint, seed, schedules, workload, run, delays).await
+}
+
+/// [`planted_bug_runs`] drawing `faults`.
+async fn planted_bug_runs_with(
+    failpoint: &str,
+    seed: u64,
+    schedules: u64,
+    workload: Duration,
+    run: RunConfig,
+    faults: FaultOptions,
+) -> std::collections::BTreeMap<&'static str, u64> {
     let options = DriverOptions {
         tetherd: tetherd_failpoints(),
         replicas: 3,
@@ -118,11 +136,7 @@ async fn planted_bug_runs(
         lanes: 1,
         per_cluster: 25,
         workload,
-        faults: FaultOptions {
-            failpoints: false,
-            membership: false,
-            only: Some("delay"),
-        },
+        faults,
         failpoints_env: Some(format!("{failpoint}=return")),
         run,
         verbose: false,
@@ -180,6 +194,39 @@ async fn a_build_that_grants_twice_in_one_sweep_is_caught_with_its_seed() {
     )
     .await;
     assert!(violations["tokens"] > 0, "{violations:?}");
+}
+
+/// A build that acknowledges log appends to Raft without an fsync
+/// (`log-append-without-sync`), its replicas' data on LazyFS, every
+/// schedule cutting the power of the whole cluster: the grants the
+/// clients were told of are gone from the log when it comes back, and the
+/// `durability` checker says so.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_build_that_acknowledges_appends_without_a_sync_is_caught_after_a_power_loss() {
+    if let Err(why) = tether_kube_testenv::lazyfs::available() {
+        assert!(
+            std::env::var("CI").as_deref() != Ok("true"),
+            "{why} (CI=true: a failure, not a skip)"
+        );
+        eprintln!("\nSKIPPED: {why}");
+        return;
+    }
+    let power_cuts = FaultOptions {
+        failpoints: false,
+        membership: false,
+        only: Some("power-loss-all"),
+        power_loss: true,
+    };
+    let violations = planted_bug_runs_with(
+        "log-append-without-sync",
+        95_000,
+        2,
+        Duration::from_millis(2500),
+        RunConfig::default(),
+        power_cuts,
+    )
+    .await;
+    assert!(violations["durability"] > 0, "{violations:?}");
 }
 
 /// A give-up that keeps a grant which raced it (format 6's rule): the
@@ -336,6 +383,7 @@ async fn a_leader_whose_clock_runs_ahead_does_not_evict_a_session_early() {
         failpoints: None,
         log_filter: None,
         tokens: false,
+        lazyfs: false,
     })
     .await
     .expect("a cluster");
@@ -592,6 +640,7 @@ async fn a_replica_whose_raft_core_stops_exits_and_recovers_when_restarted() {
         failpoints: None,
         log_filter: None,
         tokens: false,
+        lazyfs: false,
     })
     .await
     .expect("a cluster");

@@ -20,6 +20,7 @@ async fn cluster() -> ProcessCluster {
         failpoints: None,
         log_filter: None,
         tokens: false,
+        lazyfs: false,
     })
     .await
     .expect("a 3-replica cluster")

@@ -139,6 +139,7 @@ async fn a_cluster_rolls_from_the_previous_release_to_this_build_and_keeps_servi
         failpoints: None,
         log_filter: None,
         tokens: false,
+        lazyfs: false,
     })
     .await
     .expect("a cluster of the previous release");

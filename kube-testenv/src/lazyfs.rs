@@ -102,8 +102,10 @@ impl LazyFs {
         let mountinfo = format!("/proc/{}/mountinfo", self.lazyfs.id());
         let point = format!(" {} ", self.mount.display());
         loop {
-            let mounted = std::fs::read_to_string(&mountinfo)
-                .is_ok_and(|info| info.lines().any(|l| l.contains(&point) && l.contains("lazyfs")));
+            let mounted = std::fs::read_to_string(&mountinfo).is_ok_and(|info| {
+                info.lines()
+                    .any(|l| l.contains(&point) && l.contains("lazyfs"))
+            });
             if mounted && self.fifo.exists() {
                 return Ok(());
             }
@@ -212,9 +214,9 @@ fn unpack(source: &Path) -> Result<PathBuf, String> {
     let sums = std::fs::read_to_string(&sums_path)
         .map_err(|e| format!("cannot read {}: {e}", sums_path.display()))?;
     // Keyed by the sums, so new binaries unpack beside the old.
-    let key: u64 = sums
-        .bytes()
-        .fold(0xcbf2_9ce4_8422_2325, |h, b| (h ^ u64::from(b)).wrapping_mul(0x100_0000_01b3));
+    let key: u64 = sums.bytes().fold(0xcbf2_9ce4_8422_2325, |h, b| {
+        (h ^ u64::from(b)).wrapping_mul(0x100_0000_01b3)
+    });
     let dir = std::env::temp_dir().join(format!("tether-lazyfs-{key:016x}"));
     std::fs::create_dir_all(&dir).map_err(|e| format!("{}: {e}", dir.display()))?;
     for name in ["lazyfs", "libpcache.so.0"] {
@@ -256,7 +258,9 @@ fn unpack(source: &Path) -> Result<PathBuf, String> {
             .to_string();
         if actual != expected {
             let _ = std::fs::remove_file(&partial);
-            return Err(format!("{name}: SHA-256 {actual}, SHA256SUMS says {expected}"));
+            return Err(format!(
+                "{name}: SHA-256 {actual}, SHA256SUMS says {expected}"
+            ));
         }
         use std::os::unix::fs::PermissionsExt;
         std::fs::set_permissions(&partial, std::fs::Permissions::from_mode(0o755))

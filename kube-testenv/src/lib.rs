@@ -44,9 +44,9 @@ pub mod apply;
 pub mod assets;
 #[cfg(feature = "control-plane")]
 pub mod control_plane;
+pub mod lazyfs;
 #[cfg(feature = "control-plane")]
 pub mod node;
-pub mod lazyfs;
 pub mod process;
 
 #[cfg(feature = "control-plane")]

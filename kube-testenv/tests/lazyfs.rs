@@ -62,7 +62,10 @@ fn a_cleared_cache_keeps_what_was_fsynced_and_loses_the_rest() {
         b"kept"
     );
     // The backing directory holds what the disk kept.
-    assert_eq!(std::fs::read(work.path().join("backing/synced")).unwrap(), b"kept");
+    assert_eq!(
+        std::fs::read(work.path().join("backing/synced")).unwrap(),
+        b"kept"
+    );
 
     let mount = work.path().join("mount");
     drop(fs);

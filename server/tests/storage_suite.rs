@@ -7,6 +7,9 @@ use tempfile::TempDir;
 use tether_server::raft::TypeConfig;
 use tether_server::store::{self, LogStore, StateMachineStore};
 
+mod common;
+use common::acquire_entry;
+
 /// Builds stores for the suite. The log store syncs appends in one of two
 /// ways (`log_store.rs`): the leader's own on its sync thread, another
 /// replica's in the write itself; `own_id` picks which path the suite's
@@ -59,30 +62,6 @@ async fn apply(
     use openraft::storage::RaftStateMachine;
     let entries: Vec<_> = entries.into_iter().map(|e| Ok((e, None))).collect();
     RaftStateMachine::apply(sm, futures::stream::iter(entries)).await
-}
-
-/// An Acquire of lock `gpu-bind/node-<index>` at log index `index`, stamped
-/// with leader time `time_ms`.
-fn acquire_entry(index: u64, time_ms: u64) -> tether_server::raft::Entry {
-    use openraft::EntryPayload;
-    use tether_server::sm::command::Acquire;
-    use tether_server::sm::{Command, LockKey, Pod, Request};
-    let command = Command::Acquire(Acquire {
-        key: LockKey::new("gpu-bind", format!("node-{index}")),
-        pod: Pod {
-            uid: format!("u{index}"),
-            ..Default::default()
-        },
-        payload: vec![],
-        wait_ms: 0,
-        lease_id: 0,
-        client_id: "c".into(),
-        queue_limit: 10,
-    });
-    tether_server::raft::Entry {
-        log_id: tether_server::raft::log_id(1, 1, index),
-        payload: EntryPayload::Normal(Request::new(None, time_ms, command)),
-    }
 }
 
 mod store_behaviour {

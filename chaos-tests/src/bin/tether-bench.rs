@@ -634,6 +634,7 @@ fn cluster_spec(args: &Args, tetherd: &std::path::Path, extra_args: &[&str]) -> 
         failpoints: None,
         log_filter: args.logs.as_ref().map(|_| "info,openraft=warn".to_string()),
         tokens: false,
+        lazyfs: false,
     }
 }
 

@@ -61,6 +61,12 @@ struct Args {
     /// failpoint-crash).
     #[arg(long)]
     only: Option<String>,
+    /// Power-loss schedules: every replica's data directory on a LazyFS
+    /// mount of its own (`../shared/lazyfs`, or TETHER_LAZYFS), and each
+    /// schedule opens with a power cut of a minority or of every replica
+    /// (kill -9, unsynced writes dropped, restart on what the disk kept).
+    #[arg(long)]
+    power_loss: bool,
     /// Print every schedule.
     #[arg(long, short)]
     verbose: bool,
@@ -100,6 +106,15 @@ async fn main() -> anyhow::Result<()> {
                 .ok_or_else(|| anyhow::anyhow!("--only {name:?}: not one of {KINDS:?}"))?,
         ),
     };
+    if only.is_some_and(|o| o.starts_with("power-loss")) && !args.power_loss {
+        anyhow::bail!(
+            "--only {}: needs --power-loss (the data on LazyFS)",
+            only.unwrap()
+        );
+    }
+    if args.power_loss {
+        tether_kube_testenv::lazyfs::available().map_err(anyhow::Error::msg)?;
+    }
     if only == Some("failpoint-crash") && !failpoints {
         anyhow::bail!(
             "--only failpoint-crash needs a failpoints build of tetherd (--failpoints true)"
@@ -124,6 +139,7 @@ async fn main() -> anyhow::Result<()> {
             failpoints,
             membership: args.membership,
             only,
+            power_loss: args.power_loss,
         },
         failpoints_env: args.broken,
         run: RunConfig::default(),
@@ -133,11 +149,16 @@ async fn main() -> anyhow::Result<()> {
     };
     println!(
         "tether-chaos: {} schedules from seed {seed} ({} replicas, {} lanes, failpoints {}, \
-         tetherd {}); replay one with --seed N --schedules 1",
+         power loss {}, tetherd {}); replay one with --seed N --schedules 1",
         options.schedules,
         options.replicas,
         options.lanes,
         if failpoints { "on" } else { "off" },
+        if args.power_loss {
+            "on (LazyFS)"
+        } else {
+            "off"
+        },
         options.tetherd.display()
     );
     let summary = run_many(options.clone()).await?;

@@ -217,6 +217,7 @@ async fn main() -> anyhow::Result<()> {
         // The snapshot and start-up timings are logged at info level.
         log_filter: Some("info,openraft=warn".into()),
         tokens: false,
+        lazyfs: false,
     })
     .await?;
     let voters: Vec<u64> = (1..=args.replicas as u64).collect();

@@ -87,7 +87,11 @@ impl Flusher {
                     let started = std::time::Instant::now();
                     // Everything written to the log before the sync began
                     // is durable when it returns.
-                    let result = db.flush_wal(true);
+                    let result = if super::planted_unsynced("log-append-without-sync") {
+                        Ok(())
+                    } else {
+                        db.flush_wal(true)
+                    };
                     if let Some(metrics) = &metrics {
                         metrics.fsynced(started.elapsed());
                     }
@@ -334,9 +338,12 @@ impl RaftLogStorage<TypeConfig> for LogStore {
     }
 
     async fn save_vote(&mut self, vote: &Vote) -> Result<(), StorageError> {
-        self.put_meta(VOTE, vote).map_err(|_| {
-            err::write_vote(&std::io::Error::other("RocksDB write of the vote failed"))
+        let options = super::sync_unless_planted("vote-without-sync");
+        self.synced_write(|_| {
+            self.db
+                .put_cf_opt(self.cf_meta(), VOTE, encode(vote), &options)
         })
+        .map_err(|_| err::write_vote(&std::io::Error::other("RocksDB write of the vote failed")))
     }
 
     async fn save_committed(&mut self, committed: Option<LogId>) -> Result<(), StorageError> {
@@ -412,7 +419,8 @@ impl RaftLogStorage<TypeConfig> for LogStore {
             .is_some_and(|own| proposer.is_some_and(|p| p != own))
             && self.unsynced.load(std::sync::atomic::Ordering::Acquire) == 0;
         if synced_here {
-            return match self.synced_write(|opts| self.db.write_opt(batch, opts)) {
+            let options = super::sync_unless_planted("log-append-without-sync");
+            return match self.synced_write(|_| self.db.write_opt(batch, &options)) {
                 Ok(()) => {
                     fail::fail_point!("log-append-before-ack");
                     callback.io_completed(Ok(()));

@@ -40,6 +40,33 @@ pub use state_machine::{
 
 use crate::raft::StorageError;
 
+/// Whether planted durability bug `name` is switched on: a write that must
+/// be fsynced goes out without a sync (the power-loss tests must catch each;
+/// `FAILPOINTS=<name>=return`). Always off without the `failpoints`
+/// feature. The switches:
+/// - `log-append-without-sync`: appends acknowledged to Raft unsynced;
+/// - `vote-without-sync`: the vote written unsynced;
+/// - `snapshot-install-without-sync`: an installed snapshot (its state and
+///   its stored copy) written unsynced.
+pub(crate) fn planted_unsynced(name: &str) -> bool {
+    #[cfg(feature = "failpoints")]
+    {
+        fail::eval(name, |_| ()).is_some()
+    }
+    #[cfg(not(feature = "failpoints"))]
+    {
+        let _ = name;
+        false
+    }
+}
+
+/// `options` fsynced, unless planted bug `name` is on.
+pub(crate) fn sync_unless_planted(name: &str) -> rocksdb::WriteOptions {
+    let mut options = rocksdb::WriteOptions::default();
+    options.set_sync(!planted_unsynced(name));
+    options
+}
+
 /// Column family of Raft log entries.
 pub const CF_LOG: &str = "log";
 /// Column family of Raft metadata (vote, committed, purged, snapshot).

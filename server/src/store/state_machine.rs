@@ -407,7 +407,12 @@ impl StateMachineStore {
         batch.put_cf(sm_cf, NOW, encode(&file.state.now_ms));
         batch.put_cf(sm_cf, LAST_APPLIED, encode(&file.last_applied));
         batch.put_cf(sm_cf, MEMBERSHIP, encode(&file.membership));
-        self.db.write_opt(batch, &synced()).map_err(sm_write_err)?;
+        self.db
+            .write_opt(
+                batch,
+                &super::sync_unless_planted("snapshot-install-without-sync"),
+            )
+            .map_err(sm_write_err)?;
 
         let mut applied = self.handle.inner.write().unwrap_or_else(|p| p.into_inner());
         applied.state = file.state;
@@ -746,7 +751,12 @@ impl StateMachineStore {
         {
             let _storing = self.gate.storing();
             self.db
-                .put_cf_opt(cf(&self.db, CF_META), SNAPSHOT, encode(&stored), &synced())
+                .put_cf_opt(
+                    cf(&self.db, CF_META),
+                    SNAPSHOT,
+                    encode(&stored),
+                    &super::sync_unless_planted("snapshot-install-without-sync"),
+                )
                 .map_err(|e| err::write_snapshot(&e))?;
             self.gate.stored(covered);
         }

@@ -47,3 +47,27 @@ pub fn lock(name: &str) -> pb::LockKey {
         name: name.to_string(),
     }
 }
+
+/// An Acquire of lock `gpu-bind/node-<index>` at log index `index`, stamped
+/// with leader time `time_ms`.
+pub fn acquire_entry(index: u64, time_ms: u64) -> tether_server::raft::Entry {
+    use openraft::EntryPayload;
+    use tether_server::sm::command::Acquire;
+    use tether_server::sm::{Command, LockKey, Pod, Request};
+    let command = Command::Acquire(Acquire {
+        key: LockKey::new("gpu-bind", format!("node-{index}")),
+        pod: Pod {
+            uid: format!("u{index}"),
+            ..Default::default()
+        },
+        payload: vec![],
+        wait_ms: 0,
+        lease_id: 0,
+        client_id: "c".into(),
+        queue_limit: 10,
+    });
+    tether_server::raft::Entry {
+        log_id: tether_server::raft::log_id(1, 1, index),
+        payload: EntryPayload::Normal(Request::new(None, time_ms, command)),
+    }
+}
