@@ -81,9 +81,17 @@ pub fn node_id(data_dir: &Path) -> anyhow::Result<u64> {
         Err(err) if err.kind() == std::io::ErrorKind::NotFound => {
             std::fs::create_dir_all(data_dir)?;
             let id = (crate::cluster_id::random_u64() & ((1 << 53) - 1)).max(1);
+            // Synced before the rename and the directory after it: the
+            // replica may join the cluster under this id at once, and a
+            // power cut must not leave the file empty or gone (LazyFS
+            // found it empty: the rename kept, the unsynced data lost).
             let tmp = path.with_extension("tmp");
-            std::fs::write(&tmp, format!("{id}\n"))?;
+            let mut file = std::fs::File::create(&tmp)?;
+            std::io::Write::write_all(&mut file, format!("{id}\n").as_bytes())?;
+            file.sync_all()?;
+            drop(file);
             std::fs::rename(&tmp, &path)?;
+            std::fs::File::open(data_dir)?.sync_all()?;
             Ok(id)
         }
         Err(err) => Err(err).with_context(|| format!("cannot read {}", path.display())),
