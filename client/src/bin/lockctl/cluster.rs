@@ -79,17 +79,17 @@ pub(crate) async fn command(client: &Client, out: &Out, cmd: ClusterCmd) -> Resu
         }
         ClusterCmd::ExportSnapshot { file } => {
             let (index, data) = client.export_snapshot().await?;
-            // Written aside, then renamed: a half-written backup never
-            // takes the name of a good one.
+            // Written aside, synced, then renamed and the directory
+            // synced: a half-written backup never takes the name of a good
+            // one, and one reported written survives a power cut (LazyFS
+            // found it empty after one).
             let partial = file.with_extension("partial");
-            std::fs::write(&partial, &data)
-                .and_then(|()| std::fs::rename(&partial, &file))
-                .map_err(|e| {
-                    tether_client::Error::InvalidArgument(format!(
-                        "cannot write {}: {e}",
-                        file.display()
-                    ))
-                })?;
+            write_durably(&partial, &file, &data).map_err(|e| {
+                tether_client::Error::InvalidArgument(format!(
+                    "cannot write {}: {e}",
+                    file.display()
+                ))
+            })?;
             out.print(
                 json!({"snapshot_index": index, "bytes": data.len(), "file": file.display().to_string()}),
                 || {
@@ -103,6 +103,25 @@ pub(crate) async fn command(client: &Client, out: &Out, cmd: ClusterCmd) -> Resu
         }
     }
     Ok(())
+}
+
+/// Writes `data` to `partial`, syncs it, renames it to `file` and syncs
+/// the directory.
+fn write_durably(
+    partial: &std::path::Path,
+    file: &std::path::Path,
+    data: &[u8],
+) -> std::io::Result<()> {
+    let mut out = std::fs::File::create(partial)?;
+    std::io::Write::write_all(&mut out, data)?;
+    out.sync_all()?;
+    drop(out);
+    std::fs::rename(partial, file)?;
+    let dir = match file.parent() {
+        Some(parent) if !parent.as_os_str().is_empty() => parent,
+        _ => std::path::Path::new("."),
+    };
+    std::fs::File::open(dir)?.sync_all()
 }
 
 /// (voters, learners) as the leader sees them.
