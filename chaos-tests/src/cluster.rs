@@ -220,9 +220,19 @@ impl ProcessCluster {
         format!("127.0.0.1:{}", self.replicas[&id].port)
     }
 
-    /// Where `id` keeps its data.
+    /// Where `id` keeps its data, as its `tetherd` sees it (on LazyFS, the
+    /// mount point inside the replica's namespace).
     pub fn data_dir(&self, id: u64) -> PathBuf {
         self.dir.path().join(format!("d{id}"))
+    }
+
+    /// `id`'s data as this process reaches it (through LazyFS's namespace
+    /// when the data is on LazyFS).
+    pub fn data_path(&self, id: u64) -> PathBuf {
+        match self.disks.get(&id) {
+            Some(disk) => disk.path(),
+            None => self.data_dir(id),
+        }
     }
 
     /// Every slot's id, running or not.

@@ -8,7 +8,9 @@
 //! - building a snapshot on the leader;
 //! - installing it on a new, empty member (learner added, caught up);
 //! - a follower's restart after `kill -9` (until it serves its old applied
-//!   index), and a whole-cluster restart (until a leader answers);
+//!   index), and a whole-cluster restart (until a leader answers); with
+//!   `--power-loss` the data directories are on LazyFS and each kill is a
+//!   power cut (what was not fsynced is lost before the restart);
 //! - a watch catching up from revision 1.
 //!
 //! `./dev scale` builds release binaries and runs it; `--help` for the sizes.
@@ -51,6 +53,10 @@ struct Args {
     /// The tetherd binary (default: next to this one).
     #[arg(long)]
     tetherd: Option<PathBuf>,
+    /// Each replica's data on a LazyFS mount of its own (`../shared/lazyfs`
+    /// or TETHER_LAZYFS); the restarts follow power cuts, not kills.
+    #[arg(long)]
+    power_loss: bool,
 }
 
 /// Runs `op(0..count)` with `concurrency` calls in flight; fails with the
@@ -131,9 +137,12 @@ fn print_memory(cluster: &ProcessCluster, ids: &[u64], when: &str) {
         match cluster.pid(*id).and_then(memory_mib) {
             Some((rss, peak)) => println!(
                 "  replica {id}: RSS {rss:.0} MiB (peak {peak:.0} MiB), data dir {:.0} MiB  [{when}]",
-                disk_bytes(&cluster.data_dir(*id)) as f64 / 1048576.0
+                disk_bytes(&cluster.data_path(*id)) as f64 / 1048576.0
             ),
-            None => println!("  replica {id}: not running [{when}]"),
+            None => println!(
+                "  replica {id}: not running, data dir {:.0} MiB  [{when}]",
+                disk_bytes(&cluster.data_path(*id)) as f64 / 1048576.0
+            ),
         }
     }
 }
@@ -203,8 +212,17 @@ async fn main() -> anyhow::Result<()> {
     let cores = std::thread::available_parallelism().map_or(0, |n| n.get());
     println!(
         "tether-scale: {} replicas (tetherd processes), loopback, fsync on, default snapshot/retention settings, {cores} cores; \
-         {} nodes, {} pins, ~{} events, {} requests in flight",
-        args.replicas, args.nodes, args.pins, args.events, args.concurrency
+         {} nodes, {} pins, ~{} events, {} requests in flight{}",
+        args.replicas,
+        args.nodes,
+        args.pins,
+        args.events,
+        args.concurrency,
+        if args.power_loss {
+            "; data on LazyFS, restarts after power cuts"
+        } else {
+            ""
+        }
     );
     let mut cluster = ProcessCluster::start_spec(ClusterSpec {
         tetherd,
@@ -217,7 +235,7 @@ async fn main() -> anyhow::Result<()> {
         // The snapshot and start-up timings are logged at info level.
         log_filter: Some("info,openraft=warn".into()),
         tokens: false,
-        lazyfs: false,
+        lazyfs: args.power_loss,
     })
     .await?;
     let voters: Vec<u64> = (1..=args.replicas as u64).collect();
@@ -350,11 +368,21 @@ async fn main() -> anyhow::Result<()> {
         .find(|id| **id != leader.node_id)
         .context("a follower")?;
     let applied = client.leader_status().await?.applied_index;
-    cluster.kill(follower);
+    let stop = if args.power_loss {
+        "power cut"
+    } else {
+        "killed (-9)"
+    };
+    if args.power_loss {
+        cluster.power_cut(follower)?;
+    } else {
+        cluster.kill(follower);
+    }
+    print_memory(&cluster, &[follower], "stopped");
     cluster.restart(follower, None)?;
     let took = until_applied(&client, &cluster.addr(follower), applied).await?;
     println!(
-        "follower restart: replica {follower} killed (-9) and serving its applied index {applied} again {} after start \
+        "follower restart: replica {follower} {stop} and serving its applied index {applied} again {} after start \
          (tetherd logged {} ms to open the database and load the state)",
         secs(took),
         logged(
@@ -368,8 +396,13 @@ async fn main() -> anyhow::Result<()> {
 
     // The whole cluster killed and started again.
     for id in &voters {
-        cluster.kill(*id);
+        if args.power_loss {
+            cluster.power_cut(*id)?;
+        } else {
+            cluster.kill(*id);
+        }
     }
+    print_memory(&cluster, &voters, "stopped");
     let started = Instant::now();
     for id in &voters {
         cluster.restart(*id, None)?;
@@ -384,7 +417,7 @@ async fn main() -> anyhow::Result<()> {
         .await
         .map(|_| started.elapsed())?;
     println!(
-        "cluster restart: all {} replicas killed (-9) and started; a leader after {}, a linearizable read answered after {} \
+        "cluster restart: all {} replicas {stop} and started; a leader after {}, a linearizable read answered after {} \
          (an election included)",
         args.replicas,
         secs(leader_after),
