@@ -325,4 +325,30 @@ mod tests {
             }
         }
     }
+
+    #[test]
+    fn power_cuts_open_every_power_loss_schedule_and_no_other() {
+        let mut options = FaultOptions {
+            failpoints: true,
+            membership: true,
+            only: None,
+            power_loss: false,
+        };
+        let cut = |f: &Fault| matches!(f, Fault::PowerLoss { .. } | Fault::PowerLossAll);
+        for seed in 0..200 {
+            let plain = Schedule::generate(seed, options, Duration::from_millis(2500));
+            assert!(!plain.steps.iter().any(|s| cut(&s.fault)), "{plain}");
+        }
+        options.power_loss = true;
+        let mut whole = 0;
+        for seed in 0..200 {
+            let schedule = Schedule::generate(seed, options, Duration::from_millis(2500));
+            assert!(cut(&schedule.steps[0].fault), "{schedule}");
+            whole += usize::from(matches!(schedule.steps[0].fault, Fault::PowerLossAll));
+        }
+        assert!(
+            (60..140).contains(&whole),
+            "{whole} of 200 cut every replica"
+        );
+    }
 }
