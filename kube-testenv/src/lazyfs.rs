@@ -201,6 +201,22 @@ pub fn available() -> Result<(), String> {
     Ok(())
 }
 
+/// Whether a test can use LazyFS; if not, says so in one loud line and
+/// returns false (the test then passes by), or under `CI=true` panics: CI
+/// must run the power-loss tests, not skip them.
+pub fn available_or_skip(test: &str) -> bool {
+    match available() {
+        Ok(()) => true,
+        Err(why) if std::env::var("CI").as_deref() == Ok("true") => {
+            panic!("{test}: {why} (CI=true: a failure, not a skip)")
+        }
+        Err(why) => {
+            eprintln!("\nSKIPPED {test}: {why}");
+            false
+        }
+    }
+}
+
 /// The unpacked, checked binaries' directory (unpacked on first use).
 fn binaries() -> Result<PathBuf, String> {
     static DIR: OnceLock<Result<PathBuf, String>> = OnceLock::new();

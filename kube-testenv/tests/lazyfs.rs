@@ -7,23 +7,9 @@ use std::io::Write;
 
 use tether_kube_testenv::lazyfs::{self, LazyFs};
 
-/// LazyFS, or `None` after a loud skip line (a failure under `CI=true`).
-fn lazyfs_or_skip(test: &str) -> Option<()> {
-    match lazyfs::available() {
-        Ok(()) => Some(()),
-        Err(why) if std::env::var("CI").is_ok_and(|v| v == "true") => {
-            panic!("{test}: {why} (CI=true: a failure, not a skip)")
-        }
-        Err(why) => {
-            eprintln!("\nSKIPPED {test}: {why}");
-            None
-        }
-    }
-}
-
 #[test]
 fn a_cleared_cache_keeps_what_was_fsynced_and_loses_the_rest() {
-    if lazyfs_or_skip("a_cleared_cache_keeps_what_was_fsynced_and_loses_the_rest").is_none() {
+    if !lazyfs::available_or_skip("a_cleared_cache_keeps_what_was_fsynced_and_loses_the_rest") {
         return;
     }
     let work = tempfile::tempdir().unwrap();
