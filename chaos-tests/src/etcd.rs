@@ -105,6 +105,11 @@ impl EtcdCluster {
         }
     }
 
+    /// The members' process ids, in member order (`e0` first).
+    pub fn pids(&self) -> Vec<u32> {
+        self.children.iter().map(Child::id).collect()
+    }
+
     /// A channel to the first member.
     pub async fn channel(&self) -> anyhow::Result<Channel> {
         Ok(Endpoint::from_shared(self.endpoints[0].clone())?

@@ -18,12 +18,15 @@
 //! and range over the rounds (run-to-run noise on a shared 2-core machine is
 //! ±15 %, larger than most changes).
 //!
-//! With `--cpu` each scenario's Tether rows (`tether`, and `no-batch` or
-//! `baseline` when run) are followed by the CPU time each replica (leader
-//! first) and the bench itself used during it, from `/proc/<pid>/stat`:
-//! where the two cores went, and the replicas' CPU per completed pair. The
-//! latter moves less from run to run than pairs/s on a shared machine, so it
-//! is the figure to compare two builds by (the rounds summary has its median).
+//! With `--cpu` each scenario's rows (`tether`, `no-batch` or `baseline`
+//! when run, and `etcd`) are followed by the CPU time each replica (leader
+//! first) or etcd member and the bench itself used during it, from
+//! `/proc/<pid>/stat`: where the two cores went, and the replicas' (or the
+//! members') CPU per completed pair. The latter moves less from run to run
+//! than pairs/s on a shared machine, so it is the figure to compare two
+//! builds, or Tether and etcd, by (the rounds summary has its median).
+//! Before the scenarios, each system's idle CPU over `IDLE_SPAN` with no
+//! client calling.
 //!
 //! With `--logs DIR` the Tether replicas' logs are copied there at the end
 //! and every scenario's rows say when it started (UTC, as in the logs), to
@@ -110,8 +113,9 @@ struct Args {
     #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=100))]
     rounds: u32,
     /// After each scenario, print the CPU used by each replica of every
-    /// Tether row and by the bench during that row's run, and the replicas'
-    /// CPU per completed pair (Linux `/proc`).
+    /// Tether row, each etcd member and the bench during that row's run,
+    /// and the replicas' (members') CPU per completed pair; before the
+    /// scenarios, each system's idle CPU (Linux `/proc`).
     #[arg(long)]
     cpu: bool,
     /// Copy every Tether replica's log here at the end
@@ -529,6 +533,30 @@ async fn main() -> anyhow::Result<()> {
         None
     };
 
+    // Every Tether cluster by its row's name.
+    let clusters: Vec<(&'static str, &ProcessCluster)> = [
+        (TETHER, Some(&cluster)),
+        (NO_BATCH, unbatched.as_ref()),
+        (BASELINE, baseline.as_ref()),
+    ]
+    .into_iter()
+    .filter_map(|(row, cluster)| cluster.map(|c| (row, c)))
+    .collect();
+    // One probe per Tether variant and one for etcd, by row name.
+    let mut cpu = Vec::new();
+    if args.cpu {
+        for (row, cluster) in &clusters {
+            let (_, client) = tethers
+                .iter()
+                .find(|(system, _)| system == row)
+                .expect("every started cluster has a row");
+            cpu.push((*row, CpuProbe::of(cluster, client, args.replicas).await?));
+        }
+        if let Some((members, _)) = &etcd {
+            cpu.push((ETCD, CpuProbe::of_etcd(members)));
+        }
+        print_idle_cpu(&cpu).await;
+    }
     println!();
     println!(
         "{:<8} {:<12} {:>7} {:>10} {:>9} {:>9} {:>9} {:>11} {:>11} {:>7} {:>7}",
@@ -544,26 +572,6 @@ async fn main() -> anyhow::Result<()> {
         "errors",
         "ratio"
     );
-    // Every Tether cluster by its row's name.
-    let clusters: Vec<(&'static str, &ProcessCluster)> = [
-        (TETHER, Some(&cluster)),
-        (NO_BATCH, unbatched.as_ref()),
-        (BASELINE, baseline.as_ref()),
-    ]
-    .into_iter()
-    .filter_map(|(row, cluster)| cluster.map(|c| (row, c)))
-    .collect();
-    // One probe per Tether variant, by row name.
-    let mut cpu = Vec::new();
-    if args.cpu {
-        for (row, cluster) in &clusters {
-            let (_, client) = tethers
-                .iter()
-                .find(|(system, _)| system == row)
-                .expect("every started cluster has a row");
-            cpu.push((*row, CpuProbe::of(cluster, client, args.replicas).await?));
-        }
-    }
     for round in 1..=args.rounds {
         if args.rounds > 1 {
             println!("round {round} of {}", args.rounds);
@@ -684,12 +692,16 @@ async fn run_round(
             }
         })
         .await;
+        let mut cpu_used = cpu_used;
         if let Some(channel) = etcd {
-            let run = if is_contended {
-                etcd::contended(channel, clients, duration, &tag).await
-            } else {
-                etcd::uncontended(channel, clients, duration, &tag).await
-            };
+            let run = with_cpu(cpu, &mut cpu_used, async {
+                if is_contended {
+                    etcd::contended(channel, clients, duration, &tag).await
+                } else {
+                    etcd::uncontended(channel, clients, duration, &tag).await
+                }
+            })
+            .await;
             runs.push((ETCD, run));
         }
         print_rows(&mut runs, name, clients, is_contended);
@@ -710,8 +722,10 @@ async fn run_round(
             async move { mixed(&client, &arrivals, &tag).await }
         })
         .await;
+        let mut cpu_used = cpu_used;
         if let Some(channel) = etcd {
-            runs.push((ETCD, etcd::mixed(channel, &arrivals, &tag).await));
+            let run = with_cpu(cpu, &mut cpu_used, etcd::mixed(channel, &arrivals, &tag)).await;
+            runs.push((ETCD, run));
         }
         print_rows(&mut runs, "mixed", *rate as usize, false);
         results.extend(measure_with_cpu(
@@ -731,8 +745,15 @@ async fn run_round(
             async move { reads(&client, clients, duration, &tag).await }
         })
         .await;
+        let mut cpu_used = cpu_used;
         if let Some(channel) = etcd {
-            runs.push((ETCD, etcd::reads(channel, clients, duration, &tag).await));
+            let run = with_cpu(
+                cpu,
+                &mut cpu_used,
+                etcd::reads(channel, clients, duration, &tag),
+            )
+            .await;
+            runs.push((ETCD, run));
         }
         print_rows(&mut runs, "reads", clients, false);
         results.extend(measure_with_cpu(runs, "reads", clients, cpu, &cpu_used));
@@ -776,6 +797,49 @@ where
     (runs, cpu_used)
 }
 
+/// Runs etcd's `workload`, sampling etcd's probe (if any) around it into
+/// `cpu_used`.
+async fn with_cpu(
+    cpu: &[(&'static str, CpuProbe)],
+    cpu_used: &mut Vec<(&'static str, CpuUsed)>,
+    workload: impl std::future::Future<Output = Run>,
+) -> Run {
+    let probe = probe_of(cpu, ETCD);
+    let before = probe.map(CpuProbe::sample);
+    let run = workload.await;
+    if let (Some(probe), Some(before)) = (probe, before) {
+        cpu_used.push((ETCD, probe.used(&before, &probe.sample())));
+    }
+    run
+}
+
+/// How long each system's idle CPU is measured (`--cpu`).
+const IDLE_SPAN: Duration = Duration::from_secs(5);
+
+/// Each probed system's CPU over [`IDLE_SPAN`] with no client calling:
+/// heartbeats, timers, background work. One system at a time, so none
+/// measures the others' start-up.
+async fn print_idle_cpu(cpu: &[(&'static str, CpuProbe)]) {
+    for (row, probe) in cpu {
+        let before = probe.sample();
+        tokio::time::sleep(IDLE_SPAN).await;
+        let used = probe.used(&before, &probe.sample());
+        let parts: Vec<String> = probe
+            .processes
+            .iter()
+            .zip(&used.seconds)
+            .take(probe.processes.len() - 1)
+            .map(|((label, _), s)| format!("{label} {:.1} %", s / used.wall * 100.0))
+            .collect();
+        println!(
+            "idle cpu ({row}, % of one core over {:.1} s, no client calling): {}; together {:.1} %",
+            used.wall,
+            parts.join(", "),
+            used.replicas_seconds() / used.wall * 100.0
+        );
+    }
+}
+
 /// The CPU probe of a row, if it has one.
 fn probe_of<'a>(cpu: &'a [(&'static str, CpuProbe)], system: &str) -> Option<&'a CpuProbe> {
     cpu.iter().find(|(row, _)| *row == system).map(|(_, p)| p)
@@ -812,14 +876,16 @@ struct CpuUsed {
 }
 
 impl CpuUsed {
-    /// CPU seconds of the replicas together (the bench left out).
+    /// CPU seconds of the replicas (or members) together (the bench left
+    /// out).
     fn replicas_seconds(&self) -> f64 {
         let replicas = &self.seconds[..self.seconds.len() - 1];
         replicas.iter().sum()
     }
 }
 
-/// CPU time of one Tether cluster's replicas and of the bench, from `/proc`.
+/// CPU time of one system's processes (a Tether cluster's replicas, or
+/// etcd's members) and of the bench, from `/proc`.
 struct CpuProbe {
     /// Label and pid, leader first, the bench last.
     processes: Vec<(String, u32)>,
@@ -855,6 +921,18 @@ impl CpuProbe {
         Ok(CpuProbe { processes })
     }
 
+    /// The members of etcd (`e0`, `e1`, ...) and the bench.
+    fn of_etcd(etcd: &EtcdCluster) -> Self {
+        let mut processes: Vec<(String, u32)> = etcd
+            .pids()
+            .into_iter()
+            .enumerate()
+            .map(|(i, pid)| (format!("e{i}"), pid))
+            .collect();
+        processes.push(("bench".to_string(), std::process::id()));
+        CpuProbe { processes }
+    }
+
     fn sample(&self) -> CpuSample {
         CpuSample {
             seconds: self
@@ -888,9 +966,10 @@ impl CpuProbe {
             .map(|((label, _), s)| format!("{label} {:.0} %", s / used.wall * 100.0))
             .collect();
         format!(
-            "cpu ({row}, % of one core over {:.1} s): {}; replicas {replica_ms_per_pair:.3} ms per pair",
+            "cpu ({row}, % of one core over {:.1} s): {}; {} {replica_ms_per_pair:.3} ms per pair",
             used.wall,
-            parts.join(", ")
+            parts.join(", "),
+            if row == ETCD { "members" } else { "replicas" }
         )
     }
 }
