@@ -244,7 +244,9 @@ pub async fn chaos_cluster_on(
 
 /// Writes a failing schedule's evidence and copies its cluster's replica
 /// logs (every run of every slot so far) to a directory that outlives the
-/// run; returns it.
+/// run; returns it. On LazyFS (power-loss runs) each replica's data
+/// directory is copied too (`data-<id>`, as the replica sees it, read while
+/// it runs), so its Raft log and state can be read afterwards.
 fn keep_evidence(cluster: &ProcessCluster, seed: u64, dump: &str) -> anyhow::Result<PathBuf> {
     let dir = std::env::temp_dir().join(format!("tether-chaos-s{seed}-{}", std::process::id()));
     std::fs::create_dir_all(&dir)?;
@@ -253,6 +255,18 @@ fn keep_evidence(cluster: &ProcessCluster, seed: u64, dump: &str) -> anyhow::Res
         let log = cluster.log_path(id);
         if log.exists() {
             std::fs::copy(&log, dir.join(format!("tetherd-{id}.log")))?;
+        }
+        if cluster.on_lazyfs() && cluster.data_path(id).exists() {
+            // `cp -r`: std has no recursive copy; a failed copy loses
+            // only this extra evidence.
+            let copied = std::process::Command::new("cp")
+                .arg("-r")
+                .arg(cluster.data_path(id))
+                .arg(dir.join(format!("data-{id}")))
+                .status();
+            if !copied.is_ok_and(|s| s.success()) {
+                eprintln!("could not copy replica {id}'s data into {}", dir.display());
+            }
         }
     }
     Ok(dir)
