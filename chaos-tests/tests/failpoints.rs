@@ -16,7 +16,10 @@
 //!   abandoned wait is kept for nobody: the abandoner's round that releases
 //!   inside the grace must reach it and the `progress` checker report it;
 //! - a leader whose clock runs 10 s ahead (`clock-offset-ms`) evicts no
-//!   session before it has led for the idle time.
+//!   session before it has led for the idle time;
+//! - a leader that a power cut took its unsynced log tail from does not
+//!   lead on in its old term (with `leader-restore` planted, it does, and
+//!   a second pod is granted the first one's token).
 
 use std::path::PathBuf;
 use std::time::Duration;
@@ -700,5 +703,135 @@ async fn a_replica_whose_raft_core_stops_exits_and_recovers_when_restarted() {
     for m in 1..=n {
         let holder = client.holder(&key(m)).await.unwrap().expect("still held");
         assert_eq!(holder.pod.unwrap().uid, pod(m).uid);
+    }
+}
+
+/// A power cut that takes the leader's unsynced log tail while its
+/// followers kept it must not let that leader lead again in its old term.
+///
+/// The leader sends entries to its followers while its own sync runs, and
+/// the followers' syncs alone commit an entry: so a grant can be
+/// acknowledged before it is on the leader's disk. openraft by default
+/// lets a leader that restarts with its vote lead on in the same term
+/// without an election; after the cut that leader's log is shorter, its
+/// next entry takes the lost entry's index in the same term, the followers
+/// take it for the entry they hold, and two holders follow (the power-loss
+/// chaos schedules found this on 2026-12-05: acknowledged grants missing
+/// from the final log, replicas applying different entries at one index).
+///
+/// Run twice: with the planted switch `leader-restore` (openraft's default
+/// put back) the second pod is granted the first pod's token, which shows
+/// the scenario reaches the bug; as built, it is refused.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_leader_that_lost_its_unsynced_tail_to_a_power_cut_does_not_lead_on_in_its_term() {
+    if !tether_kube_testenv::lazyfs::available_or_skip(
+        "a_leader_that_lost_its_unsynced_tail_to_a_power_cut_does_not_lead_on_in_its_term",
+    ) {
+        return;
+    }
+    let planted = second_grant_after_a_leader_power_cut(Some("leader-restore=return")).await;
+    assert!(
+        planted.is_some(),
+        "with leader-restore planted the grant should be lost: the scenario no longer reaches it"
+    );
+    if let Some(second) = second_grant_after_a_leader_power_cut(None).await {
+        panic!("{second}");
+    }
+}
+
+/// One grant acknowledged while the leader's syncs stall
+/// (`log-append-before-sync`), every replica's power cut, the old leader
+/// back first and alone (given the chance, it leads on), then the rest; a
+/// second pod then tries the lock. Returns what went wrong if the second
+/// pod was granted it. `failpoints` are the replicas' on their restart.
+async fn second_grant_after_a_leader_power_cut(failpoints: Option<&str>) -> Option<String> {
+    use tether_chaos::cluster::{ClusterSpec, ProcessCluster};
+    use tether_client::Error;
+    use tether_client::proto as pb;
+
+    let mut cluster = ProcessCluster::start_spec(ClusterSpec {
+        tetherd: tetherd_failpoints(),
+        voters: 3,
+        slots: 3,
+        proxied: false,
+        extra_args: vec![
+            "--heartbeat-interval=50ms".into(),
+            "--election-timeout=300ms".into(),
+        ],
+        failpoints: None,
+        log_filter: None,
+        tokens: false,
+        lazyfs: true,
+    })
+    .await
+    .expect("a cluster on LazyFS");
+    let client = cluster.client_with(Duration::from_secs(30));
+    let leader = cluster
+        .wait_converged(Duration::from_secs(60))
+        .await
+        .unwrap();
+    let key = pb::LockKey {
+        scope: "power".into(),
+        name: "n1".into(),
+    };
+    let pod = |name: &str| pb::Pod {
+        uid: name.into(),
+        namespace: "t".into(),
+        name: name.into(),
+    };
+    cluster
+        .set_failpoint(leader.node_id, "log-append-before-sync", Some("pause"))
+        .unwrap();
+    let held = client
+        .acquire(&key, &pod("first"), vec![], Duration::ZERO, 0)
+        .await
+        .expect("the followers' syncs commit the grant");
+    println!(
+        "[{failpoints:?}] leader {} (term {}) granted token {} with its own sync stalled",
+        leader.node_id,
+        leader.term,
+        held.token()
+    );
+    for id in cluster.running() {
+        cluster.power_cut(id).unwrap();
+    }
+    cluster.restart(leader.node_id, failpoints).unwrap();
+    let deadline = std::time::Instant::now() + Duration::from_secs(60);
+    let restarted = loop {
+        if let Some(status) = cluster.statuses(&client).await.remove(&leader.node_id) {
+            break status;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the old leader did not answer within 60 s: {}",
+            cluster.log_tail(leader.node_id, 20)
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    };
+    println!(
+        "[{failpoints:?}] old leader back alone: role {}, term {}, log to {}",
+        restarted.role, restarted.term, restarted.last_log_index
+    );
+    for id in cluster.slots() {
+        if id != leader.node_id {
+            cluster.restart(id, failpoints).unwrap();
+        }
+    }
+    cluster
+        .wait_converged(Duration::from_secs(60))
+        .await
+        .unwrap();
+    match client
+        .acquire(&key, &pod("second"), vec![], Duration::ZERO, 0)
+        .await
+    {
+        Err(Error::FailedPrecondition(_)) => None,
+        Ok(second) => Some(format!(
+            "token {} was acknowledged to `first`, yet `second` was granted token {}: \
+             the restarted leader lost the grant",
+            held.token(),
+            second.token()
+        )),
+        Err(other) => panic!("a second pod's try-acquire: {other}"),
     }
 }

@@ -68,6 +68,19 @@ pub async fn start(
         // openraft's 3 MiB chunks, or half the Raft message limit when
         // that is lower, so a chunk and its metadata fit one message.
         snapshot_max_chunk_size: (config.raft_message_limit as u64 / 2).min(3 * 1024 * 1024),
+        // A restarted leader campaigns in a new term, as Raft has it,
+        // rather than leading on in its old one (openraft's default). The
+        // leader's own sync overlaps sending its entries out, and the
+        // followers' syncs alone can commit them: a power cut can take
+        // from the leader's disk an entry a client was told of. Leading on
+        // in that term, it would put its next entry at that index under the
+        // same term, the followers would take it for the one they hold, and
+        // the grant would be lost and granted again (the power-loss chaos
+        // schedules found it on 2026-12-05; regression test
+        // `a_leader_that_lost_its_unsynced_tail_to_a_power_cut_does_not_lead_on_in_its_term`,
+        // which also runs a build with the planted switch `leader-restore`
+        // on, to show it catches this).
+        enable_leader_restore: Some(planted_leader_restore()),
         ..Default::default()
     }
     .validate()
@@ -81,6 +94,20 @@ pub async fn start(
     )
     .await
     .context("cannot start Raft")
+}
+
+/// Whether planted bug `leader-restore` is switched on (`FAILPOINTS=
+/// leader-restore=return` when the replica starts): a restarted leader
+/// leads on in its old term. Always off without the `failpoints` feature.
+fn planted_leader_restore() -> bool {
+    #[cfg(feature = "failpoints")]
+    {
+        fail::eval("leader-restore", |_| ()).is_some()
+    }
+    #[cfg(not(feature = "failpoints"))]
+    {
+        false
+    }
 }
 
 /// Raft's metrics, as openraft publishes them.

@@ -84,6 +84,8 @@ impl Flusher {
                 while let Ok(first) = queue.recv() {
                     let mut callbacks = vec![first];
                     callbacks.extend(queue.try_iter());
+                    // Appended, possibly replicated, not yet synced here.
+                    fail::fail_point!("log-append-before-sync");
                     let started = std::time::Instant::now();
                     // Everything written to the log before the sync began
                     // is durable when it returns.
@@ -478,6 +480,11 @@ impl RaftLogStorage<TypeConfig> for LogStore {
         }
         // Record the purge point first: if the deletion is interrupted, the
         // remaining entries below it are ignored, never a hole.
+        tracing::debug!(
+            purge = log_id.index,
+            snapshot = self.gate.covered(),
+            "purging the log"
+        );
         self.put_meta(LAST_PURGED, &log_id)?;
         let mut batch = WriteBatch::default();
         batch.delete_range_cf(self.cf_log(), log_key(0), log_key(log_id.index + 1));
