@@ -37,6 +37,7 @@ pub mod driver;
 pub mod etcd;
 pub mod history;
 pub mod keeper;
+pub mod procfs;
 pub mod proxy;
 pub mod rng;
 pub mod runner;

@@ -366,14 +366,21 @@ impl ControlPlane {
     /// KubeSchedulerConfiguration whose `clientConnection.kubeconfig` the
     /// caller points at [`ControlPlane::kubeconfig`]). Stopped on drop.
     pub fn scheduler(&self, config: &Path) -> anyhow::Result<Process> {
+        // Each scheduling attempt and queue move in the log a failing test
+        // prints.
+        self.scheduler_logging(config, 4)
+    }
+
+    /// [`ControlPlane::scheduler`] logging at klog level `verbosity`: a
+    /// benchmark placing thousands of pods runs it at 2 (a deployment's
+    /// usual level), as level 4's lines per attempt cost CPU.
+    pub fn scheduler_logging(&self, config: &Path, verbosity: u8) -> anyhow::Result<Process> {
         self.component(
             "kube-scheduler",
             &[
                 format!("--config={}", config.display()),
                 "--secure-port=0".into(),
-                // Each scheduling attempt and queue move in the log a
-                // failing test prints.
-                "--v=4".into(),
+                format!("--v={verbosity}"),
             ],
         )
     }

@@ -48,6 +48,7 @@ use clap::Parser;
 use tether_chaos::chart::{Chart, PALETTE, Scale, Series};
 use tether_chaos::cluster::{ClusterSpec, ProcessCluster, sibling_binary};
 use tether_chaos::etcd::{self, EtcdCluster};
+use tether_chaos::procfs::cpu_seconds;
 use tether_chaos::stats::{Samples, ms};
 use tether_chaos::workload::{
     Run, contended, mixed, mixed_floor, poisson_arrivals, reads, uncontended,
@@ -897,10 +898,6 @@ struct CpuSample {
     at: Instant,
 }
 
-/// Linux reports `utime` and `stime` in clock ticks of 1/100 s (USER_HZ,
-/// fixed at 100 in the kernel's ABI on the platforms this runs on).
-const TICKS_PER_SECOND: f64 = 100.0;
-
 impl CpuProbe {
     async fn of(
         cluster: &ProcessCluster,
@@ -972,18 +969,6 @@ impl CpuProbe {
             if row == ETCD { "members" } else { "replicas" }
         )
     }
-}
-
-/// User plus system CPU seconds of a process, all its threads.
-fn cpu_seconds(pid: u32) -> Option<f64> {
-    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
-    // The command name (field 2) is in parentheses and may hold spaces:
-    // count fields from the last ')'. utime and stime are fields 14 and 15.
-    let rest = &stat[stat.rfind(')')? + 1..];
-    let fields: Vec<&str> = rest.split_whitespace().collect();
-    let utime: f64 = fields.get(11)?.parse().ok()?;
-    let stime: f64 = fields.get(12)?.parse().ok()?;
-    Some((utime + stime) / TICKS_PER_SECOND)
 }
 
 /// The rows of one system, scenario and client count (or rate), in the

@@ -25,6 +25,7 @@ use std::time::{Duration, Instant};
 use anyhow::Context;
 use clap::Parser;
 use tether_chaos::cluster::{ClusterSpec, ProcessCluster, sibling_binary};
+use tether_chaos::procfs::memory_mib;
 use tether_client::proto as pb;
 use tether_client::{Client, WatchUpdate};
 
@@ -91,20 +92,6 @@ where
 
 fn node_name(i: u64) -> String {
     format!("node-{i:05}")
-}
-
-/// Resident and peak resident memory of a process, in MiB.
-fn memory_mib(pid: u32) -> Option<(f64, f64)> {
-    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
-    let field = |name: &str| {
-        status
-            .lines()
-            .find(|l| l.starts_with(name))
-            .and_then(|l| l.split_whitespace().nth(1))
-            .and_then(|kib| kib.parse::<f64>().ok())
-            .map(|kib| kib / 1024.0)
-    };
-    Some((field("VmRSS:")?, field("VmHWM:")?))
 }
 
 /// Bytes under `dir`.

@@ -1,0 +1,102 @@
+//! `tether-bind-bench`: GPU pods through the real kube-scheduler, the
+//! extender and Tether onto simulated GPU nodes, in one run on this
+//! machine; prints what an operator feels (the crate's doc says what runs
+//! and what a simulated node does).
+//!
+//! `./dev bench-binds [--nodes 200 --gpus 8 --chart binds.svg]`
+
+use std::path::PathBuf;
+use std::time::Duration;
+
+use clap::Parser;
+use tether_bind_bench::run::{self, Workload};
+use tether_bind_bench::world::{World, WorldOptions};
+use tether_chaos::cluster::sibling_binary;
+use tether_kube_testenv::ControlPlane;
+
+#[derive(Parser)]
+#[command(
+    name = "tether-bind-bench",
+    about = "GPU binds through the real kube-scheduler and the extender onto simulated GPU nodes"
+)]
+struct Args {
+    /// Simulated GPU nodes.
+    #[arg(long, default_value_t = 200)]
+    nodes: usize,
+    /// GPUs per node.
+    #[arg(long, default_value_t = 8)]
+    gpus: usize,
+    /// The workload.
+    #[arg(long, value_enum, default_value = "burst")]
+    workload: Workload,
+    /// Give up waiting for the pods after this long.
+    #[arg(long, default_value = "30m", value_parser = humantime::parse_duration)]
+    deadline: Duration,
+    /// Write the chart of bound pods over time here (SVG).
+    #[arg(long)]
+    chart: Option<PathBuf>,
+}
+
+#[tokio::main]
+async fn main() -> anyhow::Result<()> {
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            // kube's client logs each refused request as an error while the
+            // API server starts; the control plane waits that out.
+            tracing_subscriber::EnvFilter::try_from_default_env()
+                .unwrap_or_else(|_| "warn,kube_client::client::builder=off".into()),
+        )
+        .with_ansi(false)
+        .with_writer(std::io::stderr)
+        .init();
+    let args = Args::parse();
+    let tetherd = sibling_binary("tetherd");
+    anyhow::ensure!(
+        tetherd.exists(),
+        "no tetherd at {} (cargo build --release -p tether-server)",
+        tetherd.display()
+    );
+    let started = std::time::Instant::now();
+    let plane = ControlPlane::start().await?;
+    let world = World::start(
+        plane,
+        &WorldOptions {
+            tetherd,
+            nodes: args.nodes,
+            gpus: args.gpus,
+        },
+    )
+    .await?;
+    println!(
+        "tether-bind-bench: {} nodes x {} GPUs, set up in {:.1} s (control plane, 3 replicas, extender, bridge, nodes)",
+        args.nodes,
+        args.gpus,
+        started.elapsed().as_secs_f64()
+    );
+    let report = run::run(
+        &world,
+        "tether",
+        args.workload,
+        args.nodes,
+        args.gpus,
+        args.deadline,
+    )
+    .await?;
+    print!("{}", report.to_text());
+    if let Some(path) = &args.chart {
+        let subtitle = format!(
+            "{} nodes x {} GPUs, {} workload; real kube-apiserver and kube-scheduler v1.36, 3 Tether replicas (fsync on), one machine",
+            args.nodes,
+            args.gpus,
+            args.workload.name()
+        );
+        std::fs::write(path, run::chart(std::slice::from_ref(&report), &subtitle))?;
+        println!("chart: {}", path.display());
+    }
+    anyhow::ensure!(
+        report.double_allocations.is_empty(),
+        "{} double allocations",
+        report.double_allocations.len()
+    );
+    Ok(())
+}

@@ -1,0 +1,367 @@
+//! Workloads and what they measure: pods created through the API server,
+//! watched until every one is bound and allocated, and the report of
+//! times, latencies, API requests, Tether's CPU and memory, and double
+//! allocations.
+
+use std::collections::BTreeMap;
+use std::time::{Duration, Instant};
+
+use futures::StreamExt as _;
+use k8s_openapi::api::core::v1::Pod;
+use kube::api::{Api, PostParams};
+use serde_json::json;
+use tether_chaos::chart::{Chart, PALETTE, Scale, Series};
+use tether_chaos::procfs::{cpu_seconds, memory_mib};
+use tether_chaos::stats::{Samples, ms};
+
+use crate::node::PodRecord;
+use crate::world::{RESOURCE, SCHEDULER_NAME, World};
+
+/// Pod creations sent at once (the admin's client has no rate limit; a
+/// burst is created as fast as the API server takes it).
+const CREATES_IN_FLIGHT: usize = 32;
+/// How often progress is sampled (the chart's resolution).
+const SAMPLE_EVERY: Duration = Duration::from_millis(100);
+
+/// A workload: what pods are created, and how.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum Workload {
+    /// Every GPU of every node asked for at once, one GPU a pod.
+    Burst,
+}
+
+impl Workload {
+    /// The workload's name in reports.
+    pub fn name(self) -> &'static str {
+        match self {
+            Workload::Burst => "burst",
+        }
+    }
+}
+
+/// What one workload run measured.
+#[derive(Debug, Clone)]
+pub struct Report {
+    /// The system under test (`tether`).
+    pub system: String,
+    /// The workload's name.
+    pub workload: String,
+    /// Nodes and GPUs per node.
+    pub nodes: usize,
+    /// GPUs per node.
+    pub gpus: usize,
+    /// Pods created.
+    pub pods: usize,
+    /// From the first create until every pod was bound (None: not all were
+    /// by the deadline).
+    pub all_bound: Option<Duration>,
+    /// From the first create until every pod had its devices.
+    pub all_allocated: Option<Duration>,
+    /// Per pod: its create returned → the fleet saw it bound.
+    pub create_to_bound: Samples,
+    /// Per pod: seen bound → its node's `Allocate` returned.
+    pub bound_to_allocated: Samples,
+    /// The API server's requests (all clients) during the run, from its
+    /// `apiserver_request_total`.
+    pub api_requests: f64,
+    /// CPU seconds the 3 replicas used during the run, together.
+    pub replica_cpu_seconds: f64,
+    /// Each replica's resident memory at the end, MiB.
+    pub replica_rss_mib: Vec<f64>,
+    /// Devices given to two live pods of one node at once.
+    pub double_allocations: Vec<String>,
+    /// Pods whose admission failed, with why.
+    pub failed: Vec<(String, String)>,
+    /// (seconds since the first create, pods bound so far).
+    pub bound_over_time: Vec<(f64, usize)>,
+}
+
+impl Report {
+    /// Pods bound per second over the whole burst.
+    pub fn pods_per_second(&self) -> Option<f64> {
+        self.all_bound
+            .map(|d| self.pods as f64 / d.as_secs_f64().max(1e-9))
+    }
+
+    /// The report as text, one measure a line.
+    pub fn to_text(&self) -> String {
+        let secs = |d: Option<Duration>| {
+            d.map_or("not all by the deadline".to_string(), |d| {
+                format!("{:.2} s", d.as_secs_f64())
+            })
+        };
+        let quantiles = |s: &Samples| {
+            if s.is_empty() {
+                "none".to_string()
+            } else {
+                format!(
+                    "p50 {} p99 {} max {} ms",
+                    ms(s.quantile(0.5)),
+                    ms(s.quantile(0.99)),
+                    ms(s.quantile(1.0))
+                )
+            }
+        };
+        let mut out = format!(
+            "{} / {}: {} nodes x {} GPUs, {} pods\n",
+            self.system, self.workload, self.nodes, self.gpus, self.pods
+        );
+        out += &format!("  all bound after      {}\n", secs(self.all_bound));
+        out += &format!("  all allocated after  {}\n", secs(self.all_allocated));
+        if let Some(rate) = self.pods_per_second() {
+            out += &format!("  pods bound per second {rate:.1}\n");
+        }
+        out += &format!(
+            "  create -> bound      {}\n",
+            quantiles(&self.create_to_bound)
+        );
+        out += &format!(
+            "  bound -> Allocate    {}\n",
+            quantiles(&self.bound_to_allocated)
+        );
+        out += &format!(
+            "  API server requests  {:.0} ({:.1} per pod)\n",
+            self.api_requests,
+            self.api_requests / self.pods.max(1) as f64
+        );
+        out += &format!(
+            "  replicas' CPU        {:.2} s ({:.2} ms per pod); RSS {} MiB\n",
+            self.replica_cpu_seconds,
+            self.replica_cpu_seconds * 1000.0 / self.pods.max(1) as f64,
+            self.replica_rss_mib
+                .iter()
+                .map(|m| format!("{m:.0}"))
+                .collect::<Vec<_>>()
+                .join("/")
+        );
+        out += &format!("  double allocations   {}\n", self.double_allocations.len());
+        for d in self.double_allocations.iter().take(5) {
+            out += &format!("    {d}\n");
+        }
+        out += &format!("  failed admissions    {}\n", self.failed.len());
+        for (pod, why) in self.failed.iter().take(5) {
+            out += &format!("    {pod}: {why}\n");
+        }
+        out
+    }
+}
+
+/// The sum of the API server's `apiserver_request_total` counters: every
+/// request it has served, by every client.
+async fn api_requests(admin: &kube::Client) -> anyhow::Result<f64> {
+    let request = http::Request::get("/metrics").body(Vec::new())?;
+    let text = admin.request_text(request).await?;
+    Ok(text
+        .lines()
+        .filter(|l| l.starts_with("apiserver_request_total{"))
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+        .sum())
+}
+
+/// A pod asking for `gpus` GPUs of the `tether-gpu` scheduler.
+fn gpu_pod(name: &str, gpus: usize) -> anyhow::Result<Pod> {
+    Ok(serde_json::from_value(json!({
+        "metadata": {"name": name},
+        "spec": {
+            "schedulerName": SCHEDULER_NAME,
+            "containers": [{
+                "name": "main", "image": "busybox",
+                "resources": {"limits": {RESOURCE: gpus.to_string()}},
+            }],
+        },
+    }))?)
+}
+
+/// Devices given to two live pods of one node: `node/device: pod, pod`.
+pub fn double_allocations(records: &BTreeMap<String, PodRecord>) -> Vec<String> {
+    let mut holders: BTreeMap<(String, String), Vec<String>> = BTreeMap::new();
+    for (pod, record) in records {
+        if record.allocated.is_none() || record.deleted {
+            continue;
+        }
+        for device in &record.devices {
+            holders
+                .entry((record.node.clone(), device.clone()))
+                .or_default()
+                .push(pod.clone());
+        }
+    }
+    holders
+        .into_iter()
+        .filter(|(_, pods)| pods.len() > 1)
+        .map(|((node, device), pods)| format!("{node}/{device}: {}", pods.join(", ")))
+        .collect()
+}
+
+/// Runs `workload` in `world` as system `system`; gives up waiting after
+/// `deadline`.
+pub async fn run(
+    world: &World,
+    system: &str,
+    workload: Workload,
+    nodes: usize,
+    gpus: usize,
+    deadline: Duration,
+) -> anyhow::Result<Report> {
+    let pods: Api<Pod> = Api::namespaced(world.admin.clone(), &world.namespace);
+    let wanted: Vec<(String, usize)> = match workload {
+        Workload::Burst => (0..nodes * gpus)
+            .map(|i| (format!("{}-{i:05}", workload.name()), 1))
+            .collect(),
+    };
+    let pids = world.replica_pids();
+    let cpu_before: f64 = pids.iter().filter_map(|p| cpu_seconds(*p)).sum();
+    let requests_before = api_requests(&world.admin).await?;
+    let started = Instant::now();
+    let created: Vec<anyhow::Result<(String, Instant)>> = futures::stream::iter(wanted.clone())
+        .map(|(name, gpus)| {
+            let pods = pods.clone();
+            async move {
+                pods.create(&PostParams::default(), &gpu_pod(&name, gpus)?)
+                    .await?;
+                Ok((name, Instant::now()))
+            }
+        })
+        .buffer_unordered(CREATES_IN_FLIGHT)
+        .collect()
+        .await;
+    let mut created_at = BTreeMap::new();
+    for result in created {
+        let (name, at) = result?;
+        created_at.insert(name, at);
+    }
+
+    let mut bound_over_time = Vec::new();
+    let records = loop {
+        let records = world.fleet.records();
+        let bound = wanted
+            .iter()
+            .filter(|(n, _)| records.get(n).is_some_and(|r| r.bound.is_some()))
+            .count();
+        let settled = wanted
+            .iter()
+            .filter(|(n, _)| {
+                records
+                    .get(n)
+                    .is_some_and(|r| r.allocated.is_some() || r.failed.is_some())
+            })
+            .count();
+        bound_over_time.push((started.elapsed().as_secs_f64(), bound));
+        if settled == wanted.len() || started.elapsed() > deadline {
+            break records;
+        }
+        tokio::time::sleep(SAMPLE_EVERY).await;
+    };
+    // When the last pod got there, if every pod did.
+    let last = |at: fn(&PodRecord) -> Option<Instant>| {
+        wanted
+            .iter()
+            .map(|(n, _)| records.get(n).and_then(at))
+            .collect::<Option<Vec<Instant>>>()
+            .and_then(|all| all.into_iter().max())
+            .map(|at| at.saturating_duration_since(started))
+    };
+    let all_bound = last(|r| r.bound);
+    let all_allocated = last(|r| r.allocated);
+    let requests_after = api_requests(&world.admin).await?;
+    let cpu_after: f64 = pids.iter().filter_map(|p| cpu_seconds(*p)).sum();
+
+    let mut create_to_bound = Samples::default();
+    let mut bound_to_allocated = Samples::default();
+    let mut failed = Vec::new();
+    for (name, _) in &wanted {
+        let Some(record) = records.get(name) else {
+            continue;
+        };
+        if let (Some(created), Some(bound)) = (created_at.get(name), record.bound) {
+            create_to_bound.push(bound.saturating_duration_since(*created));
+        }
+        if let (Some(bound), Some(allocated)) = (record.bound, record.allocated) {
+            bound_to_allocated.push(allocated.saturating_duration_since(bound));
+        }
+        if let Some(why) = &record.failed {
+            failed.push((name.clone(), why.clone()));
+        }
+    }
+    Ok(Report {
+        system: system.to_string(),
+        workload: workload.name().to_string(),
+        nodes,
+        gpus,
+        pods: wanted.len(),
+        all_bound,
+        all_allocated,
+        create_to_bound,
+        bound_to_allocated,
+        api_requests: requests_after - requests_before,
+        replica_cpu_seconds: cpu_after - cpu_before,
+        replica_rss_mib: pids
+            .iter()
+            .filter_map(|p| memory_mib(*p).map(|(rss, _)| rss))
+            .collect(),
+        double_allocations: double_allocations(&records),
+        failed,
+        bound_over_time,
+    })
+}
+
+/// Bound pods over time, one line per report, as SVG.
+pub fn chart(reports: &[Report], subtitle: &str) -> String {
+    let series: Vec<Series> = reports
+        .iter()
+        .enumerate()
+        .map(|(i, r)| Series {
+            label: format!("{} ({})", r.system, r.workload),
+            color: PALETTE[i % PALETTE.len()],
+            dashed: i > 0,
+            markers: false,
+            points: r
+                .bound_over_time
+                .iter()
+                .map(|&(t, n)| (t, n as f64))
+                .collect(),
+        })
+        .collect();
+    let xs = series.iter().flat_map(|s| s.points.iter().map(|p| p.0));
+    let ys = series.iter().flat_map(|s| s.points.iter().map(|p| p.1));
+    Chart {
+        title: "GPU pods bound over time".into(),
+        subtitle: subtitle.into(),
+        x_label: "seconds since the first pod was created".into(),
+        y_label: "pods bound".into(),
+        x: Scale::linear_from_zero(xs),
+        y: Scale::linear_from_zero(ys),
+        x_ticks: None,
+        series,
+    }
+    .to_svg()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn allocated(node: &str, devices: &[&str]) -> PodRecord {
+        PodRecord {
+            node: node.into(),
+            bound: Some(Instant::now()),
+            allocated: Some(Instant::now()),
+            devices: devices.iter().map(|d| d.to_string()).collect(),
+            failed: None,
+            deleted: false,
+        }
+    }
+
+    #[test]
+    fn a_device_of_two_live_pods_on_one_node_is_a_double_allocation() {
+        let mut records = BTreeMap::new();
+        records.insert("a".to_string(), allocated("n1", &["gpu0", "gpu1"]));
+        records.insert("b".to_string(), allocated("n1", &["gpu1"]));
+        // The same id on another node is another device.
+        records.insert("c".to_string(), allocated("n2", &["gpu0"]));
+        assert_eq!(double_allocations(&records), vec!["n1/gpu1: a, b"]);
+        // A deleted pod's devices are free again.
+        records.get_mut("a").unwrap().deleted = true;
+        assert!(double_allocations(&records).is_empty());
+    }
+}

@@ -1,0 +1,68 @@
+//! The bind bench, small (10 nodes x 4 GPUs, the burst), as CI runs it:
+//! every pod is bound and allocated through the real kube-scheduler, the
+//! extender and Tether, with no device given twice, and the report's
+//! measures are filled in.
+
+use std::time::Duration;
+
+use tether_bind_bench::run::{self, Workload};
+use tether_bind_bench::world::{World, WorldOptions};
+use tether_chaos::cluster::sibling_binary;
+use tether_kube_testenv::ControlPlane;
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_small_burst_binds_every_pod_with_no_device_given_twice() {
+    let Some(plane) =
+        ControlPlane::start_or_skip("a_small_burst_binds_every_pod_with_no_device_given_twice")
+            .await
+    else {
+        return;
+    };
+    let (nodes, gpus) = (10, 4);
+    let world = World::start(
+        plane,
+        &WorldOptions {
+            tetherd: sibling_binary("tetherd"),
+            nodes,
+            gpus,
+        },
+    )
+    .await
+    .expect("the world starts");
+    let report = run::run(
+        &world,
+        "tether",
+        Workload::Burst,
+        nodes,
+        gpus,
+        Duration::from_secs(300),
+    )
+    .await
+    .expect("the burst runs");
+    print!("{}", report.to_text());
+    assert_eq!(report.pods, 40);
+    assert!(report.all_bound.is_some(), "not every pod was bound");
+    assert!(
+        report.all_allocated.is_some(),
+        "not every pod was allocated"
+    );
+    assert!(report.failed.is_empty(), "{:?}", report.failed);
+    assert!(
+        report.double_allocations.is_empty(),
+        "{:?}",
+        report.double_allocations
+    );
+    assert_eq!(report.create_to_bound.len(), 40);
+    assert_eq!(report.bound_to_allocated.len(), 40);
+    // Each pod is at least created, read by the extender, bound and set
+    // Running: the API server's own count must see them.
+    assert!(
+        report.api_requests >= 4.0 * 40.0,
+        "{} API requests",
+        report.api_requests
+    );
+    assert!(report.replica_cpu_seconds > 0.0);
+    assert_eq!(report.replica_rss_mib.len(), 3);
+    let svg = run::chart(std::slice::from_ref(&report), "10 x 4, burst");
+    assert!(svg.starts_with("<svg") || svg.contains("<svg"), "{svg}");
+}
