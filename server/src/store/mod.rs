@@ -60,6 +60,15 @@ pub(crate) fn planted_unsynced(name: &str) -> bool {
     }
 }
 
+/// Whether planted bug `name` is switched on (`FAILPOINTS=<name>=return`);
+/// always off without the `failpoints` feature. Besides the unsynced writes
+/// of [`planted_unsynced`]: `snapshot-install-in-two-writes`, an installed
+/// snapshot's state written apart from the stored snapshot (before the fix
+/// of 2026-12-05).
+pub(crate) fn planted(name: &str) -> bool {
+    planted_unsynced(name)
+}
+
 /// `options` fsynced, unless planted bug `name` is on.
 pub(crate) fn sync_unless_planted(name: &str) -> rocksdb::WriteOptions {
     let mut options = rocksdb::WriteOptions::default();

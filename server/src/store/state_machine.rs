@@ -396,6 +396,16 @@ impl StateMachineStore {
 
     /// Replaces the state (memory and `sm` column family) with a snapshot's.
     fn restore(&self, data: &[u8]) -> Result<(), StorageError> {
+        self.restore_with(data, |_| {})
+    }
+
+    /// [`Self::restore`], with what `also` adds to the same `WriteBatch`:
+    /// written together or not at all.
+    fn restore_with(
+        &self,
+        data: &[u8],
+        also: impl FnOnce(&mut WriteBatch),
+    ) -> Result<(), StorageError> {
         let file = SnapshotFile::decode(data)?;
         let sm_cf = cf(&self.db, CF_SM);
         let mut batch = WriteBatch::default();
@@ -407,6 +417,7 @@ impl StateMachineStore {
         batch.put_cf(sm_cf, NOW, encode(&file.state.now_ms));
         batch.put_cf(sm_cf, LAST_APPLIED, encode(&file.last_applied));
         batch.put_cf(sm_cf, MEMBERSHIP, encode(&file.membership));
+        also(&mut batch);
         self.db
             .write_opt(
                 batch,
@@ -734,22 +745,24 @@ impl StateMachineStore {
     fn install(&mut self, meta: &SnapshotMeta, data: Vec<u8>) -> Result<(), StorageError> {
         fail::fail_point!("sm-install-snapshot-before");
         let started = std::time::Instant::now();
-        self.restore(&data)?;
-        // This replica never applied the entries the snapshot covers, so it has
-        // none of their events: its event history starts after the snapshot.
         let covered = meta.last_log_id.map_or(0, |l| l.index);
-        compact_events(
-            &self.db,
-            covered + 1,
-            Compaction::SnapshotInstalled,
-            &self.handle.events_first,
-        )?;
         let stored = StoredSnapshot {
             meta: meta.clone(),
             data,
         };
-        {
-            let _storing = self.gate.storing();
+        let _storing = self.gate.storing();
+        if super::planted("snapshot-install-in-two-writes") {
+            // The planted bug: the state first, the stored snapshot after.
+            self.restore(&stored.data)?;
+            fail::fail_point!("sm-install-snapshot-after-state", |_| Err(
+                err::write_snapshot(&"failpoint sm-install-snapshot-after-state")
+            ));
+            compact_events(
+                &self.db,
+                covered + 1,
+                Compaction::SnapshotInstalled,
+                &self.handle.events_first,
+            )?;
             self.db
                 .put_cf_opt(
                     cf(&self.db, CF_META),
@@ -758,8 +771,44 @@ impl StateMachineStore {
                     &super::sync_unless_planted("snapshot-install-without-sync"),
                 )
                 .map_err(|e| err::write_snapshot(&e))?;
-            self.gate.stored(covered);
+        } else {
+            // The installed state, the stored snapshot and the event history's
+            // new start in one write: a crash keeps all or none. Were the
+            // state on disk without the snapshot, openraft would find at
+            // start-up a state machine ahead of the log, purge the log up to
+            // it, and then refuse to start with the log purged past the
+            // stored snapshot (a power-loss chaos schedule found it on
+            // 2026-12-05, seed 200208; regression test
+            // `server/tests/snapshot_install_crash.rs`).
+            //
+            // This replica never applied the entries the snapshot covers, so
+            // it has none of their events: its history starts after them.
+            // Raised before the deletion: a watch that read across it
+            // re-checks.
+            let first = self
+                .handle
+                .events_first
+                .fetch_max(covered + 1, Ordering::SeqCst);
+            let first = first.max(covered + 1);
+            let encoded = encode(&stored);
+            self.restore_with(&stored.data, |batch| {
+                batch.delete_range_cf(
+                    cf(&self.db, CF_EVENTS),
+                    keys::event_key(sm::Revision { index: 0, sub: 0 }),
+                    keys::event_key(sm::Revision {
+                        index: covered + 1,
+                        sub: 0,
+                    }),
+                );
+                batch.put_cf(cf(&self.db, CF_META), EVENTS_FIRST, encode(&first));
+                batch.put_cf(cf(&self.db, CF_META), SNAPSHOT, encoded);
+            })?;
+            fail::fail_point!("sm-install-snapshot-after-state", |_| Err(
+                err::write_snapshot(&"failpoint sm-install-snapshot-after-state")
+            ));
         }
+        self.gate.stored(covered);
+        drop(_storing);
         fail::fail_point!("sm-install-snapshot-after");
         self.handle.installs.send_modify(|n| *n += 1);
         tracing::info!(
