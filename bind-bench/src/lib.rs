@@ -45,9 +45,15 @@
 //! (the workloads have no init containers), and a deleted pod's devices
 //! return to the free list when its deletion is seen.
 //!
-//! [`run`] drives a workload and measures it; the binary prints the
-//! report and can draw the chart.
+//! The same nodes and workloads run, one system after another, against
+//! Tether, HAMi's annotation lock ([`annotation`]: with HAMi's client rate
+//! limits and without) and no lock at all ([`nolock`]); [`system`] names
+//! them. [`run`] drives a workload and measures it; the binary prints the
+//! reports and can draw the chart.
 
+pub mod annotation;
 pub mod node;
+pub mod nolock;
 pub mod run;
+pub mod system;
 pub mod world;

@@ -23,7 +23,19 @@ use tether_embed::v1beta1 as api;
 use tether_embed::v1beta1::device_plugin_server::DevicePlugin as _;
 use tokio::sync::mpsc;
 
-use crate::world::RESOURCE;
+use crate::annotation::AnnotationPlugin;
+use crate::world::{POD_LABEL, RESOURCE};
+
+/// Which system's device plugin a node runs.
+#[derive(Clone)]
+pub enum NodeMode {
+    /// Tether's `GpuPlugin`.
+    Tether,
+    /// A plugin that answers `Allocate` with the kubelet's choice.
+    NoLock,
+    /// HAMi's, through the node annotation lock.
+    Annotation(Arc<AnnotationPlugin>),
+}
 
 /// One simulated node: its plugin, and its kubelet's books of devices.
 pub struct SimNode {
@@ -33,6 +45,8 @@ pub struct SimNode {
     plugin: GpuPlugin,
     client: tether_client::Client,
     owner: String,
+    /// The device plugin the node runs now.
+    mode: Mutex<NodeMode>,
     /// The device manager's books; held for a whole admission, as the
     /// kubelet admits one pod at a time.
     books: tokio::sync::Mutex<Books>,
@@ -93,6 +107,7 @@ impl SimNode {
             plugin,
             client,
             owner,
+            mode: Mutex::new(NodeMode::Tether),
             books: tokio::sync::Mutex::new(Books {
                 free,
                 given: BTreeMap::new(),
@@ -146,33 +161,25 @@ impl SimNode {
     }
 
     /// Admits `pod` as the device manager does: for each container asking
-    /// for GPUs, the plugin's preferred devices among the free ones (then
-    /// any free one), and `Allocate` with them. Returns the devices the
-    /// plugin gave the pod (its `TETHER_DEVICES`), or why admission failed.
+    /// for GPUs, devices among the free ones (with Tether's plugin, its
+    /// preferred ones first), and `Allocate` with them. Returns the devices
+    /// the plugin gave the pod, or why admission failed.
     pub async fn admit(&self, pod: &Pod) -> Result<Vec<String>, String> {
         let uid = pod.metadata.uid.clone().unwrap_or_default();
         let demands = tether_embed::kubelet::demands(pod, RESOURCE)?;
+        let mode = self.mode.lock().unwrap_or_else(|p| p.into_inner()).clone();
         let mut books = self.books.lock().await;
         let mut picked_all = Vec::new();
         let mut given = Vec::new();
         for demand in demands {
             let size = demand.count as usize;
             let available: Vec<String> = books.free.iter().cloned().collect();
-            let preferred = self
-                .plugin
-                .get_preferred_allocation(tonic::Request::new(api::PreferredAllocationRequest {
-                    container_requests: vec![api::ContainerPreferredAllocationRequest {
-                        available_device_i_ds: available.clone(),
-                        must_include_device_i_ds: Vec::new(),
-                        allocation_size: demand.count as i32,
-                    }],
-                }))
-                .await
-                .map(|r| r.into_inner().container_responses)
-                .unwrap_or_default();
+            let preferred = match mode {
+                NodeMode::Tether => self.preferred(&available, size).await,
+                NodeMode::NoLock | NodeMode::Annotation(_) => Vec::new(),
+            };
             let mut picked: Vec<String> = preferred
                 .into_iter()
-                .flat_map(|r| r.device_i_ds)
                 .filter(|id| books.free.contains(id))
                 .take(size)
                 .collect();
@@ -192,20 +199,10 @@ impl SimNode {
                     self.name
                 ));
             }
-            let answer = self
-                .plugin
-                .allocate(tonic::Request::new(api::AllocateRequest {
-                    container_requests: vec![api::ContainerAllocateRequest {
-                        devices_ids: picked.clone(),
-                    }],
-                }))
-                .await
-                .map_err(|status| format!("Allocate refused: {}", status.message()))?
-                .into_inner();
-            for response in answer.container_responses {
-                if let Some(devices) = response.envs.get("TETHER_DEVICES") {
-                    given.extend(devices.split(',').map(str::to_string));
-                }
+            match &mode {
+                NodeMode::Tether => given.extend(self.allocate(&picked).await?),
+                NodeMode::NoLock => given.extend(picked.iter().cloned()),
+                NodeMode::Annotation(plugin) => given.extend(plugin.allocate().await?),
             }
             for id in &picked {
                 books.free.remove(id);
@@ -214,6 +211,51 @@ impl SimNode {
         }
         books.given.insert(uid, picked_all);
         Ok(given)
+    }
+
+    /// Tether's plugin's preferred `size` devices among `available`.
+    async fn preferred(&self, available: &[String], size: usize) -> Vec<String> {
+        self.plugin
+            .get_preferred_allocation(tonic::Request::new(api::PreferredAllocationRequest {
+                container_requests: vec![api::ContainerPreferredAllocationRequest {
+                    available_device_i_ds: available.to_vec(),
+                    must_include_device_i_ds: Vec::new(),
+                    allocation_size: size as i32,
+                }],
+            }))
+            .await
+            .map(|r| r.into_inner().container_responses)
+            .unwrap_or_default()
+            .into_iter()
+            .flat_map(|r| r.device_i_ds)
+            .collect()
+    }
+
+    /// Tether's plugin's `Allocate` of `picked`: the devices it gives (its
+    /// `TETHER_DEVICES`).
+    async fn allocate(&self, picked: &[String]) -> Result<Vec<String>, String> {
+        let answer = self
+            .plugin
+            .allocate(tonic::Request::new(api::AllocateRequest {
+                container_requests: vec![api::ContainerAllocateRequest {
+                    devices_ids: picked.to_vec(),
+                }],
+            }))
+            .await
+            .map_err(|status| format!("Allocate refused: {}", status.message()))?
+            .into_inner();
+        Ok(answer
+            .container_responses
+            .into_iter()
+            .filter_map(|r| r.envs.get("TETHER_DEVICES").cloned())
+            .flat_map(|d| d.split(',').map(str::to_string).collect::<Vec<_>>())
+            .collect())
+    }
+
+    /// Whether every device is free (no pod holds one).
+    async fn idle(&self) -> bool {
+        let books = self.books.lock().await;
+        books.given.is_empty() && books.free.len() == self.gpus
     }
 
     /// A pod of this node is gone: its devices are free again.
@@ -246,27 +288,61 @@ pub struct PodRecord {
 /// it.
 pub struct Fleet {
     nodes: BTreeMap<String, Arc<SimNode>>,
+    /// The bench's pods in every namespace (by [`POD_LABEL`]).
     pods: Api<Pod>,
-    /// By pod name.
+    admin: kube::Client,
+    /// By `namespace/name`.
     records: Mutex<BTreeMap<String, PodRecord>>,
 }
 
+/// A pod's key in the records.
+pub fn pod_key(namespace: &str, name: &str) -> String {
+    format!("{namespace}/{name}")
+}
+
 impl Fleet {
-    /// A fleet of `nodes` serving the pods of `namespace`.
-    pub fn new(nodes: Vec<Arc<SimNode>>, admin: kube::Client, namespace: &str) -> Arc<Fleet> {
+    /// A fleet of `nodes` serving the bench's pods.
+    pub fn new(nodes: Vec<Arc<SimNode>>, admin: kube::Client) -> Arc<Fleet> {
         Arc::new(Fleet {
             nodes: nodes.into_iter().map(|n| (n.name.clone(), n)).collect(),
-            pods: Api::namespaced(admin, namespace),
+            pods: Api::all(admin.clone()),
+            admin,
             records: Mutex::default(),
         })
     }
 
-    /// What the fleet has seen so far, by pod name.
+    /// What the fleet has seen so far, by `namespace/name`.
     pub fn records(&self) -> BTreeMap<String, PodRecord> {
         self.records
             .lock()
             .unwrap_or_else(|p| p.into_inner())
             .clone()
+    }
+
+    /// Gives every node the plugin `mode` makes for its name.
+    pub fn set_mode(&self, mode: impl Fn(&str) -> NodeMode) {
+        for (name, node) in &self.nodes {
+            *node.mode.lock().unwrap_or_else(|p| p.into_inner()) = mode(name);
+        }
+    }
+
+    /// Whether every pod of `namespace` the fleet saw is seen deleted, and
+    /// no node holds a device for any pod.
+    pub async fn all_forgotten(&self, namespace: &str) -> bool {
+        let prefix = format!("{namespace}/");
+        if self
+            .records()
+            .iter()
+            .any(|(k, r)| k.starts_with(&prefix) && !r.deleted)
+        {
+            return false;
+        }
+        for node in self.nodes.values() {
+            if !node.idle().await {
+                return false;
+            }
+        }
+        true
     }
 
     /// Watches the namespace's pods until dropped: a pod newly bound goes
@@ -279,7 +355,8 @@ impl Fleet {
             tokio::spawn(self.clone().admit_in_turn(node.clone(), rx));
             queues.insert(name.clone(), tx);
         }
-        let events = watcher(self.pods.clone(), watcher::Config::default()).default_backoff();
+        let config = watcher::Config::default().labels(&format!("{}={}", POD_LABEL.0, POD_LABEL.1));
+        let events = watcher(self.pods.clone(), config).default_backoff();
         futures::pin_mut!(events);
         loop {
             let event = match events.try_next().await {
@@ -292,12 +369,14 @@ impl Fleet {
             };
             match event {
                 watcher::Event::Apply(pod) | watcher::Event::InitApply(pod) => {
-                    let (Some(name), Some(node)) = (
+                    let (Some(namespace), Some(name), Some(node)) = (
+                        pod.metadata.namespace.clone(),
                         pod.metadata.name.clone(),
                         pod.spec.as_ref().and_then(|s| s.node_name.clone()),
                     ) else {
                         continue;
                     };
+                    let name = pod_key(&namespace, &name);
                     let fresh = {
                         let mut records = self.records.lock().unwrap_or_else(|p| p.into_inner());
                         let record = records.entry(name).or_default();
@@ -313,9 +392,11 @@ impl Fleet {
                     }
                 }
                 watcher::Event::Delete(pod) => {
-                    if let Some(name) = &pod.metadata.name {
+                    if let (Some(namespace), Some(name)) =
+                        (&pod.metadata.namespace, &pod.metadata.name)
+                    {
                         let mut records = self.records.lock().unwrap_or_else(|p| p.into_inner());
-                        records.entry(name.clone()).or_default().deleted = true;
+                        records.entry(pod_key(namespace, name)).or_default().deleted = true;
                     }
                     let node = pod.spec.as_ref().and_then(|s| s.node_name.clone());
                     if let (Some(node), Some(uid)) =
@@ -338,8 +419,21 @@ impl Fleet {
         mut queue: mpsc::UnboundedReceiver<Pod>,
     ) {
         while let Some(pod) = queue.recv().await {
+            let namespace = pod.metadata.namespace.clone().unwrap_or_default();
             let name = pod.metadata.name.clone().unwrap_or_default();
+            let key = pod_key(&namespace, &name);
+            let deleted = |fleet: &Fleet| fleet.records().get(&key).is_some_and(|r| r.deleted);
+            if deleted(&self) {
+                continue;
+            }
             let result = node.admit(&pod).await;
+            if deleted(&self)
+                && let Some(uid) = &pod.metadata.uid
+            {
+                // Deleted while it was admitted: the deletion's forget may
+                // have come first.
+                node.forget(uid).await;
+            }
             let at = Instant::now();
             let status = match &result {
                 Ok(_) => json!({"status": {"phase": "Running"}}),
@@ -349,7 +443,7 @@ impl Fleet {
             };
             {
                 let mut records = self.records.lock().unwrap_or_else(|p| p.into_inner());
-                let record = records.entry(name.clone()).or_default();
+                let record = records.entry(key).or_default();
                 match result {
                     Ok(devices) => {
                         record.allocated = Some(at);
@@ -360,9 +454,9 @@ impl Fleet {
             }
             // The kubelet's status manager retries until the status is
             // written; a pod deleted meanwhile needs none.
+            let pods: Api<Pod> = Api::namespaced(self.admin.clone(), &namespace);
             for _ in 0..5 {
-                match self
-                    .pods
+                match pods
                     .patch_status(&name, &PatchParams::default(), &Patch::Merge(&status))
                     .await
                 {

@@ -14,8 +14,9 @@ use tether_chaos::chart::{Chart, PALETTE, Scale, Series};
 use tether_chaos::procfs::{cpu_seconds, memory_mib};
 use tether_chaos::stats::{Samples, ms};
 
-use crate::node::PodRecord;
-use crate::world::{RESOURCE, SCHEDULER_NAME, World};
+use crate::node::{PodRecord, pod_key};
+use crate::system::System;
+use crate::world::{POD_LABEL, RESOURCE, SCHEDULER_NAME, World};
 
 /// Pod creations sent at once (the admin's client has no rate limit; a
 /// burst is created as fast as the API server takes it).
@@ -42,7 +43,7 @@ impl Workload {
 /// What one workload run measured.
 #[derive(Debug, Clone)]
 pub struct Report {
-    /// The system under test (`tether`).
+    /// The system under test.
     pub system: String,
     /// The workload's name.
     pub workload: String,
@@ -107,6 +108,14 @@ impl Report {
             self.system, self.workload, self.nodes, self.gpus, self.pods
         );
         out += &format!("  all bound after      {}\n", secs(self.all_bound));
+        if self.all_bound.is_none()
+            && let Some(&(at, bound)) = self.bound_over_time.last()
+        {
+            out += &format!(
+                "  bound by then        {bound} of {} after {at:.0} s\n",
+                self.pods
+            );
+        }
         out += &format!("  all allocated after  {}\n", secs(self.all_allocated));
         if let Some(rate) = self.pods_per_second() {
             out += &format!("  pods bound per second {rate:.1}\n");
@@ -161,7 +170,7 @@ async fn api_requests(admin: &kube::Client) -> anyhow::Result<f64> {
 /// A pod asking for `gpus` GPUs of the `tether-gpu` scheduler.
 fn gpu_pod(name: &str, gpus: usize) -> anyhow::Result<Pod> {
     Ok(serde_json::from_value(json!({
-        "metadata": {"name": name},
+        "metadata": {"name": name, "labels": {POD_LABEL.0: POD_LABEL.1}},
         "spec": {
             "schedulerName": SCHEDULER_NAME,
             "containers": [{
@@ -193,22 +202,25 @@ pub fn double_allocations(records: &BTreeMap<String, PodRecord>) -> Vec<String> 
         .collect()
 }
 
-/// Runs `workload` in `world` as system `system`; gives up waiting after
-/// `deadline`.
+/// Runs `workload` in `world` with `system` in use (the caller has made it
+/// so, [`World::use_system`]), in a namespace of its own; gives up waiting
+/// after `deadline`. The pods are deleted afterwards.
 pub async fn run(
     world: &World,
-    system: &str,
+    system: System,
     workload: Workload,
     nodes: usize,
     gpus: usize,
     deadline: Duration,
 ) -> anyhow::Result<Report> {
-    let pods: Api<Pod> = Api::namespaced(world.admin.clone(), &world.namespace);
+    let namespace = world.namespace(workload.name()).await;
+    let pods: Api<Pod> = Api::namespaced(world.admin.clone(), &namespace);
     let wanted: Vec<(String, usize)> = match workload {
         Workload::Burst => (0..nodes * gpus)
             .map(|i| (format!("{}-{i:05}", workload.name()), 1))
             .collect(),
     };
+    let key = |name: &str| pod_key(&namespace, name);
     let pids = world.replica_pids();
     let cpu_before: f64 = pids.iter().filter_map(|p| cpu_seconds(*p)).sum();
     let requests_before = api_requests(&world.admin).await?;
@@ -236,13 +248,13 @@ pub async fn run(
         let records = world.fleet.records();
         let bound = wanted
             .iter()
-            .filter(|(n, _)| records.get(n).is_some_and(|r| r.bound.is_some()))
+            .filter(|(n, _)| records.get(&key(n)).is_some_and(|r| r.bound.is_some()))
             .count();
         let settled = wanted
             .iter()
             .filter(|(n, _)| {
                 records
-                    .get(n)
+                    .get(&key(n))
                     .is_some_and(|r| r.allocated.is_some() || r.failed.is_some())
             })
             .count();
@@ -256,7 +268,7 @@ pub async fn run(
     let last = |at: fn(&PodRecord) -> Option<Instant>| {
         wanted
             .iter()
-            .map(|(n, _)| records.get(n).and_then(at))
+            .map(|(n, _)| records.get(&key(n)).and_then(at))
             .collect::<Option<Vec<Instant>>>()
             .and_then(|all| all.into_iter().max())
             .map(|at| at.saturating_duration_since(started))
@@ -270,7 +282,7 @@ pub async fn run(
     let mut bound_to_allocated = Samples::default();
     let mut failed = Vec::new();
     for (name, _) in &wanted {
-        let Some(record) = records.get(name) else {
+        let Some(record) = records.get(&key(name)) else {
             continue;
         };
         if let (Some(created), Some(bound)) = (created_at.get(name), record.bound) {
@@ -283,8 +295,12 @@ pub async fn run(
             failed.push((name.clone(), why.clone()));
         }
     }
-    Ok(Report {
-        system: system.to_string(),
+    let ours: BTreeMap<String, PodRecord> = records
+        .into_iter()
+        .filter(|(k, _)| k.starts_with(&format!("{namespace}/")))
+        .collect();
+    let report = Report {
+        system: system.name().to_string(),
         workload: workload.name().to_string(),
         nodes,
         gpus,
@@ -299,10 +315,45 @@ pub async fn run(
             .iter()
             .filter_map(|p| memory_mib(*p).map(|(rss, _)| rss))
             .collect(),
-        double_allocations: double_allocations(&records),
+        double_allocations: double_allocations(&ours),
         failed,
         bound_over_time,
-    })
+    };
+    world.clear(&namespace).await?;
+    Ok(report)
+}
+
+/// Each report's time to bind every pod against the first report's and
+/// against the no-lock floor's, when those ran.
+pub fn comparison(reports: &[Report]) -> String {
+    let floor = reports
+        .iter()
+        .find(|r| r.system == System::NoLock.name())
+        .and_then(|r| r.all_bound);
+    let tether = reports
+        .iter()
+        .find(|r| r.system == System::Tether.name())
+        .and_then(|r| r.all_bound);
+    let mut out = String::from("all bound, side by side:\n");
+    for r in reports {
+        let Some(bound) = r.all_bound else {
+            out += &format!("  {:<34} not all by the deadline\n", r.system);
+            continue;
+        };
+        let ratio = |base: Option<Duration>| {
+            base.map_or("-".to_string(), |b| {
+                format!("{:.2}x", bound.as_secs_f64() / b.as_secs_f64().max(1e-9))
+            })
+        };
+        out += &format!(
+            "  {:<34} {:>8.2} s   {} the floor   {} Tether's\n",
+            r.system,
+            bound.as_secs_f64(),
+            ratio(floor),
+            ratio(tether)
+        );
+    }
+    out
 }
 
 /// Bound pods over time, one line per report, as SVG.
@@ -311,7 +362,7 @@ pub fn chart(reports: &[Report], subtitle: &str) -> String {
         .iter()
         .enumerate()
         .map(|(i, r)| Series {
-            label: format!("{} ({})", r.system, r.workload),
+            label: r.system.clone(),
             color: PALETTE[i % PALETTE.len()],
             dashed: i > 0,
             markers: false,

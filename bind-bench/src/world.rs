@@ -9,6 +9,8 @@ use std::time::Duration;
 use anyhow::Context as _;
 use clap::Parser as _;
 use futures::StreamExt as _;
+use k8s_openapi::api::core::v1::Pod;
+use kube::api::{Api, DeleteParams, ListParams, PostParams};
 use serde_json::{Value, json};
 use tether_chaos::cluster::ProcessCluster;
 use tether_client::{Client, Options};
@@ -19,7 +21,8 @@ use tether_kube_testenv::{ControlPlane, Process, yaml_documents};
 use tokio::net::TcpListener;
 use tokio::task::JoinHandle;
 
-use crate::node::{Fleet, SimNode};
+use crate::node::{Fleet, NodeMode, SimNode};
+use crate::system::System;
 
 /// The extended resource the nodes advertise and the pods ask for.
 pub const RESOURCE: &str = "tether.io/gpu";
@@ -29,6 +32,11 @@ pub const SYSTEM: &str = "tether-system";
 pub const SCHEDULER_NAME: &str = "tether-gpu";
 /// How many node registrations are sent at once.
 const REGISTRATIONS_IN_FLIGHT: usize = 16;
+/// The label every pod of the bench carries (the fleet watches by it).
+pub const POD_LABEL: (&str, &str) = ("app.kubernetes.io/part-of", "tether-bind-bench");
+/// Longest wait for the scheduler to place a probe pod, or for a
+/// namespace's pods to be gone.
+const SETTLE: Duration = Duration::from_secs(120);
 
 /// What a world is made of.
 #[derive(Debug, Clone)]
@@ -49,18 +57,23 @@ pub struct World {
     pub tether: ProcessCluster,
     /// The API server as the admin (the workload creates pods with it).
     pub admin: kube::Client,
-    /// The namespace the workload's pods live in.
-    pub namespace: String,
     /// The simulated nodes and the kubelet side that serves them.
     pub fleet: Arc<Fleet>,
-    _scheduler: Process,
+    /// kube-scheduler, configured for the system in use.
+    scheduler: Option<Process>,
+    scheduler_kubeconfig: PathBuf,
+    /// Tether's extender, serving all along.
+    tether_extender: std::net::SocketAddr,
+    /// A comparator's extender, while its system is in use.
+    comparator: Option<JoinHandle<()>>,
+    gpus: usize,
     tasks: Vec<JoinHandle<()>>,
-    _dir: tempfile::TempDir,
+    dir: tempfile::TempDir,
 }
 
 impl Drop for World {
     fn drop(&mut self) {
-        for task in &self.tasks {
+        for task in self.tasks.iter().chain(&self.comparator) {
             task.abort();
         }
     }
@@ -170,7 +183,6 @@ impl World {
         // The nodes, before the scheduler, so that its first look sees
         // them all.
         let admin = plane.client().await;
-        let namespace = plane.namespace("binds").await;
         let mut nodes = Vec::with_capacity(options.nodes);
         for i in 0..options.nodes {
             nodes.push(Arc::new(SimNode::new(
@@ -190,28 +202,156 @@ impl World {
         for result in registered {
             result?;
         }
-        let fleet = Fleet::new(nodes, admin.clone(), &namespace);
+        let fleet = Fleet::new(nodes, admin.clone());
         tasks.push(tokio::spawn(fleet.clone().serve()));
 
-        let kubeconfig = plane
+        let scheduler_kubeconfig = plane
             .service_account_kubeconfig(SYSTEM, "tether-scheduler")
             .await;
-        let config_path = dir.path().join("scheduler.json");
-        std::fs::write(
-            &config_path,
-            scheduler_config(extender_addr, &kubeconfig)?.to_string(),
-        )?;
-        let scheduler = plane.scheduler_logging(&config_path, 2)?;
-        Ok(World {
+        let mut world = World {
             plane,
             tether,
             admin,
-            namespace,
             fleet,
-            _scheduler: scheduler,
+            scheduler: None,
+            scheduler_kubeconfig,
+            tether_extender: extender_addr,
+            comparator: None,
+            gpus: options.gpus,
             tasks,
-            _dir: dir,
-        })
+            dir,
+        };
+        world.use_system(System::Tether).await?;
+        Ok(world)
+    }
+
+    /// Makes `system` the one the scheduler and the nodes use: its
+    /// extender serving, each node's plugin its own, and kube-scheduler
+    /// started afresh with its extender's URL. Returns once the scheduler
+    /// has placed a probe pod (one asking for no GPU, which it places
+    /// without the extender).
+    pub async fn use_system(&mut self, system: System) -> anyhow::Result<()> {
+        if let Some(task) = self.comparator.take() {
+            task.abort();
+        }
+        let extender = match system {
+            System::Tether => self.tether_extender,
+            System::NoLock => {
+                let router =
+                    crate::nolock::router(crate::nolock::NoLockExtender::new(self.admin.clone()));
+                self.serve_comparator(router).await?
+            }
+            System::AnnotationLock | System::AnnotationLockUnlimited => {
+                // HAMi's RBAC lets its scheduler patch nodes and pods; the
+                // bench's accounts do not, so it acts as the admin.
+                let extender = crate::annotation::AnnotationExtender::new(
+                    self.admin.clone(),
+                    system.rate_limit(),
+                    self.gpus,
+                );
+                self.serve_comparator(crate::annotation::router(extender))
+                    .await?
+            }
+        };
+        let admin = self.admin.clone();
+        self.fleet.set_mode(|node| match system {
+            System::Tether => NodeMode::Tether,
+            System::NoLock => NodeMode::NoLock,
+            System::AnnotationLock | System::AnnotationLockUnlimited => {
+                NodeMode::Annotation(Arc::new(crate::annotation::AnnotationPlugin::new(
+                    node,
+                    admin.clone(),
+                    system.rate_limit(),
+                )))
+            }
+        });
+        // The old scheduler stops before the new one starts (drop kills).
+        self.scheduler = None;
+        let config_path = self.dir.path().join("scheduler.json");
+        std::fs::write(
+            &config_path,
+            scheduler_config(extender, &self.scheduler_kubeconfig)?.to_string(),
+        )?;
+        self.scheduler = Some(self.plane.scheduler_logging(&config_path, 2)?);
+        self.probe().await
+    }
+
+    /// Serves a comparator's extender on a port of its own; its address.
+    async fn serve_comparator(
+        &mut self,
+        router: axum::Router,
+    ) -> anyhow::Result<std::net::SocketAddr> {
+        let listener = TcpListener::bind("127.0.0.1:0").await?;
+        let addr = listener.local_addr()?;
+        self.comparator = Some(tokio::spawn(tether_http::serve(
+            listener,
+            router,
+            std::future::pending(),
+        )));
+        Ok(addr)
+    }
+
+    /// Waits until the scheduler places a pod that asks for no GPU, then
+    /// deletes it.
+    async fn probe(&self) -> anyhow::Result<()> {
+        let namespace = self.namespace("probe").await;
+        let pods: Api<Pod> = Api::namespaced(self.admin.clone(), &namespace);
+        let pod: Pod = serde_json::from_value(json!({
+            "metadata": {"name": "probe", "labels": {POD_LABEL.0: POD_LABEL.1}},
+            "spec": {"schedulerName": SCHEDULER_NAME,
+                     "containers": [{"name": "main", "image": "busybox"}]},
+        }))?;
+        pods.create(&PostParams::default(), &pod).await?;
+        let deadline = std::time::Instant::now() + SETTLE;
+        loop {
+            let placed = pods
+                .get("probe")
+                .await?
+                .spec
+                .and_then(|s| s.node_name)
+                .is_some();
+            if placed {
+                break;
+            }
+            anyhow::ensure!(
+                std::time::Instant::now() < deadline,
+                "kube-scheduler placed no pod within {SETTLE:?}"
+            );
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        self.clear(&namespace).await
+    }
+
+    /// A new namespace for a workload's pods.
+    pub async fn namespace(&self, prefix: &str) -> String {
+        self.plane.namespace(prefix).await
+    }
+
+    /// Deletes every pod of `namespace` at once (no grace: no kubelet is
+    /// there to confirm), and waits until the nodes have seen them go and
+    /// taken their devices back.
+    pub async fn clear(&self, namespace: &str) -> anyhow::Result<()> {
+        let pods: Api<Pod> = Api::namespaced(self.admin.clone(), namespace);
+        pods.delete_collection(
+            &DeleteParams {
+                grace_period_seconds: Some(0),
+                ..DeleteParams::default()
+            },
+            &ListParams::default(),
+        )
+        .await?;
+        let deadline = std::time::Instant::now() + SETTLE;
+        loop {
+            let left = pods.list(&ListParams::default()).await?.items.len();
+            if left == 0 && self.fleet.all_forgotten(namespace).await {
+                return Ok(());
+            }
+            anyhow::ensure!(
+                std::time::Instant::now() < deadline,
+                "{left} pods of {namespace} still there after {SETTLE:?}"
+            );
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
     }
 
     /// The replicas' process ids (for their CPU and memory).

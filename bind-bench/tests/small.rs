@@ -1,11 +1,14 @@
 //! The bind bench, small (10 nodes x 4 GPUs, the burst), as CI runs it:
 //! every pod is bound and allocated through the real kube-scheduler, the
 //! extender and Tether, with no device given twice, and the report's
-//! measures are filled in.
+//! measures are filled in; then the same on the same nodes with no lock
+//! and with the annotation lock (without its rate limit, which would make
+//! the test minutes long), every pod bound there too.
 
 use std::time::Duration;
 
 use tether_bind_bench::run::{self, Workload};
+use tether_bind_bench::system::System;
 use tether_bind_bench::world::{World, WorldOptions};
 use tether_chaos::cluster::sibling_binary;
 use tether_kube_testenv::ControlPlane;
@@ -19,7 +22,7 @@ async fn a_small_burst_binds_every_pod_with_no_device_given_twice() {
         return;
     };
     let (nodes, gpus) = (10, 4);
-    let world = World::start(
+    let mut world = World::start(
         plane,
         &WorldOptions {
             tetherd: sibling_binary("tetherd"),
@@ -31,7 +34,7 @@ async fn a_small_burst_binds_every_pod_with_no_device_given_twice() {
     .expect("the world starts");
     let report = run::run(
         &world,
-        "tether",
+        System::Tether,
         Workload::Burst,
         nodes,
         gpus,
@@ -63,6 +66,34 @@ async fn a_small_burst_binds_every_pod_with_no_device_given_twice() {
     );
     assert!(report.replica_cpu_seconds > 0.0);
     assert_eq!(report.replica_rss_mib.len(), 3);
-    let svg = run::chart(std::slice::from_ref(&report), "10 x 4, burst");
-    assert!(svg.starts_with("<svg") || svg.contains("<svg"), "{svg}");
+    let mut reports = vec![report];
+    for system in [System::NoLock, System::AnnotationLockUnlimited] {
+        world.use_system(system).await.expect("the system in use");
+        let report = run::run(
+            &world,
+            system,
+            Workload::Burst,
+            nodes,
+            gpus,
+            Duration::from_secs(300),
+        )
+        .await
+        .expect("the burst runs");
+        print!("{}", report.to_text());
+        assert!(
+            report.all_allocated.is_some(),
+            "{}: not every pod allocated",
+            report.system
+        );
+        assert!(
+            report.failed.is_empty(),
+            "{}: {:?}",
+            report.system,
+            report.failed
+        );
+        reports.push(report);
+    }
+    print!("{}", run::comparison(&reports));
+    let svg = run::chart(&reports, "10 x 4, burst");
+    assert!(svg.contains("<svg") && svg.contains("no lock"), "{svg}");
 }

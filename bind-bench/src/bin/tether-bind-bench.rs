@@ -10,6 +10,7 @@ use std::time::Duration;
 
 use clap::Parser;
 use tether_bind_bench::run::{self, Workload};
+use tether_bind_bench::system::System;
 use tether_bind_bench::world::{World, WorldOptions};
 use tether_chaos::cluster::sibling_binary;
 use tether_kube_testenv::ControlPlane;
@@ -29,7 +30,15 @@ struct Args {
     /// The workload.
     #[arg(long, value_enum, default_value = "burst")]
     workload: Workload,
-    /// Give up waiting for the pods after this long.
+    /// The systems, in the order they run (comma-separated).
+    #[arg(
+        long,
+        value_enum,
+        value_delimiter = ',',
+        default_value = "tether,no-lock,annotation-lock-unlimited,annotation-lock"
+    )]
+    systems: Vec<System>,
+    /// Give up waiting for one system's pods after this long.
     #[arg(long, default_value = "30m", value_parser = humantime::parse_duration)]
     deadline: Duration,
     /// Write the chart of bound pods over time here (SVG).
@@ -58,7 +67,7 @@ async fn main() -> anyhow::Result<()> {
     );
     let started = std::time::Instant::now();
     let plane = ControlPlane::start().await?;
-    let world = World::start(
+    let mut world = World::start(
         plane,
         &WorldOptions {
             tetherd,
@@ -73,16 +82,24 @@ async fn main() -> anyhow::Result<()> {
         args.gpus,
         started.elapsed().as_secs_f64()
     );
-    let report = run::run(
-        &world,
-        "tether",
-        args.workload,
-        args.nodes,
-        args.gpus,
-        args.deadline,
-    )
-    .await?;
-    print!("{}", report.to_text());
+    let mut reports = Vec::new();
+    for system in &args.systems {
+        world.use_system(*system).await?;
+        let report = run::run(
+            &world,
+            *system,
+            args.workload,
+            args.nodes,
+            args.gpus,
+            args.deadline,
+        )
+        .await?;
+        print!("{}", report.to_text());
+        reports.push(report);
+    }
+    if reports.len() > 1 {
+        print!("{}", run::comparison(&reports));
+    }
     if let Some(path) = &args.chart {
         let subtitle = format!(
             "{} nodes x {} GPUs, {} workload; real kube-apiserver and kube-scheduler v1.36, 3 Tether replicas (fsync on), one machine",
@@ -90,13 +107,17 @@ async fn main() -> anyhow::Result<()> {
             args.gpus,
             args.workload.name()
         );
-        std::fs::write(path, run::chart(std::slice::from_ref(&report), &subtitle))?;
+        std::fs::write(path, run::chart(&reports, &subtitle))?;
         println!("chart: {}", path.display());
     }
+    let tether_doubles: usize = reports
+        .iter()
+        .filter(|r| r.system == System::Tether.name())
+        .map(|r| r.double_allocations.len())
+        .sum();
     anyhow::ensure!(
-        report.double_allocations.is_empty(),
-        "{} double allocations",
-        report.double_allocations.len()
+        tether_doubles == 0,
+        "{tether_doubles} double allocations with Tether"
     );
     Ok(())
 }
