@@ -38,11 +38,6 @@ use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use axum::Router;
-use axum::body::Bytes;
-use axum::extract::{Path, State};
-use axum::response::Response;
-use axum::routing::post;
 use k8s_openapi::api::core::v1::{Node, Pod};
 use kube::api::{Api, Patch, PatchParams};
 use serde_json::json;
@@ -537,35 +532,13 @@ impl AnnotationExtender {
     }
 }
 
-/// `POST .../filter` and `POST .../bind`, as kube-scheduler calls them.
-pub fn router(extender: Arc<AnnotationExtender>) -> Router {
-    Router::new()
-        .route("/{*verb}", post(verb))
-        .with_state(extender)
-}
+impl crate::verbs::Verbs for AnnotationExtender {
+    async fn filter(&self, args: ExtenderArgs) -> ExtenderFilterResult {
+        AnnotationExtender::filter(self, args).await
+    }
 
-async fn verb(
-    State(extender): State<Arc<AnnotationExtender>>,
-    Path(path): Path<String>,
-    body: Bytes,
-) -> Response {
-    if path.ends_with("bind") {
-        let result = match serde_json::from_slice::<ExtenderBindingArgs>(&body) {
-            Ok(args) => extender.bind(args).await,
-            Err(e) => ExtenderBindingResult {
-                error: format!("malformed ExtenderBindingArgs: {e}"),
-            },
-        };
-        tether_http::json(axum::http::StatusCode::OK, &result)
-    } else {
-        let result = match serde_json::from_slice::<ExtenderArgs>(&body) {
-            Ok(args) => extender.filter(args).await,
-            Err(e) => ExtenderFilterResult {
-                error: format!("malformed ExtenderArgs: {e}"),
-                ..Default::default()
-            },
-        };
-        tether_http::json(axum::http::StatusCode::OK, &result)
+    async fn bind(&self, args: ExtenderBindingArgs) -> ExtenderBindingResult {
+        AnnotationExtender::bind(self, args).await
     }
 }
 

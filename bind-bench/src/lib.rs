@@ -56,4 +56,5 @@ pub mod node;
 pub mod nolock;
 pub mod run;
 pub mod system;
+pub mod verbs;
 pub mod world;

@@ -7,11 +7,6 @@
 
 use std::sync::Arc;
 
-use axum::Router;
-use axum::body::Bytes;
-use axum::extract::{Path, State};
-use axum::response::Response;
-use axum::routing::post;
 use k8s_openapi::api::core::v1::Pod;
 use kube::api::Api;
 use serde_json::json;
@@ -56,38 +51,17 @@ impl NoLockExtender {
     }
 }
 
-/// `POST .../filter` and `POST .../bind`.
-pub fn router(extender: Arc<NoLockExtender>) -> Router {
-    Router::new()
-        .route("/{*verb}", post(verb))
-        .with_state(extender)
-}
+impl crate::verbs::Verbs for NoLockExtender {
+    /// The scheduler's candidates, as they came.
+    async fn filter(&self, args: ExtenderArgs) -> ExtenderFilterResult {
+        ExtenderFilterResult {
+            node_names: args.node_names,
+            nodes: args.nodes,
+            ..Default::default()
+        }
+    }
 
-async fn verb(
-    State(extender): State<Arc<NoLockExtender>>,
-    Path(path): Path<String>,
-    body: Bytes,
-) -> Response {
-    if path.ends_with("bind") {
-        let result = match serde_json::from_slice::<ExtenderBindingArgs>(&body) {
-            Ok(args) => extender.bind(args).await,
-            Err(e) => ExtenderBindingResult {
-                error: format!("malformed ExtenderBindingArgs: {e}"),
-            },
-        };
-        tether_http::json(axum::http::StatusCode::OK, &result)
-    } else {
-        let result = match serde_json::from_slice::<ExtenderArgs>(&body) {
-            Ok(args) => ExtenderFilterResult {
-                node_names: args.node_names,
-                nodes: args.nodes,
-                ..Default::default()
-            },
-            Err(e) => ExtenderFilterResult {
-                error: format!("malformed ExtenderArgs: {e}"),
-                ..Default::default()
-            },
-        };
-        tether_http::json(axum::http::StatusCode::OK, &result)
+    async fn bind(&self, args: ExtenderBindingArgs) -> ExtenderBindingResult {
+        NoLockExtender::bind(self, args).await
     }
 }

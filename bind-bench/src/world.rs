@@ -16,7 +16,7 @@ use tether_chaos::cluster::ProcessCluster;
 use tether_client::{Client, Options};
 use tether_embed::accounting::{DEFAULT_LIFETIME, DeviceLedger};
 use tether_embed::cli::ExtenderArgs;
-use tether_embed::extender::{Extender, ExtenderConfig, KubeBinder, serve_extender};
+use tether_embed::extender::{Extender, KubeBinder, serve_extender};
 use tether_kube_testenv::{ControlPlane, Process, yaml_documents};
 use tokio::net::TcpListener;
 use tokio::task::JoinHandle;
@@ -151,14 +151,7 @@ impl World {
             client.clone(),
             DeviceLedger::new(client, DEFAULT_LIFETIME),
             KubeBinder::new(extender_kube),
-            ExtenderConfig {
-                scope: args.scope,
-                resource: args.resource,
-                wait: args.bind_wait,
-                bind_deadline: args.bind_deadline,
-                device_prefix: args.device_prefix,
-                inventory_ttl: args.inventory_ttl,
-            },
+            args.extender_config(),
         ));
         let listener = TcpListener::bind("127.0.0.1:0").await?;
         let extender_addr = listener.local_addr()?;
@@ -238,7 +231,7 @@ impl World {
             System::Tether => self.tether_extender,
             System::NoLock => {
                 let router =
-                    crate::nolock::router(crate::nolock::NoLockExtender::new(self.admin.clone()));
+                    crate::verbs::router(crate::nolock::NoLockExtender::new(self.admin.clone()));
                 self.serve_comparator(router).await?
             }
             System::AnnotationLock | System::AnnotationLockUnlimited => {
@@ -249,7 +242,7 @@ impl World {
                     system.rate_limit(),
                     self.gpus,
                 );
-                self.serve_comparator(crate::annotation::router(extender))
+                self.serve_comparator(crate::verbs::router(extender))
                     .await?
             }
         };

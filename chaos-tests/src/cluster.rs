@@ -51,6 +51,29 @@ pub struct ClusterSpec {
     pub lazyfs: bool,
 }
 
+impl ClusterSpec {
+    /// `voters` replicas of `tetherd` in as many slots, linked directly,
+    /// with a 50 ms heartbeat and a 300 ms election timeout (a test that
+    /// causes elections sees them end in well under a second); nothing
+    /// else set. Change fields with `..ClusterSpec::quick(..)`.
+    pub fn quick(tetherd: PathBuf, voters: usize) -> ClusterSpec {
+        ClusterSpec {
+            tetherd,
+            voters,
+            slots: voters,
+            proxied: false,
+            extra_args: vec![
+                "--heartbeat-interval=50ms".into(),
+                "--election-timeout=300ms".into(),
+            ],
+            failpoints: None,
+            log_filter: None,
+            tokens: false,
+            lazyfs: false,
+        }
+    }
+}
+
 /// The bearer tokens of a cluster started with [`ClusterSpec::tokens`].
 pub mod tokens {
     /// Role `replica`: what the replicas send each other.

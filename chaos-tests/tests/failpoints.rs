@@ -628,22 +628,9 @@ async fn a_replica_whose_raft_core_stops_exits_and_recovers_when_restarted() {
     use tether_chaos::cluster::{ClusterSpec, ProcessCluster};
     use tether_client::proto as pb;
 
-    let mut cluster = ProcessCluster::start_spec(ClusterSpec {
-        tetherd: tetherd_failpoints(),
-        voters: 3,
-        slots: 3,
-        proxied: false,
-        extra_args: vec![
-            "--heartbeat-interval=50ms".into(),
-            "--election-timeout=300ms".into(),
-        ],
-        failpoints: None,
-        log_filter: None,
-        tokens: false,
-        lazyfs: false,
-    })
-    .await
-    .expect("a cluster");
+    let mut cluster = ProcessCluster::start_spec(ClusterSpec::quick(tetherd_failpoints(), 3))
+        .await
+        .expect("a cluster");
     let client = cluster.client_with(Duration::from_secs(30));
     let leader = cluster
         .wait_converged(Duration::from_secs(60))
@@ -750,18 +737,8 @@ async fn second_grant_after_a_leader_power_cut(failpoints: Option<&str>) -> Opti
     use tether_client::proto as pb;
 
     let mut cluster = ProcessCluster::start_spec(ClusterSpec {
-        tetherd: tetherd_failpoints(),
-        voters: 3,
-        slots: 3,
-        proxied: false,
-        extra_args: vec![
-            "--heartbeat-interval=50ms".into(),
-            "--election-timeout=300ms".into(),
-        ],
-        failpoints: None,
-        log_filter: None,
-        tokens: false,
         lazyfs: true,
+        ..ClusterSpec::quick(tetherd_failpoints(), 3)
     })
     .await
     .expect("a cluster on LazyFS");

@@ -9,18 +9,9 @@ use tether_client::proto as pb;
 
 async fn cluster() -> ProcessCluster {
     ProcessCluster::start_spec(ClusterSpec {
-        tetherd: sibling_binary("tetherd"),
-        voters: 3,
         slots: 4,
         proxied: true,
-        extra_args: vec![
-            "--heartbeat-interval=50ms".into(),
-            "--election-timeout=300ms".into(),
-        ],
-        failpoints: None,
-        log_filter: None,
-        tokens: false,
-        lazyfs: false,
+        ..ClusterSpec::quick(sibling_binary("tetherd"), 3)
     })
     .await
     .expect("a 3-replica cluster")

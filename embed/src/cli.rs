@@ -58,6 +58,20 @@ pub struct ExtenderArgs {
     pub inventory_ttl: Duration,
 }
 
+impl ExtenderArgs {
+    /// The extender's settings these flags give.
+    pub fn extender_config(&self) -> crate::extender::ExtenderConfig {
+        crate::extender::ExtenderConfig {
+            scope: self.scope.clone(),
+            resource: self.resource.clone(),
+            wait: self.bind_wait,
+            bind_deadline: self.bind_deadline,
+            device_prefix: self.device_prefix.clone(),
+            inventory_ttl: self.inventory_ttl,
+        }
+    }
+}
+
 /// `tether-device-plugin`'s flags.
 #[derive(Parser, Debug)]
 #[command(

@@ -12,7 +12,7 @@ use clap::Parser;
 use tether_client::Options;
 use tether_embed::accounting::{DEFAULT_LIFETIME, DeviceLedger};
 use tether_embed::cli::ExtenderArgs;
-use tether_embed::extender::{Extender, ExtenderConfig, KubeBinder, serve_extender};
+use tether_embed::extender::{Extender, KubeBinder, serve_extender};
 
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
@@ -22,14 +22,7 @@ async fn main() -> anyhow::Result<()> {
         anyhow::anyhow!("cannot reach the Kubernetes API (in-cluster config or KUBECONFIG): {e}")
     })?;
     let client = args.tether.client(Options::default())?;
-    let config = ExtenderConfig {
-        scope: args.scope,
-        resource: args.resource,
-        wait: args.bind_wait,
-        bind_deadline: args.bind_deadline,
-        device_prefix: args.device_prefix,
-        inventory_ttl: args.inventory_ttl,
-    };
+    let config = args.extender_config();
     let ledger = DeviceLedger::new(client.clone(), DEFAULT_LIFETIME);
     let extender = Arc::new(Extender::new(client, ledger, KubeBinder::new(kube), config));
     // Before the port opens: a SIGTERM from then on stops the server.
