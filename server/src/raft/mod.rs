@@ -80,7 +80,7 @@ pub async fn start(
         // `a_leader_that_lost_its_unsynced_tail_to_a_power_cut_does_not_lead_on_in_its_term`,
         // which also runs a build with the planted switch `leader-restore`
         // on, to show it catches this).
-        enable_leader_restore: Some(planted_leader_restore()),
+        enable_leader_restore: Some(crate::store::planted("leader-restore")),
         ..Default::default()
     }
     .validate()
@@ -94,20 +94,6 @@ pub async fn start(
     )
     .await
     .context("cannot start Raft")
-}
-
-/// Whether planted bug `leader-restore` is switched on (`FAILPOINTS=
-/// leader-restore=return` when the replica starts): a restarted leader
-/// leads on in its old term. Always off without the `failpoints` feature.
-fn planted_leader_restore() -> bool {
-    #[cfg(feature = "failpoints")]
-    {
-        fail::eval("leader-restore", |_| ()).is_some()
-    }
-    #[cfg(not(feature = "failpoints"))]
-    {
-        false
-    }
 }
 
 /// Raft's metrics, as openraft publishes them.

@@ -40,15 +40,18 @@ pub use state_machine::{
 
 use crate::raft::StorageError;
 
-/// Whether planted durability bug `name` is switched on: a write that must
-/// be fsynced goes out without a sync (the power-loss tests must catch each;
-/// `FAILPOINTS=<name>=return`). Always off without the `failpoints`
-/// feature. The switches:
+/// Whether planted bug `name` is switched on (`FAILPOINTS=<name>=return`;
+/// the chaos and power-loss tests must catch each). Always off without the
+/// `failpoints` feature. The switches:
 /// - `log-append-without-sync`: appends acknowledged to Raft unsynced;
 /// - `vote-without-sync`: the vote written unsynced;
 /// - `snapshot-install-without-sync`: an installed snapshot (its state and
-///   its stored copy) written unsynced.
-pub(crate) fn planted_unsynced(name: &str) -> bool {
+///   its stored copy) written unsynced;
+/// - `snapshot-install-in-two-writes`: an installed snapshot's state written
+///   apart from the stored snapshot (before the fix of 2026-12-05);
+/// - `leader-restore`: a restarted leader leads on in its old term (read by
+///   `raft::start` when the replica starts).
+pub(crate) fn planted(name: &str) -> bool {
     #[cfg(feature = "failpoints")]
     {
         fail::eval(name, |_| ()).is_some()
@@ -60,19 +63,10 @@ pub(crate) fn planted_unsynced(name: &str) -> bool {
     }
 }
 
-/// Whether planted bug `name` is switched on (`FAILPOINTS=<name>=return`);
-/// always off without the `failpoints` feature. Besides the unsynced writes
-/// of [`planted_unsynced`]: `snapshot-install-in-two-writes`, an installed
-/// snapshot's state written apart from the stored snapshot (before the fix
-/// of 2026-12-05).
-pub(crate) fn planted(name: &str) -> bool {
-    planted_unsynced(name)
-}
-
 /// `options` fsynced, unless planted bug `name` is on.
 pub(crate) fn sync_unless_planted(name: &str) -> rocksdb::WriteOptions {
     let mut options = rocksdb::WriteOptions::default();
-    options.set_sync(!planted_unsynced(name));
+    options.set_sync(!planted(name));
     options
 }
 
