@@ -2,22 +2,22 @@
 //! extender, the bridge, kube-scheduler as `deploy/optional/gpu` configures
 //! it, and the simulated nodes (see the crate's doc for what each is).
 
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
 
-use anyhow::Context as _;
 use clap::Parser as _;
 use futures::StreamExt as _;
 use k8s_openapi::api::core::v1::Pod;
 use kube::api::{Api, DeleteParams, ListParams, PostParams};
-use serde_json::{Value, json};
+use serde_json::json;
 use tether_chaos::cluster::ProcessCluster;
 use tether_client::{Client, Options};
 use tether_embed::accounting::{DEFAULT_LIFETIME, DeviceLedger};
 use tether_embed::cli::ExtenderArgs;
 use tether_embed::extender::{Extender, KubeBinder, serve_extender};
-use tether_kube_testenv::{ControlPlane, Process, yaml_documents};
+use tether_kube_testenv::gpu_manifests::{apply_gpu_rbac, scheduler_config};
+use tether_kube_testenv::{ControlPlane, Process};
 use tokio::net::TcpListener;
 use tokio::task::JoinHandle;
 
@@ -64,6 +64,8 @@ pub struct World {
     scheduler_kubeconfig: PathBuf,
     /// Tether's extender, serving all along.
     tether_extender: std::net::SocketAddr,
+    /// The same extender, for what it counts.
+    tether_extender_metrics: Arc<Extender<KubeBinder>>,
     /// A comparator's extender, while its system is in use.
     comparator: Option<JoinHandle<()>>,
     gpus: usize,
@@ -79,64 +81,12 @@ impl Drop for World {
     }
 }
 
-/// `deploy/optional/gpu/<file>` in this checkout.
-fn gpu_manifest(file: &str) -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR"))
-        .join("../deploy/optional/gpu")
-        .join(file)
-}
-
-/// The objects of `kinds` in manifest `file`.
-fn objects_of(file: &str, kinds: &[&str]) -> anyhow::Result<Vec<Value>> {
-    Ok(yaml_documents(&gpu_manifest(file))?
-        .into_iter()
-        .filter(|o| kinds.contains(&o["kind"].as_str().unwrap_or_default()))
-        .collect())
-}
-
-/// The manifest's KubeSchedulerConfiguration, its extender at `extender`,
-/// the API server through `kubeconfig`.
-fn scheduler_config(extender: std::net::SocketAddr, kubeconfig: &Path) -> anyhow::Result<Value> {
-    let config_map = objects_of("scheduler.yaml", &["ConfigMap"])?
-        .into_iter()
-        .next()
-        .context("scheduler.yaml has no ConfigMap")?;
-    let text = config_map["data"]["config.yaml"]
-        .as_str()
-        .context("the ConfigMap has no config.yaml")?;
-    let mut config: Value = serde_saphyr::from_str(text)?;
-    let extenders = config["extenders"]
-        .as_array_mut()
-        .context("the configuration has no extenders")?;
-    anyhow::ensure!(extenders.len() == 1, "one extender expected");
-    let url = extenders[0]["urlPrefix"].as_str().unwrap_or_default();
-    let path = url
-        .splitn(4, '/')
-        .nth(3)
-        .context("the extender's urlPrefix has no path")?;
-    extenders[0]["urlPrefix"] = json!(format!("http://{extender}/{path}"));
-    config["clientConnection"] = json!({"kubeconfig": kubeconfig.display().to_string()});
-    Ok(config)
-}
-
-/// The extender's, the bridge's and the scheduler's service accounts and
-/// RBAC, from the manifests.
-async fn apply_rbac(plane: &ControlPlane) -> anyhow::Result<()> {
-    let kinds = ["ServiceAccount", "ClusterRole", "ClusterRoleBinding"];
-    let mut rbac = objects_of("extender.yaml", &kinds)?;
-    rbac.extend(yaml_documents(
-        &Path::new(env!("CARGO_MANIFEST_DIR")).join("../deploy/base/bridge-rbac.yaml"),
-    )?);
-    rbac.extend(objects_of("scheduler.yaml", &kinds)?);
-    plane.apply(&rbac, SYSTEM).await
-}
-
 impl World {
     /// Starts everything on `plane` and registers the nodes; returns once
     /// every node's devices are published and the scheduler runs.
     pub async fn start(plane: ControlPlane, options: &WorldOptions) -> anyhow::Result<World> {
         let dir = tempfile::tempdir()?;
-        apply_rbac(&plane).await?;
+        apply_gpu_rbac(&plane, SYSTEM).await?;
         let tether = ProcessCluster::start(&options.tetherd, 3).await?;
         let endpoints = tether.endpoints.join(",");
         let mut tasks = Vec::new();
@@ -157,7 +107,7 @@ impl World {
         let extender_addr = listener.local_addr()?;
         tasks.push(tokio::spawn(serve_extender(
             listener,
-            extender,
+            extender.clone(),
             std::future::pending(),
         )));
 
@@ -209,6 +159,7 @@ impl World {
             scheduler: None,
             scheduler_kubeconfig,
             tether_extender: extender_addr,
+            tether_extender_metrics: extender,
             comparator: None,
             gpus: options.gpus,
             tasks,
@@ -267,6 +218,21 @@ impl World {
         )?;
         self.scheduler = Some(self.plane.scheduler_logging(&config_path, 2)?);
         self.probe().await
+    }
+
+    /// Tether's extender's filter calls so far: (seconds in them, calls),
+    /// from its `tether_extender_filter_duration_seconds`.
+    pub fn tether_filter_time(&self) -> (f64, f64) {
+        let text = self.tether_extender_metrics.metrics().render();
+        let value = |name: &str| {
+            text.lines()
+                .find_map(|l| l.strip_prefix(name)?.trim().parse::<f64>().ok())
+                .unwrap_or(0.0)
+        };
+        (
+            value("tether_extender_filter_duration_seconds_sum "),
+            value("tether_extender_filter_duration_seconds_count "),
+        )
     }
 
     /// Serves a comparator's extender on a port of its own; its address.

@@ -30,6 +30,9 @@
 //!   tokens; outages (API server stop and start, a second API server on the
 //!   same etcd), etcd compaction; kube-scheduler and kube-controller-manager
 //!   on demand.
+//! - `gpu_manifests.rs` — `deploy/optional/gpu` read as deployed: the
+//!   RBAC of the extender, the bridge and the scheduler, and the
+//!   scheduler's configuration pointed at a test's extender.
 //! - `lazyfs.rs` — directories on LazyFS, which loses every write not
 //!   fsynced when its cache is cleared (a power cut), each mount in a
 //!   mount namespace of its own. Without the `control-plane` feature too.
@@ -44,6 +47,8 @@ pub mod apply;
 pub mod assets;
 #[cfg(feature = "control-plane")]
 pub mod control_plane;
+#[cfg(feature = "control-plane")]
+pub mod gpu_manifests;
 pub mod lazyfs;
 #[cfg(feature = "control-plane")]
 pub mod node;

@@ -13,7 +13,7 @@ use std::time::Duration;
 use serde_json::{Value, json};
 use tether_embed::accounting::{DEFAULT_LIFETIME, DeviceLedger};
 use tether_embed::extender::{Extender, ExtenderConfig, KubeBinder, serve_extender};
-use tether_kube_testenv::{ControlPlane, yaml_documents};
+use tether_kube_testenv::{ControlPlane, gpu_manifests};
 use tether_server::testing::DEADLINE;
 use tokio::net::TcpListener;
 use tokio::task::JoinHandle;
@@ -26,54 +26,21 @@ pub const SYSTEM: &str = "tether-system";
 
 pub type RunningExtender = Arc<Extender<KubeBinder>>;
 
-pub fn gpu_manifest(file: &str) -> std::path::PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR"))
-        .join("../deploy/optional/gpu")
-        .join(file)
-}
-
 /// The manifests' objects of `kinds` in `file`.
 pub fn objects_of(file: &str, kinds: &[&str]) -> Vec<Value> {
-    yaml_documents(&gpu_manifest(file))
-        .unwrap()
-        .into_iter()
-        .filter(|o| kinds.contains(&o["kind"].as_str().unwrap_or_default()))
-        .collect()
+    gpu_manifests::objects_of(file, kinds).unwrap()
 }
 
 /// The manifest's KubeSchedulerConfiguration, the extender at `extender`
 /// and the API server through `kubeconfig`.
 pub fn scheduler_config(extender: SocketAddr, kubeconfig: &Path) -> Value {
-    let config_map = objects_of("scheduler.yaml", &["ConfigMap"]).remove(0);
-    let text = config_map["data"]["config.yaml"].as_str().unwrap();
-    let mut config: Value = serde_saphyr::from_str(text).unwrap();
-    let extenders = config["extenders"].as_array_mut().unwrap();
-    assert_eq!(extenders.len(), 1);
-    let url = extenders[0]["urlPrefix"].as_str().unwrap();
-    let path = url.splitn(4, '/').nth(3).expect("the urlPrefix has a path");
-    extenders[0]["urlPrefix"] = json!(format!("http://{extender}/{path}"));
-    config["clientConnection"] = json!({"kubeconfig": kubeconfig.display().to_string()});
-    config
+    gpu_manifests::scheduler_config(extender, kubeconfig).unwrap()
 }
 
 /// Applies the RBAC of the extender, the bridge and the scheduler from the
 /// manifests (their service accounts in [`SYSTEM`]).
 pub async fn apply_rbac(plane: &ControlPlane) {
-    let mut rbac = objects_of(
-        "extender.yaml",
-        &["ServiceAccount", "ClusterRole", "ClusterRoleBinding"],
-    );
-    rbac.extend(
-        yaml_documents(
-            &Path::new(env!("CARGO_MANIFEST_DIR")).join("../deploy/base/bridge-rbac.yaml"),
-        )
-        .unwrap(),
-    );
-    rbac.extend(objects_of(
-        "scheduler.yaml",
-        &["ServiceAccount", "ClusterRole", "ClusterRoleBinding"],
-    ));
-    plane.apply(&rbac, SYSTEM).await.unwrap();
+    gpu_manifests::apply_gpu_rbac(plane, SYSTEM).await.unwrap()
 }
 
 /// An extender replica as deployed (role `scheduler`, waiting `wait` for
