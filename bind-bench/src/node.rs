@@ -313,10 +313,36 @@ impl Fleet {
 
     /// What the fleet has seen so far, by `namespace/name`.
     pub fn records(&self) -> BTreeMap<String, PodRecord> {
-        self.records
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .clone()
+        self.with_records(|records| records.clone())
+    }
+
+    /// `read` of the records, under their lock (for the samples taken
+    /// while a run is measured: no copy of the whole map).
+    pub fn with_records<R>(&self, read: impl FnOnce(&BTreeMap<String, PodRecord>) -> R) -> R {
+        read(&self.records.lock().unwrap_or_else(|p| p.into_inner()))
+    }
+
+    /// How many pods of `namespace` the fleet has seen bound, and how many
+    /// of those it has settled (given devices or failed).
+    pub fn bound_and_settled(&self, namespace: &str) -> (usize, usize) {
+        let prefix = format!("{namespace}/");
+        self.with_records(|records| {
+            let ours = records
+                .range(prefix.clone()..)
+                .take_while(|(k, _)| k.starts_with(&prefix))
+                .map(|(_, r)| r);
+            ours.fold((0, 0), |(bound, settled), r| {
+                (
+                    bound + usize::from(r.bound.is_some()),
+                    settled + usize::from(r.allocated.is_some() || r.failed.is_some()),
+                )
+            })
+        })
+    }
+
+    /// Whether the fleet has seen pod `key` deleted.
+    fn is_deleted(&self, key: &str) -> bool {
+        self.with_records(|records| records.get(key).is_some_and(|r| r.deleted))
     }
 
     /// Gives every node the plugin `mode` makes for its name.
@@ -330,11 +356,11 @@ impl Fleet {
     /// no node holds a device for any pod.
     pub async fn all_forgotten(&self, namespace: &str) -> bool {
         let prefix = format!("{namespace}/");
-        if self
-            .records()
-            .iter()
-            .any(|(k, r)| k.starts_with(&prefix) && !r.deleted)
-        {
+        if self.with_records(|records| {
+            records
+                .iter()
+                .any(|(k, r)| k.starts_with(&prefix) && !r.deleted)
+        }) {
             return false;
         }
         for node in self.nodes.values() {
@@ -422,12 +448,11 @@ impl Fleet {
             let namespace = pod.metadata.namespace.clone().unwrap_or_default();
             let name = pod.metadata.name.clone().unwrap_or_default();
             let key = pod_key(&namespace, &name);
-            let deleted = |fleet: &Fleet| fleet.records().get(&key).is_some_and(|r| r.deleted);
-            if deleted(&self) {
+            if self.is_deleted(&key) {
                 continue;
             }
             let result = node.admit(&pod).await;
-            if deleted(&self)
+            if self.is_deleted(&key)
                 && let Some(uid) = &pod.metadata.uid
             {
                 // Deleted while it was admitted: the deletion's forget may

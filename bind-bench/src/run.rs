@@ -73,6 +73,9 @@ pub struct Report {
     pub double_allocations: Vec<String>,
     /// Pods whose admission failed, with why.
     pub failed: Vec<(String, String)>,
+    /// Tether's extender's filter calls during the run: (calls, mean
+    /// time); None for the other systems, whose filters are the bench's.
+    pub tether_filter: Option<(f64, Duration)>,
     /// (seconds since the first create, pods bound so far).
     pub bound_over_time: Vec<(f64, usize)>,
 }
@@ -143,6 +146,12 @@ impl Report {
                 .collect::<Vec<_>>()
                 .join("/")
         );
+        if let Some((calls, mean)) = self.tether_filter {
+            out += &format!(
+                "  extender's filter    {calls:.0} calls, mean {} ms\n",
+                ms(mean)
+            );
+        }
         out += &format!("  double allocations   {}\n", self.double_allocations.len());
         for d in self.double_allocations.iter().take(5) {
             out += &format!("    {d}\n");
@@ -224,6 +233,7 @@ pub async fn run(
     let pids = world.replica_pids();
     let cpu_before: f64 = pids.iter().filter_map(|p| cpu_seconds(*p)).sum();
     let requests_before = api_requests(&world.admin).await?;
+    let filter_before = world.tether_filter_time();
     let started = Instant::now();
     let created: Vec<anyhow::Result<(String, Instant)>> = futures::stream::iter(wanted.clone())
         .map(|(name, gpus)| {
@@ -244,26 +254,17 @@ pub async fn run(
     }
 
     let mut bound_over_time = Vec::new();
-    let records = loop {
-        let records = world.fleet.records();
-        let bound = wanted
-            .iter()
-            .filter(|(n, _)| records.get(&key(n)).is_some_and(|r| r.bound.is_some()))
-            .count();
-        let settled = wanted
-            .iter()
-            .filter(|(n, _)| {
-                records
-                    .get(&key(n))
-                    .is_some_and(|r| r.allocated.is_some() || r.failed.is_some())
-            })
-            .count();
+    // Counted under the records' lock every sample; the map is copied
+    // once, at the end.
+    loop {
+        let (bound, settled) = world.fleet.bound_and_settled(&namespace);
         bound_over_time.push((started.elapsed().as_secs_f64(), bound));
-        if settled == wanted.len() || started.elapsed() > deadline {
-            break records;
+        if settled >= wanted.len() || started.elapsed() > deadline {
+            break;
         }
         tokio::time::sleep(SAMPLE_EVERY).await;
-    };
+    }
+    let records = world.fleet.records();
     // When the last pod got there, if every pod did.
     let last = |at: fn(&PodRecord) -> Option<Instant>| {
         wanted
@@ -276,6 +277,12 @@ pub async fn run(
     let all_bound = last(|r| r.bound);
     let all_allocated = last(|r| r.allocated);
     let requests_after = api_requests(&world.admin).await?;
+    let filter_after = world.tether_filter_time();
+    let filter_calls = filter_after.1 - filter_before.1;
+    let tether_filter = (system == System::Tether).then(|| {
+        let seconds = (filter_after.0 - filter_before.0) / filter_calls.max(1.0);
+        (filter_calls, Duration::from_secs_f64(seconds.max(0.0)))
+    });
     let cpu_after: f64 = pids.iter().filter_map(|p| cpu_seconds(*p)).sum();
 
     let mut create_to_bound = Samples::default();
@@ -311,6 +318,7 @@ pub async fn run(
         bound_to_allocated,
         api_requests: requests_after - requests_before,
         replica_cpu_seconds: cpu_after - cpu_before,
+        tether_filter,
         replica_rss_mib: pids
             .iter()
             .filter_map(|p| memory_mib(*p).map(|(rss, _)| rss))

@@ -968,8 +968,10 @@ impl<B: Binder> Extender<B> {
     /// devices for the pod, with a reason for each (a stopped pod's claim
     /// counts free), and remembers a pod it leaves without any node.
     pub async fn filter(&self, args: ExtenderArgs) -> ExtenderFilterResult {
+        let started = Instant::now();
         let result = self.filter_nodes(args).await;
-        self.metrics.filter(result.error.is_empty());
+        self.metrics
+            .filter(result.error.is_empty(), started.elapsed().as_secs_f64());
         result
     }
 

@@ -49,6 +49,7 @@ pub struct ExtenderMetrics {
     binds: Family<OutcomeLabel, Counter>,
     bind_duration: Histogram,
     filters: Family<OutcomeLabel, Counter>,
+    filter_duration: Histogram,
     nudges: Counter,
 }
 
@@ -73,6 +74,14 @@ impl Default for ExtenderMetrics {
             "Filter verb calls by outcome (error: the scheduling attempt fails)",
             filters.clone(),
         );
+        // The filter runs inside kube-scheduler's one-pod-at-a-time
+        // scheduling cycle: its time is added to every pod's.
+        let filter_duration = latency_histogram();
+        registry.register(
+            "tether_extender_filter_duration_seconds",
+            "Filter verb calls, from the request to the answer (kube-scheduler waits for each before it schedules the next pod)",
+            filter_duration.clone(),
+        );
         let nudges = Counter::default();
         registry.register(
             "tether_extender_requeue_nudges",
@@ -84,6 +93,7 @@ impl Default for ExtenderMetrics {
             binds,
             bind_duration,
             filters,
+            filter_duration,
             nudges,
         }
     }
@@ -100,10 +110,11 @@ impl ExtenderMetrics {
         self.bind_duration.observe(seconds);
     }
 
-    /// Counts a filter call.
-    pub fn filter(&self, answered: bool) {
+    /// Counts a filter call that took `seconds`.
+    pub fn filter(&self, answered: bool, seconds: f64) {
         let outcome = if answered { "answered" } else { "error" };
         self.filters.get_or_create(&OutcomeLabel { outcome }).inc();
+        self.filter_duration.observe(seconds);
     }
 
     /// Counts a refused pod asked about again.
@@ -219,7 +230,7 @@ mod tests {
             "{text}"
         );
         extender.bind(BindOutcome::Bound, 0.2);
-        extender.filter(false);
+        extender.filter(false, 0.004);
         let text = extender.render();
         assert!(
             text.contains("tether_extender_binds_total{outcome=\"bound\"} 1\n"),
@@ -231,6 +242,10 @@ mod tests {
         );
         assert!(
             text.contains("tether_extender_bind_duration_seconds_count 1\n"),
+            "{text}"
+        );
+        assert!(
+            text.contains("tether_extender_filter_duration_seconds_count 1\n"),
             "{text}"
         );
         let plugin = PluginMetrics::default();
