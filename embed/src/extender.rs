@@ -36,6 +36,7 @@ use tether_client::{Client, Error};
 use tokio::net::TcpListener;
 
 use crate::accounting::{Claim, ClaimOwner, DeviceLedger};
+use crate::device_view::DeviceView;
 use crate::inventory::{PublishedDevice, published_inventories, published_inventory};
 use crate::kubelet;
 use crate::metrics::{BindOutcome, ExtenderMetrics};
@@ -391,12 +392,16 @@ pub struct Extender<B> {
     /// Pods the filter left without a node for want of free devices, to be
     /// asked about again when devices free up ([`crate::requeue`]).
     refusals: Refusals,
+    /// The filter's copy of the claims and inventories, followed by
+    /// [`serve_extender`] ([`crate::device_view`]).
+    view: Arc<DeviceView>,
 }
 
 impl<B: Binder> Extender<B> {
     /// An extender over a Tether client and a binder.
     pub fn new(client: Client, ledger: DeviceLedger, binder: B, config: ExtenderConfig) -> Self {
         Self {
+            view: Arc::new(DeviceView::new(client.clone())),
             client,
             ledger,
             binder,
@@ -415,6 +420,12 @@ impl<B: Binder> Extender<B> {
     /// What the verbs have counted.
     pub fn metrics(&self) -> &ExtenderMetrics {
         &self.metrics
+    }
+
+    /// The filter's copy of the claims and inventories; keep it current
+    /// with [`DeviceView::follow`] ([`serve_extender`] does).
+    pub fn device_view(&self) -> &Arc<DeviceView> {
+        &self.view
     }
 
     /// `node`'s device ids, from a Node object at hand.
@@ -898,7 +909,7 @@ impl<B: Binder> Extender<B> {
         Ok(recovered)
     }
 
-    /// One pass of the requeuer: reads the claims and nudges the refused
+    /// One pass of the requeuer: reads the claims (as the filter does) and nudges the refused
     /// pods that now fit a node they were refused on. Returns how many
     /// were asked about.
     pub async fn requeue_pass(&self) -> usize {
@@ -907,7 +918,13 @@ impl<B: Binder> Extender<B> {
         if standing.is_empty() {
             return 0;
         }
-        let claims = match self.ledger.live_claims_by_node().await {
+        // The filter's own copy when it is whole: a pod is asked about
+        // when the copy its filter will read shows the devices freed.
+        let claims = match self.view.snapshot() {
+            Some(view) => Ok(view.live_claims_by_node()),
+            None => self.ledger.live_claims_by_node().await,
+        };
+        let claims = match claims {
             Ok(claims) => claims,
             Err(err) => {
                 tracing::warn!(%err, "cannot read the device claims to ask about refused pods; next pass");
@@ -1000,8 +1017,19 @@ impl<B: Binder> Extender<B> {
                 .collect(),
             (None, None) => Vec::new(),
         };
+        // The watched copy when it is whole, else Tether read directly.
+        let view = if needed == 0 {
+            None
+        } else {
+            self.view.snapshot()
+        };
         let claims = if needed == 0 {
             BTreeMap::new()
+        } else if let Some(view) = &view {
+            candidates
+                .iter()
+                .map(|node| (node.clone(), view.live_claims(node)))
+                .collect()
         } else {
             match self.ledger.live_claims_by_node().await {
                 Ok(claims) => claims,
@@ -1045,7 +1073,15 @@ impl<B: Binder> Extender<B> {
                 }
             }
         }
-        if needed > 0 {
+        if needed > 0
+            && let Some(view) = &view
+        {
+            for (node, ids) in inventory.iter_mut() {
+                if let Some(devices) = view.published(node) {
+                    *ids = Ok(healthy_ids(&devices));
+                }
+            }
+        } else if needed > 0 {
             let published = match published_inventories(&self.client).await {
                 Ok(published) => published,
                 Err(err) => {
@@ -1169,6 +1205,7 @@ pub async fn serve_extender<B: Binder>(
 ) {
     // Stopped with the server, also when this future is dropped.
     let _requeuer = AbortOnDrop(tokio::spawn(requeue_refused(extender.clone())));
+    let _view = AbortOnDrop(tokio::spawn(extender.view.clone().follow()));
     tether_http::serve(listener, router(extender), shutdown).await;
 }
 

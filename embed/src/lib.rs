@@ -21,6 +21,9 @@
 //! - [`kubelet`]: the kubelet's `Allocate` calls for a pod, derived from
 //!   its device manager's algorithm.
 //! - [`accounting`]: which devices of a node live pods hold, kept as pins.
+//! - [`device_view`]: the extender's copy of every node's claims and
+//!   published devices, kept current from Tether's event stream, so the
+//!   filter (inside kube-scheduler's serial cycle) reads memory.
 //! - [`requeue`]: asking kube-scheduler again about pods the filter refused
 //!   for want of devices, once devices free up on their nodes.
 //! - [`plan`]: the device plan carried as the hold's payload.
@@ -32,13 +35,14 @@
 //!   names, `NVIDIA_VISIBLE_DEVICES`, device nodes).
 //!
 //! # Layout
-//! - `extender.rs`, `requeue.rs`, `device_plugin.rs`, `kubelet.rs`,
-//!   `accounting.rs`, `plan.rs`, `metrics.rs`, `inventory.rs`, `nvidia.rs` — the logic above.
+//! - `extender.rs`, `device_view.rs`, `requeue.rs`, `device_plugin.rs`,
+//!   `kubelet.rs`, `accounting.rs`, `plan.rs`, `metrics.rs`, `inventory.rs`, `nvidia.rs` — the logic above.
 //! - `bin/tether-extender.rs`, `bin/tether-device-plugin.rs` — the binaries.
 
 pub mod accounting;
 pub mod cli;
 pub mod device_plugin;
+pub mod device_view;
 pub mod extender;
 pub mod inventory;
 pub mod kubelet;

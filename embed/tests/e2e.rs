@@ -1428,6 +1428,16 @@ async fn the_filter_verb_drops_nodes_without_enough_unclaimed_devices_with_a_rea
             .await
             .unwrap()
     };
+    // The filter reads the extender's copy of the claims, which follows
+    // Tether's events: wait until it has the seven made above.
+    rig.wait_for(
+        "the filter's copy of the claims to show seven",
+        async || {
+            let two = filter(pod_json("two", &[("main", 2, Kind::App)]), true).await;
+            two["NodeNames"] == serde_json::json!(["gpu-node-2"])
+        },
+    )
+    .await;
     // One GPU fits on both; two fit only on the free node, and the full
     // one says why; nine fit nowhere, ever.
     let one = filter(pod_json("one", &[("main", 1, Kind::App)]), true).await;
@@ -1801,18 +1811,22 @@ async fn nvidia_gpus_are_planned_and_handed_over_by_uuid_and_a_lost_one_goes_to_
             .is_some_and(|devices| devices.iter().any(|d| d.id == uuid(lost) && !d.healthy))
     })
     .await;
-    // Five healthy GPUs are free: a six-GPU pod no longer fits, a
+    // Five healthy GPUs are free: a six-GPU pod no longer fits (once the
+    // filter's copy, which follows Tether's events, has the new list), a
     // five-GPU pod gets exactly the five, never the lost one.
-    let six = rig
-        .post(
-            "/scheduler/filter",
-            &serde_json::json!({"Pod": pod_json("six", &[("main", 6, Kind::App)]),
-                "NodeNames": [NODE]}),
-            DEADLINE,
-        )
-        .await
-        .unwrap();
-    assert_eq!(six["NodeNames"], serde_json::json!([]), "{six}");
+    rig.wait_for("the filter to leave out the lost GPU", async || {
+        let six = rig
+            .post(
+                "/scheduler/filter",
+                &serde_json::json!({"Pod": pod_json("six", &[("main", 6, Kind::App)]),
+                    "NodeNames": [NODE]}),
+                DEADLINE,
+            )
+            .await
+            .unwrap();
+        six["NodeNames"] == serde_json::json!([])
+    })
+    .await;
     rig.add_pod("train-b", 5).await;
     assert_eq!(rig.bind("train-b").await.error, "");
     let admitted = rig.admit("train-b").await.unwrap();
