@@ -73,6 +73,9 @@ pub struct Report {
     pub double_allocations: Vec<String>,
     /// Pods whose admission failed, with why.
     pub failed: Vec<(String, String)>,
+    /// CPU seconds each kind of process used during the run (the replicas
+    /// together), in the order of [`World::process_pids`].
+    pub cpu_by_process: Vec<(&'static str, f64)>,
     /// Tether's extender's filter calls during the run: (calls, mean
     /// time); None for the other systems, whose filters are the bench's.
     pub tether_filter: Option<(f64, Duration)>,
@@ -145,6 +148,14 @@ impl Report {
                 .map(|m| format!("{m:.0}"))
                 .collect::<Vec<_>>()
                 .join("/")
+        );
+        out += &format!(
+            "  CPU by process       {}\n",
+            self.cpu_by_process
+                .iter()
+                .map(|(name, seconds)| format!("{name} {seconds:.1} s"))
+                .collect::<Vec<_>>()
+                .join(", ")
         );
         if let Some((calls, mean)) = self.tether_filter {
             out += &format!(
@@ -232,6 +243,14 @@ pub async fn run(
     let key = |name: &str| pod_key(&namespace, name);
     let pids = world.replica_pids();
     let cpu_before: f64 = pids.iter().filter_map(|p| cpu_seconds(*p)).sum();
+    let processes = world.process_pids();
+    let process_cpu = || {
+        processes
+            .iter()
+            .map(|(name, pid)| (*name, cpu_seconds(*pid).unwrap_or(0.0)))
+            .collect::<Vec<_>>()
+    };
+    let process_cpu_before = process_cpu();
     let requests_before = api_requests(&world.admin).await?;
     let filter_before = world.tether_filter_time();
     let started = Instant::now();
@@ -284,6 +303,13 @@ pub async fn run(
         (filter_calls, Duration::from_secs_f64(seconds.max(0.0)))
     });
     let cpu_after: f64 = pids.iter().filter_map(|p| cpu_seconds(*p)).sum();
+    let mut cpu_by_process: Vec<(&'static str, f64)> = Vec::new();
+    for ((name, after), (_, before)) in process_cpu().into_iter().zip(process_cpu_before) {
+        match cpu_by_process.iter_mut().find(|(n, _)| *n == name) {
+            Some((_, total)) => *total += after - before,
+            None => cpu_by_process.push((name, after - before)),
+        }
+    }
 
     let mut create_to_bound = Samples::default();
     let mut bound_to_allocated = Samples::default();
@@ -318,6 +344,7 @@ pub async fn run(
         bound_to_allocated,
         api_requests: requests_after - requests_before,
         replica_cpu_seconds: cpu_after - cpu_before,
+        cpu_by_process,
         tether_filter,
         replica_rss_mib: pids
             .iter()

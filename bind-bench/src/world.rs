@@ -314,6 +314,20 @@ impl World {
     }
 
     /// The replicas' process ids (for their CPU and memory).
+    /// Every process of the world by what it is, for measuring what each
+    /// costs: etcd, the API server, the scheduler, the replicas, and this
+    /// process (the extender, the bridge, the simulated nodes, the
+    /// comparators and the workload).
+    pub fn process_pids(&self) -> Vec<(&'static str, u32)> {
+        let mut pids = self.plane.pids();
+        if let Some(scheduler) = &self.scheduler {
+            pids.push(("kube-scheduler", scheduler.id()));
+        }
+        pids.extend(self.replica_pids().into_iter().map(|pid| ("tetherd", pid)));
+        pids.push(("bench process", std::process::id()));
+        pids
+    }
+
     pub fn replica_pids(&self) -> Vec<u32> {
         self.tether
             .running()

@@ -31,7 +31,7 @@
 //! asked about again when this same copy shows devices freed on a node it
 //! was refused on ([`crate::requeue`]), so the filter it asks for sees them
 //! freed too. Until the copy
-//! has its first list, and while it starts over, [`DeviceView::snapshot`]
+//! has its first list, and while it starts over, [`DeviceView::read`]
 //! says so and the filter reads Tether directly.
 
 use std::collections::{BTreeMap, BTreeSet};
@@ -226,18 +226,20 @@ pub fn touched(
 /// The copy and whether it can be read.
 #[derive(Default)]
 struct Copy {
-    pins: Arc<Pins>,
+    pins: Pins,
     synced: bool,
 }
 
 /// The watched copy; [`DeviceView::follow`] keeps it current.
 pub struct DeviceView {
     client: Client,
+    /// Read by each filter call for its candidates, written for each batch
+    /// of events: both brief, so one lock and no copies.
     copy: Mutex<Copy>,
 }
 
 impl DeviceView {
-    /// A copy not yet listed: [`DeviceView::snapshot`] answers `None` until
+    /// A copy not yet listed: [`DeviceView::read`] answers `None` until
     /// [`DeviceView::follow`] has listed once.
     pub fn new(client: Client) -> DeviceView {
         DeviceView {
@@ -246,21 +248,15 @@ impl DeviceView {
         }
     }
 
-    /// The copy as it is now, if it is whole (listed and followed since).
-    pub fn snapshot(&self) -> Option<Arc<Pins>> {
-        let copy = self.copy.lock().unwrap_or_else(|p| p.into_inner());
-        copy.synced.then(|| copy.pins.clone())
+    /// `read` of the copy as it is now, if it is whole (listed and
+    /// followed since); None if it is not.
+    pub fn read<R>(&self, read: impl FnOnce(&Pins) -> R) -> Option<R> {
+        let copy = self.lock();
+        copy.synced.then(|| read(&copy.pins))
     }
 
-    fn set(&self, pins: Pins, synced: bool) {
-        *self.copy.lock().unwrap_or_else(|p| p.into_inner()) = Copy {
-            pins: Arc::new(pins),
-            synced,
-        };
-    }
-
-    fn unsync(&self) {
-        self.copy.lock().unwrap_or_else(|p| p.into_inner()).synced = false;
+    fn lock(&self) -> std::sync::MutexGuard<'_, Copy> {
+        self.copy.lock().unwrap_or_else(|p| p.into_inner())
     }
 
     /// Keeps the copy current until dropped: list, then follow the events;
@@ -273,7 +269,7 @@ impl DeviceView {
                     "the extender's copy of the device claims stopped following Tether; the filter \
                      reads Tether directly until it has listed again"
                 );
-                self.unsync();
+                self.lock().synced = false;
                 tokio::time::sleep(RETRY).await;
             }
         }
@@ -292,12 +288,12 @@ impl DeviceView {
                 listed.push((set.to_string(), pin));
             }
         }
-        let mut pins = Pins::from_list(
+        let pins = Pins::from_list(
             listed
                 .into_iter()
                 .filter_map(|(set, pin)| Some((set, pin.key.clone()?.member, pin))),
         );
-        self.set(pins.clone(), true);
+        *self.lock() = Copy { pins, synced: true };
         let until = Instant::now() + RESYNC;
         loop {
             let update = match tokio::time::timeout_at(until.into(), watch.next()).await {
@@ -314,16 +310,19 @@ impl DeviceView {
             // (`device-view-ignores-pod-reports`, set with `fail::cfg`):
             // a stopped pod's claims would count taken until the resync.
             let planted = fail::eval("device-view-ignores-pod-reports", |_| ()).is_some();
-            for event in &events {
-                if planted && event.key.starts_with("pod/") {
-                    continue;
-                }
-                match touched(event, &pins, &assigned) {
-                    Touched::Nodes(nodes) => stale.extend(nodes),
-                    Touched::Everything => return Ok(()),
-                }
-                if event.kind == "PinAssigned" {
-                    assigned.insert(event.key.clone(), event.node.clone());
+            {
+                let copy = self.lock();
+                for event in &events {
+                    if planted && event.key.starts_with("pod/") {
+                        continue;
+                    }
+                    match touched(event, &copy.pins, &assigned) {
+                        Touched::Nodes(nodes) => stale.extend(nodes),
+                        Touched::Everything => return Ok(()),
+                    }
+                    if event.kind == "PinAssigned" {
+                        assigned.insert(event.key.clone(), event.node.clone());
+                    }
                 }
             }
             if stale.is_empty() {
@@ -338,15 +337,19 @@ impl DeviceView {
                 .buffer_unordered(READS_IN_FLIGHT)
                 .collect()
                 .await;
+            let mut read_again = Vec::with_capacity(reads.len());
             for (node_set, read) in reads {
                 let read = read?
                     .into_iter()
                     // A set filtered by node answers only that node's pins.
                     .filter_map(|pin| Some((pin.key.clone()?.member, pin)))
                     .collect();
-                pins.replace(&node_set, read);
+                read_again.push((node_set, read));
             }
-            self.set(pins.clone(), true);
+            let mut copy = self.lock();
+            for (node_set, read) in read_again {
+                copy.pins.replace(&node_set, read);
+            }
         }
     }
 }

@@ -36,7 +36,7 @@ use tether_client::{Client, Error};
 use tokio::net::TcpListener;
 
 use crate::accounting::{Claim, ClaimOwner, DeviceLedger};
-use crate::device_view::DeviceView;
+use crate::device_view::{DeviceView, Pins};
 use crate::inventory::{PublishedDevice, published_inventories, published_inventory};
 use crate::kubelet;
 use crate::metrics::{BindOutcome, ExtenderMetrics};
@@ -920,8 +920,8 @@ impl<B: Binder> Extender<B> {
         }
         // The filter's own copy when it is whole: a pod is asked about
         // when the copy its filter will read shows the devices freed.
-        let claims = match self.view.snapshot() {
-            Some(view) => Ok(view.live_claims_by_node()),
+        let claims = match self.view.read(Pins::live_claims_by_node) {
+            Some(claims) => Ok(claims),
             None => self.ledger.live_claims_by_node().await,
         };
         let claims = match claims {
@@ -1017,29 +1017,35 @@ impl<B: Binder> Extender<B> {
                 .collect(),
             (None, None) => Vec::new(),
         };
-        // The watched copy when it is whole, else Tether read directly.
-        let view = if needed == 0 {
+        // The candidates' claims and published devices from the watched
+        // copy when it is whole, else read from Tether.
+        let from_view = if needed == 0 {
             None
         } else {
-            self.view.snapshot()
+            self.view.read(|pins| {
+                let claims: BTreeMap<String, BTreeMap<String, String>> = candidates
+                    .iter()
+                    .map(|node| (node.clone(), pins.live_claims(node)))
+                    .collect();
+                let published: BTreeMap<String, Vec<PublishedDevice>> = candidates
+                    .iter()
+                    .filter_map(|node| Some((node.clone(), pins.published(node)?)))
+                    .collect();
+                (claims, published)
+            })
         };
-        let claims = if needed == 0 {
-            BTreeMap::new()
-        } else if let Some(view) = &view {
-            candidates
-                .iter()
-                .map(|node| (node.clone(), view.live_claims(node)))
-                .collect()
-        } else {
-            match self.ledger.live_claims_by_node().await {
-                Ok(claims) => claims,
+        let (claims, view_published) = match from_view {
+            Some((claims, published)) => (claims, Some(published)),
+            None if needed == 0 => (BTreeMap::new(), None),
+            None => match self.ledger.live_claims_by_node().await {
+                Ok(claims) => (claims, None),
                 Err(err) => {
                     return ExtenderFilterResult {
                         error: format!("cannot read the device claims: {err}"),
                         ..Default::default()
                     };
                 }
-            }
+            },
         };
         let mut inventory = BTreeMap::new();
         // Reads past their TTL go, so nodes that left the cluster do not
@@ -1073,23 +1079,18 @@ impl<B: Binder> Extender<B> {
                 }
             }
         }
-        if needed > 0
-            && let Some(view) = &view
-        {
-            for (node, ids) in inventory.iter_mut() {
-                if let Some(devices) = view.published(node) {
-                    *ids = Ok(healthy_ids(&devices));
-                }
-            }
-        } else if needed > 0 {
-            let published = match published_inventories(&self.client).await {
-                Ok(published) => published,
-                Err(err) => {
-                    return ExtenderFilterResult {
-                        error: format!("cannot read the devices the nodes published: {err}"),
-                        ..Default::default()
-                    };
-                }
+        if needed > 0 {
+            let published = match view_published {
+                Some(published) => published,
+                None => match published_inventories(&self.client).await {
+                    Ok(published) => published,
+                    Err(err) => {
+                        return ExtenderFilterResult {
+                            error: format!("cannot read the devices the nodes published: {err}"),
+                            ..Default::default()
+                        };
+                    }
+                },
             };
             for (node, ids) in inventory.iter_mut() {
                 if let Some(devices) = published.get(node) {

@@ -18,7 +18,7 @@ use std::time::{Duration, Instant};
 use tether_client::proto as pb;
 use tether_client::{Client, Options};
 use tether_embed::accounting::{ClaimOwner, DeviceLedger};
-use tether_embed::device_view::{DeviceView, RESYNC};
+use tether_embed::device_view::{DeviceView, Pins, RESYNC};
 use tether_embed::inventory::{DeviceSource, Inventory, publish, published_inventories};
 use tether_server::testing::Cluster;
 
@@ -75,24 +75,23 @@ impl Rig {
 
     /// Where the copy and a direct read differ now (None: they agree).
     async fn difference(&self) -> Option<String> {
-        let Some(copy) = self.view.snapshot() else {
+        let Some(copy_claims) = self.view.read(Pins::live_claims_by_node) else {
             return Some("the copy has not listed yet".into());
         };
         let claims = self.ledger.live_claims_by_node().await.expect("claims");
-        if copy.live_claims_by_node() != claims {
+        if copy_claims != claims {
             return Some(format!(
-                "claims: the copy has {:?}, Tether {claims:?}",
-                copy.live_claims_by_node()
+                "claims: the copy has {copy_claims:?}, Tether {claims:?}"
             ));
         }
         let published = published_inventories(&self.client)
             .await
             .expect("inventories");
         for (node, devices) in &published {
-            if copy.published(node).as_ref() != Some(devices) {
+            let copy = self.view.read(|pins| pins.published(node)).flatten();
+            if copy.as_ref() != Some(devices) {
                 return Some(format!(
-                    "node {node}'s inventory: the copy has {:?}, Tether {devices:?}",
-                    copy.published(node)
+                    "node {node}'s inventory: the copy has {copy:?}, Tether {devices:?}"
                 ));
             }
         }
@@ -159,11 +158,13 @@ async fn the_copy_follows_every_change_to_claims_and_inventories() {
     rig.must_follow("a claim's pod reported running").await;
     rig.report("a", pb::PodPhase::PodTerminal).await;
     rig.must_follow("a claim's pod reported stopped").await;
-    let copy = rig.view.snapshot().expect("listed");
+    let n1 = rig
+        .view
+        .read(|pins| pins.live_claims("n1"))
+        .expect("listed");
     assert!(
-        !copy.live_claims("n1").values().any(|uid| uid == "a"),
-        "a stopped pod's devices count free: {:?}",
-        copy.live_claims("n1")
+        !n1.values().any(|uid| uid == "a"),
+        "a stopped pod's devices count free: {n1:?}"
     );
 
     rig.ledger.release("b", "test").await.expect("released");
@@ -177,7 +178,9 @@ async fn the_copy_follows_every_change_to_claims_and_inventories() {
     println!("correction: {corrected:?}");
     rig.must_follow("a claim corrected to other devices").await;
     assert_eq!(
-        rig.view.snapshot().expect("listed").live_claims("n1"),
+        rig.view
+            .read(|pins| pins.live_claims("n1"))
+            .expect("listed"),
         BTreeMap::from([("gpu3".to_string(), "c".to_string())])
     );
 
@@ -187,7 +190,7 @@ async fn the_copy_follows_every_change_to_claims_and_inventories() {
     rig.publish("n1", "plugin-2", &["gpu0", "gpu1"]).await;
     rig.must_follow("an inventory published again by a new plugin pod")
         .await;
-    let published = rig.view.snapshot().expect("listed").published("n1");
+    let published = rig.view.read(|pins| pins.published("n1")).expect("listed");
     assert_eq!(
         published
             .unwrap_or_default()

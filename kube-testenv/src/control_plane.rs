@@ -58,6 +58,19 @@ pub struct ControlPlane {
 static NAMESPACES: AtomicU32 = AtomicU32::new(0);
 
 impl ControlPlane {
+    /// The process ids of etcd and the API server (the API server's only
+    /// while it runs), named: for measuring what they cost.
+    pub fn pids(&self) -> Vec<(&'static str, u32)> {
+        let mut pids = vec![(
+            "etcd",
+            self.etcd.lock().unwrap_or_else(|p| p.into_inner()).id(),
+        )];
+        if let Some(apiserver) = &*self.apiserver.lock().unwrap_or_else(|p| p.into_inner()) {
+            pids.push(("kube-apiserver", apiserver.id()));
+        }
+        pids
+    }
+
     /// The control plane shared by every test of this test binary, started
     /// on first use; `None` (with the test reported skipped) when the
     /// assets are missing. Tests that share it keep to namespaces of their
