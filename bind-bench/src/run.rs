@@ -76,6 +76,11 @@ pub struct Report {
     /// CPU seconds each kind of process used during the run (the replicas
     /// together), in the order of [`World::process_pids`].
     pub cpu_by_process: Vec<(&'static str, f64)>,
+    /// Tether calls per pod by method, every replica's
+    /// `tether_requests_total` together, and Raft log entries per pod.
+    pub tether_calls_per_pod: BTreeMap<String, f64>,
+    /// Raft log entries per pod (the replicas' highest last log index).
+    pub log_entries_per_pod: f64,
     /// Tether's extender's filter calls during the run: (calls, mean
     /// time); None for the other systems, whose filters are the bench's.
     pub tether_filter: Option<(f64, Duration)>,
@@ -157,6 +162,17 @@ impl Report {
                 .collect::<Vec<_>>()
                 .join(", ")
         );
+        if !self.tether_calls_per_pod.is_empty() {
+            out += &format!(
+                "  Tether per pod       {:.2} log entries; calls {}\n",
+                self.log_entries_per_pod,
+                self.tether_calls_per_pod
+                    .iter()
+                    .map(|(method, n)| format!("{method} {n:.2}"))
+                    .collect::<Vec<_>>()
+                    .join(", ")
+            );
+        }
         if let Some((calls, mean)) = self.tether_filter {
             out += &format!(
                 "  extender's filter    {calls:.0} calls, mean {} ms\n",
@@ -185,6 +201,39 @@ async fn api_requests(admin: &kube::Client) -> anyhow::Result<f64> {
         .filter(|l| l.starts_with("apiserver_request_total{"))
         .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
         .sum())
+}
+
+/// What the replicas have counted so far: gRPC calls by method (every
+/// replica's `tether_requests_total`, all results, together), and the
+/// highest replica's last log index. A replica that does not answer counts
+/// nothing.
+fn tether_counts(world: &World) -> (BTreeMap<String, f64>, f64) {
+    let mut calls: BTreeMap<String, f64> = BTreeMap::new();
+    let mut last_log = 0.0_f64;
+    for id in world.tether.running() {
+        let Ok(text) = world.tether.metrics_text(id) else {
+            continue;
+        };
+        for line in text.lines() {
+            let Some((series, value)) = line.rsplit_once(' ') else {
+                continue;
+            };
+            let Ok(value) = value.parse::<f64>() else {
+                continue;
+            };
+            if let Some(labels) = series.strip_prefix("tether_requests_total{")
+                && let Some(method) = labels
+                    .split(',')
+                    .find_map(|l| l.strip_prefix("method=\""))
+                    .and_then(|m| m.strip_suffix('"'))
+            {
+                *calls.entry(method.to_string()).or_default() += value;
+            } else if series == "tether_raft_last_log_index" {
+                last_log = last_log.max(value);
+            }
+        }
+    }
+    (calls, last_log)
 }
 
 /// A pod asking for `gpus` GPUs of the `tether-gpu` scheduler.
@@ -251,6 +300,7 @@ pub async fn run(
             .collect::<Vec<_>>()
     };
     let process_cpu_before = process_cpu();
+    let (calls_before, log_before) = tether_counts(world);
     let requests_before = api_requests(&world.admin).await?;
     let filter_before = world.tether_filter_time();
     let started = Instant::now();
@@ -296,6 +346,17 @@ pub async fn run(
     let all_bound = last(|r| r.bound);
     let all_allocated = last(|r| r.allocated);
     let requests_after = api_requests(&world.admin).await?;
+    let (calls_after, log_after) = tether_counts(world);
+    let per_pod = |n: f64| n / wanted.len().max(1) as f64;
+    let tether_calls_per_pod: BTreeMap<String, f64> = calls_after
+        .iter()
+        .map(|(method, after)| {
+            let before = calls_before.get(method).copied().unwrap_or(0.0);
+            (method.clone(), per_pod(after - before))
+        })
+        .filter(|(_, n)| *n >= 0.005)
+        .collect();
+    let log_entries_per_pod = per_pod(log_after - log_before);
     let filter_after = world.tether_filter_time();
     let filter_calls = filter_after.1 - filter_before.1;
     let tether_filter = (system == System::Tether).then(|| {
@@ -345,6 +406,8 @@ pub async fn run(
         api_requests: requests_after - requests_before,
         replica_cpu_seconds: cpu_after - cpu_before,
         cpu_by_process,
+        tether_calls_per_pod,
+        log_entries_per_pod,
         tether_filter,
         replica_rss_mib: pids
             .iter()

@@ -414,6 +414,41 @@ impl ProcessCluster {
     /// here rather than pulling in an HTTP client for it: the harness sends
     /// a handful per run to its own replicas, and `heal` is not async.
     pub fn set_failpoint(&self, id: u64, name: &str, actions: Option<&str>) -> anyhow::Result<()> {
+        let (method, body) = match actions {
+            Some(actions) => ("PUT", actions),
+            None => ("DELETE", ""),
+        };
+        let path = format!("/failpoints/{name}");
+        let (status, _) = self.http(id, method, &path, body)?;
+        anyhow::ensure!(
+            status.contains(" 200 "),
+            "replica {id}: {method} {path} answered {status:?} (a failpoints build?)"
+        );
+        Ok(())
+    }
+
+    /// Replica `id`'s `/metrics` (OpenMetrics text).
+    pub fn metrics_text(&self, id: u64) -> anyhow::Result<String> {
+        let (status, answer) = self.http(id, "GET", "/metrics", "")?;
+        anyhow::ensure!(
+            status.contains(" 200 "),
+            "replica {id}: GET /metrics answered {status:?}"
+        );
+        Ok(answer
+            .split_once("\r\n\r\n")
+            .map(|(_, body)| body.to_string())
+            .unwrap_or_default())
+    }
+
+    /// One request to replica `id`'s HTTP port: its status line and the
+    /// whole answer.
+    fn http(
+        &self,
+        id: u64,
+        method: &str,
+        path: &str,
+        body: &str,
+    ) -> anyhow::Result<(String, String)> {
         use std::io::{Read, Write};
         let replica = self.replicas.get(&id).context("no such replica")?;
         let addr = SocketAddr::from(([127, 0, 0, 1], replica.http));
@@ -421,24 +456,16 @@ impl ProcessCluster {
             .with_context(|| format!("replica {id}'s HTTP port"))?;
         stream.set_read_timeout(Some(Duration::from_secs(5)))?;
         stream.set_write_timeout(Some(Duration::from_secs(5)))?;
-        let (method, body) = match actions {
-            Some(actions) => ("PUT", actions),
-            None => ("DELETE", ""),
-        };
         write!(
             stream,
-            "{method} /failpoints/{name} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Length: {}\r\n\
+            "{method} {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Length: {}\r\n\
              Connection: close\r\n\r\n{body}",
             body.len()
         )?;
         let mut answer = String::new();
         stream.read_to_string(&mut answer)?;
-        let status = answer.lines().next().unwrap_or_default();
-        anyhow::ensure!(
-            status.contains(" 200 "),
-            "replica {id}: {method} /failpoints/{name} answered {status:?} (a failpoints build?)"
-        );
-        Ok(())
+        let status = answer.lines().next().unwrap_or_default().to_string();
+        Ok((status, answer))
     }
 
     /// Starts a stopped replica again with its data.

@@ -17,7 +17,10 @@
 //! corrected or ended (`PinAssigned`, `PinReleased`, by its node), a claim
 //! taken over by a recreated pod (`PinOwnerChanged`, by the node the copy
 //! has for it), a pod reported or revoked (`PodReported`, `PodRevoked`: its
-//! claims' owner state, by the nodes the copy has claims of that pod on).
+//! claims' owner state, by the nodes the copy has claims of that pod on,
+//! when the report turns them stopped or live again: the filter reads only
+//! that of the owner, so a pod reported starting, then running, costs no
+//! read).
 //! Re-reading rather than applying events keeps the copy to what a list
 //! answers, whatever the event carries. A compacted watch position, a failed
 //! read or an event naming a pin the copy does not know starts over with a
@@ -214,8 +217,28 @@ pub fn touched(
         }
         "PodReported" | "PodRevoked" => {
             let uid = event.key.strip_prefix("pod/").unwrap_or_default();
+            // Whether the pod's claims now count stopped: revoked, or
+            // reported terminal or gone; live if reported starting or
+            // running; unknown for a phase this build does not know.
+            let stopped = match (event.kind.as_str(), event.attributes.get("phase")) {
+                ("PodRevoked", _) => Some(true),
+                (_, Some(phase)) if phase == "Terminal" || phase == "Gone" => Some(true),
+                (_, Some(phase)) if phase == "Starting" || phase == "Running" => Some(false),
+                _ => None,
+            };
             for node in pins.claims_of_pod.get(uid).into_iter().flatten() {
-                nodes.insert((DEVICE_SET.to_string(), node.clone()));
+                let node_set = (DEVICE_SET.to_string(), node.clone());
+                // Only what the filter reads of a claim's owner can make a
+                // re-read worth it: whether it stopped.
+                let flips = pins
+                    .by_node
+                    .get(&node_set)
+                    .into_iter()
+                    .flat_map(|members| members.values())
+                    .any(|pin| pin.pod_uid == uid && Some(owner_stopped(pin)) != stopped);
+                if flips {
+                    nodes.insert(node_set);
+                }
             }
         }
         _ => {}
@@ -409,6 +432,13 @@ mod tests {
         }
     }
 
+    fn reported(uid: &str, phase: &str) -> pb::Event {
+        pb::Event {
+            attributes: [("phase".to_string(), phase.to_string())].into(),
+            ..event("PodReported", &format!("pod/{uid}"), "")
+        }
+    }
+
     fn none() -> BTreeMap<String, String> {
         BTreeMap::new()
     }
@@ -501,9 +531,22 @@ mod tests {
             ),
             Touched::Everything
         );
-        // A pod's report: the nodes of its claims, none if it has none.
+        // A pod's report: the nodes of its claims, none if it has none,
+        // when it turns them stopped (or live again, or it cannot tell).
         assert_eq!(
-            touched(&event("PodReported", "pod/a", ""), &pins, &none()),
+            touched(&reported("a", "Terminal"), &pins, &none()),
+            nodes(&[(DEVICE_SET, "n1")])
+        );
+        assert_eq!(
+            touched(&event("PodRevoked", "pod/a", ""), &pins, &none()),
+            nodes(&[(DEVICE_SET, "n1")])
+        );
+        assert_eq!(
+            touched(&reported("a", "Running"), &pins, &none()),
+            nodes(&[])
+        );
+        assert_eq!(
+            touched(&reported("a", "Evicted"), &pins, &none()),
             nodes(&[(DEVICE_SET, "n1")])
         );
         assert_eq!(
@@ -535,12 +578,9 @@ mod tests {
             BTreeMap::from([("gpu0".into(), "a".into()), ("gpu1".into(), "c".into())])
         );
         // b is forgotten: its report touches nothing; c's touches n1.
+        assert_eq!(touched(&reported("b", "Gone"), &pins, &none()), nodes(&[]));
         assert_eq!(
-            touched(&event("PodReported", "pod/b", ""), &pins, &none()),
-            nodes(&[])
-        );
-        assert_eq!(
-            touched(&event("PodReported", "pod/c", ""), &pins, &none()),
+            touched(&reported("c", "Gone"), &pins, &none()),
             nodes(&[(DEVICE_SET, "n1")])
         );
         // Every claim of n1 ended.

@@ -167,6 +167,14 @@ async fn the_copy_follows_every_change_to_claims_and_inventories() {
         "a stopped pod's devices count free: {n1:?}"
     );
 
+    // Reported running again (a report after a revoke the bridge took
+    // back): its claims count again.
+    rig.report("a", pb::PodPhase::PodRunning).await;
+    rig.must_follow("a stopped claim's pod reported running again")
+        .await;
+    rig.report("a", pb::PodPhase::PodGone).await;
+    rig.must_follow("a claim's pod reported gone").await;
+
     rig.ledger.release("b", "test").await.expect("released");
     rig.must_follow("a claim ended").await;
 
