@@ -1,25 +1,38 @@
-//! The comparator: HAMi's node lock, written out in the bench as
-//! `../shared/BACKGROUND.md` describes it, so that the same workloads run
-//! through the same scheduler against it.
+//! The comparator: HAMi's node lock, written out in the bench, so that the
+//! same workloads run through the same scheduler against it.
 //!
-//! What it copies, and from where (HAMi's `pkg/util/nodelock`, its
-//! scheduler's filter and bind, its device plugin's `Allocate`, as the
-//! background file has them):
+//! What it copies, and from where. The lock itself was read against HAMi's
+//! `pkg/util/nodelock/nodelock.go` (`LockNode`, `SetNodeLock`,
+//! `ReleaseNodeLock`, `ParseNodeLock`, `DefaultStrategy`); the filter, bind
+//! and `Allocate` follow `../shared/BACKGROUND.md`:
 //! - the lock is the node annotation `hami.io/mutex.lock`, value
 //!   `<RFC 3339 time>,<namespace>,<pod name>`; one lock per node; the owner
 //!   is namespace/name;
-//! - acquire: no lock → set it; older than 5 minutes → release, then set;
-//!   the same namespace/name → held already; otherwise read the owner pod:
-//!   gone → take over, there (in any phase) → "node … has been locked";
-//!   each set or release is a GET and a merge patch carrying the node's
-//!   `resourceVersion`, tried 5 times from 100 ms doubling, with jitter;
+//! - acquire (`LockNode`): no lock → set it; older than 5 minutes, or held
+//!   by another pod that is gone → released without the owner check, then
+//!   set; otherwise refused ("node … has been locked within 5m0s"), also
+//!   when the holder is this very pod;
+//! - set (`SetNodeLock`): refused at once if the node is locked; else a GET
+//!   and a merge patch carrying the node's `resourceVersion`, tried 5 times
+//!   on any error, pauses from 100 ms doubling plus up to half again
+//!   (`Jitter: 0.5`); the tries do not look at the lock again;
+//! - release (`ReleaseNodeLock`): nothing without a lock or when the lock
+//!   names another pod (unless the owner check is skipped); else GET and a
+//!   patch removing it, tried the same way;
+//! - in each process, one node's sets and releases go one at a time (its
+//!   `nodeLockManager`);
+//! - the bind (its scheduler's `Bind`, `pkg/scheduler/scheduler.go`) reads
+//!   the pod and the node, locks the node, patches the pod
+//!   (`hami.io/bind-phase=allocating`, the bind time in Unix seconds),
+//!   then calls `pods/binding`; on a failed lock or binding it releases the
+//!   lock and answers the error;
+//! - not copied: the Kubernetes Events its scheduler records for each
+//!   filter and bind (client-go's event broadcaster writes them apart,
+//!   merged and rate-limited on its own);
 //! - the filter picks the node and the devices (HAMi's default policy,
 //!   binpack: the fullest node that fits) and writes the devices into the
-//!   pod's annotations; the bind locks the node, patches the pod
-//!   (`hami.io/bind-phase=allocating`, the bind time), then calls
-//!   `pods/binding`; on any failure it releases the lock and answers the
-//!   error, so kube-scheduler backs the pod off and tries again (a pod not
-//!   in a pod group fails at once);
+//!   pod's annotations; a failed bind is backed off by kube-scheduler and
+//!   tried again;
 //! - the device plugin's `Allocate` carries no pod: it reads the node's lock
 //!   to find the pod, reads the pod's devices from its annotation, sets
 //!   `hami.io/bind-phase=success` and releases the lock;
@@ -123,18 +136,31 @@ impl Limiter {
     }
 }
 
+/// The lock annotation of `node`, if it is locked.
+fn lock_value(node: &Node) -> Option<String> {
+    node.metadata
+        .annotations
+        .as_ref()
+        .and_then(|a| a.get(LOCK_ANNOTATION).cloned())
+}
+
 /// What an API call through a limited client can fail with.
 fn api_error(what: &str, e: kube::Error) -> String {
     format!("{what}: {e}")
 }
 
-/// `<RFC 3339 time>,<namespace>,<name>`, parsed.
+/// `<RFC 3339 time>,<namespace>,<name>`, or the older bare `<RFC 3339
+/// time>` (no owner: namespace and name empty), parsed as HAMi's
+/// `ParseNodeLock` does: any other number of parts is malformed.
 fn parse_lock(value: &str) -> Option<(Instant, String, String)> {
-    let mut parts = value.splitn(3, ',');
-    let time = parts.next()?;
-    let (namespace, name) = (parts.next()?, parts.next()?);
-    let at = stamped_at(time)?;
-    Some((at, namespace.to_string(), name.to_string()))
+    let parts: Vec<&str> = value.split(',').collect();
+    match parts.as_slice() {
+        [time] => Some((stamped_at(time)?, String::new(), String::new())),
+        [time, namespace, name] => {
+            Some((stamped_at(time)?, namespace.to_string(), name.to_string()))
+        }
+        _ => None,
+    }
 }
 
 /// When a lock stamped `time` (RFC 3339, UTC, whole seconds, as the bench
@@ -172,12 +198,17 @@ fn parse_rfc3339_seconds(time: &str) -> Option<u64> {
     Some(days * 86_400 + hour * 3_600 + minute * 60 + second)
 }
 
-/// Now as `YYYY-MM-DDTHH:MM:SSZ`.
-fn rfc3339_now() -> String {
-    let secs = std::time::SystemTime::now()
+/// Seconds since the Unix epoch, now.
+fn unix_seconds() -> u64 {
+    std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
         .map(|d| d.as_secs())
-        .unwrap_or_default();
+        .unwrap_or_default()
+}
+
+/// Now as `YYYY-MM-DDTHH:MM:SSZ`.
+fn rfc3339_now() -> String {
+    let secs = unix_seconds();
     let (days, rem) = (secs / 86_400, secs % 86_400);
     // The civil date from days (Howard Hinnant's algorithm, inverted).
     let z = days + 719_468;
@@ -197,14 +228,16 @@ fn rfc3339_now() -> String {
     )
 }
 
-/// A pause of `base` with up to 10 % jitter either way (wait.Backoff's).
+/// The pause before try `attempt + 1`: `base` doubled per try, plus up to
+/// half of it again (`wait.Backoff` with `Factor: 2.0, Jitter: 0.5`, HAMi's
+/// `DefaultStrategy`).
 fn jittered(base: Duration, attempt: u32) -> Duration {
     let nanos = std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
         .map(|d| d.subsec_nanos())
         .unwrap_or_default();
-    let spread = (f64::from(nanos % 2_000) / 1_000.0 - 1.0) * 0.1;
-    (base * 2u32.pow(attempt)).mul_f64(1.0 + spread)
+    let jitter = f64::from(nanos % 1_000) / 1_000.0 * 0.5;
+    (base * 2u32.pow(attempt)).mul_f64(1.0 + jitter)
 }
 
 /// The node lock, as HAMi's scheduler and device plugin take and release
@@ -213,6 +246,9 @@ pub struct NodeLock {
     nodes: Api<Node>,
     client: kube::Client,
     limiter: Arc<Limiter>,
+    /// One mutex per node: this process's sets and releases of one node's
+    /// lock go one at a time (HAMi's `nodeLockManager`).
+    serial: Mutex<BTreeMap<String, Arc<tokio::sync::Mutex<()>>>>,
 }
 
 impl NodeLock {
@@ -222,6 +258,7 @@ impl NodeLock {
             nodes: Api::all(client.clone()),
             client,
             limiter,
+            serial: Mutex::default(),
         }
     }
 
@@ -252,105 +289,127 @@ impl NodeLock {
             .map(|_| ())
     }
 
-    /// Sets the lock for `namespace/name`, if nobody holds it, tried 5
-    /// times.
-    async fn set(&self, node: &str, namespace: &str, name: &str) -> Result<(), String> {
-        let mut last = String::new();
-        for attempt in 0..WRITE_TRIES {
-            let current = self.get_node(node).await?;
-            if current
-                .metadata
-                .annotations
-                .as_ref()
-                .is_some_and(|a| a.contains_key(LOCK_ANNOTATION))
-            {
-                last = format!("node {node} is locked already");
-            } else {
-                let value = format!("{},{namespace},{name}", rfc3339_now());
-                match self
-                    .write(node, current.metadata.resource_version, Some(value))
-                    .await
-                {
-                    Ok(()) => return Ok(()),
-                    Err(e) => last = api_error("setting the node lock", e),
-                }
-            }
-            tokio::time::sleep(jittered(FIRST_PAUSE, attempt)).await;
-        }
-        Err(last)
+    /// This process's mutex for `node`.
+    fn serial(&self, node: &str) -> Arc<tokio::sync::Mutex<()>> {
+        self.serial
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .entry(node.to_string())
+            .or_default()
+            .clone()
     }
 
-    /// Releases `node`'s lock, tried 5 times.
-    pub async fn release(&self, node: &str) -> Result<(), String> {
+    /// `write` tried 5 times, each try on the node read afresh (HAMi's
+    /// `retry.OnError` with `DefaultStrategy`, every error retried).
+    async fn write_retried(
+        &self,
+        node: &str,
+        value: Option<&str>,
+        what: &str,
+    ) -> Result<(), String> {
         let mut last = String::new();
         for attempt in 0..WRITE_TRIES {
-            let current = self.get_node(node).await?;
-            if !current
-                .metadata
-                .annotations
-                .as_ref()
-                .is_some_and(|a| a.contains_key(LOCK_ANNOTATION))
-            {
-                return Ok(());
+            if attempt > 0 {
+                tokio::time::sleep(jittered(FIRST_PAUSE, attempt - 1)).await;
             }
+            let current = match self.get_node(node).await {
+                Ok(current) => current,
+                Err(e) => {
+                    last = e;
+                    continue;
+                }
+            };
             match self
-                .write(node, current.metadata.resource_version, None)
+                .write(
+                    node,
+                    current.metadata.resource_version,
+                    value.map(str::to_string),
+                )
                 .await
             {
                 Ok(()) => return Ok(()),
-                Err(e) => last = api_error("releasing the node lock", e),
+                Err(e) => last = api_error(what, e),
             }
-            tokio::time::sleep(jittered(FIRST_PAUSE, attempt)).await;
         }
-        Err(last)
+        Err(format!("{what}, {WRITE_TRIES} tries: {last}"))
     }
 
-    /// Takes `node`'s lock for pod `namespace/name` (HAMi's `LockNode`).
-    pub async fn lock(&self, node: &str, namespace: &str, name: &str) -> Result<(), String> {
+    /// HAMi's `SetNodeLock`: refused at once if the node is locked; else the
+    /// lock for `namespace/name` written, tried 5 times. The tries do not
+    /// look at the lock again: each carries the `resourceVersion` it read,
+    /// so only a write in between makes one fail.
+    async fn set(&self, node: &str, namespace: &str, name: &str) -> Result<(), String> {
+        let serial = self.serial(node);
+        let _one_at_a_time = serial.lock().await;
         let current = self.get_node(node).await?;
-        let held = current
-            .metadata
-            .annotations
-            .as_ref()
-            .and_then(|a| a.get(LOCK_ANNOTATION).cloned());
-        let Some(value) = held else {
-            return self.set(node, namespace, name).await;
-        };
-        let Some((at, owner_namespace, owner)) = parse_lock(&value) else {
-            // An unreadable lock (the old bare-timestamp form) is replaced.
-            self.release(node).await?;
-            return self.set(node, namespace, name).await;
-        };
-        if at.elapsed() > LOCK_TIMEOUT {
-            self.release(node).await?;
-            return self.set(node, namespace, name).await;
+        if lock_value(&current).is_some() {
+            return Err(format!("node {node} is locked"));
         }
-        if owner_namespace == namespace && owner == name {
+        let value = format!("{},{namespace},{name}", rfc3339_now());
+        self.write_retried(node, Some(&value), "setting the node lock")
+            .await
+    }
+
+    /// HAMi's `ReleaseNodeLock`: nothing to do without a lock, or (unless
+    /// `owner` is None: the owner check skipped) when the lock is another
+    /// pod's; else removed, tried 5 times.
+    pub async fn release(&self, node: &str, owner: Option<(&str, &str)>) -> Result<(), String> {
+        let serial = self.serial(node);
+        let _one_at_a_time = serial.lock().await;
+        let current = self.get_node(node).await?;
+        let Some(value) = lock_value(&current) else {
+            return Ok(());
+        };
+        if let Some((namespace, name)) = owner
+            && !value.ends_with(&format!(",{namespace},{name}"))
+        {
             return Ok(());
         }
-        self.limiter.wait().await;
-        let pods: Api<Pod> = Api::namespaced(self.client.clone(), &owner_namespace);
-        match pods.get(&owner).await {
-            Err(kube::Error::Api(e)) if e.code == 404 => {
-                self.release(node).await?;
-                self.set(node, namespace, name).await
+        self.write_retried(node, None, "releasing the node lock")
+            .await
+    }
+
+    /// Takes `node`'s lock for pod `namespace/name` (HAMi's `LockNode`): no
+    /// lock → set it; an expired one, or one whose pod (another than this
+    /// one) is gone → released without the owner check, then set; any
+    /// other → refused, this pod's own included.
+    pub async fn lock(&self, node: &str, namespace: &str, name: &str) -> Result<(), String> {
+        let current = self.get_node(node).await?;
+        let Some(value) = lock_value(&current) else {
+            return self.set(node, namespace, name).await;
+        };
+        let (at, owner_namespace, owner) = parse_lock(&value)
+            .ok_or_else(|| format!("malformed lock annotation {value:?} on node {node}"))?;
+        let take_over = if at.elapsed() > LOCK_TIMEOUT {
+            true
+        } else if !owner_namespace.is_empty()
+            && !owner.is_empty()
+            && (owner_namespace != namespace || owner != name)
+        {
+            self.limiter.wait().await;
+            let pods: Api<Pod> = Api::namespaced(self.client.clone(), &owner_namespace);
+            match pods.get(&owner).await {
+                Err(kube::Error::Api(e)) if e.code == 404 => true,
+                Err(e) => return Err(api_error("reading the lock's owner", e)),
+                Ok(_) => false,
             }
-            Err(e) => Err(api_error("reading the lock's owner", e)),
-            Ok(_) => Err(format!(
-                "node {node} has been locked within {}m",
+        } else {
+            false
+        };
+        if !take_over {
+            return Err(format!(
+                "node {node} has been locked within {}m0s",
                 LOCK_TIMEOUT.as_secs() / 60
-            )),
+            ));
         }
+        self.release(node, None).await?;
+        self.set(node, namespace, name).await
     }
 
     /// The pod holding `node`'s lock, as the device plugin finds it.
     pub async fn owner(&self, node: &str) -> Result<(String, String), String> {
         let current = self.get_node(node).await?;
-        let value = current
-            .metadata
-            .annotations
-            .as_ref()
-            .and_then(|a| a.get(LOCK_ANNOTATION).cloned())
+        let value = lock_value(&current)
             .ok_or_else(|| format!("node {node} is not locked: no pod to allocate for"))?;
         parse_lock(&value)
             .map(|(_, namespace, name)| (namespace, name))
@@ -490,6 +549,20 @@ impl AnnotationExtender {
     /// lock released on any failure.
     async fn bind(&self, args: ExtenderBindingArgs) -> ExtenderBindingResult {
         let (namespace, name, node) = (&args.pod_namespace, &args.pod_name, &args.node);
+        // HAMi's `Bind` reads the pod and the node before it locks.
+        self.limiter.wait().await;
+        let pods: Api<Pod> = Api::namespaced(self.client.clone(), namespace);
+        if let Err(e) = pods.get(name).await {
+            return ExtenderBindingResult {
+                error: api_error("reading the pod", e),
+            };
+        }
+        self.limiter.wait().await;
+        if let Err(e) = Api::<Node>::all(self.client.clone()).get(node).await {
+            return ExtenderBindingResult {
+                error: api_error("reading the node", e),
+            };
+        }
         if let Err(e) = self.lock.lock(node, namespace, name).await {
             return ExtenderBindingResult { error: e };
         }
@@ -499,7 +572,7 @@ impl AnnotationExtender {
                 &self.limiter,
                 namespace,
                 name,
-                json!({PHASE_ANNOTATION: "allocating", "hami.io/bind-time": rfc3339_now()}),
+                json!({PHASE_ANNOTATION: "allocating", "hami.io/bind-time": unix_seconds().to_string()}),
             )
             .await?;
             self.limiter.wait().await;
@@ -525,7 +598,7 @@ impl AnnotationExtender {
                 error: String::new(),
             },
             Err(e) => {
-                let _ = self.lock.release(node).await;
+                let _ = self.lock.release(node, Some((namespace, name))).await;
                 ExtenderBindingResult { error: e }
             }
         }
@@ -588,7 +661,9 @@ impl AnnotationPlugin {
             json!({PHASE_ANNOTATION: "success"}),
         )
         .await?;
-        self.lock.release(&self.node).await?;
+        self.lock
+            .release(&self.node, Some((&namespace, &name)))
+            .await?;
         Ok(devices)
     }
 }
@@ -608,7 +683,10 @@ mod tests {
             Some(1_796_428_800)
         );
         assert_eq!(parse_rfc3339_seconds("1970-01-01T00:00:01Z"), Some(1));
+        let (_, namespace, name) = parse_lock(&now).unwrap();
+        assert_eq!((namespace.as_str(), name.as_str()), ("", ""));
         assert!(parse_lock("not a lock").is_none());
+        assert!(parse_lock(&format!("{now},ns")).is_none());
     }
 
     #[tokio::test]
