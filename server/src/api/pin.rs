@@ -185,16 +185,19 @@ impl PinApi {
             validate::dns1123_subdomain("node", &req.node)?;
         }
         let applied = self.ctx.core.state.read();
-        let pins = applied
-            .state
-            .pins
-            .iter()
-            .filter(|(k, p)| {
-                (req.set.is_empty() || k.set == req.set)
-                    && (req.node.is_empty() || p.node == req.node)
-            })
-            .map(|(k, p)| pin_to(k, p))
-            .collect();
+        let pins = &applied.state.pins;
+        let in_set = |k: &crate::sm::PinKey| req.set.is_empty() || k.set == req.set;
+        // Through the indexes: a node's pins, or a set's range of keys.
+        let pins = if !req.node.is_empty() {
+            pins.on_node(&req.node)
+                .filter(|(k, _)| in_set(k))
+                .map(|(k, p)| pin_to(k, p))
+                .collect()
+        } else if !req.set.is_empty() {
+            pins.of_set(&req.set).map(|(k, p)| pin_to(k, p)).collect()
+        } else {
+            pins.iter().map(|(k, p)| pin_to(k, p)).collect()
+        };
         Ok(pb::ListPinsResponse {
             pins,
             header: Some(self.ctx.header(false)),

@@ -12,7 +12,7 @@ use std::fmt;
 use serde::{Deserialize, Serialize};
 
 use super::State;
-use super::types::{Labels, PinKey};
+use super::types::{Labels, Pin, PinKey};
 
 /// The topology key that means "the node itself".
 pub const HOSTNAME_TOPOLOGY: &str = "kubernetes.io/hostname";
@@ -155,15 +155,37 @@ pub fn topology_value(state: &State, node: &str, key: &str) -> Option<String> {
 }
 
 /// The domains (topology values) that pins matching `term` occupy, with one
-/// example pin per domain for error messages.
-fn occupied(state: &State, term: &AffinityTerm, exclude: &PinKey) -> BTreeMap<String, PinKey> {
+/// example pin per domain (the first by key) for error messages. With
+/// `within`, only the domains of those nodes are sought: for the hostname
+/// key a pin's domain is its node, so only their pins are looked at (the
+/// pin table's node index); for any other key every pin is.
+fn occupied(
+    state: &State,
+    term: &AffinityTerm,
+    exclude: &PinKey,
+    within: Option<&[String]>,
+) -> BTreeMap<String, PinKey> {
     let mut domains = BTreeMap::new();
-    for (key, pin) in &state.pins {
+    let mut consider = |key: &PinKey, pin: &Pin| {
         if key != exclude
             && term.selector.matches(&pin.labels)
             && let Some(value) = topology_value(state, &pin.node, &term.topology_key)
         {
             domains.entry(value).or_insert_with(|| key.clone());
+        }
+    };
+    match within {
+        Some(nodes) if term.topology_key == HOSTNAME_TOPOLOGY => {
+            for node in nodes {
+                for (key, pin) in state.pins.on_node(node) {
+                    consider(key, pin);
+                }
+            }
+        }
+        _ => {
+            for (key, pin) in &state.pins {
+                consider(key, pin);
+            }
         }
     }
     domains
@@ -239,26 +261,49 @@ pub fn choose(
     own_labels: &BTreeMap<String, String>,
     affinity: &Affinity,
 ) -> Result<String, Vec<(String, String)>> {
+    // Only the candidates' domains are read, except by a required term,
+    // which also asks whether any pin anywhere matches (the first of a
+    // group may go anywhere).
+    place(
+        state,
+        key,
+        candidates,
+        own_labels,
+        affinity,
+        Some(candidates),
+    )
+}
+
+/// [`choose`], the occupied domains sought `within` those nodes (None:
+/// every pin looked at, as before the node index; the tests compare both).
+fn place(
+    state: &State,
+    key: &PinKey,
+    candidates: &[String],
+    own_labels: &BTreeMap<String, String>,
+    affinity: &Affinity,
+    within: Option<&[String]>,
+) -> Result<String, Vec<(String, String)>> {
     let domains = Domains {
         required: affinity
             .required
             .iter()
-            .map(|t| occupied(state, t, key))
+            .map(|t| occupied(state, t, key, None))
             .collect(),
         required_anti: affinity
             .required_anti
             .iter()
-            .map(|t| occupied(state, t, key))
+            .map(|t| occupied(state, t, key, within))
             .collect(),
         preferred: affinity
             .preferred
             .iter()
-            .map(|w| occupied(state, &w.term, key).into_keys().collect())
+            .map(|w| occupied(state, &w.term, key, within).into_keys().collect())
             .collect(),
         preferred_anti: affinity
             .preferred_anti
             .iter()
-            .map(|w| occupied(state, &w.term, key).into_keys().collect())
+            .map(|w| occupied(state, &w.term, key, within).into_keys().collect())
             .collect(),
     };
     let score = |candidate: &str| -> i64 {
@@ -493,5 +538,82 @@ mod tests {
         assert!(!sel.matches(&labels(&[("app", "db"), ("tier", "c")])));
         assert!(!sel.matches(&labels(&[("app", "db"), ("tier", "a"), ("canary", "1")])));
         assert_eq!(sel.to_string(), "app=db,tier in (a,b),!canary");
+    }
+
+    /// Looking at the candidates' pins alone places every pin as looking
+    /// at every pin did, refusals and their example pins included: random
+    /// states, terms by hostname and by zone, candidates with repeats.
+    #[test]
+    fn looking_only_at_the_candidates_pins_places_as_looking_at_every_pin() {
+        let seed: u64 = 20_261_205;
+        println!("seed {seed}");
+        let mut x = seed;
+        let mut next = move |n: u64| {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            x % n
+        };
+        let nodes = ["n1", "n2", "n3", "n4", "n5", "n6"];
+        let apps = ["db", "web", "cache"];
+        let topologies = [HOSTNAME_TOPOLOGY, "zone"];
+        fn terms(
+            next: &mut impl FnMut(u64) -> u64,
+            most: u64,
+            apps: &[&str],
+            topologies: &[&str],
+        ) -> Vec<AffinityTerm> {
+            (0..next(most + 1))
+                .map(|_| {
+                    let app = apps[next(apps.len() as u64) as usize];
+                    app_term(app, topologies[next(2) as usize])
+                })
+                .collect()
+        }
+        for round in 0..500 {
+            let mut state = State::default();
+            for node in nodes {
+                let zone = ["a", "b", "none"][next(3) as usize];
+                state
+                    .nodes
+                    .insert(node.into(), self::node((zone != "none").then_some(zone)));
+            }
+            for member in 0..next(20) {
+                let node = nodes[next(6) as usize];
+                let app = apps[next(3) as usize];
+                state
+                    .pins
+                    .insert(PinKey::new("s", member.to_string()), pin(node, app));
+            }
+            let weighted = |terms: Vec<AffinityTerm>, weight: u32| {
+                terms
+                    .into_iter()
+                    .map(|term| WeightedTerm { weight, term })
+                    .collect()
+            };
+            let affinity = Affinity {
+                required: terms(&mut next, 1, &apps, &topologies),
+                required_anti: terms(&mut next, 2, &apps, &topologies),
+                preferred: weighted(terms(&mut next, 2, &apps, &topologies), 10),
+                preferred_anti: weighted(terms(&mut next, 2, &apps, &topologies), 20),
+            };
+            let candidates: Vec<String> = (0..1 + next(4))
+                .map(|_| nodes[next(6) as usize].to_string())
+                .collect();
+            let key = PinKey::new("s", next(25).to_string());
+            let own = labels(&[("app", apps[next(3) as usize])]);
+            assert_eq!(
+                place(
+                    &state,
+                    &key,
+                    &candidates,
+                    &own,
+                    &affinity,
+                    Some(&candidates)
+                ),
+                place(&state, &key, &candidates, &own, &affinity, None),
+                "seed {seed}, round {round}"
+            );
+        }
     }
 }

@@ -14,6 +14,7 @@
 //! - `command/` — one file per command, each with its `apply`; `batch.rs`
 //!   applies several clients' lock commands in one entry, `sweep.rs` ends
 //!   what has timed out.
+//! - `pin_table.rs` — the pins, indexed by node and by owning pod.
 //! - `affinity.rs` — where `Assign` places a pin (required terms filter,
 //!   preferred terms order).
 //! - `tests.rs` — the per-entry property test and its planted bugs.
@@ -26,11 +27,14 @@
 pub mod affinity;
 pub mod command;
 pub mod event;
+pub mod pin_table;
 pub mod types;
 
 use std::collections::{BTreeMap, BTreeSet};
 
 use serde::{Deserialize, Serialize};
+
+pub use pin_table::PinTable;
 
 pub use command::{
     BATCH_FORMAT_VERSION, Batch, BatchItem, Command, CommandError, DEFERRED_GRANTS_FORMAT_VERSION,
@@ -178,8 +182,8 @@ pub struct State {
     pub sessions: BTreeMap<String, ClientSession>,
     /// Committed time: the highest leader stamp applied so far.
     pub now_ms: u64,
-    /// Pod-to-node pins.
-    pub pins: BTreeMap<PinKey, Pin>,
+    /// Pod-to-node pins (indexed by node and by owning pod).
+    pub pins: PinTable,
     /// The node registry (live nodes, and tombstones of gone ones).
     pub nodes: BTreeMap<String, NodeInfo>,
     /// Reported phases of pods that are alive (starting or running); a pod
@@ -375,20 +379,21 @@ impl Txn<'_> {
     pub fn set_pin_owner_state(&mut self, pod_uid: &str, owner: OwnerState) -> bool {
         let now = self.now_ms;
         let mut changed = false;
-        for (key, pin) in self
+        let owned: Vec<PinKey> = self
             .state
             .pins
-            .iter_mut()
-            .filter(|(_, p)| p.pod_uid == pod_uid)
-        {
-            if pin.owner == owner {
-                continue;
-            }
-            if owner == OwnerState::Running || owner == OwnerState::Stopped {
-                pin.last_running_at_ms = now;
-            }
-            pin.owner = owner;
-            self.dirty.pins.insert(key.clone());
+            .of_pod(pod_uid)
+            .filter(|(_, pin)| pin.owner != owner)
+            .map(|(key, _)| key.clone())
+            .collect();
+        for key in owned {
+            self.state.pins.modify(&key, |pin| {
+                if owner == OwnerState::Running || owner == OwnerState::Stopped {
+                    pin.last_running_at_ms = now;
+                }
+                pin.owner = owner;
+            });
+            self.dirty.pins.insert(key);
             changed = true;
         }
         changed

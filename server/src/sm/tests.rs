@@ -2220,7 +2220,7 @@ fn property_rounds(base_seed: u64, rounds: u64) -> Reached {
                     .is_some_and(|answer| answer.answered_at > abandon.answered_at),
                 _ => false,
             };
-            let pins_before = m.state.pins.clone();
+            let pins_before = m.state.pins.as_map().clone();
             let nodes_before = m.state.nodes.clone();
             let state_before = matches!(command, Command::AbandonWait(_) | Command::Withdraw(_))
                 .then(|| m.state.clone());

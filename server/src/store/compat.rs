@@ -83,7 +83,7 @@ impl From<StateV2> for State {
                 .map(|(client, session)| (client, session.into()))
                 .collect(),
             now_ms: old.now_ms,
-            pins: old.pins,
+            pins: old.pins.into(),
             nodes: old.nodes,
             pods: old.pods,
         }

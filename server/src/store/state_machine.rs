@@ -463,7 +463,7 @@ fn write_state(batch: &mut WriteBatch, db: &DB, state: &State, dirty: Option<&Di
             write_changed(batch, cf, &d.sessions, &state.sessions, |c| {
                 keys::session_key(c)
             });
-            write_changed(batch, cf, &d.pins, &state.pins, keys::pin_key);
+            write_changed(batch, cf, &d.pins, state.pins.as_map(), keys::pin_key);
             write_changed(batch, cf, &d.nodes, &state.nodes, |n| keys::node_key(n));
             write_changed(batch, cf, &d.pods, &state.pods, |u| keys::pod_key(u));
         }
@@ -475,7 +475,13 @@ fn write_state(batch: &mut WriteBatch, db: &DB, state: &State, dirty: Option<&Di
             write_changed(batch, cf, state.sessions.keys(), &state.sessions, |c| {
                 keys::session_key(c)
             });
-            write_changed(batch, cf, state.pins.keys(), &state.pins, keys::pin_key);
+            write_changed(
+                batch,
+                cf,
+                state.pins.keys(),
+                state.pins.as_map(),
+                keys::pin_key,
+            );
             write_changed(batch, cf, state.nodes.keys(), &state.nodes, |n| {
                 keys::node_key(n)
             });

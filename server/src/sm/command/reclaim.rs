@@ -95,10 +95,8 @@ impl Reclaim {
         let losers: Vec<(PinKey, Pin, Vec<String>)> = txn
             .state
             .pins
-            .iter()
-            .filter(|(key, pin)| {
-                key.set == self.key.set && **key != self.key && pin.node == self.node
-            })
+            .on_node(&self.node)
+            .filter(|(key, _)| key.set == self.key.set && **key != self.key)
             .filter_map(|(key, pin)| {
                 let lost: Vec<String> = pin
                     .labels

@@ -216,8 +216,7 @@ fn node_gone(txn: &mut Txn<'_>, name: &str, uid: String) -> Reply {
     let pins: Vec<PinKey> = txn
         .state
         .pins
-        .iter()
-        .filter(|(_, p)| p.node == name)
+        .on_node(name)
         .map(|(k, _)| k.clone())
         .collect();
     for key in &pins {
