@@ -46,6 +46,7 @@ use tether_client::proto as pb;
 use tether_client::{Client, WatchUpdate};
 
 use crate::accounting::{DEVICE_SET, devices_of, owner_stopped};
+use crate::extender::healthy_ids;
 use crate::inventory::{INVENTORY_SET, PublishedDevice, published_devices};
 
 /// The event kinds that can change the pins the copy holds.
@@ -70,9 +71,22 @@ const RETRY: Duration = Duration::from_secs(1);
 /// A set's pins on one node: what one `list_pins(set, node)` answers.
 pub type NodeSet = (String, String);
 
+/// What the filter reads of one node, worked out when its pins change
+/// rather than at every filter call.
+#[derive(Debug, Default, Clone)]
+struct NodeSummary {
+    /// Its devices claimed by pods not known to have stopped: device ->
+    /// pod uid.
+    live: BTreeMap<String, String>,
+    /// The healthy devices its plugin published (None: it published none).
+    healthy: Option<Vec<String>>,
+}
+
 /// The pins of the two sets, indexed the ways the events need.
 #[derive(Debug, Default, Clone)]
 pub struct Pins {
+    /// Node -> what the filter reads of it.
+    summary: BTreeMap<String, NodeSummary>,
     /// (set, node) -> member -> pin.
     by_node: BTreeMap<NodeSet, BTreeMap<String, pb::Pin>>,
     /// (set, member) -> node.
@@ -114,6 +128,7 @@ impl Pins {
             }
         }
         if pins.is_empty() {
+            self.summarize(node_set);
             return;
         }
         let mut members = BTreeMap::new();
@@ -129,33 +144,65 @@ impl Pins {
             members.insert(member, pin);
         }
         self.by_node.insert(node_set.clone(), members);
+        self.summarize(node_set);
+    }
+
+    /// Works out again what the filter reads of `node_set`'s node.
+    fn summarize(&mut self, node_set: &NodeSet) {
+        let (set, node) = node_set;
+        let pins = self
+            .by_node
+            .get(node_set)
+            .into_iter()
+            .flat_map(|m| m.values());
+        let summary = self.summary.entry(node.clone()).or_default();
+        if set == DEVICE_SET {
+            summary.live = BTreeMap::new();
+            for pin in pins.filter(|pin| !owner_stopped(pin)) {
+                for device in devices_of(pin) {
+                    summary.live.insert(device, pin.pod_uid.clone());
+                }
+            }
+        } else if set == INVENTORY_SET {
+            // A node publishes one inventory pin; the list answers it alone.
+            summary.healthy = pins
+                .into_iter()
+                .next()
+                .map(|pin| healthy_ids(&published_devices(pin)));
+        }
+        if summary.live.is_empty() && summary.healthy.is_none() {
+            self.summary.remove(node);
+        }
     }
 
     /// Devices of `node` claimed by pods not known to have stopped: device
     /// -> pod uid (what [`crate::accounting::DeviceLedger::live_claims_by_node`]
     /// answers for one node).
     pub fn live_claims(&self, node: &str) -> BTreeMap<String, String> {
-        let mut out = BTreeMap::new();
-        let key = (DEVICE_SET.to_string(), node.to_string());
-        for pin in self.by_node.get(&key).into_iter().flat_map(|m| m.values()) {
-            if owner_stopped(pin) {
-                continue;
-            }
-            for device in devices_of(pin) {
-                out.insert(device, pin.pod_uid.clone());
-            }
-        }
-        out
+        self.claims_on(node).cloned().unwrap_or_default()
+    }
+
+    /// [`Pins::live_claims`] without a copy; None for a node without any.
+    pub fn claims_on(&self, node: &str) -> Option<&BTreeMap<String, String>> {
+        self.summary
+            .get(node)
+            .map(|s| &s.live)
+            .filter(|l| !l.is_empty())
+    }
+
+    /// The healthy devices `node`'s plugin published (None: it published
+    /// none).
+    pub fn healthy(&self, node: &str) -> Option<&[String]> {
+        self.summary.get(node)?.healthy.as_deref()
     }
 
     /// Every node's live claims (what [`Pins::live_claims`] answers for
     /// each node with claims).
     pub fn live_claims_by_node(&self) -> BTreeMap<String, BTreeMap<String, String>> {
-        self.by_node
-            .keys()
-            .filter(|(set, _)| set == DEVICE_SET)
-            .map(|(_, node)| (node.clone(), self.live_claims(node)))
-            .filter(|(_, claims)| !claims.is_empty())
+        self.summary
+            .iter()
+            .filter(|(_, s)| !s.live.is_empty())
+            .map(|(node, s)| (node.clone(), s.live.clone()))
             .collect()
     }
 
@@ -477,6 +524,8 @@ mod tests {
             ["gpu0", "gpu1", "gpu2"]
         );
         assert!(pins.published("n2").is_none());
+        assert_eq!(pins.healthy("n1").unwrap(), ["gpu0", "gpu1", "gpu2"]);
+        assert!(pins.healthy("n2").is_none());
     }
 
     #[test]

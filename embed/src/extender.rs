@@ -24,7 +24,7 @@
 //! to the node (an earlier attempt got through) is reported bound, never
 //! released as failed.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 use std::future::Future;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -132,46 +132,111 @@ pub fn unfit_nodes(
     resource: &str,
 ) -> (BTreeMap<String, String>, BTreeMap<String, String>) {
     let (mut failed, mut unresolvable) = (BTreeMap::new(), BTreeMap::new());
-    if needed == 0 {
-        return (failed, unresolvable);
-    }
     for node in candidates {
-        let node_devices = match inventory.get(node) {
-            Some(Ok(devices)) => devices,
-            Some(Err(why)) => {
-                failed.insert(node.clone(), why.clone());
-                continue;
-            }
-            None => {
-                failed.insert(
-                    node.clone(),
-                    format!("the {resource} devices of node {node} are unknown"),
-                );
-                continue;
-            }
-        };
-        if needed > node_devices.len() {
-            unresolvable.insert(
-                node.clone(),
-                format!(
-                    "the pod needs {needed} {resource} devices; the node has {}",
-                    node_devices.len()
-                ),
-            );
-            continue;
-        }
-        let taken: std::collections::BTreeSet<String> = claims
+        let devices = inventory
             .get(node)
-            .into_iter()
-            .flatten()
-            .filter(|(_, uid)| *uid != pod_uid)
-            .map(|(device, _)| device.clone())
-            .collect();
-        if let Err(why) = pick_free(node_devices, &taken, needed) {
-            failed.insert(node.clone(), format!("{resource}: {why} {REFUSED_MARK}"));
+            .map(|read| read.as_deref().map_err(String::as_str));
+        match unfit_node(node, needed, devices, claims.get(node), pod_uid, resource) {
+            Some(Unfit::Now(why)) => {
+                failed.insert(node.clone(), why);
+            }
+            Some(Unfit::Never(why)) => {
+                unresolvable.insert(node.clone(), why);
+            }
+            None => {}
         }
     }
     (failed, unresolvable)
+}
+
+/// Why a node cannot take a pod.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Unfit {
+    /// Not now: too few free devices, or its devices unknown.
+    Now(String),
+    /// Never: fewer devices than the pod needs.
+    Never(String),
+}
+
+/// A filter call's judgement of its candidates.
+#[derive(Debug, Default)]
+struct Verdicts {
+    /// Nodes that do not fit now, and why.
+    failed: BTreeMap<String, String>,
+    /// Nodes that can never fit the pod, and why.
+    unresolvable: BTreeMap<String, String>,
+    /// How many devices each failed node has, where they were read (what
+    /// a refusal remembers).
+    device_counts: BTreeMap<String, usize>,
+}
+
+impl Verdicts {
+    fn note(&mut self, node: &str, unfit: Option<Unfit>, devices: Option<Result<&[String], &str>>) {
+        match unfit {
+            Some(Unfit::Now(why)) => {
+                self.failed.insert(node.to_string(), why);
+                if let Some(Ok(devices)) = devices {
+                    self.device_counts.insert(node.to_string(), devices.len());
+                }
+            }
+            Some(Unfit::Never(why)) => {
+                self.unresolvable.insert(node.to_string(), why);
+            }
+            None => {}
+        }
+    }
+}
+
+/// Why `node` cannot take `needed` devices for `pod_uid`, or None if it
+/// can ([`unfit_nodes`] for one node): `devices` its device ids (None:
+/// unknown; `Err`: why they could not be read), `claims` its claims of live
+/// pods (device -> pod uid).
+pub fn unfit_node(
+    node: &str,
+    needed: usize,
+    devices: Option<Result<&[String], &str>>,
+    claims: Option<&BTreeMap<String, String>>,
+    pod_uid: &str,
+    resource: &str,
+) -> Option<Unfit> {
+    if needed == 0 {
+        return None;
+    }
+    let node_devices = match devices {
+        Some(Ok(devices)) => devices,
+        Some(Err(why)) => return Some(Unfit::Now(why.to_string())),
+        None => {
+            return Some(Unfit::Now(format!(
+                "the {resource} devices of node {node} are unknown"
+            )));
+        }
+    };
+    if needed > node_devices.len() {
+        return Some(Unfit::Never(format!(
+            "the pod needs {needed} {resource} devices; the node has {}",
+            node_devices.len()
+        )));
+    }
+    // Counted without copying: this runs for every candidate of every
+    // filter call.
+    let taken_by_another = |device: &String| {
+        claims
+            .and_then(|c| c.get(device))
+            .is_some_and(|uid| uid != pod_uid)
+    };
+    if node_devices.iter().filter(|d| !taken_by_another(d)).count() >= needed {
+        return None;
+    }
+    // Refused: `pick_free` says why, in its words.
+    let taken: std::collections::BTreeSet<String> = claims
+        .into_iter()
+        .flatten()
+        .filter(|(_, uid)| *uid != pod_uid)
+        .map(|(device, _)| device.clone())
+        .collect();
+    pick_free(node_devices, &taken, needed)
+        .err()
+        .map(|why| Unfit::Now(format!("{resource}: {why} {REFUSED_MARK}")))
 }
 
 /// The device ids of `node`: `<prefix>0` up to its allocatable count of
@@ -844,13 +909,78 @@ impl<B: Binder> Extender<B> {
     /// Records a pod that no candidate fits because devices are claimed
     /// (the scheduler parks it until some event; [`crate::requeue`] makes
     /// one when devices free up), or forgets it once a node fits.
+    /// The device ids of `nodes` from their Node objects (read unless read
+    /// within the inventory TTL), a few at a time.
+    async fn read_node_devices(
+        &self,
+        nodes: Vec<&String>,
+    ) -> Vec<(String, Result<Vec<String>, String>)> {
+        use futures::StreamExt as _;
+        let ttl = self.config.inventory_ttl;
+        let reads = nodes.into_iter().cloned().map(|name| async move {
+            let devices = self.devices_of(&name, ttl).await;
+            (name, devices)
+        });
+        futures::stream::iter(reads)
+            .buffer_unordered(NODE_READS_IN_FLIGHT)
+            .collect()
+            .await
+    }
+
+    /// The candidates judged from Tether read directly (while the watched
+    /// copy is not whole): every live claim and every published inventory
+    /// listed, the Node objects of the candidates `inventory` lacks read.
+    async fn judge_from_tether(
+        &self,
+        candidates: &[String],
+        needed: usize,
+        mut inventory: BTreeMap<String, Result<Vec<String>, String>>,
+        uid: &str,
+    ) -> Result<Verdicts, String> {
+        let claims = self
+            .ledger
+            .live_claims_by_node()
+            .await
+            .map_err(|err| format!("cannot read the device claims: {err}"))?;
+        let published = published_inventories(&self.client)
+            .await
+            .map_err(|err| format!("cannot read the devices the nodes published: {err}"))?;
+        let unread: Vec<&String> = candidates
+            .iter()
+            .filter(|n| !inventory.contains_key(*n))
+            .collect();
+        let read = self.read_node_devices(unread).await;
+        inventory.extend(read);
+        for (node, ids) in inventory.iter_mut() {
+            if let Some(devices) = published.get(node) {
+                *ids = Ok(healthy_ids(devices));
+            }
+        }
+        let mut verdicts = Verdicts::default();
+        for node in candidates {
+            let devices = inventory
+                .get(node)
+                .map(|read| read.as_deref().map_err(String::as_str));
+            let unfit = unfit_node(
+                node,
+                needed,
+                devices,
+                claims.get(node),
+                uid,
+                &self.config.resource,
+            );
+            verdicts.note(node, unfit, devices);
+        }
+        Ok(verdicts)
+    }
+
     fn note_refusal(
         &self,
         pod: &KubePod,
         needed: usize,
         candidates: &[String],
         failed: &BTreeMap<String, String>,
-        inventory: &BTreeMap<String, Result<Vec<String>, String>>,
+        device_counts: &BTreeMap<String, usize>,
         fits: &dyn Fn(&str) -> bool,
     ) {
         let uid = pod.metadata.uid.clone().unwrap_or_default();
@@ -864,10 +994,7 @@ impl<B: Binder> Extender<B> {
         // Nodes refused for claimed devices: those whose devices were read.
         let nodes: BTreeMap<String, usize> = failed
             .keys()
-            .filter_map(|node| match inventory.get(node) {
-                Some(Ok(devices)) => Some((node.clone(), devices.len())),
-                _ => None,
-            })
+            .filter_map(|node| Some((node.clone(), *device_counts.get(node)?)))
             .collect();
         if nodes.is_empty() {
             return;
@@ -1017,36 +1144,6 @@ impl<B: Binder> Extender<B> {
                 .collect(),
             (None, None) => Vec::new(),
         };
-        // The candidates' claims and published devices from the watched
-        // copy when it is whole, else read from Tether.
-        let from_view = if needed == 0 {
-            None
-        } else {
-            self.view.read(|pins| {
-                let claims: BTreeMap<String, BTreeMap<String, String>> = candidates
-                    .iter()
-                    .map(|node| (node.clone(), pins.live_claims(node)))
-                    .collect();
-                let published: BTreeMap<String, Vec<PublishedDevice>> = candidates
-                    .iter()
-                    .filter_map(|node| Some((node.clone(), pins.published(node)?)))
-                    .collect();
-                (claims, published)
-            })
-        };
-        let (claims, view_published) = match from_view {
-            Some((claims, published)) => (claims, Some(published)),
-            None if needed == 0 => (BTreeMap::new(), None),
-            None => match self.ledger.live_claims_by_node().await {
-                Ok(claims) => (claims, None),
-                Err(err) => {
-                    return ExtenderFilterResult {
-                        error: format!("cannot read the device claims: {err}"),
-                        ..Default::default()
-                    };
-                }
-            },
-        };
         let mut inventory = BTreeMap::new();
         // Reads past their TTL go, so nodes that left the cluster do not
         // stay in the cache for ever; the pass costs what the call's own
@@ -1055,6 +1152,20 @@ impl<B: Binder> Extender<B> {
             .lock()
             .expect("inventory lock")
             .retain(|_, (read, _)| read.elapsed() <= self.config.inventory_ttl);
+        // The candidates whose plugin published its devices, by the watched
+        // copy (when it is whole): those are planned by what they published,
+        // and their Node objects need no read.
+        let published_in_view: Option<BTreeSet<String>> = if needed == 0 {
+            None
+        } else {
+            self.view.read(|pins| {
+                candidates
+                    .iter()
+                    .filter(|node| pins.healthy(node).is_some())
+                    .cloned()
+                    .collect()
+            })
+        };
         if needed > 0 {
             match &args.nodes {
                 Some(list) => {
@@ -1065,51 +1176,62 @@ impl<B: Binder> Extender<B> {
                     }
                 }
                 None => {
-                    use futures::StreamExt as _;
-                    let ttl = self.config.inventory_ttl;
-                    let reads = candidates.iter().cloned().map(|name| async move {
-                        let devices = self.devices_of(&name, ttl).await;
-                        (name, devices)
-                    });
-                    let read: Vec<_> = futures::stream::iter(reads)
-                        .buffer_unordered(NODE_READS_IN_FLIGHT)
-                        .collect()
-                        .await;
-                    inventory.extend(read);
-                }
-            }
-        }
-        if needed > 0 {
-            let published = match view_published {
-                Some(published) => published,
-                None => match published_inventories(&self.client).await {
-                    Ok(published) => published,
-                    Err(err) => {
-                        return ExtenderFilterResult {
-                            error: format!("cannot read the devices the nodes published: {err}"),
-                            ..Default::default()
-                        };
-                    }
-                },
-            };
-            for (node, ids) in inventory.iter_mut() {
-                if let Some(devices) = published.get(node) {
-                    *ids = Ok(healthy_ids(devices));
+                    let unpublished: Vec<&String> = candidates
+                        .iter()
+                        .filter(|n| !published_in_view.as_ref().is_some_and(|p| p.contains(*n)))
+                        .collect();
+                    inventory.extend(self.read_node_devices(unpublished).await);
                 }
             }
         }
         let uid = pod.metadata.uid.as_deref().unwrap_or_default();
-        let (failed, unresolvable) = unfit_nodes(
-            &candidates,
-            needed,
-            &inventory,
-            &claims,
-            uid,
-            &self.config.resource,
-        );
+        let resource = self.config.resource.as_str();
+        // Every candidate judged under the copy's lock, from references
+        // into it: nothing is copied per node.
+        let from_view = if needed == 0 {
+            Some(Verdicts::default())
+        } else if published_in_view.is_some() {
+            self.view.read(|pins| {
+                let mut verdicts = Verdicts::default();
+                for node in &candidates {
+                    let devices = match pins.healthy(node) {
+                        Some(healthy) => Some(Ok(healthy)),
+                        None => inventory
+                            .get(node)
+                            .map(|read| read.as_deref().map_err(String::as_str)),
+                    };
+                    let unfit =
+                        unfit_node(node, needed, devices, pins.claims_on(node), uid, resource);
+                    verdicts.note(node, unfit, devices);
+                }
+                verdicts
+            })
+        } else {
+            None
+        };
+        let verdicts = match from_view {
+            Some(verdicts) => verdicts,
+            None => match self
+                .judge_from_tether(&candidates, needed, inventory, uid)
+                .await
+            {
+                Ok(verdicts) => verdicts,
+                Err(error) => {
+                    return ExtenderFilterResult {
+                        error,
+                        ..Default::default()
+                    };
+                }
+            },
+        };
+        let Verdicts {
+            failed,
+            unresolvable,
+            device_counts,
+        } = verdicts;
         let fits = |name: &str| !failed.contains_key(name) && !unresolvable.contains_key(name);
         if needed > 0 {
-            self.note_refusal(&pod, needed, &candidates, &failed, &inventory, &fits);
+            self.note_refusal(&pod, needed, &candidates, &failed, &device_counts, &fits);
         }
         ExtenderFilterResult {
             node_names: args
