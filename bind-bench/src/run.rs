@@ -29,6 +29,9 @@ const SAMPLE_EVERY: Duration = Duration::from_millis(100);
 pub enum Workload {
     /// Every GPU of every node asked for at once, one GPU a pod.
     Burst,
+    /// Every GPU asked for at once by 4-, 2- and 1-GPU pods (4 + 2 + 1 + 1
+    /// on an 8-GPU node), the widest created first.
+    Mixed,
 }
 
 impl Workload {
@@ -36,8 +39,47 @@ impl Workload {
     pub fn name(self) -> &'static str {
         match self {
             Workload::Burst => "burst",
+            Workload::Mixed => "mixed",
         }
     }
+
+    /// The pods it creates, in order: (name, GPUs).
+    pub fn pods(self, nodes: usize, gpus: usize) -> Vec<(String, usize)> {
+        let widths: Vec<usize> = match self {
+            Workload::Burst => vec![1; nodes * gpus],
+            Workload::Mixed => {
+                let mut widths: Vec<usize> = (0..nodes).flat_map(|_| node_widths(gpus)).collect();
+                // Widest first: kube-scheduler takes pods of one priority
+                // in creation order, so every 4-GPU pod is placed while
+                // nodes still have 4 free in a row, and what is left is a
+                // multiple of the next width down: no pod is stranded by
+                // the smaller ones spreading first.
+                widths.sort_by(|a, b| b.cmp(a));
+                widths
+            }
+        };
+        widths
+            .into_iter()
+            .enumerate()
+            .map(|(i, width)| (format!("{}-{i:05}-{width}gpu", self.name()), width))
+            .collect()
+    }
+}
+
+/// One node's GPUs as the mixed workload asks for them: 4, 2, 1, 1 again
+/// and again while they fit, then 1s (8 GPUs: 4 + 2 + 1 + 1).
+fn node_widths(gpus: usize) -> Vec<usize> {
+    let mut widths = Vec::new();
+    let mut left = gpus;
+    for width in [4, 2, 1, 1].into_iter().cycle() {
+        if left == 0 {
+            break;
+        }
+        let width = width.min(left);
+        widths.push(width);
+        left -= width;
+    }
+    widths
 }
 
 /// What one workload run measured.
@@ -71,6 +113,8 @@ pub struct Report {
     pub replica_rss_mib: Vec<f64>,
     /// Devices given to two live pods of one node at once.
     pub double_allocations: Vec<String>,
+    /// Devices the plugins gave the run's pods, all together.
+    pub devices_given: usize,
     /// Pods whose admission failed, with why.
     pub failed: Vec<(String, String)>,
     /// CPU seconds each kind of process used during the run (the replicas
@@ -179,7 +223,11 @@ impl Report {
                 ms(mean)
             );
         }
-        out += &format!("  double allocations   {}\n", self.double_allocations.len());
+        out += &format!(
+            "  double allocations   {} (of {} devices given)\n",
+            self.double_allocations.len(),
+            self.devices_given
+        );
         for d in self.double_allocations.iter().take(5) {
             out += &format!("    {d}\n");
         }
@@ -284,11 +332,7 @@ pub async fn run(
 ) -> anyhow::Result<Report> {
     let namespace = world.namespace(workload.name()).await;
     let pods: Api<Pod> = Api::namespaced(world.admin.clone(), &namespace);
-    let wanted: Vec<(String, usize)> = match workload {
-        Workload::Burst => (0..nodes * gpus)
-            .map(|i| (format!("{}-{i:05}", workload.name()), 1))
-            .collect(),
-    };
+    let wanted = workload.pods(nodes, gpus);
     let key = |name: &str| pod_key(&namespace, name);
     let pids = world.replica_pids();
     let cpu_before: f64 = pids.iter().filter_map(|p| cpu_seconds(*p)).sum();
@@ -414,6 +458,11 @@ pub async fn run(
             .filter_map(|p| memory_mib(*p).map(|(rss, _)| rss))
             .collect(),
         double_allocations: double_allocations(&ours),
+        devices_given: ours
+            .values()
+            .filter(|r| r.allocated.is_some() && !r.deleted)
+            .map(|r| r.devices.len())
+            .sum(),
         failed,
         bound_over_time,
     };
@@ -499,6 +548,22 @@ mod tests {
             failed: None,
             deleted: false,
         }
+    }
+
+    #[test]
+    fn the_mixed_workload_fills_every_node_widest_first() {
+        assert_eq!(node_widths(8), [4, 2, 1, 1]);
+        assert_eq!(node_widths(4), [4]);
+        assert_eq!(node_widths(3), [3]);
+        assert_eq!(node_widths(16), [4, 2, 1, 1, 4, 2, 1, 1]);
+        let pods = Workload::Mixed.pods(3, 8);
+        assert_eq!(pods.len(), 12);
+        assert_eq!(pods.iter().map(|(_, w)| w).sum::<usize>(), 24);
+        assert!(pods.windows(2).all(|p| p[0].1 >= p[1].1));
+        assert_eq!(pods[0].0, "mixed-00000-4gpu");
+        let burst = Workload::Burst.pods(3, 8);
+        assert_eq!(burst.len(), 24);
+        assert!(burst.iter().all(|(_, w)| *w == 1));
     }
 
     #[test]

@@ -3,7 +3,8 @@
 //! extender and Tether, with no device given twice, and the report's
 //! measures are filled in; then the same on the same nodes with no lock
 //! and with the annotation lock (without its rate limit, which would make
-//! the test minutes long), every pod bound there too.
+//! the test minutes long), every pod bound there too; then the mixed
+//! workload's pods of several GPUs through Tether.
 
 use std::time::Duration;
 
@@ -86,4 +87,32 @@ async fn a_small_burst_binds_every_pod_with_no_device_given_twice() {
     print!("{}", run::comparison(&reports));
     let svg = run::chart(&reports, "10 x 4, burst");
     assert!(svg.contains("<svg") && svg.contains("no lock"), "{svg}");
+
+    // Pods of several GPUs (on 4-GPU nodes the mixed workload is one
+    // 4-GPU pod a node) through Tether: each gets all its devices, none
+    // shared.
+    world
+        .use_system(System::Tether)
+        .await
+        .expect("the system in use");
+    let mixed = run::run(
+        &world,
+        System::Tether,
+        Workload::Mixed,
+        nodes,
+        gpus,
+        Duration::from_secs(300),
+    )
+    .await
+    .expect("the mixed workload runs");
+    print!("{}", mixed.to_text());
+    assert_eq!(mixed.pods, nodes);
+    assert!(mixed.all_allocated.is_some(), "not every pod allocated");
+    assert!(mixed.failed.is_empty(), "{:?}", mixed.failed);
+    assert!(
+        mixed.double_allocations.is_empty(),
+        "{:?}",
+        mixed.double_allocations
+    );
+    assert_eq!(mixed.devices_given, nodes * gpus);
 }
