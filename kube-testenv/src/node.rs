@@ -356,6 +356,13 @@ state = '{state}'
 [plugins.'io.containerd.internal.v1.opt']
   path = '{opt}'
 
+# NRI is on by default in containerd 2 and listens on the host's
+# /var/run/nri/nri.sock: a node killed on drop leaves the socket file, and
+# the next node's containerd then fails to start ("address already in
+# use"). Each node gets its own.
+[plugins.'io.containerd.nri.v1.nri']
+  socket_path = '{nri}'
+
 [plugins.'io.containerd.cri.v1.images']
   snapshotter = 'overlayfs'
   [plugins.'io.containerd.cri.v1.images'.pinned_images]
@@ -380,6 +387,7 @@ state = '{state}'
             state = d("containerd/state"),
             socket = self.socket().display(),
             opt = d("containerd/opt"),
+            nri = d("nri.sock"),
             cdi = d("cdi"),
             runc = self.assets.binary("runc").display(),
             cni_bin = cni_bin.display(),
