@@ -906,9 +906,6 @@ impl<B: Binder> Extender<B> {
         }
     }
 
-    /// Records a pod that no candidate fits because devices are claimed
-    /// (the scheduler parks it until some event; [`crate::requeue`] makes
-    /// one when devices free up), or forgets it once a node fits.
     /// The device ids of `nodes` from their Node objects (read unless read
     /// within the inventory TTL), a few at a time.
     async fn read_node_devices(
@@ -974,6 +971,9 @@ impl<B: Binder> Extender<B> {
         Ok(verdicts)
     }
 
+    /// Records a pod that no candidate fits because devices are claimed
+    /// (the scheduler parks it until some event; [`crate::requeue`] makes
+    /// one when devices free up), or forgets it once a node fits.
     fn note_refusal(
         &self,
         pod: &KubePod,
@@ -1036,9 +1036,9 @@ impl<B: Binder> Extender<B> {
         Ok(recovered)
     }
 
-    /// One pass of the requeuer: reads the claims (as the filter does) and nudges the refused
-    /// pods that now fit a node they were refused on. Returns how many
-    /// were asked about.
+    /// One pass of the requeuer: reads the claims (where the filter reads
+    /// them) and nudges the refused pods that now fit a node they were
+    /// refused on. Returns how many were asked about.
     pub async fn requeue_pass(&self) -> usize {
         let now = Instant::now();
         let standing = self.refusals.standing(now);

@@ -5,7 +5,8 @@
 //! other devices, an inventory published, published again by a new plugin
 //! pod (its pin taken over) — the copy comes to answer what Tether answers
 //! when read directly, within [`FOLLOWS_WITHIN`], well before the copy's
-//! own resync could hide a missed event.
+//! own resync could hide a missed event; and once its follower stops, the
+//! copy is no longer read.
 //!
 //! The planted bug `device-view-ignores-pod-reports` (the copy skips pod
 //! reports, so a stopped pod's claims stay taken) must be caught by the
@@ -207,6 +208,19 @@ async fn the_copy_follows_every_change_to_claims_and_inventories() {
             .collect::<Vec<_>>(),
         ["gpu0", "gpu1"]
     );
+
+    // A copy nobody follows any more (its extender stopped while a
+    // connection of the scheduler still reaches it) is not read: it would
+    // go stale.
+    rig.follower.abort();
+    let deadline = Instant::now() + FOLLOWS_WITHIN;
+    while rig.view.read(|_| ()).is_some() {
+        assert!(
+            Instant::now() < deadline,
+            "the unfollowed copy still reads as whole"
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
     rig.shutdown().await;
 }
 
