@@ -24,7 +24,7 @@ use tether_embed::inventory::{DeviceSource, Inventory, publish, published_invent
 use tether_server::testing::Cluster;
 
 /// How soon the copy must follow a change: far below [`RESYNC`].
-const FOLLOWS_WITHIN: Duration = Duration::from_secs(20);
+const FOLLOWS_WITHIN: Duration = Duration::from_secs(4);
 
 /// One test at a time: a planted bug is on for the whole process.
 static TURN: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
@@ -238,8 +238,8 @@ async fn planted_a_copy_that_ignores_pod_reports_is_caught() {
     let rig = Rig::start().await;
     rig.must_follow("the first list").await;
     rig.report("a", pb::PodPhase::PodTerminal).await;
-    // Far below the resync, which would hide the bug.
-    let caught = rig.follows(Duration::from_secs(3)).await;
+    // Below the resync, which would hide the bug.
+    let caught = rig.follows(FOLLOWS_WITHIN).await;
     println!("with device-view-ignores-pod-reports: {caught:?}");
     assert!(
         caught.is_err_and(|difference| difference.starts_with("claims:")),
