@@ -38,7 +38,10 @@
 //!   free devices, then `Allocate` with the ids picked, both called on the
 //!   plugin directly rather than over its socket; an `Allocate` error fails
 //!   the pod, as the kubelet's `UnexpectedAdmissionError` does;
-//! - the pod's status set to `Running` once it is allocated.
+//! - the pod's status set to `Running` once it is allocated;
+//! - a pod deleted with a grace period (the churn workload's) deleted for
+//!   good at once, as the kubelet does once the pod's containers have
+//!   stopped (there are none to stop).
 //!
 //! It does not run containers, report pod IPs or container statuses, send
 //! node heartbeats or leases, or evict; it follows only app containers

@@ -11,7 +11,7 @@ use anyhow::Context as _;
 use clap::Parser as _;
 use futures::TryStreamExt as _;
 use k8s_openapi::api::core::v1::{Node, Pod};
-use kube::api::{Api, Patch, PatchParams, PostParams};
+use kube::api::{Api, DeleteParams, Patch, PatchParams, PostParams, Preconditions};
 use kube::runtime::WatchStreamExt as _;
 use kube::runtime::watcher;
 use serde_json::json;
@@ -267,6 +267,34 @@ impl SimNode {
     }
 }
 
+/// What a kubelet does last for a pod deleted with a grace period, once
+/// its containers have stopped: deletes the object with no grace left, on
+/// the condition that it is still the same pod (its UID).
+async fn finish_deletion(admin: kube::Client, pod: Pod) {
+    let (Some(namespace), Some(name)) = (&pod.metadata.namespace, &pod.metadata.name) else {
+        return;
+    };
+    let pods: Api<Pod> = Api::namespaced(admin, namespace);
+    let params = DeleteParams {
+        grace_period_seconds: Some(0),
+        preconditions: Some(Preconditions {
+            uid: pod.metadata.uid.clone(),
+            resource_version: None,
+        }),
+        ..DeleteParams::default()
+    };
+    for _ in 0..5 {
+        match pods.delete(name, &params).await {
+            Ok(_) => return,
+            Err(kube::Error::Api(e)) if [404, 409].contains(&e.code) => return,
+            Err(err) => {
+                tracing::warn!(%err, pod = name, "cannot finish the pod's deletion; retrying");
+                tokio::time::sleep(Duration::from_millis(200)).await;
+            }
+        }
+    }
+}
+
 /// What the fleet saw of one pod.
 #[derive(Debug, Clone, Default)]
 pub struct PodRecord {
@@ -402,6 +430,13 @@ impl Fleet {
                     ) else {
                         continue;
                     };
+                    if pod.metadata.deletion_timestamp.is_some() {
+                        // Deleted with a grace period: the kubelet stops
+                        // the pod's containers (here there are none to
+                        // stop) and then deletes the object for good.
+                        tokio::spawn(finish_deletion(self.admin.clone(), pod));
+                        continue;
+                    }
                     let name = pod_key(&namespace, &name);
                     let fresh = {
                         let mut records = self.records.lock().unwrap_or_else(|p| p.into_inner());

@@ -3,15 +3,19 @@
 //! times, latencies, API requests, Tether's CPU and memory, and double
 //! allocations.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
+use std::sync::Mutex;
 use std::time::{Duration, Instant};
+
+use anyhow::Context as _;
 
 use futures::StreamExt as _;
 use k8s_openapi::api::core::v1::Pod;
-use kube::api::{Api, PostParams};
+use kube::api::{Api, DeleteParams, PostParams};
 use serde_json::json;
 use tether_chaos::chart::{Chart, PALETTE, Scale, Series};
 use tether_chaos::procfs::{cpu_seconds, memory_mib};
+use tether_chaos::rng::Rng;
 use tether_chaos::stats::{Samples, ms};
 
 use crate::node::{PodRecord, pod_key};
@@ -32,6 +36,50 @@ pub enum Workload {
     /// Every GPU asked for at once by 4-, 2- and 1-GPU pods (4 + 2 + 1 + 1
     /// on an 8-GPU node), the widest created first.
     Mixed,
+    /// Every GPU taken by a one-GPU pod (not measured); then, at a steady
+    /// rate, a live pod picked at random deleted and a new one-GPU pod
+    /// created, which binds only once a deleted pod's GPU is free again
+    /// ([`Churn`] sets the pace). Pods still waiting or binding are picked
+    /// too: deleted at any moment, as pods are.
+    Churn,
+}
+
+/// The churn workload's pace.
+#[derive(Debug, Clone, Copy)]
+pub struct Churn {
+    /// Pods deleted, and as many created (None: half the GPUs).
+    pub pods: Option<usize>,
+    /// Deletions (each followed by a creation) per second.
+    pub rate: f64,
+    /// Seeds which live pod each deletion picks (the same seed picks the
+    /// same pods for every system).
+    pub seed: u64,
+}
+
+impl Default for Churn {
+    fn default() -> Self {
+        Churn {
+            pods: None,
+            rate: 20.0,
+            seed: 52,
+        }
+    }
+}
+
+/// What one run is asked to do.
+#[derive(Debug, Clone, Copy)]
+pub struct RunOptions {
+    /// The workload.
+    pub workload: Workload,
+    /// Simulated nodes.
+    pub nodes: usize,
+    /// GPUs per node.
+    pub gpus: usize,
+    /// Give up waiting for the pods after this long (the churn workload's
+    /// fill and its churn each).
+    pub deadline: Duration,
+    /// The churn workload's pace.
+    pub churn: Churn,
 }
 
 impl Workload {
@@ -40,13 +88,15 @@ impl Workload {
         match self {
             Workload::Burst => "burst",
             Workload::Mixed => "mixed",
+            Workload::Churn => "churn",
         }
     }
 
-    /// The pods it creates, in order: (name, GPUs).
+    /// The pods it creates at once, in order: (name, GPUs). (The churn
+    /// workload's are its fill.)
     pub fn pods(self, nodes: usize, gpus: usize) -> Vec<(String, usize)> {
         let widths: Vec<usize> = match self {
-            Workload::Burst => vec![1; nodes * gpus],
+            Workload::Burst | Workload::Churn => vec![1; nodes * gpus],
             Workload::Mixed => {
                 let mut widths: Vec<usize> = (0..nodes).flat_map(|_| node_widths(gpus)).collect();
                 // Widest first: kube-scheduler takes pods of one priority
@@ -93,8 +143,10 @@ pub struct Report {
     pub nodes: usize,
     /// GPUs per node.
     pub gpus: usize,
-    /// Pods created.
+    /// Pods created (the churn workload's: after its fill).
     pub pods: usize,
+    /// The churn workload's churn.
+    pub churn: Option<ChurnSummary>,
     /// From the first create until every pod was bound (None: not all were
     /// by the deadline).
     pub all_bound: Option<Duration>,
@@ -132,6 +184,19 @@ pub struct Report {
     pub bound_over_time: Vec<(f64, usize)>,
 }
 
+/// What the churn workload did after its fill.
+#[derive(Debug, Clone, Copy)]
+pub struct ChurnSummary {
+    /// Pods deleted, and as many created.
+    pub replaced: usize,
+    /// Deletions a second.
+    pub rate: f64,
+    /// The seed that picked them.
+    pub seed: u64,
+    /// New pods the churn deleted before they were bound.
+    pub deleted_unbound: usize,
+}
+
 impl Report {
     /// Pods bound per second over the whole burst.
     pub fn pods_per_second(&self) -> Option<f64> {
@@ -162,6 +227,14 @@ impl Report {
             "{} / {}: {} nodes x {} GPUs, {} pods\n",
             self.system, self.workload, self.nodes, self.gpus, self.pods
         );
+        if let Some(churn) = &self.churn {
+            out += &format!(
+                "  churn                every GPU taken first; then {} pods deleted at random \
+                 (seed {}) and {} created, {:.0} a second; {} of the new deleted before they \
+                 were bound\n",
+                churn.replaced, churn.seed, churn.replaced, churn.rate, churn.deleted_unbound
+            );
+        }
         out += &format!("  all bound after      {}\n", secs(self.all_bound));
         if self.all_bound.is_none()
             && let Some(&(at, bound)) = self.bound_over_time.last()
@@ -319,21 +392,196 @@ pub fn double_allocations(records: &BTreeMap<String, PodRecord>) -> Vec<String> 
         .collect()
 }
 
-/// Runs `workload` in `world` with `system` in use (the caller has made it
-/// so, [`World::use_system`]), in a namespace of its own; gives up waiting
-/// after `deadline`. The pods are deleted afterwards.
-pub async fn run(
+/// The pods one phase of a run created and deleted, as the phase goes on.
+#[derive(Default)]
+struct Phase {
+    /// Pods created, by name: when their create returned.
+    created: BTreeMap<String, Instant>,
+    /// Their keys in the fleet's records, in creation order.
+    keys: Vec<String>,
+    /// Pods of the phase the workload deleted.
+    deleted: BTreeSet<String>,
+    /// Every create and delete of the phase has been sent.
+    done: bool,
+}
+
+impl Phase {
+    fn created(&mut self, namespace: &str, name: String, at: Instant) {
+        self.keys.push(pod_key(namespace, &name));
+        self.created.insert(name, at);
+    }
+}
+
+/// Creates `wanted` at once, a few in flight, into `phase`.
+async fn create_all(
+    pods: &Api<Pod>,
+    namespace: &str,
+    wanted: Vec<(String, usize)>,
+    phase: &Mutex<Phase>,
+) -> anyhow::Result<()> {
+    let created: Vec<anyhow::Result<(String, Instant)>> = futures::stream::iter(wanted)
+        .map(|(name, gpus)| {
+            let pods = pods.clone();
+            async move {
+                pods.create(&PostParams::default(), &gpu_pod(&name, gpus)?)
+                    .await?;
+                Ok((name, Instant::now()))
+            }
+        })
+        .buffer_unordered(CREATES_IN_FLIGHT)
+        .collect()
+        .await;
+    let mut phase = phase.lock().unwrap_or_else(|p| p.into_inner());
+    for result in created {
+        let (name, at) = result?;
+        phase.created(namespace, name, at);
+    }
+    Ok(())
+}
+
+/// The churn: `churn.pods` times, at `churn.rate` a second from
+/// `started`, deletes a live pod picked with the seed (gracefully, as a
+/// user would: the node's kubelet finishes it) and creates a one-GPU pod.
+async fn churn_pods(
+    pods: &Api<Pod>,
+    namespace: &str,
+    mut live: Vec<String>,
+    churn: Churn,
+    count: usize,
+    started: Instant,
+    phase: &Mutex<Phase>,
+) -> anyhow::Result<()> {
+    let mut rng = Rng::new(churn.seed);
+    for i in 0..count {
+        let due = started + Duration::from_secs_f64(i as f64 / churn.rate.max(1e-3));
+        tokio::time::sleep_until(due.into()).await;
+        if !live.is_empty() {
+            let victim = live.swap_remove(rng.below(live.len() as u64) as usize);
+            match pods.delete(&victim, &DeleteParams::default()).await {
+                Ok(_) => {}
+                Err(kube::Error::Api(e)) if e.code == 404 => {}
+                Err(err) => return Err(err).context(format!("deleting pod {victim}")),
+            }
+            phase
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .deleted
+                .insert(victim);
+        }
+        let name = format!("churn-next-{i:05}-1gpu");
+        pods.create(&PostParams::default(), &gpu_pod(&name, 1)?)
+            .await
+            .with_context(|| format!("creating pod {name}"))?;
+        let at = Instant::now();
+        phase
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .created(namespace, name.clone(), at);
+        live.push(name);
+    }
+    Ok(())
+}
+
+/// Samples, every [`SAMPLE_EVERY`], how many of the phase's pods the
+/// fleet has seen bound, until the phase is done and every pod of it not
+/// deleted is settled (given its devices or failed), or `deadline` after
+/// `started`. Returns the samples: (seconds since `started`, bound).
+async fn follow(
     world: &World,
-    system: System,
-    workload: Workload,
-    nodes: usize,
-    gpus: usize,
+    phase: &Mutex<Phase>,
+    started: Instant,
     deadline: Duration,
-) -> anyhow::Result<Report> {
+) -> Vec<(f64, usize)> {
+    let mut bound_over_time = Vec::new();
+    loop {
+        let (bound, settled, survivors, done) = {
+            let phase = phase.lock().unwrap_or_else(|p| p.into_inner());
+            // Counted under the records' lock; no copy of the map.
+            let (bound, settled, survivors) = world.fleet.with_records(|records| {
+                let mut counts = (0, 0, 0);
+                for key in &phase.keys {
+                    let name = key.rsplit('/').next().unwrap_or_default();
+                    let survives = !phase.deleted.contains(name);
+                    counts.2 += usize::from(survives);
+                    let Some(r) = records.get(key) else {
+                        continue;
+                    };
+                    counts.0 += usize::from(r.bound.is_some());
+                    counts.1 +=
+                        usize::from(survives && (r.allocated.is_some() || r.failed.is_some()));
+                }
+                counts
+            });
+            (bound, settled, survivors, phase.done)
+        };
+        bound_over_time.push((started.elapsed().as_secs_f64(), bound));
+        if (done && settled >= survivors) || started.elapsed() > deadline {
+            return bound_over_time;
+        }
+        tokio::time::sleep(SAMPLE_EVERY).await;
+    }
+}
+
+/// Runs the phase `drive` makes while following it; `drive`'s error, if
+/// any, once the phase is marked done.
+async fn drive_and_follow(
+    world: &World,
+    phase: &Mutex<Phase>,
+    drive: impl std::future::Future<Output = anyhow::Result<()>>,
+    started: Instant,
+    deadline: Duration,
+) -> anyhow::Result<Vec<(f64, usize)>> {
+    let drive = async {
+        let result = drive.await;
+        phase.lock().unwrap_or_else(|p| p.into_inner()).done = true;
+        result
+    };
+    let (driven, samples) = futures::join!(drive, follow(world, phase, started, deadline));
+    driven?;
+    Ok(samples)
+}
+
+/// Runs `options.workload` in `world` with `system` in use (the caller has
+/// made it so, [`World::use_system`]), in a namespace of its own; gives up
+/// waiting after `options.deadline`. The pods are deleted afterwards.
+pub async fn run(world: &World, system: System, options: &RunOptions) -> anyhow::Result<Report> {
+    let RunOptions {
+        workload,
+        nodes,
+        gpus,
+        deadline,
+        churn,
+    } = *options;
     let namespace = world.namespace(workload.name()).await;
     let pods: Api<Pod> = Api::namespaced(world.admin.clone(), &namespace);
-    let wanted = workload.pods(nodes, gpus);
+    let at_once = workload.pods(nodes, gpus);
     let key = |name: &str| pod_key(&namespace, name);
+
+    // The churn workload first fills every GPU, unmeasured.
+    let fill = Mutex::new(Phase::default());
+    let churned = if workload == Workload::Churn {
+        let names: Vec<String> = at_once.iter().map(|(n, _)| n.clone()).collect();
+        let filling = create_all(&pods, &namespace, at_once.clone(), &fill);
+        drive_and_follow(world, &fill, filling, Instant::now(), deadline).await?;
+        let records = world.fleet.records();
+        let unsettled = names
+            .iter()
+            .filter(|n| {
+                records
+                    .get(&key(n))
+                    .is_none_or(|r| r.allocated.is_none() && r.failed.is_none())
+            })
+            .count();
+        anyhow::ensure!(
+            unsettled == 0,
+            "{system:?}: {unsettled} of the churn's {} fill pods not bound and allocated after {deadline:?}",
+            names.len()
+        );
+        Some((names, churn.pods.unwrap_or(nodes * gpus / 2)))
+    } else {
+        None
+    };
+
     let pids = world.replica_pids();
     let cpu_before: f64 = pids.iter().filter_map(|p| cpu_seconds(*p)).sum();
     let processes = world.process_pids();
@@ -347,42 +595,43 @@ pub async fn run(
     let (calls_before, log_before) = tether_counts(world);
     let requests_before = api_requests(&world.admin).await?;
     let filter_before = world.tether_filter_time();
+    let phase = Mutex::new(Phase::default());
     let started = Instant::now();
-    let created: Vec<anyhow::Result<(String, Instant)>> = futures::stream::iter(wanted.clone())
-        .map(|(name, gpus)| {
-            let pods = pods.clone();
-            async move {
-                pods.create(&PostParams::default(), &gpu_pod(&name, gpus)?)
-                    .await?;
-                Ok((name, Instant::now()))
-            }
-        })
-        .buffer_unordered(CREATES_IN_FLIGHT)
-        .collect()
-        .await;
-    let mut created_at = BTreeMap::new();
-    for result in created {
-        let (name, at) = result?;
-        created_at.insert(name, at);
-    }
-
-    let mut bound_over_time = Vec::new();
-    // Counted under the records' lock every sample; the map is copied
-    // once, at the end.
-    loop {
-        let (bound, settled) = world.fleet.bound_and_settled(&namespace);
-        bound_over_time.push((started.elapsed().as_secs_f64(), bound));
-        if settled >= wanted.len() || started.elapsed() > deadline {
-            break;
+    let bound_over_time = match &churned {
+        Some((live, count)) => {
+            let churning = churn_pods(
+                &pods,
+                &namespace,
+                live.clone(),
+                churn,
+                *count,
+                started,
+                &phase,
+            );
+            drive_and_follow(world, &phase, churning, started, deadline).await?
         }
-        tokio::time::sleep(SAMPLE_EVERY).await;
-    }
+        None => {
+            let creating = create_all(&pods, &namespace, at_once, &phase);
+            drive_and_follow(world, &phase, creating, started, deadline).await?
+        }
+    };
+    let Phase {
+        created: created_at,
+        deleted,
+        ..
+    } = std::mem::take(&mut *phase.lock().unwrap_or_else(|p| p.into_inner()));
+    // The pods measured: those the phase created (the churn's deletions
+    // of its own new pods aside).
+    let measured: Vec<&String> = created_at
+        .keys()
+        .filter(|n| !deleted.contains(*n))
+        .collect();
     let records = world.fleet.records();
     // When the last pod got there, if every pod did.
     let last = |at: fn(&PodRecord) -> Option<Instant>| {
-        wanted
+        measured
             .iter()
-            .map(|(n, _)| records.get(&key(n)).and_then(at))
+            .map(|n| records.get(&key(n)).and_then(at))
             .collect::<Option<Vec<Instant>>>()
             .and_then(|all| all.into_iter().max())
             .map(|at| at.saturating_duration_since(started))
@@ -391,7 +640,7 @@ pub async fn run(
     let all_allocated = last(|r| r.allocated);
     let requests_after = api_requests(&world.admin).await?;
     let (calls_after, log_after) = tether_counts(world);
-    let per_pod = |n: f64| n / wanted.len().max(1) as f64;
+    let per_pod = |n: f64| n / created_at.len().max(1) as f64;
     let tether_calls_per_pod: BTreeMap<String, f64> = calls_after
         .iter()
         .map(|(method, after)| {
@@ -419,11 +668,11 @@ pub async fn run(
     let mut create_to_bound = Samples::default();
     let mut bound_to_allocated = Samples::default();
     let mut failed = Vec::new();
-    for (name, _) in &wanted {
+    for (name, created) in &created_at {
         let Some(record) = records.get(&key(name)) else {
             continue;
         };
-        if let (Some(created), Some(bound)) = (created_at.get(name), record.bound) {
+        if let Some(bound) = record.bound {
             create_to_bound.push(bound.saturating_duration_since(*created));
         }
         if let (Some(bound), Some(allocated)) = (record.bound, record.allocated) {
@@ -433,6 +682,16 @@ pub async fn run(
             failed.push((name.clone(), why.clone()));
         }
     }
+    let churn_summary = churned.map(|(_, count)| ChurnSummary {
+        replaced: count,
+        rate: churn.rate,
+        seed: churn.seed,
+        deleted_unbound: created_at
+            .keys()
+            .filter(|n| deleted.contains(*n))
+            .filter(|n| records.get(&key(n)).is_none_or(|r| r.bound.is_none()))
+            .count(),
+    });
     let ours: BTreeMap<String, PodRecord> = records
         .into_iter()
         .filter(|(k, _)| k.starts_with(&format!("{namespace}/")))
@@ -442,7 +701,8 @@ pub async fn run(
         workload: workload.name().to_string(),
         nodes,
         gpus,
-        pods: wanted.len(),
+        pods: created_at.len(),
+        churn: churn_summary,
         all_bound,
         all_allocated,
         create_to_bound,
@@ -492,8 +752,15 @@ pub fn comparison(reports: &[Report]) -> String {
                 format!("{:.2}x", bound.as_secs_f64() / b.as_secs_f64().max(1e-9))
             })
         };
+        // Under churn the time to bind all is mostly the churn's own
+        // length; how long each new pod waited says more.
+        let p99 = if r.create_to_bound.is_empty() {
+            "-".to_string()
+        } else {
+            ms(r.create_to_bound.quantile(0.99))
+        };
         out += &format!(
-            "  {:<34} {:>8.2} s   {} the floor   {} Tether's\n",
+            "  {:<34} {:>8.2} s   {} the floor   {} Tether's   create -> bound p99 {p99} ms\n",
             r.system,
             bound.as_secs_f64(),
             ratio(floor),

@@ -4,11 +4,12 @@
 //! measures are filled in; then the same on the same nodes with no lock
 //! and with the annotation lock (without its rate limit, which would make
 //! the test minutes long), every pod bound there too; then the mixed
-//! workload's pods of several GPUs through Tether.
+//! workload's pods of several GPUs through Tether, and the churn through
+//! Tether.
 
 use std::time::Duration;
 
-use tether_bind_bench::run::{self, Workload};
+use tether_bind_bench::run::{self, Churn, RunOptions, Workload};
 use tether_bind_bench::system::System;
 use tether_bind_bench::world::{World, WorldOptions};
 use tether_chaos::cluster::sibling_binary;
@@ -23,6 +24,16 @@ async fn a_small_burst_binds_every_pod_with_no_device_given_twice() {
         return;
     };
     let (nodes, gpus) = (10, 4);
+    let options = |workload| RunOptions {
+        workload,
+        nodes,
+        gpus,
+        deadline: Duration::from_secs(300),
+        churn: Churn {
+            pods: Some(20),
+            ..Churn::default()
+        },
+    };
     let mut world = World::start(
         plane,
         &WorldOptions {
@@ -40,16 +51,9 @@ async fn a_small_burst_binds_every_pod_with_no_device_given_twice() {
         System::AnnotationLockUnlimited,
     ] {
         world.use_system(system).await.expect("the system in use");
-        let report = run::run(
-            &world,
-            system,
-            Workload::Burst,
-            nodes,
-            gpus,
-            Duration::from_secs(300),
-        )
-        .await
-        .expect("the burst runs");
+        let report = run::run(&world, system, &options(Workload::Burst))
+            .await
+            .expect("the burst runs");
         print!("{}", report.to_text());
         assert_eq!(report.pods, 40);
         assert!(
@@ -95,16 +99,9 @@ async fn a_small_burst_binds_every_pod_with_no_device_given_twice() {
         .use_system(System::Tether)
         .await
         .expect("the system in use");
-    let mixed = run::run(
-        &world,
-        System::Tether,
-        Workload::Mixed,
-        nodes,
-        gpus,
-        Duration::from_secs(300),
-    )
-    .await
-    .expect("the mixed workload runs");
+    let mixed = run::run(&world, System::Tether, &options(Workload::Mixed))
+        .await
+        .expect("the mixed workload runs");
     print!("{}", mixed.to_text());
     assert_eq!(mixed.pods, nodes);
     assert!(mixed.all_allocated.is_some(), "not every pod allocated");
@@ -115,4 +112,29 @@ async fn a_small_burst_binds_every_pod_with_no_device_given_twice() {
         mixed.double_allocations
     );
     assert_eq!(mixed.devices_given, nodes * gpus);
+
+    // Churn through Tether: every GPU taken, then pods deleted at random
+    // (some before they were bound) and new ones created; each new pod
+    // binds once a deleted pod's GPU is free again, none shares one.
+    let churn = run::run(&world, System::Tether, &options(Workload::Churn))
+        .await
+        .expect("the churn runs");
+    print!("{}", churn.to_text());
+    let summary = churn.churn.expect("the churn's summary");
+    assert_eq!(summary.replaced, 20);
+    assert_eq!(churn.pods, 20);
+    assert!(churn.all_allocated.is_some(), "not every new pod allocated");
+    assert!(churn.failed.is_empty(), "{:?}", churn.failed);
+    assert!(
+        churn.double_allocations.is_empty(),
+        "{:?}",
+        churn.double_allocations
+    );
+    // Every GPU is given again: the live pods are as many as the GPUs.
+    assert_eq!(churn.devices_given, nodes * gpus);
+    assert_eq!(
+        churn.create_to_bound.len(),
+        20 - summary.deleted_unbound,
+        "every new pod not deleted first was bound"
+    );
 }

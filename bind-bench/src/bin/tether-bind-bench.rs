@@ -9,7 +9,7 @@ use std::path::PathBuf;
 use std::time::Duration;
 
 use clap::Parser;
-use tether_bind_bench::run::{self, Workload};
+use tether_bind_bench::run::{self, Churn, RunOptions, Workload};
 use tether_bind_bench::system::System;
 use tether_bind_bench::world::{World, WorldOptions};
 use tether_chaos::cluster::sibling_binary;
@@ -41,6 +41,18 @@ struct Args {
     /// Give up waiting for one system's pods after this long.
     #[arg(long, default_value = "30m", value_parser = humantime::parse_duration)]
     deadline: Duration,
+    /// The churn workload: pods deleted (and as many created) after the
+    /// fill [default: half the GPUs].
+    #[arg(long)]
+    churn_pods: Option<usize>,
+    /// The churn workload: deletions (each followed by a creation) a
+    /// second.
+    #[arg(long, default_value_t = Churn::default().rate)]
+    churn_rate: f64,
+    /// The churn workload: the seed that picks which live pod each
+    /// deletion takes.
+    #[arg(long, default_value_t = Churn::default().seed)]
+    seed: u64,
     /// Write the chart of bound pods over time here (SVG).
     #[arg(long)]
     chart: Option<PathBuf>,
@@ -82,18 +94,29 @@ async fn main() -> anyhow::Result<()> {
         args.gpus,
         started.elapsed().as_secs_f64()
     );
+    anyhow::ensure!(
+        args.churn_rate > 0.0 && args.churn_rate.is_finite(),
+        "--churn-rate must be a positive number of deletions a second, not {}",
+        args.churn_rate
+    );
+    let options = RunOptions {
+        workload: args.workload,
+        nodes: args.nodes,
+        gpus: args.gpus,
+        deadline: args.deadline,
+        churn: Churn {
+            pods: args.churn_pods,
+            rate: args.churn_rate,
+            seed: args.seed,
+        },
+    };
+    if args.workload == Workload::Churn {
+        println!("churn seed: {}", args.seed);
+    }
     let mut reports = Vec::new();
     for system in &args.systems {
         world.use_system(*system).await?;
-        let report = run::run(
-            &world,
-            *system,
-            args.workload,
-            args.nodes,
-            args.gpus,
-            args.deadline,
-        )
-        .await?;
+        let report = run::run(&world, *system, &options).await?;
         print!("{}", report.to_text());
         reports.push(report);
     }
