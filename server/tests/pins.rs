@@ -106,6 +106,48 @@ async fn assign_is_idempotent_and_pins_survive_pod_restarts() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_stopped_pods_short_lived_pin_ends_without_waiting_for_the_sweep_interval() {
+    // The leader looks for what is due every hour here: only a look made
+    // when the pod stops can end its pin within the test's deadline.
+    let cluster = Cluster::start_with(3, |config| {
+        config.sweep_interval = Duration::from_secs(3600);
+    })
+    .await;
+    let client = common::client(&cluster);
+    // A GPU claim's lifetime: it ends as soon as its pod has stopped.
+    let lifetime = Duration::from_millis(1);
+    for (member, pod) in [
+        ("0", "pod-gone"),
+        ("1", "pod-terminal"),
+        ("2", "pod-running"),
+    ] {
+        assign(&client, member, pod, &["node-1"], lifetime)
+            .await
+            .unwrap();
+        client.report_pod(pod, PodPhase::PodRunning).await.unwrap();
+    }
+    client
+        .report_pod("pod-gone", PodPhase::PodGone)
+        .await
+        .unwrap();
+    eventually("the deleted pod's pin ends", async || {
+        client.get_pin(&pin_key("0")).await.unwrap().is_none()
+    })
+    .await;
+    client
+        .report_pod("pod-terminal", PodPhase::PodTerminal)
+        .await
+        .unwrap();
+    eventually("the finished pod's pin ends", async || {
+        client.get_pin(&pin_key("1")).await.unwrap().is_none()
+    })
+    .await;
+    // A running pod's pin stays.
+    assert!(client.get_pin(&pin_key("2")).await.unwrap().is_some());
+    cluster.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn pin_lifetime_runs_only_after_the_pod_stops_and_silence_never_unpins() {
     let cluster = Cluster::start(3).await;
     let client = common::client(&cluster);

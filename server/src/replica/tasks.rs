@@ -10,13 +10,13 @@ use std::time::{Duration, Instant};
 
 use anyhow::Context as _;
 use openraft::{BasicNode, ServerState};
-use tokio::sync::watch;
+use tokio::sync::{broadcast, watch};
 
 use super::Replica;
 use crate::config::parse_members;
 use crate::raft::network::Network;
 use crate::sm::command::{Sweep, sweep_due};
-use crate::sm::{Command, Reply};
+use crate::sm::{Command, Event, EventKind, PodPhase, Reply};
 
 /// Watches Raft's core. When it stops on its own, this replica can neither
 /// replicate nor apply, yet its gRPC and HTTP servers would keep answering
@@ -177,17 +177,68 @@ pub async fn claim_cluster_id(core: Arc<Replica>, mut shutdown: watch::Receiver<
     }
 }
 
+/// How long after a stop with nothing due yet the sweeper looks once more.
+const STOP_RECHECK: Duration = Duration::from_millis(2);
+
+/// Whether `kind` stops a pod: the pins it owns may then be due at once
+/// (a device claim outlives its pod by 1 ms, `tether_embed`'s
+/// `DEFAULT_LIFETIME`).
+fn stops_a_pod(kind: &EventKind) -> bool {
+    matches!(
+        kind,
+        EventKind::PodRevoked { .. }
+            | EventKind::PodReported {
+                phase: PodPhase::Terminal | PodPhase::Gone,
+                ..
+            }
+    )
+}
+
+/// Waits for the next applied event that stops a pod, then takes every
+/// event already queued behind it (so a burst of stops is one look, and at
+/// most one sweep). A lagged receiver counts as a stop; a closed one never
+/// wakes.
+async fn next_stop(events: &mut broadcast::Receiver<Event>) {
+    loop {
+        match events.recv().await {
+            Ok(event) if stops_a_pod(&event.kind) => break,
+            Ok(_) => {}
+            Err(broadcast::error::RecvError::Lagged(_)) => break,
+            Err(broadcast::error::RecvError::Closed) => std::future::pending::<()>().await,
+        }
+    }
+    while let Ok(_) | Err(broadcast::error::TryRecvError::Lagged(_)) = events.try_recv() {}
+}
+
 /// While this replica leads, proposes a [`Sweep`] whenever its applied state
-/// shows a wait, lease, hold or session due on the leader's clock.
+/// shows a wait, lease, hold or session due on the leader's clock: looked
+/// for every `sweep_interval`, and at once when a pod stops, so that the
+/// pins of a deleted pod (a GPU's claim) end within a commit of the
+/// bridge's report instead of up to an interval later (issue 52's churn:
+/// the next pod waited 78 ms at the median for a freed GPU, most of it
+/// this interval).
 pub async fn sweeper(core: Arc<Replica>, mut shutdown: watch::Receiver<bool>) {
     let mut tick = tokio::time::interval(core.config.sweep_interval);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     let mut leading_since: Option<(u64, Instant)> = None;
+    let mut events = core.state.subscribe();
+    // A look due soon after a stop that found nothing due yet: the stopped
+    // pod's 1 ms lifetime runs from the report's committed time, which may
+    // be less than 1 ms before the look.
+    let mut recheck: Option<tokio::time::Instant> = None;
     loop {
-        tokio::select! {
-            _ = tick.tick() => {}
+        let after_stop = tokio::select! {
+            _ = tick.tick() => false,
+            () = next_stop(&mut events) => true,
+            () = async {
+                match recheck {
+                    Some(at) => tokio::time::sleep_until(at).await,
+                    None => std::future::pending().await,
+                }
+            } => false,
             _ = shutdown.changed() => return,
-        }
+        };
+        recheck = None;
         let (state, term) = {
             let m = core.raft.metrics();
             let m = m.borrow_watched();
@@ -229,6 +280,9 @@ pub async fn sweeper(core: Arc<Replica>, mut shutdown: watch::Receiver<bool>) {
             sweep_due(&applied.state, at, sweep, request.format_version)
         };
         if !due {
+            if after_stop {
+                recheck = Some(tokio::time::Instant::now() + STOP_RECHECK);
+            }
             continue;
         }
         match core
