@@ -43,22 +43,25 @@
 //!   otherwise (its scheduler's `cmd/scheduler/main.go`).
 //!
 //! It keeps the devices in use per node in memory, from its own filter
-//! choices, as HAMi's scheduler keeps its usage cache; the bench's pods do
-//! not end while a workload of this system runs, except by deletion, which
-//! [`AnnotationExtender::forget`] hears of.
+//! choices, as HAMi's scheduler keeps its usage cache, and frees a pod's
+//! when its watch of pods sees the pod deleted or ended, as HAMi's
+//! informer does ([`AnnotationExtender::follow_pods`]).
 
 use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
+use futures::TryStreamExt as _;
 use k8s_openapi::api::core::v1::{Node, Pod};
 use kube::api::{Api, Patch, PatchParams};
+use kube::runtime::WatchStreamExt as _;
+use kube::runtime::watcher;
 use serde_json::json;
 use tether_embed::extender::{
     ExtenderArgs, ExtenderBindingArgs, ExtenderBindingResult, ExtenderFilterResult,
 };
 
-use crate::world::RESOURCE;
+use crate::world::{POD_LABEL, RESOURCE};
 
 /// The node annotation that is the lock.
 pub const LOCK_ANNOTATION: &str = "hami.io/mutex.lock";
@@ -459,6 +462,40 @@ impl AnnotationExtender {
             gpus,
             used: Mutex::default(),
         })
+    }
+
+    /// Follows the bench's pods as HAMi's scheduler follows pods with its
+    /// informer (`onDelPod`, and `onUpdatePod` for a pod that has ended):
+    /// a deleted or finished pod's devices are free in the usage cache.
+    /// Runs until dropped.
+    pub async fn follow_pods(self: Arc<Self>) {
+        let pods: Api<Pod> = Api::all(self.client.clone());
+        let config = watcher::Config::default().labels(&format!("{}={}", POD_LABEL.0, POD_LABEL.1));
+        let events = watcher(pods, config).default_backoff();
+        futures::pin_mut!(events);
+        loop {
+            let pod = match events.try_next().await {
+                Ok(Some(watcher::Event::Delete(pod))) => pod,
+                Ok(Some(watcher::Event::Apply(pod) | watcher::Event::InitApply(pod)))
+                    if pod
+                        .status
+                        .as_ref()
+                        .and_then(|s| s.phase.as_deref())
+                        .is_some_and(|p| p == "Succeeded" || p == "Failed") =>
+                {
+                    pod
+                }
+                Ok(Some(_)) => continue,
+                Ok(None) => return,
+                Err(err) => {
+                    tracing::warn!(%err, "the annotation lock's pod watch failed; it backs off and resumes");
+                    continue;
+                }
+            };
+            if let Some(uid) = &pod.metadata.uid {
+                self.forget(uid);
+            }
+        }
     }
 
     /// A pod is gone: its devices are free in the usage cache.

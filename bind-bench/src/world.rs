@@ -183,7 +183,8 @@ impl World {
             System::NoLock => {
                 let router =
                     crate::verbs::router(crate::nolock::NoLockExtender::new(self.admin.clone()));
-                self.serve_comparator(router).await?
+                self.serve_comparator(router, std::future::ready(()))
+                    .await?
             }
             System::AnnotationLock | System::AnnotationLockUnlimited => {
                 // HAMi's RBAC lets its scheduler patch nodes and pods; the
@@ -193,7 +194,8 @@ impl World {
                     system.rate_limit(),
                     self.gpus,
                 );
-                self.serve_comparator(crate::verbs::router(extender))
+                let follow = extender.clone().follow_pods();
+                self.serve_comparator(crate::verbs::router(extender), follow)
                     .await?
             }
         };
@@ -235,18 +237,19 @@ impl World {
         )
     }
 
-    /// Serves a comparator's extender on a port of its own; its address.
+    /// Serves a comparator's extender on a port of its own, and runs
+    /// `beside` (its watch) as long as it serves; its address.
     async fn serve_comparator(
         &mut self,
         router: axum::Router,
+        beside: impl std::future::Future<Output = ()> + Send + 'static,
     ) -> anyhow::Result<std::net::SocketAddr> {
         let listener = TcpListener::bind("127.0.0.1:0").await?;
         let addr = listener.local_addr()?;
-        self.comparator = Some(tokio::spawn(tether_http::serve(
-            listener,
-            router,
-            std::future::pending(),
-        )));
+        self.comparator = Some(tokio::spawn(async move {
+            let serve = tether_http::serve(listener, router, std::future::pending());
+            tokio::join!(serve, beside);
+        }));
         Ok(addr)
     }
 
