@@ -35,9 +35,9 @@ pub const DEVICE_SET: &str = "gpu-devices";
 pub const DEVICE_LABEL_PREFIX: &str = "devices.tether.io/";
 
 /// How long a claim outlives its stopped pod: the shortest lifetime there
-/// is (0 would make the pin permanent), so the claim ends at the leader's
-/// next sweep (`--sweep-interval`, 100 ms by default) after the bridge's
-/// report. Nothing is gained by waiting longer: the bridge reports a pod
+/// is (0 would make the pin permanent), so the claim ends at the sweep the
+/// leader makes as soon as it applies the bridge's report (at the latest
+/// one `--sweep-interval`, 100 ms by default, later). Nothing is gained by waiting longer: the bridge reports a pod
 /// stopped only once the kubelet has stopped its containers (its phase is
 /// terminal, or its object is deleted, which the kubelet does last), and
 /// every moment a freed device stays claimed is a moment a pending pod is

@@ -114,14 +114,30 @@ impl Pins {
         }
         let mut out = Pins::default();
         for (node_set, pins) in grouped {
-            out.replace(&node_set, pins);
+            out.put(&node_set, pins);
         }
         out
     }
 
     /// Puts `pins` (member, pin) in place of what the copy had of
-    /// `node_set`.
-    pub fn replace(&mut self, node_set: &NodeSet, pins: Vec<(String, pb::Pin)>) {
+    /// `node_set`. Returns whether a device of the node became free for
+    /// the filter: a live claim ended or its pod stopped, or a healthy
+    /// device appeared.
+    pub fn replace(&mut self, node_set: &NodeSet, pins: Vec<(String, pb::Pin)>) -> bool {
+        let before = self.summary.get(&node_set.1).cloned().unwrap_or_default();
+        self.put(node_set, pins);
+        let after = self.summary.get(&node_set.1);
+        let live_after = after.map(|s| &s.live);
+        let healthy_after = after.and_then(|s| s.healthy.as_deref()).unwrap_or_default();
+        let healthy_before = before.healthy.as_deref().unwrap_or_default();
+        before
+            .live
+            .keys()
+            .any(|device| !live_after.is_some_and(|live| live.contains_key(device)))
+            || healthy_after.iter().any(|d| !healthy_before.contains(d))
+    }
+
+    fn put(&mut self, node_set: &NodeSet, pins: Vec<(String, pb::Pin)>) {
         let (set, node) = node_set;
         for (member, old) in self.by_node.remove(node_set).unwrap_or_default() {
             self.node_of.remove(&(set.clone(), member));
@@ -322,6 +338,10 @@ pub struct DeviceView {
     /// Read by each filter call for its candidates, written for each batch
     /// of events: both brief, so one lock and no copies.
     copy: Mutex<Copy>,
+    /// Told when devices became free in the copy (or it was listed anew),
+    /// so that the pods refused for want of them are asked about at once
+    /// ([`DeviceView::freed`]).
+    freed: tokio::sync::Notify,
 }
 
 impl DeviceView {
@@ -331,7 +351,15 @@ impl DeviceView {
         DeviceView {
             client,
             copy: Mutex::default(),
+            freed: tokio::sync::Notify::new(),
         }
+    }
+
+    /// Resolves once devices have become free in the copy since the last
+    /// time it resolved (or the copy was listed anew): a change while
+    /// nobody waits is kept for the next wait.
+    pub async fn freed(&self) {
+        self.freed.notified().await;
     }
 
     /// `read` of the copy as it is now, if it is whole (listed and
@@ -383,6 +411,7 @@ impl DeviceView {
                 .filter_map(|(set, pin)| Some((set, pin.key.clone()?.member, pin))),
         );
         *self.lock() = Copy { pins, synced: true };
+        self.freed.notify_one();
         let until = Instant::now() + RESYNC;
         loop {
             let update = match tokio::time::timeout_at(until.into(), watch.next()).await {
@@ -435,9 +464,15 @@ impl DeviceView {
                     .collect();
                 read_again.push((node_set, read));
             }
-            let mut copy = self.lock();
-            for (node_set, read) in read_again {
-                copy.pins.replace(&node_set, read);
+            let mut freed = false;
+            {
+                let mut copy = self.lock();
+                for (node_set, read) in read_again {
+                    freed |= copy.pins.replace(&node_set, read);
+                }
+            }
+            if freed {
+                self.freed.notify_one();
             }
         }
     }
@@ -637,10 +672,11 @@ mod tests {
         // b's claim ended, c's was made.
         let c = claim("n1", "c", &["gpu1"], pb::OwnerState::OwnerStarting);
         let a = claim("n1", "a", &["gpu0"], pb::OwnerState::OwnerRunning);
-        pins.replace(
+        // gpu1 went from b to c: nothing came free.
+        assert!(!pins.replace(
             &(DEVICE_SET.into(), "n1".into()),
-            vec![("a".into(), a), ("c".into(), c)],
-        );
+            vec![("a".into(), a.clone()), ("c".into(), c.clone())],
+        ));
         assert_eq!(
             pins.live_claims("n1"),
             BTreeMap::from([("gpu0".into(), "a".into()), ("gpu1".into(), "c".into())])
@@ -651,9 +687,22 @@ mod tests {
             touched(&reported("c", "Gone"), &pins, &none()),
             nodes(&[(DEVICE_SET, "n1")])
         );
+        // c's pod stopped: its device is free for the filter.
+        let c_stopped = claim("n1", "c", &["gpu1"], pb::OwnerState::OwnerStopped);
+        assert!(pins.replace(
+            &(DEVICE_SET.into(), "n1".into()),
+            vec![("a".into(), a), ("c".into(), c_stopped)],
+        ));
         // Every claim of n1 ended.
-        pins.replace(&(DEVICE_SET.into(), "n1".into()), Vec::new());
+        assert!(pins.replace(&(DEVICE_SET.into(), "n1".into()), Vec::new()));
         assert!(pins.live_claims("n1").is_empty());
+        // A device published healthy is free too; one gone is not.
+        let published = (INVENTORY_SET.to_string(), "n1".to_string());
+        assert!(pins.replace(
+            &published,
+            vec![("n1".into(), inventory("n1", &["gpu0", "gpu1"]))]
+        ));
+        assert!(!pins.replace(&published, vec![("n1".into(), inventory("n1", &["gpu0"]))]));
         assert_eq!(
             touched(
                 &event("PinOwnerChanged", "pin/gpu-devices/a", ""),

@@ -440,8 +440,8 @@ const NODE_READS_IN_FLIGHT: usize = 16;
 const CLAIM_ATTEMPTS: usize = 5;
 
 /// How long a bind waits for claims of stopped pods to end when it needs
-/// their devices (they end at the leader's next sweep, 100 ms by default),
-/// and how often it looks.
+/// their devices (they end at the sweep the leader makes when it applies
+/// the pod's report, one commit later), and how often it looks.
 const STOPPED_CLAIM_WAIT: Duration = Duration::from_secs(3);
 const STOPPED_CLAIM_POLL: Duration = Duration::from_millis(25);
 
@@ -1351,7 +1351,14 @@ pub async fn requeue_refused<B: Binder>(extender: Arc<Extender<B>>) {
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     let mut recover_at = Some(Instant::now());
     loop {
-        tick.tick().await;
+        // Every poll interval (a nudge lost, a refusal recovered), and at
+        // once when the filter's copy sees devices freed: a pod refused
+        // just before a claim ended is asked about again in milliseconds,
+        // not up to a poll interval later.
+        tokio::select! {
+            _ = tick.tick() => {}
+            () = extender.view.freed() => {}
+        }
         if let Some(at) = recover_at
             && Instant::now() >= at
         {
