@@ -126,22 +126,17 @@ async fn a_stopped_pods_short_lived_pin_ends_without_waiting_for_the_sweep_inter
             .unwrap();
         client.report_pod(pod, PodPhase::PodRunning).await.unwrap();
     }
-    client
-        .report_pod("pod-gone", PodPhase::PodGone)
-        .await
-        .unwrap();
-    eventually("the deleted pod's pin ends", async || {
-        client.get_pin(&pin_key("0")).await.unwrap().is_none()
-    })
-    .await;
-    client
-        .report_pod("pod-terminal", PodPhase::PodTerminal)
-        .await
-        .unwrap();
-    eventually("the finished pod's pin ends", async || {
-        client.get_pin(&pin_key("1")).await.unwrap().is_none()
-    })
-    .await;
+    // Deleted, then ended: each stop ends the pod's pin.
+    for (member, pod, phase) in [
+        ("0", "pod-gone", PodPhase::PodGone),
+        ("1", "pod-terminal", PodPhase::PodTerminal),
+    ] {
+        client.report_pod(pod, phase).await.unwrap();
+        eventually(&format!("{pod}'s pin ends"), async || {
+            client.get_pin(&pin_key(member)).await.unwrap().is_none()
+        })
+        .await;
+    }
     // A running pod's pin stays.
     assert!(client.get_pin(&pin_key("2")).await.unwrap().is_some());
     cluster.shutdown().await;
