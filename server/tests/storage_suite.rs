@@ -350,6 +350,14 @@ mod log_store {
         );
         let long = indexes(log.try_get_log_entries(1..=100).await.unwrap());
         assert_eq!(long, (11..=100).collect::<Vec<_>>());
+        // Replication's read: nothing rather than entries that do not
+        // follow the entry before its start (chaos seed 200048).
+        assert!(log.limited_get_log_entries(8, 13).await.unwrap().is_empty());
+        assert!(log.limited_get_log_entries(8, 80).await.unwrap().is_empty());
+        assert_eq!(
+            indexes(log.limited_get_log_entries(11, 13).await.unwrap()),
+            vec![11, 12]
+        );
 
         // A hole (written here directly: the store never makes one) is an
         // error when read by key, not a shorter answer.

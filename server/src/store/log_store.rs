@@ -315,6 +315,32 @@ impl RaftLogReader<TypeConfig> for LogStore {
     async fn read_vote(&mut self) -> Result<Option<Vote>, StorageError> {
         self.get_meta(VOTE)
     }
+
+    /// What replication sends after entry `start - 1`: the entries from
+    /// `start`, or none at all when `start` itself is purged. openraft's
+    /// replication stream may read a range it chose before a purge the
+    /// leader made meanwhile (a follower that had been down, a snapshot
+    /// built); the entries after the purge point would then go out as if
+    /// they followed `start - 1` (a debug assertion in openraft, chaos
+    /// seed 200048 on 2026-12-05; in a release build a hole in the
+    /// follower's log). An empty answer it sends as a heartbeat and tries
+    /// again, by which time it knows of the purge and sends the snapshot.
+    async fn limited_get_log_entries(
+        &mut self,
+        start: u64,
+        end: u64,
+    ) -> Result<Vec<Entry>, StorageError> {
+        let entries = self.try_get_log_entries(start..end).await?;
+        if entries.first().is_some_and(|e| e.log_id.index != start) {
+            tracing::info!(
+                start,
+                first = entries.first().map(|e| e.log_id.index),
+                "replication asked for entries purged since it chose them; sending none"
+            );
+            return Ok(Vec::new());
+        }
+        Ok(entries)
+    }
 }
 
 impl RaftLogStorage<TypeConfig> for LogStore {
