@@ -39,9 +39,10 @@
 //!   plugin directly rather than over its socket; an `Allocate` error fails
 //!   the pod, as the kubelet's `UnexpectedAdmissionError` does;
 //! - the pod's status set to `Running` once it is allocated;
-//! - a pod deleted with a grace period (the churn workload's) deleted for
-//!   good at once, as the kubelet does once the pod's containers have
-//!   stopped (there are none to stop).
+//! - a pod deleted with a grace period (the churn workload's) admitted no
+//!   more, and, once any admission of it under way has ended, deleted for
+//!   good, as the kubelet does once the pod's containers have stopped
+//!   (there are none to stop).
 //!
 //! It does not run containers, report pod IPs or container statuses, send
 //! node heartbeats or leases, or evict; it follows only app containers

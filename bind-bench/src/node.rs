@@ -310,6 +310,8 @@ pub struct PodRecord {
     pub failed: Option<String>,
     /// Seen deleted.
     pub deleted: bool,
+    /// Seen marked for deletion (a kubelet admits it no more).
+    pub deleting: bool,
 }
 
 /// The simulated nodes and the one watch that hands each a pod bound to
@@ -373,6 +375,12 @@ impl Fleet {
         self.with_records(|records| records.get(key).is_some_and(|r| r.deleted))
     }
 
+    /// Whether the fleet has seen pod `key` marked for deletion or deleted:
+    /// a kubelet does not admit it.
+    fn is_ending(&self, key: &str) -> bool {
+        self.with_records(|records| records.get(key).is_some_and(|r| r.deleted || r.deleting))
+    }
+
     /// Gives every node the plugin `mode` makes for its name.
     pub fn set_mode(&self, mode: impl Fn(&str) -> NodeMode) {
         for (name, node) in &self.nodes {
@@ -430,14 +438,24 @@ impl Fleet {
                     ) else {
                         continue;
                     };
+                    let name = pod_key(&namespace, &name);
                     if pod.metadata.deletion_timestamp.is_some() {
-                        // Deleted with a grace period: the kubelet stops
-                        // the pod's containers (here there are none to
-                        // stop) and then deletes the object for good.
-                        tokio::spawn(finish_deletion(self.admin.clone(), pod));
+                        // Deleted with a grace period: the node's kubelet
+                        // admits it no more, and once any admission of it
+                        // under way has ended (its queue runs in order)
+                        // stops its containers (here there are none) and
+                        // deletes the object for good.
+                        let first = {
+                            let mut records =
+                                self.records.lock().unwrap_or_else(|p| p.into_inner());
+                            let record = records.entry(name).or_default();
+                            !std::mem::replace(&mut record.deleting, true)
+                        };
+                        if first && let Some(queue) = queues.get(&node) {
+                            let _ = queue.send(pod);
+                        }
                         continue;
                     }
-                    let name = pod_key(&namespace, &name);
                     let fresh = {
                         let mut records = self.records.lock().unwrap_or_else(|p| p.into_inner());
                         let record = records.entry(name).or_default();
@@ -483,7 +501,11 @@ impl Fleet {
             let namespace = pod.metadata.namespace.clone().unwrap_or_default();
             let name = pod.metadata.name.clone().unwrap_or_default();
             let key = pod_key(&namespace, &name);
-            if self.is_deleted(&key) {
+            if pod.metadata.deletion_timestamp.is_some() {
+                finish_deletion(self.admin.clone(), pod).await;
+                continue;
+            }
+            if self.is_ending(&key) {
                 continue;
             }
             let result = node.admit(&pod).await;

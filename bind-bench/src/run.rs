@@ -814,6 +814,7 @@ mod tests {
             devices: devices.iter().map(|d| d.to_string()).collect(),
             failed: None,
             deleted: false,
+            deleting: false,
         }
     }
 
