@@ -61,7 +61,7 @@ use tether_embed::extender::{
     ExtenderArgs, ExtenderBindingArgs, ExtenderBindingResult, ExtenderFilterResult,
 };
 
-use crate::world::{POD_LABEL, RESOURCE};
+use crate::world::{RESOURCE, pod_selector};
 
 /// The node annotation that is the lock.
 pub const LOCK_ANNOTATION: &str = "hami.io/mutex.lock";
@@ -470,7 +470,7 @@ impl AnnotationExtender {
     /// Runs until dropped.
     pub async fn follow_pods(self: Arc<Self>) {
         let pods: Api<Pod> = Api::all(self.client.clone());
-        let config = watcher::Config::default().labels(&format!("{}={}", POD_LABEL.0, POD_LABEL.1));
+        let config = watcher::Config::default().labels(&pod_selector());
         let events = watcher(pods, config).default_backoff();
         futures::pin_mut!(events);
         loop {

@@ -24,7 +24,7 @@ use tether_embed::v1beta1::device_plugin_server::DevicePlugin as _;
 use tokio::sync::mpsc;
 
 use crate::annotation::AnnotationPlugin;
-use crate::world::{POD_LABEL, RESOURCE};
+use crate::world::{RESOURCE, pod_selector};
 
 /// Which system's device plugin a node runs.
 #[derive(Clone)]
@@ -318,7 +318,7 @@ pub struct PodRecord {
 /// it.
 pub struct Fleet {
     nodes: BTreeMap<String, Arc<SimNode>>,
-    /// The bench's pods in every namespace (by [`POD_LABEL`]).
+    /// The bench's pods in every namespace (by [`crate::world::POD_LABEL`]).
     pods: Api<Pod>,
     admin: kube::Client,
     /// By `namespace/name`.
@@ -350,24 +350,6 @@ impl Fleet {
     /// while a run is measured: no copy of the whole map).
     pub fn with_records<R>(&self, read: impl FnOnce(&BTreeMap<String, PodRecord>) -> R) -> R {
         read(&self.records.lock().unwrap_or_else(|p| p.into_inner()))
-    }
-
-    /// How many pods of `namespace` the fleet has seen bound, and how many
-    /// of those it has settled (given devices or failed).
-    pub fn bound_and_settled(&self, namespace: &str) -> (usize, usize) {
-        let prefix = format!("{namespace}/");
-        self.with_records(|records| {
-            let ours = records
-                .range(prefix.clone()..)
-                .take_while(|(k, _)| k.starts_with(&prefix))
-                .map(|(_, r)| r);
-            ours.fold((0, 0), |(bound, settled), r| {
-                (
-                    bound + usize::from(r.bound.is_some()),
-                    settled + usize::from(r.allocated.is_some() || r.failed.is_some()),
-                )
-            })
-        })
     }
 
     /// Whether the fleet has seen pod `key` deleted.
@@ -417,7 +399,7 @@ impl Fleet {
             tokio::spawn(self.clone().admit_in_turn(node.clone(), rx));
             queues.insert(name.clone(), tx);
         }
-        let config = watcher::Config::default().labels(&format!("{}={}", POD_LABEL.0, POD_LABEL.1));
+        let config = watcher::Config::default().labels(&pod_selector());
         let events = watcher(self.pods.clone(), config).default_backoff();
         futures::pin_mut!(events);
         loop {

@@ -34,6 +34,12 @@ pub const SCHEDULER_NAME: &str = "tether-gpu";
 const REGISTRATIONS_IN_FLIGHT: usize = 16;
 /// The label every pod of the bench carries (the fleet watches by it).
 pub const POD_LABEL: (&str, &str) = ("app.kubernetes.io/part-of", "tether-bind-bench");
+
+/// The label selector of the bench's pods, for the watches that follow
+/// them (the fleet's kubelets, the annotation lock's informer).
+pub fn pod_selector() -> String {
+    format!("{}={}", POD_LABEL.0, POD_LABEL.1)
+}
 /// Longest wait for the scheduler to place a probe pod, or for a
 /// namespace's pods to be gone.
 const SETTLE: Duration = Duration::from_secs(120);
