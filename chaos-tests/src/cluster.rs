@@ -277,6 +277,54 @@ impl ProcessCluster {
         all[all.len().saturating_sub(lines)..].join("\n")
     }
 
+    /// What `id`'s process is doing, for a schedule that could not finish
+    /// (a replica that stops answering leaves no trace in its log): each
+    /// thread's name, scheduler state (`D` is an uninterruptible wait, as
+    /// on a FUSE mount that stopped answering) and kernel stack from
+    /// `/proc`, then every thread's backtrace from `gdb` where it is
+    /// installed. Bounded: gdb gets 60 s.
+    pub fn thread_report(&self, id: u64) -> String {
+        let Some(pid) = self.pid(id) else {
+            return format!("tetherd {id}: not running\n");
+        };
+        let mut out = format!("tetherd {id}: pid {pid}\n");
+        let tasks = std::fs::read_dir(format!("/proc/{pid}/task"))
+            .map(|dir| dir.flatten().map(|e| e.path()).collect::<Vec<_>>())
+            .unwrap_or_default();
+        for task in tasks {
+            let read = |name: &str| std::fs::read_to_string(task.join(name)).unwrap_or_default();
+            let stat = read("stat");
+            // Field 3 of stat, after the parenthesised name, is the state.
+            let state = stat.rsplit_once(") ").map_or("?", |(_, rest)| &rest[..1]);
+            out.push_str(&format!(
+                "thread {} {:?} state {state} wchan {}\n{}",
+                task.file_name().and_then(|n| n.to_str()).unwrap_or("?"),
+                read("comm").trim(),
+                read("wchan").trim(),
+                read("stack"),
+            ));
+        }
+        let gdb = Command::new("timeout")
+            .args([
+                "60",
+                "gdb",
+                "-batch",
+                "-p",
+                &pid.to_string(),
+                "-ex",
+                "thread apply all bt",
+            ])
+            .output();
+        match gdb {
+            Ok(o) => {
+                out.push_str(&String::from_utf8_lossy(&o.stdout));
+                out.push_str(&String::from_utf8_lossy(&o.stderr));
+            }
+            Err(err) => out.push_str(&format!("no backtraces: gdb: {err}\n")),
+        }
+        out
+    }
+
     /// Keeps the data and logs after the cluster is dropped; returns where.
     pub fn keep(&mut self) -> PathBuf {
         let dir = std::mem::replace(&mut self.dir, tempfile::tempdir().expect("a temp dir"));

@@ -363,10 +363,28 @@ pub async fn run_many(options: DriverOptions) -> anyhow::Result<Summary> {
                     Err(err) => {
                         println!("{schedule} | could not finish: {err:#}");
                         if let Some(mut failed) = cluster.take() {
+                            // Taken before the logs are printed and the
+                            // replicas are killed: a replica that stopped
+                            // answering is still stuck where it stopped.
+                            let threads: Vec<(u64, String)> = failed
+                                .running()
+                                .into_iter()
+                                .map(|id| (id, failed.thread_report(id)))
+                                .collect();
                             for id in failed.running() {
                                 println!("  tetherd {id} log tail:\n{}", failed.log_tail(id, 15));
                             }
-                            println!("  data and logs kept in {}", failed.keep().display());
+                            let kept = failed.keep();
+                            for (id, report) in threads {
+                                let path = kept.join(format!("tetherd-{id}.threads"));
+                                if let Err(err) = std::fs::write(&path, report) {
+                                    println!("  tetherd {id}'s threads not kept: {err}");
+                                }
+                            }
+                            println!(
+                                "  data, logs and each replica's threads (tetherd-N.threads) kept in {}",
+                                kept.display()
+                            );
                         }
                         summary.schedules += 1;
                         *summary.violations.entry("process").or_default() += 1;
