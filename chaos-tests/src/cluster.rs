@@ -325,6 +325,45 @@ impl ProcessCluster {
         out
     }
 
+    /// The part of a [`Self::thread_report`] worth printing where only the
+    /// output survives (CI): the count of threads per state, every thread
+    /// stuck in the kernel (`D`) with its kernel stack, and the first frames
+    /// of each backtrace that runs through Tether's own code.
+    pub fn thread_digest(report: &str) -> String {
+        let mut states: BTreeMap<String, usize> = BTreeMap::new();
+        let mut out = String::new();
+        let mut in_stuck = false;
+        for line in report.lines() {
+            if line.starts_with("thread ") {
+                let state = line
+                    .split_once(" state ")
+                    .map_or("?", |(_, rest)| rest.split(' ').next().unwrap_or("?"));
+                *states.entry(state.to_string()).or_default() += 1;
+                in_stuck = state == "D";
+                if in_stuck {
+                    out.push_str(line);
+                    out.push('\n');
+                }
+            } else if in_stuck && line.starts_with('[') {
+                out.push_str(line);
+                out.push('\n');
+            } else {
+                in_stuck = false;
+            }
+        }
+        for block in report.split("\nThread ").skip(1) {
+            if block.contains("tether_") {
+                out.push_str("Thread ");
+                for line in block.lines().take(16) {
+                    out.push_str(line);
+                    out.push('\n');
+                }
+            }
+        }
+        let counts: Vec<String> = states.iter().map(|(s, n)| format!("{n} {s}")).collect();
+        format!("threads by state: {}\n{out}", counts.join(", "))
+    }
+
     /// Keeps the data and logs after the cluster is dropped; returns where.
     pub fn keep(&mut self) -> PathBuf {
         let dir = std::mem::replace(&mut self.dir, tempfile::tempdir().expect("a temp dir"));
@@ -877,5 +916,41 @@ impl Drop for ProcessCluster {
             self.resume(id);
             self.kill(id);
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::ProcessCluster;
+
+    #[test]
+    fn a_thread_digest_names_stuck_threads_and_tethers_frames_only() {
+        let report = "tetherd 2: pid 7\n\
+            thread 7 \"tetherd\" state S wchan futex_do_wait\n\
+            [<0>] futex_wait_queue+0x60/0x90\n\
+            thread 9 \"rocksdb:low\" state D wchan fuse_request_end\n\
+            [<0>] request_wait_answer+0x1d/0x40\n\
+            [<0>] fuse_simple_request+0x5c/0x90\n\
+            \n\
+            Thread 2 (Thread 0x1 (LWP 9) \"rocksdb:low\"):\n\
+            #0  syscall ()\n\
+            #1  rocksdb::port::CondVar::Wait ()\n\
+            \n\
+            Thread 1 (Thread 0x2 (LWP 7) \"tetherd\"):\n\
+            #0  futex_wait ()\n\
+            #1  tether_server::store::state_machine::StateHandle::read ()\n";
+        let digest = ProcessCluster::thread_digest(report);
+        assert!(
+            digest.starts_with("threads by state: 1 D, 1 S\n"),
+            "{digest}"
+        );
+        assert!(
+            digest.contains("state D wchan fuse_request_end"),
+            "{digest}"
+        );
+        assert!(digest.contains("fuse_simple_request"), "{digest}");
+        assert!(!digest.contains("futex_wait_queue"), "{digest}");
+        assert!(digest.contains("StateHandle::read"), "{digest}");
+        assert!(!digest.contains("rocksdb::port::CondVar"), "{digest}");
     }
 }

@@ -374,6 +374,12 @@ pub async fn run_many(options: DriverOptions) -> anyhow::Result<Summary> {
                             for id in failed.running() {
                                 println!("  tetherd {id} log tail:\n{}", failed.log_tail(id, 15));
                             }
+                            for (id, report) in &threads {
+                                println!(
+                                    "  tetherd {id} {}",
+                                    ProcessCluster::thread_digest(report)
+                                );
+                            }
                             let kept = failed.keep();
                             for (id, report) in threads {
                                 let path = kept.join(format!("tetherd-{id}.threads"));
