@@ -457,7 +457,17 @@ impl Fleet {
                         (&pod.metadata.namespace, &pod.metadata.name)
                     {
                         let mut records = self.records.lock().unwrap_or_else(|p| p.into_inner());
-                        records.entry(pod_key(namespace, name)).or_default().deleted = true;
+                        let record = records.entry(pod_key(namespace, name)).or_default();
+                        record.deleted = true;
+                        if record.bound.is_some() && !record.deleting {
+                            // No grace period: a forced deletion, or the API
+                            // server's graceful-deletion check read the pod
+                            // before its binding and chose none (a pod not
+                            // scheduled is deleted at once), while the
+                            // deletion itself then removed the bound pod. A
+                            // kubelet may be admitting it right now.
+                            tracing::debug!(pod = name, "a bound pod deleted with no grace period");
+                        }
                     }
                     let node = pod.spec.as_ref().and_then(|s| s.node_name.clone());
                     if let (Some(node), Some(uid)) =

@@ -167,8 +167,14 @@ pub struct Report {
     pub double_allocations: Vec<String>,
     /// Devices the plugins gave the run's pods, all together.
     pub devices_given: usize,
-    /// Pods whose admission failed, with why.
+    /// Pods whose admission failed, with why: pods still there, each a
+    /// pod a user would see fail.
     pub failed: Vec<(String, String)>,
+    /// Pods deleted while the kubelet admitted them whose admission failed,
+    /// with why. Nobody waits for these: the kubelet fails the admission
+    /// of a pod whose object is gone, and the pod's hold and claim end with
+    /// it (see the bench README's churn section).
+    pub failed_deleted: Vec<(String, String)>,
     /// CPU seconds each kind of process used during the run (the replicas
     /// together), in the order of [`World::process_pids`].
     pub cpu_by_process: Vec<(&'static str, f64)>,
@@ -307,6 +313,15 @@ impl Report {
         out += &format!("  failed admissions    {}\n", self.failed.len());
         for (pod, why) in self.failed.iter().take(5) {
             out += &format!("    {pod}: {why}\n");
+        }
+        if !self.failed_deleted.is_empty() {
+            out += &format!(
+                "  of pods deleted while admitted {} (their objects gone: nobody waits for them)\n",
+                self.failed_deleted.len()
+            );
+            for (pod, why) in self.failed_deleted.iter().take(5) {
+                out += &format!("    {pod}: {why}\n");
+            }
         }
         out
     }
@@ -668,6 +683,7 @@ pub async fn run(world: &World, system: System, options: &RunOptions) -> anyhow:
     let mut create_to_bound = Samples::default();
     let mut bound_to_allocated = Samples::default();
     let mut failed = Vec::new();
+    let mut failed_deleted = Vec::new();
     for (name, created) in &created_at {
         let Some(record) = records.get(&key(name)) else {
             continue;
@@ -679,7 +695,12 @@ pub async fn run(world: &World, system: System, options: &RunOptions) -> anyhow:
             bound_to_allocated.push(allocated.saturating_duration_since(bound));
         }
         if let Some(why) = &record.failed {
-            failed.push((name.clone(), why.clone()));
+            let list = if record.deleted {
+                &mut failed_deleted
+            } else {
+                &mut failed
+            };
+            list.push((name.clone(), why.clone()));
         }
     }
     let churn_summary = churned.map(|(_, count)| ChurnSummary {
@@ -724,6 +745,7 @@ pub async fn run(world: &World, system: System, options: &RunOptions) -> anyhow:
             .map(|r| r.devices.len())
             .sum(),
         failed,
+        failed_deleted,
         bound_over_time,
     };
     world.clear(&namespace).await?;
