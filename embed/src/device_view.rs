@@ -28,6 +28,16 @@
 //! event names would stay unseen (none is known: every write to these pins
 //! emits one of the events above).
 //!
+//! A pod's object deleted from the API server counts its claims stopped
+//! at once ([`DeviceView::pod_deleted`], fed by the extender's own pod
+//! watch): kube-scheduler frees the pod's devices in its cache from that
+//! delete event and asks the filter about a waiting pod right away, before
+//! the bridge's report has reached Tether and ended the claims. Read from
+//! Tether alone, the copy lagged the scheduler by a commit and a re-read,
+//! and the filter refused pods the scheduler saw fit (issue 52's churn:
+//! the first new pod was refused 17 times in 620 ms). The bind still waits
+//! for the claims' end in Tether before it claims the devices.
+//!
 //! Each node's live claims and healthy published devices are worked out
 //! when its pins change, not at each filter call, and a filter call reads
 //! them under the copy's lock ([`DeviceView::read`]), copying nothing.
@@ -100,11 +110,20 @@ pub struct Pins {
     node_of: BTreeMap<(String, String), String>,
     /// Pod uid -> nodes where it has device claims.
     claims_of_pod: BTreeMap<String, BTreeSet<String>>,
+    /// Pods whose objects the API server removed, seen by the extender's
+    /// own pod watch, while the copy still has claims of theirs: counted
+    /// stopped, as kube-scheduler counts their devices free from the same
+    /// delete event, before the bridge's report has reached Tether.
+    deleted: BTreeSet<String>,
 }
 
 impl Pins {
-    /// The pins of a full list of the two sets.
-    pub fn from_list(pins: impl IntoIterator<Item = (String, String, pb::Pin)>) -> Pins {
+    /// The pins of a full list of the two sets, with the pods of `deleted`
+    /// that still have claims there counted stopped.
+    pub fn from_list(
+        pins: impl IntoIterator<Item = (String, String, pb::Pin)>,
+        deleted: BTreeSet<String>,
+    ) -> Pins {
         let mut grouped: BTreeMap<NodeSet, Vec<(String, pb::Pin)>> = BTreeMap::new();
         for (set, member, pin) in pins {
             grouped
@@ -113,10 +132,58 @@ impl Pins {
                 .push((member, pin));
         }
         let mut out = Pins::default();
+        let claimed: BTreeSet<&String> = grouped
+            .iter()
+            .filter(|((set, _), _)| set == DEVICE_SET)
+            .flat_map(|(_, pins)| pins.iter().map(|(_, pin)| &pin.pod_uid))
+            .collect();
+        out.deleted = deleted
+            .into_iter()
+            .filter(|uid| claimed.contains(uid))
+            .collect();
         for (node_set, pins) in grouped {
             out.put(&node_set, pins);
         }
         out
+    }
+
+    /// The pods the copy counts deleted (see [`Pins::pod_deleted`]).
+    pub fn deleted(&self) -> &BTreeSet<String> {
+        &self.deleted
+    }
+
+    /// Whether the pod of `uid` was seen deleted while it had claims here.
+    pub fn is_deleted(&self, uid: &str) -> bool {
+        self.deleted.contains(uid)
+    }
+
+    /// The pod of `uid` is gone from the API server: its claims count
+    /// stopped from now on, until they end. Returns whether a device
+    /// became free for the filter (false for a pod with no claims here,
+    /// which is not remembered).
+    pub fn pod_deleted(&mut self, uid: &str) -> bool {
+        let Some(nodes) = self.claims_of_pod.get(uid).cloned() else {
+            return false;
+        };
+        if !self.deleted.insert(uid.to_string()) {
+            return false;
+        }
+        let mut freed = false;
+        for node in nodes {
+            let before = self
+                .summary
+                .get(&node)
+                .map(|s| s.live.len())
+                .unwrap_or_default();
+            self.summarize(&(DEVICE_SET.to_string(), node.clone()));
+            let after = self
+                .summary
+                .get(&node)
+                .map(|s| s.live.len())
+                .unwrap_or_default();
+            freed |= after < before;
+        }
+        freed
     }
 
     /// Puts `pins` (member, pin) in place of what the copy had of
@@ -139,6 +206,7 @@ impl Pins {
 
     fn put(&mut self, node_set: &NodeSet, pins: Vec<(String, pb::Pin)>) {
         let (set, node) = node_set;
+        let mut unclaimed = Vec::new();
         for (member, old) in self.by_node.remove(node_set).unwrap_or_default() {
             self.node_of.remove(&(set.clone(), member));
             if set == DEVICE_SET
@@ -147,12 +215,9 @@ impl Pins {
                 nodes.remove(node);
                 if nodes.is_empty() {
                     self.claims_of_pod.remove(&old.pod_uid);
+                    unclaimed.push(old.pod_uid);
                 }
             }
-        }
-        if pins.is_empty() {
-            self.summarize(node_set);
-            return;
         }
         let mut members = BTreeMap::new();
         for (member, pin) in pins {
@@ -166,7 +231,16 @@ impl Pins {
             }
             members.insert(member, pin);
         }
-        self.by_node.insert(node_set.clone(), members);
+        // A deleted pod whose claims all ended is forgotten: nothing is left
+        // to count stopped.
+        for uid in unclaimed {
+            if !self.claims_of_pod.contains_key(&uid) {
+                self.deleted.remove(&uid);
+            }
+        }
+        if !members.is_empty() {
+            self.by_node.insert(node_set.clone(), members);
+        }
         self.summarize(node_set);
     }
 
@@ -178,10 +252,11 @@ impl Pins {
             .get(node_set)
             .into_iter()
             .flat_map(|m| m.values());
+        let deleted = &self.deleted;
         let summary = self.summary.entry(node.clone()).or_default();
         if set == DEVICE_SET {
             summary.live = BTreeMap::new();
-            for pin in pins.filter(|pin| !owner_stopped(pin)) {
+            for pin in pins.filter(|pin| !owner_stopped(pin) && !deleted.contains(&pin.pod_uid)) {
                 for device in devices_of(pin) {
                     summary.live.insert(device, pin.pod_uid.clone());
                 }
@@ -362,6 +437,24 @@ impl DeviceView {
         self.freed.notified().await;
     }
 
+    /// The pod of `uid` is gone from the API server (the extender's pod
+    /// watch saw its delete event): its claims count stopped in the copy
+    /// until they end (see [`Pins::pod_deleted`]), and the pods refused for
+    /// want of its devices are asked about again. Kept across a relist of
+    /// the copy; a copy not yet listed has no claims to mark.
+    pub fn pod_deleted(&self, uid: &str) {
+        let freed = self.lock().pins.pod_deleted(uid);
+        if freed {
+            self.freed.notify_one();
+        }
+    }
+
+    /// Whether the copy counts the pod of `uid` deleted (its claims, which
+    /// Tether still has, end once the bridge's report is in).
+    pub fn is_deleted(&self, uid: &str) -> bool {
+        self.lock().pins.is_deleted(uid)
+    }
+
     /// `read` of the copy as it is now, if it is whole (listed and
     /// followed since); None if it is not.
     pub fn read<R>(&self, read: impl FnOnce(&Pins) -> R) -> Option<R> {
@@ -405,12 +498,17 @@ impl DeviceView {
                 listed.push((set.to_string(), pin));
             }
         }
-        let pins = Pins::from_list(
-            listed
-                .into_iter()
-                .filter_map(|(set, pin)| Some((set, pin.key.clone()?.member, pin))),
-        );
-        *self.lock() = Copy { pins, synced: true };
+        {
+            let mut copy = self.lock();
+            let deleted = std::mem::take(&mut copy.pins.deleted);
+            let pins = Pins::from_list(
+                listed
+                    .into_iter()
+                    .filter_map(|(set, pin)| Some((set, pin.key.clone()?.member, pin))),
+                deleted,
+            );
+            *copy = Copy { pins, synced: true };
+        }
         self.freed.notify_one();
         let until = Instant::now() + RESYNC;
         loop {
@@ -518,10 +616,13 @@ mod tests {
     }
 
     fn listed(pins: Vec<pb::Pin>) -> Pins {
-        Pins::from_list(pins.into_iter().map(|pin| {
-            let key = pin.key.clone().unwrap();
-            (key.set, key.member, pin)
-        }))
+        Pins::from_list(
+            pins.into_iter().map(|pin| {
+                let key = pin.key.clone().unwrap();
+                (key.set, key.member, pin)
+            }),
+            BTreeSet::new(),
+        )
     }
 
     fn event(kind: &str, key: &str, node: &str) -> pb::Event {
@@ -661,6 +762,47 @@ mod tests {
             touched(&event("PinAssigned", "pin/slurm/w1", "n1"), &pins, &none()),
             nodes(&[])
         );
+    }
+
+    #[test]
+    fn a_deleted_pods_claims_count_stopped_until_they_end_and_a_relist_keeps_that() {
+        let n1 = (DEVICE_SET.to_string(), "n1".to_string());
+        let a = claim("n1", "a", &["gpu0"], pb::OwnerState::OwnerRunning);
+        let b = claim("n1", "b", &["gpu1"], pb::OwnerState::OwnerRunning);
+        let mut pins = listed(vec![a.clone(), b.clone()]);
+        // A pod with no claim here is not remembered.
+        assert!(!pins.pod_deleted("z"));
+        assert!(!pins.is_deleted("z"));
+        // b's object is gone: its device is free for the filter at once.
+        assert!(pins.pod_deleted("b"));
+        assert!(pins.is_deleted("b"));
+        assert_eq!(
+            pins.live_claims("n1"),
+            BTreeMap::from([("gpu0".into(), "a".into())])
+        );
+        // Seen twice, it frees nothing more.
+        assert!(!pins.pod_deleted("b"));
+        // A re-read of the node that still has b's claim keeps it stopped.
+        pins.replace(&n1, vec![("a".into(), a.clone()), ("b".into(), b.clone())]);
+        assert!(pins.is_deleted("b"));
+        assert!(!pins.live_claims("n1").contains_key("gpu1"));
+        // So does a relist, while the claim is there...
+        let relisted = Pins::from_list(
+            [a.clone(), b]
+                .into_iter()
+                .map(|pin| (DEVICE_SET.to_string(), pin.pod_uid.clone(), pin)),
+            pins.deleted().clone(),
+        );
+        assert!(relisted.is_deleted("b"));
+        assert!(!relisted.live_claims("n1").contains_key("gpu1"));
+        // ...but once the claim has ended the pod is forgotten.
+        pins.replace(&n1, vec![("a".into(), a.clone())]);
+        assert!(!pins.is_deleted("b"));
+        let relisted = Pins::from_list(
+            [(DEVICE_SET.to_string(), "a".to_string(), a)],
+            BTreeSet::from(["b".to_string()]),
+        );
+        assert!(relisted.deleted().is_empty());
     }
 
     #[test]

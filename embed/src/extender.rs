@@ -312,6 +312,16 @@ pub trait Binder: Send + Sync + 'static {
         uid: &str,
         value: &str,
     ) -> impl Future<Output = Result<Nudged, String>> + Send;
+    /// Calls `deleted` with the UID of each pod the API server removes,
+    /// until dropped, as kube-scheduler's informer sees them (see
+    /// [`DeviceView::pod_deleted`]). The default sees none.
+    fn follow_deletions(
+        &self,
+        deleted: Arc<dyn Fn(&str) + Send + Sync>,
+    ) -> impl Future<Output = ()> + Send {
+        let _ = deleted;
+        std::future::pending()
+    }
 }
 
 /// Binds through the Kubernetes API with kube-rs.
@@ -403,6 +413,31 @@ impl Binder for KubeBinder {
                 Ok(Nudged::Gone)
             }
             Err(e) => Err(format!("cannot annotate pod {namespace}/{name}: {e}")),
+        }
+    }
+
+    async fn follow_deletions(&self, deleted: Arc<dyn Fn(&str) + Send + Sync>) {
+        use futures::TryStreamExt as _;
+        use kube::runtime::WatchStreamExt as _;
+        use kube::runtime::watcher;
+        let pods: kube::Api<KubePod> = kube::Api::all(self.client.clone());
+        // Only delete events are wanted; the watcher keeps no copy of the
+        // pods, so this costs a stream, not a cache.
+        let events = watcher(pods, watcher::Config::default()).default_backoff();
+        futures::pin_mut!(events);
+        loop {
+            match events.try_next().await {
+                Ok(Some(watcher::Event::Delete(pod))) => {
+                    if let Some(uid) = pod.metadata.uid.as_deref() {
+                        deleted(uid);
+                    }
+                }
+                Ok(Some(_)) => {}
+                Ok(None) => return,
+                Err(err) => {
+                    tracing::warn!(%err, "the extender's pod watch failed; it backs off and resumes (until then the filter learns of deleted pods from Tether)");
+                }
+            }
         }
     }
 }
@@ -773,10 +808,14 @@ impl<B: Binder> Extender<B> {
             } else {
                 match pick_free_near(&node_devices, &numa_of, &taken, count) {
                     Ok(devices) => devices,
-                    // The filter counted the claims of stopped pods free:
-                    // they end at the next sweep; wait for that.
+                    // The filter counted the claims of stopped pods free
+                    // (Tether's word, or the pod watch's delete event ahead
+                    // of the bridge's report): they end at the next sweep;
+                    // wait for that.
                     Err(_)
-                        if in_use.values().any(|by| by.owner_stopped)
+                        if in_use
+                            .values()
+                            .any(|by| by.owner_stopped || self.view.is_deleted(&by.pod_uid))
                             && Instant::now() < stopped_wait_until =>
                     {
                         tokio::time::sleep(STOPPED_CLAIM_POLL).await;
@@ -1329,6 +1368,14 @@ pub async fn serve_extender<B: Binder>(
     // Stopped with the server, also when this future is dropped.
     let _requeuer = AbortOnDrop(tokio::spawn(requeue_refused(extender.clone())));
     let _view = AbortOnDrop(tokio::spawn(extender.view.clone().follow()));
+    let view = extender.view.clone();
+    let deletions = extender.clone();
+    let _deletions = AbortOnDrop(tokio::spawn(async move {
+        deletions
+            .binder
+            .follow_deletions(Arc::new(move |uid: &str| view.pod_deleted(uid)))
+            .await
+    }));
     tether_http::serve(listener, router(extender), shutdown).await;
 }
 
