@@ -419,11 +419,11 @@ impl Binder for KubeBinder {
     async fn follow_deletions(&self, deleted: Arc<dyn Fn(&str) + Send + Sync>) {
         use futures::TryStreamExt as _;
         use kube::runtime::WatchStreamExt as _;
-        use kube::runtime::watcher;
+        use kube::runtime::{metadata_watcher, watcher};
         let pods: kube::Api<KubePod> = kube::Api::all(self.client.clone());
-        // Only delete events are wanted; the watcher keeps no copy of the
-        // pods, so this costs a stream, not a cache.
-        let events = watcher(pods, watcher::Config::default()).default_backoff();
+        // Only delete events are wanted, and of them only the UID: a watch
+        // of the pods' metadata, with no copy of the pods kept.
+        let events = metadata_watcher(pods, watcher::Config::default()).default_backoff();
         futures::pin_mut!(events);
         loop {
             match events.try_next().await {
