@@ -419,11 +419,13 @@ impl Binder for KubeBinder {
     async fn follow_deletions(&self, deleted: Arc<dyn Fn(&str) + Send + Sync>) {
         use futures::TryStreamExt as _;
         use kube::runtime::WatchStreamExt as _;
-        use kube::runtime::{metadata_watcher, watcher};
-        let pods: kube::Api<KubePod> = kube::Api::all(self.client.clone());
+        use kube::runtime::watcher;
         // Only delete events are wanted, and of them only the UID: a watch
-        // of the pods' metadata, with no copy of the pods kept.
-        let events = metadata_watcher(pods, watcher::Config::default()).default_backoff();
+        // of the pods' metadata (an Api of `PartialObjectMeta` asks for
+        // metadata only), with no copy of the pods kept.
+        let pods: kube::Api<kube::core::PartialObjectMeta<KubePod>> =
+            kube::Api::all(self.client.clone());
+        let events = watcher(pods, watcher::Config::default()).default_backoff();
         futures::pin_mut!(events);
         loop {
             match events.try_next().await {
