@@ -439,8 +439,9 @@ impl Bridge {
     /// the order they came, different pods' side by side, so that a burst
     /// of reports shares Raft entries (the replicas batch concurrent
     /// writes) instead of waiting a commit each. Sent one at a time, the
-    /// 3,200 reports of 1,600 pods starting took the bridge seconds, and a
-    /// deletion's report behind them waited as long (issue 52's churn).
+    /// Starting and Running reports of 1,600 pods starting queued a later
+    /// deletion's report behind them (issue 52's churn: the new pods' p99
+    /// create→bound went from 123–873 ms to about 40 ms in most runs).
     async fn send_by_pod(&self, commands: Vec<Command>, seen_at: Instant) {
         let lanes = lanes_by_pod(commands);
         futures::stream::iter(lanes)
