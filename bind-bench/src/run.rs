@@ -156,6 +156,9 @@ pub struct Report {
     pub create_to_bound: Samples,
     /// Per pod: seen bound → its node's `Allocate` returned.
     pub bound_to_allocated: Samples,
+    /// The pods slowest from create to bound, slowest first, with their
+    /// times: the names to look up in kube-scheduler's log for a tail.
+    pub slowest_to_bind: Vec<(String, Duration)>,
     /// The API server's requests (all clients) during the run, from its
     /// `apiserver_request_total`.
     pub api_requests: f64,
@@ -189,6 +192,9 @@ pub struct Report {
     /// (seconds since the first create, pods bound so far).
     pub bound_over_time: Vec<(f64, usize)>,
 }
+
+/// How many of the slowest pods a report names.
+const SLOWEST_SHOWN: usize = 5;
 
 /// What the churn workload did after its fill.
 #[derive(Debug, Clone, Copy)]
@@ -262,6 +268,14 @@ impl Report {
             "  bound -> Allocate    {}\n",
             quantiles(&self.bound_to_allocated)
         );
+        if !self.slowest_to_bind.is_empty() {
+            let slowest: Vec<String> = self
+                .slowest_to_bind
+                .iter()
+                .map(|(pod, took)| format!("{pod} {}", ms(*took)))
+                .collect();
+            out += &format!("  slowest to bind      {} ms\n", slowest.join(", "));
+        }
         out += &format!(
             "  API server requests  {:.0} ({:.1} per pod)\n",
             self.api_requests,
@@ -684,12 +698,15 @@ pub async fn run(world: &World, system: System, options: &RunOptions) -> anyhow:
     let mut bound_to_allocated = Samples::default();
     let mut failed = Vec::new();
     let mut failed_deleted = Vec::new();
+    let mut slowest_to_bind = Vec::new();
     for (name, created) in &created_at {
         let Some(record) = records.get(&key(name)) else {
             continue;
         };
         if let Some(bound) = record.bound {
-            create_to_bound.push(bound.saturating_duration_since(*created));
+            let took = bound.saturating_duration_since(*created);
+            create_to_bound.push(took);
+            slowest_to_bind.push((name.clone(), took));
         }
         if let (Some(bound), Some(allocated)) = (record.bound, record.allocated) {
             bound_to_allocated.push(allocated.saturating_duration_since(bound));
@@ -728,6 +745,11 @@ pub async fn run(world: &World, system: System, options: &RunOptions) -> anyhow:
         all_allocated,
         create_to_bound,
         bound_to_allocated,
+        slowest_to_bind: {
+            slowest_to_bind.sort_by(|a, b| b.1.cmp(&a.1).then_with(|| a.0.cmp(&b.0)));
+            slowest_to_bind.truncate(SLOWEST_SHOWN);
+            slowest_to_bind
+        },
         api_requests: requests_after - requests_before,
         replica_cpu_seconds: cpu_after - cpu_before,
         cpu_by_process,
