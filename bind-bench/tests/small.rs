@@ -15,6 +15,48 @@ use tether_bind_bench::world::{World, WorldOptions};
 use tether_chaos::cluster::sibling_binary;
 use tether_kube_testenv::ControlPlane;
 
+/// The small world's size: 10 nodes x 4 GPUs.
+const NODES: usize = 10;
+const GPUS: usize = 4;
+
+/// What each run of these tests asks for: `workload` on the small world,
+/// 20 pods replaced by the churn.
+fn options(workload: Workload) -> RunOptions {
+    RunOptions {
+        workload,
+        nodes: NODES,
+        gpus: GPUS,
+        deadline: Duration::from_secs(300),
+        churn: Churn {
+            pods: Some(20),
+            ..Churn::default()
+        },
+    }
+}
+
+/// The world on `plane`, with the tetherd built beside the tests.
+/// RUST_LOG=tether_embed=info,tether_k8s_bridge=info shows each bind and
+/// report; warnings only otherwise.
+async fn small_world(plane: ControlPlane) -> World {
+    let _ = tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env()
+                .unwrap_or_else(|_| "warn,kube_client::client::builder=off".into()),
+        )
+        .with_test_writer()
+        .try_init();
+    World::start(
+        plane,
+        &WorldOptions {
+            tetherd: sibling_binary("tetherd"),
+            nodes: NODES,
+            gpus: GPUS,
+        },
+    )
+    .await
+    .expect("the world starts")
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_small_burst_binds_every_pod_with_no_device_given_twice() {
     let Some(plane) =
@@ -23,27 +65,8 @@ async fn a_small_burst_binds_every_pod_with_no_device_given_twice() {
     else {
         return;
     };
-    let (nodes, gpus) = (10, 4);
-    let options = |workload| RunOptions {
-        workload,
-        nodes,
-        gpus,
-        deadline: Duration::from_secs(300),
-        churn: Churn {
-            pods: Some(20),
-            ..Churn::default()
-        },
-    };
-    let mut world = World::start(
-        plane,
-        &WorldOptions {
-            tetherd: sibling_binary("tetherd"),
-            nodes,
-            gpus,
-        },
-    )
-    .await
-    .expect("the world starts");
+    let (nodes, gpus) = (NODES, GPUS);
+    let mut world = small_world(plane).await;
     let mut reports = Vec::new();
     for system in [
         System::Tether,
@@ -123,46 +146,18 @@ async fn a_small_burst_binds_every_pod_with_no_device_given_twice() {
 /// nobody waits for the pod. Every pod still there must get its devices.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn churn_binds_every_new_pod_once_a_deleted_pods_gpu_is_free() {
-    // RUST_LOG=tether_embed=info,tether_k8s_bridge=info shows each bind and
-    // report; warnings only otherwise.
-    let _ = tracing_subscriber::fmt()
-        .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_default_env()
-                .unwrap_or_else(|_| "warn,kube_client::client::builder=off".into()),
-        )
-        .with_test_writer()
-        .try_init();
     let Some(plane) =
         ControlPlane::start_or_skip("churn_binds_every_new_pod_once_a_deleted_pods_gpu_is_free")
             .await
     else {
         return;
     };
-    let (nodes, gpus) = (10, 4);
-    let mut world = World::start(
-        plane,
-        &WorldOptions {
-            tetherd: sibling_binary("tetherd"),
-            nodes,
-            gpus,
-        },
-    )
-    .await
-    .expect("the world starts");
+    let (nodes, gpus) = (NODES, GPUS);
+    let mut world = small_world(plane).await;
     world
         .use_system(System::Tether)
         .await
         .expect("the system in use");
-    let options = |workload| RunOptions {
-        workload,
-        nodes,
-        gpus,
-        deadline: Duration::from_secs(300),
-        churn: Churn {
-            pods: Some(20),
-            ..Churn::default()
-        },
-    };
     let churn = run::run(&world, System::Tether, &options(Workload::Churn))
         .await
         .expect("the churn runs");

@@ -441,7 +441,7 @@ impl Bridge {
     /// writes) instead of waiting a commit each. Sent one at a time, the
     /// Starting and Running reports of 1,600 pods starting queued a later
     /// deletion's report behind them (issue 52's churn: the new pods' p99
-    /// create→bound went from 123–873 ms to about 40 ms in most runs).
+    /// create→bound went from 123–873 ms to about 40 ms in two of three runs).
     async fn send_by_pod(&self, commands: Vec<Command>, seen_at: Instant) {
         let lanes = lanes_by_pod(commands);
         futures::stream::iter(lanes)
