@@ -22,7 +22,12 @@
 //! - in each process, one node's sets and releases go one at a time (its
 //!   `nodeLockManager`);
 //! - the bind (its scheduler's `Bind`, `pkg/scheduler/scheduler.go`) reads
-//!   the pod and the node, locks the node, patches the pod
+//!   the pod and the node, locks the node once for each device kind the
+//!   pod asks for (`lockAllDevices` calls each vendor backend's `LockNode`,
+//!   and the backends share the one annotation, so a pod asking for two
+//!   kinds is refused by its own first lock: HAMi-core #246, HAMi #2243,
+//!   mended by HAMi #2255, merged 2026-08, which this comparator, read
+//!   from the code before it, does not have), patches the pod
 //!   (`hami.io/bind-phase=allocating`, the bind time in Unix seconds),
 //!   then calls `pods/binding`; on a failed lock or binding it releases the
 //!   lock and answers the error;
@@ -61,7 +66,7 @@ use tether_embed::extender::{
     ExtenderArgs, ExtenderBindingArgs, ExtenderBindingResult, ExtenderFilterResult,
 };
 
-use crate::world::{RESOURCE, pod_selector};
+use crate::world::{RESOURCE, SECOND_RESOURCE, pod_selector};
 
 /// The node annotation that is the lock.
 pub const LOCK_ANNOTATION: &str = "hami.io/mutex.lock";
@@ -589,19 +594,39 @@ impl AnnotationExtender {
         // HAMi's `Bind` reads the pod and the node before it locks.
         self.limiter.wait().await;
         let pods: Api<Pod> = Api::namespaced(self.client.clone(), namespace);
-        if let Err(e) = pods.get(name).await {
-            return ExtenderBindingResult {
-                error: api_error("reading the pod", e),
-            };
-        }
+        let pod = match pods.get(name).await {
+            Ok(pod) => pod,
+            Err(e) => {
+                return ExtenderBindingResult {
+                    error: api_error("reading the pod", e),
+                };
+            }
+        };
+        // One `LockNode` per device kind (vendor backend) the pod asks for,
+        // as `lockAllDevices` makes them: every backend's is this one
+        // annotation.
+        let kinds = [RESOURCE, SECOND_RESOURCE]
+            .into_iter()
+            .filter(|resource| {
+                tether_embed::kubelet::demands(&pod, resource).is_ok_and(|d| !d.is_empty())
+            })
+            .count()
+            .max(1);
         self.limiter.wait().await;
         if let Err(e) = Api::<Node>::all(self.client.clone()).get(node).await {
             return ExtenderBindingResult {
                 error: api_error("reading the node", e),
             };
         }
-        if let Err(e) = self.lock.lock(node, namespace, name).await {
-            return ExtenderBindingResult { error: e };
+        for taken in 0..kinds {
+            if let Err(e) = self.lock.lock(node, namespace, name).await {
+                if taken > 0 {
+                    // HAMi-core #246: the pod's own first lock refused the
+                    // second; the bind fails and gives the lock back.
+                    let _ = self.lock.release(node, Some((namespace, name))).await;
+                }
+                return ExtenderBindingResult { error: e };
+            }
         }
         let bound = async {
             annotate_pod(

@@ -24,7 +24,8 @@ use tether_embed::v1beta1::device_plugin_server::DevicePlugin as _;
 use tokio::sync::mpsc;
 
 use crate::annotation::AnnotationPlugin;
-use crate::world::{RESOURCE, pod_selector};
+use crate::world::{RESOURCE, SECOND_PREFIX, SECOND_RESOURCE, pod_selector};
+use tether_embed::kind::DeviceKind;
 
 /// Which system's device plugin a node runs.
 #[derive(Clone)]
@@ -37,12 +38,13 @@ pub enum NodeMode {
     Annotation(Arc<AnnotationPlugin>),
 }
 
-/// One simulated node: its plugin, and its kubelet's books of devices.
+/// One simulated node: its plugins (one per device kind), and its
+/// kubelet's books of devices.
 pub struct SimNode {
     /// The node's name.
     pub name: String,
-    gpus: usize,
-    plugin: GpuPlugin,
+    /// Its device kinds: GPUs, then the second kind if it has any.
+    kinds: Vec<KindPlugin>,
     client: tether_client::Client,
     owner: String,
     /// The device plugin the node runs now.
@@ -50,6 +52,19 @@ pub struct SimNode {
     /// The device manager's books; held for a whole admission, as the
     /// kubelet admits one pod at a time.
     books: tokio::sync::Mutex<Books>,
+}
+
+/// One device kind of a node and Tether's plugin for it.
+struct KindPlugin {
+    /// The extended resource.
+    resource: &'static str,
+    /// How many devices.
+    count: usize,
+    /// Its device ids' prefix (the books hold every kind's ids).
+    prefix: String,
+    /// The pin set it publishes its devices in.
+    inventory_set: String,
+    plugin: GpuPlugin,
 }
 
 /// Free devices, and those given to each pod (by UID).
@@ -60,52 +75,84 @@ struct Books {
 }
 
 impl SimNode {
-    /// A node with `gpus` fake devices `gpu0..`, its plugin a client of
-    /// `endpoints` with `tether-device-plugin`'s defaults.
-    pub fn new(name: &str, gpus: usize, endpoints: &str) -> anyhow::Result<SimNode> {
-        let args = DevicePluginArgs::try_parse_from([
-            "tether-device-plugin",
-            "--node-name",
-            name,
-            "--endpoints",
-            endpoints,
-            "--devices",
-            &format!("fake:{gpus}"),
-        ])?;
-        let client = args.tether.client(Options {
-            retry_timeout: args.allocate_timeout,
-            ..Options::default()
-        })?;
+    /// A node with `gpus` fake devices `gpu0..` and `npus` of the second
+    /// kind `npu0..`, each kind's plugin a client of `endpoints` with
+    /// `tether-device-plugin`'s defaults (the second kind's with the scope
+    /// and sets the extender's `--also-kind` gives it).
+    pub fn new(name: &str, gpus: usize, npus: usize, endpoints: &str) -> anyhow::Result<SimNode> {
         let owner = standalone_owner(name);
-        let devices = DeviceSource::parse(
-            &args.devices,
-            args.host_root.clone(),
-            args.rescan,
-            &args.device_prefix,
-        )
-        .map_err(anyhow::Error::msg)?;
-        let plugin = GpuPlugin::new(
-            client.clone(),
-            PluginConfig {
-                node: name.to_string(),
-                scope: args.scope,
-                resource_name: args.resource_name,
-                devices,
-                pod_uid: owner.clone(),
-                allocate_deadline: args.allocate_timeout,
-            },
-        )?;
-        let free = plugin
-            .inventory()
-            .devices()
-            .into_iter()
-            .map(|d| d.id)
-            .collect();
+        let flags = |count: usize| {
+            vec![
+                "tether-device-plugin".to_string(),
+                "--node-name".into(),
+                name.into(),
+                "--endpoints".into(),
+                endpoints.into(),
+                "--devices".into(),
+                format!("fake:{count}"),
+            ]
+        };
+        let mut kinds = vec![(RESOURCE, gpus, flags(gpus))];
+        if npus > 0 {
+            let second = DeviceKind::named(SECOND_RESOURCE, SECOND_PREFIX);
+            let mut flags = flags(npus);
+            flags.extend([
+                "--resource-name".into(),
+                second.resource,
+                "--scope".into(),
+                second.scope,
+                "--claim-set".into(),
+                second.claim_set,
+                "--inventory-set".into(),
+                second.inventory_set,
+                "--device-prefix".into(),
+                second.device_prefix,
+            ]);
+            kinds.push((SECOND_RESOURCE, npus, flags));
+        }
+        let mut client = None;
+        let mut plugins = Vec::new();
+        let mut free = BTreeSet::new();
+        for (resource, count, flags) in kinds {
+            let args = DevicePluginArgs::try_parse_from(flags)?;
+            let kind_client = args.tether.client(Options {
+                retry_timeout: args.allocate_timeout,
+                ..Options::default()
+            })?;
+            let devices = DeviceSource::parse(
+                &args.devices,
+                args.host_root.clone(),
+                args.rescan,
+                &args.device_prefix,
+            )
+            .map_err(anyhow::Error::msg)?;
+            let plugin = GpuPlugin::new(
+                kind_client.clone(),
+                PluginConfig {
+                    node: name.to_string(),
+                    scope: args.scope,
+                    resource_name: args.resource_name,
+                    claim_set: args.claim_set,
+                    inventory_set: args.inventory_set.clone(),
+                    devices,
+                    pod_uid: owner.clone(),
+                    allocate_deadline: args.allocate_timeout,
+                },
+            )?;
+            free.extend(plugin.inventory().devices().into_iter().map(|d| d.id));
+            client.get_or_insert(kind_client);
+            plugins.push(KindPlugin {
+                resource,
+                count,
+                prefix: args.device_prefix,
+                inventory_set: args.inventory_set,
+                plugin,
+            });
+        }
         Ok(SimNode {
             name: name.to_string(),
-            gpus,
-            plugin,
-            client,
+            kinds: plugins,
+            client: client.expect("a node has GPUs"),
             owner,
             mode: Mutex::new(NodeMode::Tether),
             books: tokio::sync::Mutex::new(Books {
@@ -119,23 +166,27 @@ impl SimNode {
     /// its kubelet would: Ready, the GPUs allocatable, no `not-ready`
     /// taint left.
     pub async fn register(&self, admin: &kube::Client) -> anyhow::Result<()> {
-        publish(
-            &self.client,
-            &self.name,
-            &self.owner,
-            &self.plugin.inventory(),
-        )
-        .await
-        .with_context(|| format!("publishing {}'s devices", self.name))?;
+        for kind in &self.kinds {
+            publish(
+                &self.client,
+                &kind.inventory_set,
+                &self.name,
+                &self.owner,
+                &kind.plugin.inventory(),
+            )
+            .await
+            .with_context(|| format!("publishing {}'s {}", self.name, kind.resource))?;
+        }
         let nodes: Api<Node> = Api::all(admin.clone());
         let node: Node = serde_json::from_value(json!({"metadata": {
             "name": self.name,
             "labels": {"kubernetes.io/hostname": self.name},
         }}))?;
         nodes.create(&PostParams::default(), &node).await?;
-        let resources = json!({
-            "cpu": "64", "memory": "512Gi", "pods": "110", RESOURCE: self.gpus.to_string(),
-        });
+        let mut resources = json!({"cpu": "64", "memory": "512Gi", "pods": "110"});
+        for kind in &self.kinds {
+            resources[kind.resource] = kind.count.to_string().into();
+        }
         nodes
             .patch_status(
                 &self.name,
@@ -160,102 +211,79 @@ impl SimNode {
         Ok(())
     }
 
-    /// Admits `pod` as the device manager does: for each container asking
-    /// for GPUs, devices among the free ones (with Tether's plugin, its
-    /// preferred ones first), and `Allocate` with them. Returns the devices
-    /// the plugin gave the pod, or why admission failed.
+    /// Admits `pod` as the device manager does: kind by kind, for each
+    /// container asking for devices of the kind, devices among its free
+    /// ones (with Tether's plugin, its preferred ones first), and that
+    /// kind's plugin's `Allocate` with them. Returns the devices the
+    /// plugins gave the pod, or why admission failed.
     pub async fn admit(&self, pod: &Pod) -> Result<Vec<String>, String> {
         let uid = pod.metadata.uid.clone().unwrap_or_default();
-        let demands = tether_embed::kubelet::demands(pod, RESOURCE)?;
         let mode = self.mode.lock().unwrap_or_else(|p| p.into_inner()).clone();
         let mut books = self.books.lock().await;
         let mut picked_all = Vec::new();
         let mut given = Vec::new();
-        for demand in demands {
-            let size = demand.count as usize;
-            let available: Vec<String> = books.free.iter().cloned().collect();
-            let preferred = match mode {
-                NodeMode::Tether => self.preferred(&available, size).await,
-                NodeMode::NoLock | NodeMode::Annotation(_) => Vec::new(),
-            };
-            let mut picked: Vec<String> = preferred
-                .into_iter()
-                .filter(|id| books.free.contains(id))
-                .take(size)
-                .collect();
-            for id in &available {
-                if picked.len() >= size {
-                    break;
+        for (index, kind) in self.kinds.iter().enumerate() {
+            for demand in tether_embed::kubelet::demands(pod, kind.resource)? {
+                let size = demand.count as usize;
+                let available: Vec<String> = books
+                    .free
+                    .iter()
+                    .filter(|id| id.strip_prefix(&kind.prefix).is_some_and(is_number))
+                    .cloned()
+                    .collect();
+                let preferred = match mode {
+                    NodeMode::Tether => preferred(&kind.plugin, &available, size).await,
+                    NodeMode::NoLock | NodeMode::Annotation(_) => Vec::new(),
+                };
+                let mut picked: Vec<String> = preferred
+                    .into_iter()
+                    .filter(|id| available.contains(id))
+                    .take(size)
+                    .collect();
+                for id in &available {
+                    if picked.len() >= size {
+                        break;
+                    }
+                    if !picked.contains(id) {
+                        picked.push(id.clone());
+                    }
                 }
-                if !picked.contains(id) {
-                    picked.push(id.clone());
+                if picked.len() < size {
+                    return Err(format!(
+                        "container {} asks for {size} {}, {} free on {}",
+                        demand.name,
+                        kind.resource,
+                        picked.len(),
+                        self.name
+                    ));
                 }
+                match &mode {
+                    NodeMode::Tether => given.extend(allocate(&kind.plugin, &picked).await?),
+                    NodeMode::NoLock => given.extend(picked.iter().cloned()),
+                    // HAMi's plugin of the first kind: through the lock.
+                    // A second kind's plugin is not modelled: no pod asking
+                    // for two kinds gets past HAMi's bind (HAMi-core #246,
+                    // `crate::annotation`).
+                    NodeMode::Annotation(plugin) if index == 0 => {
+                        given.extend(plugin.allocate().await?)
+                    }
+                    NodeMode::Annotation(_) => given.extend(picked.iter().cloned()),
+                }
+                for id in &picked {
+                    books.free.remove(id);
+                }
+                picked_all.extend(picked);
             }
-            if picked.len() < size {
-                return Err(format!(
-                    "container {} asks for {size} devices, {} free on {}",
-                    demand.name,
-                    picked.len(),
-                    self.name
-                ));
-            }
-            match &mode {
-                NodeMode::Tether => given.extend(self.allocate(&picked).await?),
-                NodeMode::NoLock => given.extend(picked.iter().cloned()),
-                NodeMode::Annotation(plugin) => given.extend(plugin.allocate().await?),
-            }
-            for id in &picked {
-                books.free.remove(id);
-            }
-            picked_all.extend(picked);
         }
         books.given.insert(uid, picked_all);
         Ok(given)
     }
 
-    /// Tether's plugin's preferred `size` devices among `available`.
-    async fn preferred(&self, available: &[String], size: usize) -> Vec<String> {
-        self.plugin
-            .get_preferred_allocation(tonic::Request::new(api::PreferredAllocationRequest {
-                container_requests: vec![api::ContainerPreferredAllocationRequest {
-                    available_device_i_ds: available.to_vec(),
-                    must_include_device_i_ds: Vec::new(),
-                    allocation_size: size as i32,
-                }],
-            }))
-            .await
-            .map(|r| r.into_inner().container_responses)
-            .unwrap_or_default()
-            .into_iter()
-            .flat_map(|r| r.device_i_ds)
-            .collect()
-    }
-
-    /// Tether's plugin's `Allocate` of `picked`: the devices it gives (its
-    /// `TETHER_DEVICES`).
-    async fn allocate(&self, picked: &[String]) -> Result<Vec<String>, String> {
-        let answer = self
-            .plugin
-            .allocate(tonic::Request::new(api::AllocateRequest {
-                container_requests: vec![api::ContainerAllocateRequest {
-                    devices_ids: picked.to_vec(),
-                }],
-            }))
-            .await
-            .map_err(|status| format!("Allocate refused: {}", status.message()))?
-            .into_inner();
-        Ok(answer
-            .container_responses
-            .into_iter()
-            .filter_map(|r| r.envs.get("TETHER_DEVICES").cloned())
-            .flat_map(|d| d.split(',').map(str::to_string).collect::<Vec<_>>())
-            .collect())
-    }
-
     /// Whether every device is free (no pod holds one).
     async fn idle(&self) -> bool {
         let books = self.books.lock().await;
-        books.given.is_empty() && books.free.len() == self.gpus
+        let devices: usize = self.kinds.iter().map(|k| k.count).sum();
+        books.given.is_empty() && books.free.len() == devices
     }
 
     /// A pod of this node is gone: its devices are free again.
@@ -265,6 +293,49 @@ impl SimNode {
             books.free.extend(devices);
         }
     }
+}
+
+/// Whether `s` is a device number (what follows a kind's id prefix).
+fn is_number(s: &str) -> bool {
+    !s.is_empty() && s.bytes().all(|b| b.is_ascii_digit())
+}
+
+/// Tether's plugin's preferred `size` devices among `available`.
+async fn preferred(plugin: &GpuPlugin, available: &[String], size: usize) -> Vec<String> {
+    plugin
+        .get_preferred_allocation(tonic::Request::new(api::PreferredAllocationRequest {
+            container_requests: vec![api::ContainerPreferredAllocationRequest {
+                available_device_i_ds: available.to_vec(),
+                must_include_device_i_ds: Vec::new(),
+                allocation_size: size as i32,
+            }],
+        }))
+        .await
+        .map(|r| r.into_inner().container_responses)
+        .unwrap_or_default()
+        .into_iter()
+        .flat_map(|r| r.device_i_ds)
+        .collect()
+}
+
+/// Tether's plugin's `Allocate` of `picked`: the devices it gives (its
+/// `TETHER_DEVICES`).
+async fn allocate(plugin: &GpuPlugin, picked: &[String]) -> Result<Vec<String>, String> {
+    let answer = plugin
+        .allocate(tonic::Request::new(api::AllocateRequest {
+            container_requests: vec![api::ContainerAllocateRequest {
+                devices_ids: picked.to_vec(),
+            }],
+        }))
+        .await
+        .map_err(|status| format!("Allocate refused: {}", status.message()))?
+        .into_inner();
+    Ok(answer
+        .container_responses
+        .into_iter()
+        .filter_map(|r| r.envs.get("TETHER_DEVICES").cloned())
+        .flat_map(|d| d.split(',').map(str::to_string).collect::<Vec<_>>())
+        .collect())
 }
 
 /// What a kubelet does last for a pod deleted with a grace period, once

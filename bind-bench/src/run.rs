@@ -20,7 +20,7 @@ use tether_chaos::stats::{Samples, ms};
 
 use crate::node::{PodRecord, pod_key};
 use crate::system::System;
-use crate::world::{POD_LABEL, RESOURCE, SCHEDULER_NAME, World};
+use crate::world::{POD_LABEL, RESOURCE, SCHEDULER_NAME, SECOND_RESOURCE, World};
 
 /// Pod creations sent at once (the admin's client has no rate limit; a
 /// burst is created as fast as the API server takes it).
@@ -42,6 +42,13 @@ pub enum Workload {
     /// ([`Churn`] sets the pace). Pods still waiting or binding are picked
     /// too: deleted at any moment, as pods are.
     Churn,
+    /// HAMi-core #246's case: every node has as many devices of a second
+    /// kind (`tether.io/npu`) as GPUs, and every pod asks for one of each,
+    /// in two containers (one GPU, one of the second kind), all at once.
+    /// Tether takes the node's lock of each kind, in one order; HAMi's
+    /// backends take its one node lock once per kind, and the second take
+    /// contends with the first.
+    TwoKinds,
 }
 
 /// The churn workload's pace.
@@ -89,6 +96,7 @@ impl Workload {
             Workload::Burst => "burst",
             Workload::Mixed => "mixed",
             Workload::Churn => "churn",
+            Workload::TwoKinds => "two-kinds",
         }
     }
 
@@ -96,7 +104,7 @@ impl Workload {
     /// workload's are its fill.)
     pub fn pods(self, nodes: usize, gpus: usize) -> Vec<(String, usize)> {
         let widths: Vec<usize> = match self {
-            Workload::Burst | Workload::Churn => vec![1; nodes * gpus],
+            Workload::Burst | Workload::Churn | Workload::TwoKinds => vec![1; nodes * gpus],
             Workload::Mixed => {
                 let mut widths: Vec<usize> = (0..nodes).flat_map(|_| node_widths(gpus)).collect();
                 // Widest first: kube-scheduler takes pods of one priority
@@ -386,17 +394,23 @@ fn tether_counts(world: &World) -> (BTreeMap<String, f64>, f64) {
     (calls, last_log)
 }
 
-/// A pod asking for `gpus` GPUs of the `tether-gpu` scheduler.
-fn gpu_pod(name: &str, gpus: usize) -> anyhow::Result<Pod> {
+/// A pod of `workload` of width `gpus`, of the `tether-gpu` scheduler:
+/// asking for `gpus` GPUs, and for the two-kinds workload as many devices
+/// of the second kind in a second container.
+fn gpu_pod(workload: Workload, name: &str, gpus: usize) -> anyhow::Result<Pod> {
+    let mut containers = vec![json!({
+        "name": "main", "image": "busybox",
+        "resources": {"limits": {RESOURCE: gpus.to_string()}},
+    })];
+    if workload == Workload::TwoKinds {
+        containers.push(json!({
+            "name": "second", "image": "busybox",
+            "resources": {"limits": {SECOND_RESOURCE: gpus.to_string()}},
+        }));
+    }
     Ok(serde_json::from_value(json!({
         "metadata": {"name": name, "labels": {POD_LABEL.0: POD_LABEL.1}},
-        "spec": {
-            "schedulerName": SCHEDULER_NAME,
-            "containers": [{
-                "name": "main", "image": "busybox",
-                "resources": {"limits": {RESOURCE: gpus.to_string()}},
-            }],
-        },
+        "spec": {"schedulerName": SCHEDULER_NAME, "containers": containers},
     }))?)
 }
 
@@ -443,6 +457,7 @@ impl Phase {
 
 /// Creates `wanted` at once, a few in flight, into `phase`.
 async fn create_all(
+    workload: Workload,
     pods: &Api<Pod>,
     namespace: &str,
     wanted: Vec<(String, usize)>,
@@ -452,7 +467,7 @@ async fn create_all(
         .map(|(name, gpus)| {
             let pods = pods.clone();
             async move {
-                pods.create(&PostParams::default(), &gpu_pod(&name, gpus)?)
+                pods.create(&PostParams::default(), &gpu_pod(workload, &name, gpus)?)
                     .await?;
                 Ok((name, Instant::now()))
             }
@@ -498,7 +513,7 @@ async fn churn_pods(
                 .insert(victim);
         }
         let name = format!("churn-next-{i:05}-1gpu");
-        pods.create(&PostParams::default(), &gpu_pod(&name, 1)?)
+        pods.create(&PostParams::default(), &gpu_pod(Workload::Churn, &name, 1)?)
             .await
             .with_context(|| format!("creating pod {name}"))?;
         let at = Instant::now();
@@ -590,7 +605,7 @@ pub async fn run(world: &World, system: System, options: &RunOptions) -> anyhow:
     let fill = Mutex::new(Phase::default());
     let churned = if workload == Workload::Churn {
         let names: Vec<String> = at_once.iter().map(|(n, _)| n.clone()).collect();
-        let filling = create_all(&pods, &namespace, at_once.clone(), &fill);
+        let filling = create_all(workload, &pods, &namespace, at_once.clone(), &fill);
         drive_and_follow(world, &fill, filling, Instant::now(), deadline).await?;
         let records = world.fleet.records();
         let unsettled = names
@@ -640,7 +655,7 @@ pub async fn run(world: &World, system: System, options: &RunOptions) -> anyhow:
             drive_and_follow(world, &phase, churning, started, deadline).await?
         }
         None => {
-            let creating = create_all(&pods, &namespace, at_once, &phase);
+            let creating = create_all(workload, &pods, &namespace, at_once, &phase);
             drive_and_follow(world, &phase, creating, started, deadline).await?
         }
     };

@@ -26,6 +26,12 @@ use crate::system::System;
 
 /// The extended resource the nodes advertise and the pods ask for.
 pub const RESOURCE: &str = "tether.io/gpu";
+/// The second device kind of the two-kinds workload (HAMi-core #246's
+/// case): its resource, and the extender's `--also-kind` for it.
+pub const SECOND_RESOURCE: &str = "tether.io/npu";
+/// The second kind's device id prefix (its scope is `npu-bind`, its sets
+/// `npu-devices` and `npu-inventory`, [`tether_embed::kind`]).
+pub const SECOND_PREFIX: &str = "npu";
 /// The namespace the manifests' RBAC binds the service accounts in.
 pub const SYSTEM: &str = "tether-system";
 /// The scheduler profile of `deploy/optional/gpu/scheduler.yaml`.
@@ -53,6 +59,9 @@ pub struct WorldOptions {
     pub nodes: usize,
     /// GPUs on each.
     pub gpus: usize,
+    /// Devices of the second kind on each ([`SECOND_RESOURCE`]; 0: the
+    /// nodes have none, and the extender plans one kind).
+    pub npus: usize,
 }
 
 /// Everything one run needs, running.
@@ -98,7 +107,16 @@ impl World {
         let mut tasks = Vec::new();
 
         // The extender, with tether-extender's own defaults.
-        let args = ExtenderArgs::try_parse_from(["tether-extender", "--endpoints", &endpoints])?;
+        let mut flags = vec![
+            "tether-extender".to_string(),
+            "--endpoints".into(),
+            endpoints.clone(),
+        ];
+        if options.npus > 0 {
+            flags.push("--also-kind".into());
+            flags.push(format!("{SECOND_RESOURCE}={SECOND_PREFIX}"));
+        }
+        let args = ExtenderArgs::try_parse_from(flags)?;
         let extender_kube = plane
             .client_as_service_account(SYSTEM, "tether-extender")
             .await;
@@ -107,7 +125,7 @@ impl World {
             client.clone(),
             DeviceLedger::new(client, DEFAULT_LIFETIME),
             KubeBinder::new(extender_kube),
-            args.extender_config(),
+            args.extender_config().map_err(anyhow::Error::msg)?,
         ));
         let listener = TcpListener::bind("127.0.0.1:0").await?;
         let extender_addr = listener.local_addr()?;
@@ -137,6 +155,7 @@ impl World {
             nodes.push(Arc::new(SimNode::new(
                 &node_name(i),
                 options.gpus,
+                options.npus,
                 &endpoints,
             )?));
         }

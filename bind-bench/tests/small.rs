@@ -5,7 +5,7 @@
 //! and with the annotation lock (without its rate limit, which would make
 //! the test minutes long), every pod bound there too; then the mixed
 //! workload's pods of several GPUs through Tether. The churn through Tether
-//! is a second test.
+//! is a second test; HAMi-core #246's pods of two device kinds a third.
 
 use std::time::Duration;
 
@@ -37,7 +37,7 @@ fn options(workload: Workload) -> RunOptions {
 /// The world on `plane`, with the tetherd built beside the tests.
 /// RUST_LOG=tether_embed=info,tether_k8s_bridge=info shows each bind and
 /// report; warnings only otherwise.
-async fn small_world(plane: ControlPlane) -> World {
+async fn small_world(plane: ControlPlane, npus: usize) -> World {
     let _ = tracing_subscriber::fmt()
         .with_env_filter(
             tracing_subscriber::EnvFilter::try_from_default_env()
@@ -51,6 +51,7 @@ async fn small_world(plane: ControlPlane) -> World {
             tetherd: sibling_binary("tetherd"),
             nodes: NODES,
             gpus: GPUS,
+            npus,
         },
     )
     .await
@@ -66,7 +67,7 @@ async fn a_small_burst_binds_every_pod_with_no_device_given_twice() {
         return;
     };
     let (nodes, gpus) = (NODES, GPUS);
-    let mut world = small_world(plane).await;
+    let mut world = small_world(plane, 0).await;
     let mut reports = Vec::new();
     for system in [
         System::Tether,
@@ -153,7 +154,7 @@ async fn churn_binds_every_new_pod_once_a_deleted_pods_gpu_is_free() {
         return;
     };
     let (nodes, gpus) = (NODES, GPUS);
-    let mut world = small_world(plane).await;
+    let mut world = small_world(plane, 0).await;
     world
         .use_system(System::Tether)
         .await
@@ -178,5 +179,63 @@ async fn churn_binds_every_new_pod_once_a_deleted_pods_gpu_is_free() {
         churn.create_to_bound.len(),
         20 - summary.deleted_unbound,
         "every new pod not deleted first was bound"
+    );
+}
+
+/// HAMi-core #246's case, 10 nodes x 4 GPUs and 4 devices of a second
+/// kind: 40 pods, each asking for one GPU and one device of the second
+/// kind. Through Tether (a node lock per kind, taken in one order) every
+/// pod is bound and given one device of each kind, none twice. Through the
+/// annotation comparator (HAMi's one node lock, taken once per kind, as
+/// its code was before HAMi #2255) no pod is bound: each is refused by its
+/// own first lock, which shows the workload drives the case.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn pods_of_two_device_kinds_bind_through_tether_and_not_through_one_shared_lock() {
+    let Some(plane) = ControlPlane::start_or_skip(
+        "pods_of_two_device_kinds_bind_through_tether_and_not_through_one_shared_lock",
+    )
+    .await
+    else {
+        return;
+    };
+    let (nodes, gpus) = (NODES, GPUS);
+    let mut world = small_world(plane, GPUS).await;
+    world
+        .use_system(System::Tether)
+        .await
+        .expect("the system in use");
+    let tether = run::run(&world, System::Tether, &options(Workload::TwoKinds))
+        .await
+        .expect("the two-kinds workload runs");
+    print!("{}", tether.to_text());
+    assert_eq!(tether.pods, nodes * gpus);
+    assert!(tether.all_allocated.is_some(), "not every pod allocated");
+    assert!(tether.failed.is_empty(), "{:?}", tether.failed);
+    assert!(
+        tether.double_allocations.is_empty(),
+        "{:?}",
+        tether.double_allocations
+    );
+    // One device of each kind for every pod: every device of both kinds.
+    assert_eq!(tether.devices_given, 2 * nodes * gpus);
+
+    let system = System::AnnotationLockUnlimited;
+    world.use_system(system).await.expect("the system in use");
+    let shared = run::run(
+        &world,
+        system,
+        &RunOptions {
+            deadline: Duration::from_secs(20),
+            ..options(Workload::TwoKinds)
+        },
+    )
+    .await
+    .expect("the two-kinds workload runs");
+    print!("{}", shared.to_text());
+    assert!(shared.all_bound.is_none());
+    assert_eq!(
+        shared.create_to_bound.len(),
+        0,
+        "a pod of two kinds got past one shared lock taken twice"
     );
 }

@@ -97,6 +97,10 @@ pub fn owner_stopped(pin: &Pin) -> bool {
 pub struct DeviceLedger {
     client: Client,
     lifetime: Duration,
+    /// The pin set of the claims ([`DEVICE_SET`] unless
+    /// [`DeviceLedger::in_set`] says another: one set per device kind,
+    /// [`crate::kind`]).
+    set: String,
 }
 
 /// The devices a claim pin names, sorted.
@@ -111,9 +115,9 @@ pub fn devices_of(pin: &Pin) -> Vec<String> {
     devices
 }
 
-fn key(pod_uid: &str) -> PinKey {
+fn key(set: &str, pod_uid: &str) -> PinKey {
     PinKey {
-        set: DEVICE_SET.into(),
+        set: set.into(),
         member: pod_uid.into(),
     }
 }
@@ -166,7 +170,23 @@ fn claim_request(pod: &ClaimOwner<'_>, devices: &[String]) -> (HashMap<String, S
 impl DeviceLedger {
     /// A ledger whose claims outlive their pods by `lifetime`.
     pub fn new(client: Client, lifetime: Duration) -> Self {
-        Self { client, lifetime }
+        Self {
+            client,
+            lifetime,
+            set: DEVICE_SET.into(),
+        }
+    }
+
+    /// This ledger over the claims in `set` (a device kind's,
+    /// [`crate::kind::DeviceKind::claim_set`]).
+    pub fn in_set(mut self, set: &str) -> Self {
+        self.set = set.into();
+        self
+    }
+
+    /// The pin set of the claims.
+    pub fn set(&self) -> &str {
+        &self.set
     }
 
     /// Device id -> the pod UID that holds it, on `node`.
@@ -181,7 +201,7 @@ impl DeviceLedger {
 
     /// Device id -> who claims it, on `node`, stopped owners included.
     pub async fn claims_on(&self, node: &str) -> Result<BTreeMap<String, ClaimedBy>, Error> {
-        let pins = self.client.list_pins(DEVICE_SET, node).await?;
+        let pins = self.client.list_pins(&self.set, node).await?;
         Ok(pins
             .iter()
             .flat_map(|pin| {
@@ -204,7 +224,7 @@ impl DeviceLedger {
     pub async fn live_claims_by_node(
         &self,
     ) -> Result<BTreeMap<String, BTreeMap<String, String>>, Error> {
-        let pins = self.client.list_pins(DEVICE_SET, "").await?;
+        let pins = self.client.list_pins(&self.set, "").await?;
         let mut out: BTreeMap<String, BTreeMap<String, String>> = BTreeMap::new();
         for pin in pins.iter().filter(|pin| !owner_stopped(pin)) {
             let node = out.entry(pin.node.clone()).or_default();
@@ -219,7 +239,7 @@ impl DeviceLedger {
     pub async fn claim_of(&self, pod_uid: &str) -> Result<Option<(String, Vec<String>)>, Error> {
         Ok(self
             .client
-            .get_pin(&key(pod_uid))
+            .get_pin(&key(&self.set, pod_uid))
             .await?
             .map(|pin| (pin.node.clone(), devices_of(&pin))))
     }
@@ -236,7 +256,7 @@ impl DeviceLedger {
         match self
             .client
             .assign(
-                &key(pod_uid),
+                &key(&self.set, pod_uid),
                 vec![node.to_string()],
                 pod_uid,
                 self.lifetime,
@@ -264,7 +284,9 @@ impl DeviceLedger {
 
     /// Ends the pod's claim (its bind failed, or it moved).
     pub async fn release(&self, pod_uid: &str, reason: &str) -> Result<(), Error> {
-        self.client.release_pin(&key(pod_uid), reason).await?;
+        self.client
+            .release_pin(&key(&self.set, pod_uid), reason)
+            .await?;
         Ok(())
     }
 
@@ -292,7 +314,7 @@ impl DeviceLedger {
         let reclaimed = self
             .client
             .reclaim(
-                &key(pod.uid),
+                &key(&self.set, pod.uid),
                 node,
                 pod.uid,
                 self.lifetime,
@@ -382,7 +404,7 @@ impl DeviceLedger {
     ) -> Result<Result<Correction, (Vec<String>, String)>, Error> {
         let wanted: BTreeSet<&String> = devices.iter().collect();
         let mut correction = Correction::default();
-        for pin in self.client.list_pins(DEVICE_SET, node).await? {
+        for pin in self.client.list_pins(&self.set, node).await? {
             let owner = pin.pod_uid.as_str();
             let held = devices_of(&pin);
             if owner == pod.uid {
@@ -398,7 +420,9 @@ impl DeviceLedger {
                 "the kubelet gave {lost:?} to pod uid {}: this claim was stale",
                 pod.uid
             );
-            self.client.release_pin(&key(owner), &reason).await?;
+            self.client
+                .release_pin(&key(&self.set, owner), &reason)
+                .await?;
             if !kept.is_empty() {
                 let label = |name: &str| pin.labels.get(name).map_or("", String::as_str);
                 let other = ClaimOwner {
@@ -418,7 +442,7 @@ impl DeviceLedger {
         if !correction.planned.is_empty() {
             self.client
                 .release_pin(
-                    &key(pod.uid),
+                    &key(&self.set, pod.uid),
                     &format!("the kubelet gave the pod {sorted:?}; the claim is made again"),
                 )
                 .await?;

@@ -56,19 +56,39 @@ pub struct ExtenderArgs {
     /// the bind verb always reads the node afresh.
     #[arg(long, env = "TETHER_EXTENDER_INVENTORY_TTL", default_value = "30s", value_parser = humantime::parse_duration)]
     pub inventory_ttl: Duration,
+    /// A further device kind to plan, `RESOURCE=PREFIX` (repeat for more):
+    /// its lock scope is `PREFIX-bind`, its claims and its plugins'
+    /// inventories the pin sets `PREFIX-devices` and `PREFIX-inventory`
+    /// (give its device plugin those as `--scope`, `--claim-set` and
+    /// `--inventory-set`). A pod asking for several kinds takes each kind's
+    /// node lock, in the order of the scopes' names.
+    #[arg(
+        long = "also-kind",
+        env = "TETHER_EXTENDER_ALSO_KINDS",
+        value_delimiter = ','
+    )]
+    pub also_kinds: Vec<String>,
 }
 
 impl ExtenderArgs {
-    /// The extender's settings these flags give.
-    pub fn extender_config(&self) -> crate::extender::ExtenderConfig {
-        crate::extender::ExtenderConfig {
+    /// The extender's settings these flags give, or why they are wrong.
+    pub fn extender_config(&self) -> Result<crate::extender::ExtenderConfig, String> {
+        let also_kinds = self
+            .also_kinds
+            .iter()
+            .map(|spec| crate::kind::DeviceKind::parse(spec))
+            .collect::<Result<Vec<_>, _>>()?;
+        let config = crate::extender::ExtenderConfig {
             scope: self.scope.clone(),
             resource: self.resource.clone(),
             wait: self.bind_wait,
             bind_deadline: self.bind_deadline,
             device_prefix: self.device_prefix.clone(),
             inventory_ttl: self.inventory_ttl,
-        }
+            also_kinds,
+        };
+        crate::kind::check_distinct(&config.kinds())?;
+        Ok(config)
     }
 }
 
@@ -92,6 +112,16 @@ pub struct DevicePluginArgs {
     /// Extended resource name.
     #[arg(long, default_value = "tether.io/gpu")]
     pub resource_name: String,
+    /// The pin set of this device kind's claims. The first kind (the
+    /// extender's `--resource`) uses the default; a kind the extender is
+    /// given with `--also-kind RESOURCE=PREFIX` uses `PREFIX-devices`.
+    #[arg(long, default_value = crate::accounting::DEVICE_SET)]
+    pub claim_set: String,
+    /// The pin set this plugin publishes its node's devices in: the default
+    /// for the first kind, `PREFIX-inventory` for a kind given with
+    /// `--also-kind RESOURCE=PREFIX`.
+    #[arg(long, default_value = crate::inventory::INVENTORY_SET)]
+    pub inventory_set: String,
     /// The devices to advertise: `nvidia` (the node's NVIDIA GPUs, read
     /// under `--host-root`, advertised by UUID) or `fake:N` (N fake
     /// devices `<device-prefix>0..N`, for tests and demos).

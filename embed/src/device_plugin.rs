@@ -66,6 +66,12 @@ pub struct PluginConfig {
     pub scope: String,
     /// Extended resource name, e.g. `tether.io/gpu`.
     pub resource_name: String,
+    /// The pin set of this kind's device claims (`gpu-devices`; a further
+    /// device kind has its own, [`crate::kind`]).
+    pub claim_set: String,
+    /// The pin set this plugin publishes its node's devices in
+    /// (`gpu-inventory`, or its kind's).
+    pub inventory_set: String,
     /// The devices to advertise.
     pub devices: DeviceSource,
     /// The plugin's own pod: the owner of the node's published devices
@@ -118,7 +124,7 @@ impl GpuPlugin {
         let metrics = PluginMetrics::default();
         count_devices(&metrics, &inventory);
         Ok(Self {
-            ledger: DeviceLedger::new(client.clone(), DEFAULT_LIFETIME),
+            ledger: DeviceLedger::new(client.clone(), DEFAULT_LIFETIME).in_set(&config.claim_set),
             inventory: tokio::sync::watch::Sender::new(inventory),
             client,
             config,
@@ -147,7 +153,15 @@ impl GpuPlugin {
         let node = &self.config.node;
         loop {
             let inventory = lists.borrow_and_update().clone();
-            if let Err(err) = publish(&self.client, node, &self.config.pod_uid, &inventory).await {
+            if let Err(err) = publish(
+                &self.client,
+                &self.config.inventory_set,
+                node,
+                &self.config.pod_uid,
+                &inventory,
+            )
+            .await
+            {
                 tracing::warn!(%err, ?backoff, "cannot publish the devices in Tether yet; the extender cannot plan this node's devices until then");
                 tokio::time::sleep(backoff).await;
                 backoff = (backoff * 2).min(Duration::from_secs(10));
@@ -168,7 +182,9 @@ impl GpuPlugin {
                         break;
                     }
                     () = tokio::time::sleep(PUBLISHED_CHECK_EVERY) => {
-                        match self.client.get_pin(&inventory_key(node)).await {
+                        match self
+                            .client
+                            .get_pin(&inventory_key(&self.config.inventory_set, node)).await {
                             Ok(Some(pin))
                                 if pin.node == *node
                                     && pin.pod_uid == self.config.pod_uid

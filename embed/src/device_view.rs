@@ -1,6 +1,7 @@
 //! The extender's watched copy of the device pins its filter reads: every
 //! node's device claims (set [`DEVICE_SET`]) and published inventory (set
-//! [`INVENTORY_SET`]), kept current from Tether's event stream.
+//! [`INVENTORY_SET`]), kept current from Tether's event stream. A further
+//! device kind ([`crate::kind`]) has a copy of its own, of its own sets.
 //!
 //! Why: kube-scheduler calls the filter for one pod at a time and waits for
 //! the answer before it schedules the next, so the filter's time is added to
@@ -99,9 +100,40 @@ struct NodeSummary {
     healthy: Option<Vec<String>>,
 }
 
+/// The two sets a copy follows: one device kind's claims and inventories.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Sets {
+    /// The claims' set.
+    pub claims: String,
+    /// The published inventories' set.
+    pub inventory: String,
+}
+
+impl Default for Sets {
+    /// The first device kind's sets.
+    fn default() -> Self {
+        Sets {
+            claims: DEVICE_SET.into(),
+            inventory: INVENTORY_SET.into(),
+        }
+    }
+}
+
+impl Sets {
+    /// A device kind's sets.
+    pub fn of(kind: &crate::kind::DeviceKind) -> Sets {
+        Sets {
+            claims: kind.claim_set.clone(),
+            inventory: kind.inventory_set.clone(),
+        }
+    }
+}
+
 /// The pins of the two sets, indexed the ways the events need.
 #[derive(Debug, Default, Clone)]
 pub struct Pins {
+    /// Which sets these are.
+    sets: Sets,
     /// Node -> what the filter reads of it.
     summary: BTreeMap<String, NodeSummary>,
     /// (set, node) -> member -> pin.
@@ -124,6 +156,15 @@ impl Pins {
         pins: impl IntoIterator<Item = (String, String, pb::Pin)>,
         deleted: BTreeSet<String>,
     ) -> Pins {
+        Pins::from_list_of(Sets::default(), pins, deleted)
+    }
+
+    /// [`Pins::from_list`] of a device kind's `sets`.
+    pub fn from_list_of(
+        sets: Sets,
+        pins: impl IntoIterator<Item = (String, String, pb::Pin)>,
+        deleted: BTreeSet<String>,
+    ) -> Pins {
         let mut grouped: BTreeMap<NodeSet, Vec<(String, pb::Pin)>> = BTreeMap::new();
         for (set, member, pin) in pins {
             grouped
@@ -131,10 +172,13 @@ impl Pins {
                 .or_default()
                 .push((member, pin));
         }
-        let mut out = Pins::default();
+        let mut out = Pins {
+            sets,
+            ..Pins::default()
+        };
         let claimed: BTreeSet<&String> = grouped
             .iter()
-            .filter(|((set, _), _)| set == DEVICE_SET)
+            .filter(|((set, _), _)| *set == out.sets.claims)
             .flat_map(|(_, pins)| pins.iter().map(|(_, pin)| &pin.pod_uid))
             .collect();
         out.deleted = deleted
@@ -175,7 +219,7 @@ impl Pins {
                 .get(&node)
                 .map(|s| s.live.len())
                 .unwrap_or_default();
-            self.summarize(&(DEVICE_SET.to_string(), node.clone()));
+            self.summarize(&(self.sets.claims.clone(), node.clone()));
             let after = self
                 .summary
                 .get(&node)
@@ -209,7 +253,7 @@ impl Pins {
         let mut unclaimed = Vec::new();
         for (member, old) in self.by_node.remove(node_set).unwrap_or_default() {
             self.node_of.remove(&(set.clone(), member));
-            if set == DEVICE_SET
+            if *set == self.sets.claims
                 && let Some(nodes) = self.claims_of_pod.get_mut(&old.pod_uid)
             {
                 nodes.remove(node);
@@ -223,7 +267,7 @@ impl Pins {
         for (member, pin) in pins {
             self.node_of
                 .insert((set.clone(), member.clone()), node.clone());
-            if set == DEVICE_SET && !pin.pod_uid.is_empty() {
+            if *set == self.sets.claims && !pin.pod_uid.is_empty() {
                 self.claims_of_pod
                     .entry(pin.pod_uid.clone())
                     .or_default()
@@ -254,14 +298,14 @@ impl Pins {
             .flat_map(|m| m.values());
         let deleted = &self.deleted;
         let summary = self.summary.entry(node.clone()).or_default();
-        if set == DEVICE_SET {
+        if *set == self.sets.claims {
             summary.live = BTreeMap::new();
             for pin in pins.filter(|pin| !owner_stopped(pin) && !deleted.contains(&pin.pod_uid)) {
                 for device in devices_of(pin) {
                     summary.live.insert(device, pin.pod_uid.clone());
                 }
             }
-        } else if set == INVENTORY_SET {
+        } else if *set == self.sets.inventory {
             // A node publishes one inventory pin; the list answers it alone.
             summary.healthy = pins
                 .into_iter()
@@ -306,7 +350,7 @@ impl Pins {
 
     /// The devices `node`'s plugin published, if it published any.
     pub fn published(&self, node: &str) -> Option<Vec<PublishedDevice>> {
-        let key = (INVENTORY_SET.to_string(), node.to_string());
+        let key = (self.sets.inventory.clone(), node.to_string());
         // A node publishes one inventory pin; the list answers it alone.
         let pin = self.by_node.get(&key)?.values().next()?;
         Some(published_devices(pin))
@@ -342,7 +386,7 @@ pub fn touched(
             else {
                 return Touched::Nodes(nodes);
             };
-            if set != DEVICE_SET && set != INVENTORY_SET {
+            if set != pins.sets.claims && set != pins.sets.inventory {
                 return Touched::Nodes(nodes);
             }
             let node = if event.node.is_empty() {
@@ -372,7 +416,7 @@ pub fn touched(
                 _ => None,
             };
             for node in pins.claims_of_pod.get(uid).into_iter().flatten() {
-                let node_set = (DEVICE_SET.to_string(), node.clone());
+                let node_set = (pins.sets.claims.clone(), node.clone());
                 // Only what the filter reads of a claim's owner can make a
                 // re-read worth it: whether it stopped.
                 let flips = pins
@@ -410,6 +454,8 @@ impl Drop for Unfollowed {
 /// The watched copy; [`DeviceView::follow`] keeps it current.
 pub struct DeviceView {
     client: Client,
+    /// The device kind's sets this copy follows.
+    sets: Sets,
     /// Read by each filter call for its candidates, written for each batch
     /// of events: both brief, so one lock and no copies.
     copy: Mutex<Copy>,
@@ -423,9 +469,21 @@ impl DeviceView {
     /// A copy not yet listed: [`DeviceView::read`] answers `None` until
     /// [`DeviceView::follow`] has listed once.
     pub fn new(client: Client) -> DeviceView {
+        DeviceView::of(client, Sets::default())
+    }
+
+    /// A copy of a device kind's `sets`, not yet listed.
+    pub fn of(client: Client, sets: Sets) -> DeviceView {
         DeviceView {
             client,
-            copy: Mutex::default(),
+            copy: Mutex::new(Copy {
+                pins: Pins {
+                    sets: sets.clone(),
+                    ..Pins::default()
+                },
+                synced: false,
+            }),
+            sets,
             freed: tokio::sync::Notify::new(),
         }
     }
@@ -493,7 +551,7 @@ impl DeviceView {
             .watch(None, WATCHED_KINDS.map(String::from).to_vec(), "")
             .await?;
         let mut listed = Vec::new();
-        for set in [DEVICE_SET, INVENTORY_SET] {
+        for set in [&self.sets.claims, &self.sets.inventory] {
             for pin in self.client.list_pins(set, "").await? {
                 listed.push((set.to_string(), pin));
             }
@@ -501,7 +559,8 @@ impl DeviceView {
         {
             let mut copy = self.lock();
             let deleted = std::mem::take(&mut copy.pins.deleted);
-            let pins = Pins::from_list(
+            let pins = Pins::from_list_of(
+                self.sets.clone(),
                 listed
                     .into_iter()
                     .filter_map(|(set, pin)| Some((set, pin.key.clone()?.member, pin))),

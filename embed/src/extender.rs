@@ -32,12 +32,13 @@ use std::time::{Duration, Instant};
 use serde::{Deserialize, Serialize};
 use tether_client::deadline::unbounded;
 use tether_client::proto::{LockKey, Outcome, Pod};
-use tether_client::{Client, Error};
+use tether_client::{Client, Error, Held};
 use tokio::net::TcpListener;
 
 use crate::accounting::{Claim, ClaimOwner, DeviceLedger};
-use crate::device_view::{DeviceView, Pins};
+use crate::device_view::{DeviceView, Pins, Sets};
 use crate::inventory::{PublishedDevice, published_inventories, published_inventory};
+use crate::kind::DeviceKind;
 use crate::kubelet;
 use crate::metrics::{BindOutcome, ExtenderMetrics};
 use crate::plan::{PodCalls, pick_free, pick_free_near};
@@ -466,6 +467,35 @@ pub struct ExtenderConfig {
     /// How long the filter verb trusts a node's device count it read (the
     /// bind verb reads it afresh).
     pub inventory_ttl: Duration,
+    /// Device kinds planned besides the first (`resource`, `scope`,
+    /// `device_prefix`), each with its own lock scope and sets
+    /// ([`crate::kind`]).
+    pub also_kinds: Vec<DeviceKind>,
+}
+
+impl ExtenderConfig {
+    /// Every device kind planned: the first, then [`ExtenderConfig::also_kinds`].
+    pub fn kinds(&self) -> Vec<DeviceKind> {
+        let mut kinds = vec![DeviceKind::first(
+            &self.resource,
+            &self.scope,
+            &self.device_prefix,
+        )];
+        kinds.extend(self.also_kinds.iter().cloned());
+        kinds
+    }
+}
+
+/// One device kind as the extender plans it.
+struct Kind {
+    spec: DeviceKind,
+    ledger: DeviceLedger,
+    /// The filter's copy of this kind's claims and inventories, followed
+    /// by [`serve_extender`] ([`crate::device_view`]).
+    view: Arc<DeviceView>,
+    /// Node -> when its device ids were read (from its Node object), and
+    /// what they were.
+    inventory: std::sync::Mutex<BTreeMap<String, (Instant, Vec<String>)>>,
 }
 
 /// Node reads one filter call makes at a time (only nodes not read within
@@ -485,30 +515,41 @@ const STOPPED_CLAIM_POLL: Duration = Duration::from_millis(25);
 /// The bind verb.
 pub struct Extender<B> {
     client: Client,
-    ledger: DeviceLedger,
     binder: B,
     config: ExtenderConfig,
-    /// Node -> when its device ids were read, and what they were.
-    inventory: std::sync::Mutex<BTreeMap<String, (Instant, Vec<String>)>>,
+    /// The device kinds planned, the first kind first.
+    kinds: Vec<Kind>,
     metrics: ExtenderMetrics,
     /// Pods the filter left without a node for want of free devices, to be
     /// asked about again when devices free up ([`crate::requeue`]).
     refusals: Refusals,
-    /// The filter's copy of the claims and inventories, followed by
-    /// [`serve_extender`] ([`crate::device_view`]).
-    view: Arc<DeviceView>,
 }
 
 impl<B: Binder> Extender<B> {
-    /// An extender over a Tether client and a binder.
+    /// An extender over a Tether client and a binder; `ledger` keeps the
+    /// first kind's claims, and each further kind's are kept in its own
+    /// set by a ledger like it.
     pub fn new(client: Client, ledger: DeviceLedger, binder: B, config: ExtenderConfig) -> Self {
+        let kinds = config
+            .kinds()
+            .into_iter()
+            .enumerate()
+            .map(|(index, spec)| Kind {
+                ledger: if index == 0 {
+                    ledger.clone()
+                } else {
+                    ledger.clone().in_set(&spec.claim_set)
+                },
+                view: Arc::new(DeviceView::of(client.clone(), Sets::of(&spec))),
+                inventory: std::sync::Mutex::default(),
+                spec,
+            })
+            .collect();
         Self {
-            view: Arc::new(DeviceView::new(client.clone())),
             client,
-            ledger,
             binder,
             config,
-            inventory: std::sync::Mutex::default(),
+            kinds,
             metrics: ExtenderMetrics::default(),
             refusals: Refusals::default(),
         }
@@ -524,17 +565,23 @@ impl<B: Binder> Extender<B> {
         &self.metrics
     }
 
-    /// The filter's copy of the claims and inventories; keep it current
-    /// with [`DeviceView::follow`] ([`serve_extender`] does).
+    /// The filter's copy of the first kind's claims and inventories; keep
+    /// it current with [`DeviceView::follow`] ([`serve_extender`] does).
     pub fn device_view(&self) -> &Arc<DeviceView> {
-        &self.view
+        &self.kinds[0].view
     }
 
-    /// `node`'s device ids, from a Node object at hand.
-    fn remember(&self, node: &KubeNode) -> Result<Vec<String>, String> {
-        let devices = node_inventory(node, &self.config.resource, &self.config.device_prefix)?;
+    /// The filter's copies of every kind's claims and inventories, the
+    /// first kind's first.
+    pub fn device_views(&self) -> Vec<Arc<DeviceView>> {
+        self.kinds.iter().map(|k| k.view.clone()).collect()
+    }
+
+    /// `node`'s device ids of `kind`, from a Node object at hand.
+    fn remember(&self, kind: &Kind, node: &KubeNode) -> Result<Vec<String>, String> {
+        let devices = node_inventory(node, &kind.spec.resource, &kind.spec.device_prefix)?;
         if let Some(name) = node.metadata.name.clone() {
-            self.inventory
+            kind.inventory
                 .lock()
                 .expect("inventory lock")
                 .insert(name, (Instant::now(), devices.clone()));
@@ -542,15 +589,21 @@ impl<B: Binder> Extender<B> {
         Ok(devices)
     }
 
-    /// `name`'s device ids: read from the API unless read within `max_age`.
-    async fn devices_of(&self, name: &str, max_age: Duration) -> Result<Vec<String>, String> {
-        if let Some((read, devices)) = self.inventory.lock().expect("inventory lock").get(name)
+    /// `name`'s device ids of `kind`: read from the API unless read within
+    /// `max_age`.
+    async fn devices_of(
+        &self,
+        kind: &Kind,
+        name: &str,
+        max_age: Duration,
+    ) -> Result<Vec<String>, String> {
+        if let Some((read, devices)) = kind.inventory.lock().expect("inventory lock").get(name)
             && read.elapsed() <= max_age
         {
             return Ok(devices.clone());
         }
         let node = self.binder.node(name).await?;
-        self.remember(&node)
+        self.remember(kind, &node)
     }
 
     /// Handles one bind: read the pod, acquire (FIFO), claim devices, bind;
@@ -633,98 +686,118 @@ impl<B: Binder> Extender<B> {
             }
             None => {}
         }
-        let demands =
-            kubelet::demands(&pod, &self.config.resource).map_err(|e| format!("pod {who}: {e}"))?;
-        if demands.is_empty() {
+        // Each kind the pod asks for, in the order of the kinds' lock
+        // scopes: every bind takes its locks in that one order, so two
+        // binds that both need two kinds never wait on each other in a
+        // circle ([`crate::kind`]).
+        let mut wanted = Vec::new();
+        for kind in &self.kinds {
+            let demands = kubelet::demands(&pod, &kind.spec.resource)
+                .map_err(|e| format!("pod {who}: {e}"))?;
+            if !demands.is_empty() {
+                wanted.push((kind, kubelet::admission(&demands)));
+            }
+        }
+        if wanted.is_empty() {
             self.binder.bind(args).await?;
+            let resources: Vec<&str> = self
+                .kinds
+                .iter()
+                .map(|k| k.spec.resource.as_str())
+                .collect();
             return Ok(format!(
                 "bound; {who} asks for no {}, so no lock was taken",
-                self.config.resource
+                resources.join(" or ")
             ));
         }
-        let admission = kubelet::admission(&demands);
-        let calls = PodCalls {
-            pod_uid: args.pod_uid.clone(),
-            namespace: args.pod_namespace.clone(),
-            name: args.pod_name.clone(),
-            admission: admission.clone(),
-        };
-        let key = LockKey {
-            scope: self.config.scope.clone(),
-            name: args.node.clone(),
-        };
+        wanted.sort_by(|(a, _), (b, _)| a.spec.scope.cmp(&b.spec.scope));
         let holder = Pod {
             uid: args.pod_uid.clone(),
             namespace: args.pod_namespace.clone(),
             name: args.pod_name.clone(),
         };
-        // The node's lock first: binds to one node then claim devices one
+        // The node's locks first: binds to one node then claim devices one
         // at a time, in FIFO order, and never race each other for them.
-        let acquired = tokio::select! {
-            acquired = self
-                .client
-                .acquire(&key, &holder, calls.to_payload(), self.config.wait, 0) => acquired,
-            () = scheduler.wait() => {
-                // One definite act: the wait ends, or a grant that raced the
-                // departure is given back to the next waiter.
-                self.withdraw(&key, args).await;
-                return Err(format!(
-                    "the scheduler gave up on binding {who} while it waited for {}/{}; nothing \
-                     was kept",
-                    key.scope, key.name
-                ));
-            }
-        };
-        let held = match acquired {
-            Ok(held) => held,
-            Err(err) => {
-                return Err(match err {
-                    Error::DeadlineExceeded(_) => format!(
-                        "node {} is busy: {who} did not get {}/{} within {:?}; retry",
-                        args.node, key.scope, key.name, self.config.wait
-                    ),
-                    other => format!("cannot take {}/{} for {who}: {other}", key.scope, key.name),
-                });
-            }
-        };
-        let devices = match self.claim_devices(args, admission.devices() as usize).await {
-            Ok(devices) => devices,
-            Err(error) => {
-                // The scheduler hears once the node is given back, or at
-                // the bind's deadline, whichever comes first; past the
-                // deadline the release goes on in the background for as
-                // long as it takes (a claim fails at the deadline when
-                // Tether has no quorum, and so would the release, after
-                // the client's whole retry budget).
-                let (pod_uid, node) = (args.pod_uid.clone(), args.node.clone());
-                let release = tokio::spawn(unbounded(async move {
-                    if let Err(err) = held.release(Outcome::Failed).await {
-                        tracing::error!(pod_uid, node, %err, "release after a failed claim failed; the hold timeout or a pod revoke will free it");
-                    }
-                }));
-                match tether_client::deadline::current() {
-                    Some(deadline) => {
-                        let deadline = tokio::time::Instant::from_std(deadline);
-                        let _ = tokio::time::timeout_at(deadline, release).await;
-                    }
-                    None => {
-                        let _ = release.await;
-                    }
+        let mut holds = Vec::with_capacity(wanted.len());
+        for (kind, admission) in &wanted {
+            let calls = PodCalls {
+                pod_uid: args.pod_uid.clone(),
+                namespace: args.pod_namespace.clone(),
+                name: args.pod_name.clone(),
+                admission: admission.clone(),
+            };
+            let key = LockKey {
+                scope: kind.spec.scope.clone(),
+                name: args.node.clone(),
+            };
+            let acquired = tokio::select! {
+                acquired = self
+                    .client
+                    .acquire(&key, &holder, calls.to_payload(), self.config.wait, 0) => acquired,
+                () = scheduler.wait() => {
+                    // One definite act: the wait ends, or a grant that raced the
+                    // departure is given back to the next waiter.
+                    self.withdraw(&key, args).await;
+                    self.give_back_holds(args, holds).await;
+                    return Err(format!(
+                        "the scheduler gave up on binding {who} while it waited for {}/{}; \
+                         nothing was kept",
+                        key.scope, key.name
+                    ));
                 }
-                return Err(error);
+            };
+            match acquired {
+                Ok(held) => holds.push(held),
+                Err(err) => {
+                    self.give_back_holds(args, holds).await;
+                    return Err(match err {
+                        Error::DeadlineExceeded(_) => format!(
+                            "node {} is busy: {who} did not get {}/{} within {:?}; retry",
+                            args.node, key.scope, key.name, self.config.wait
+                        ),
+                        other => {
+                            format!("cannot take {}/{} for {who}: {other}", key.scope, key.name)
+                        }
+                    });
+                }
             }
-        };
-        let token = held.token();
+        }
+        let mut claimed: Vec<(&Kind, Vec<String>)> = Vec::with_capacity(wanted.len());
+        for (kind, admission) in &wanted {
+            match self
+                .claim_devices(kind, args, admission.devices() as usize)
+                .await
+            {
+                Ok(devices) => claimed.push((kind, devices)),
+                Err(error) => {
+                    self.give_back_holds(args, holds).await;
+                    for (kind, _) in claimed {
+                        self.release_claim(kind, args, "the bind failed").await;
+                    }
+                    return Err(error);
+                }
+            }
+        }
+        let tokens: Vec<u64> = holds.iter().map(|held| held.token()).collect();
         if scheduler.is_gone() {
-            if let Err(err) = unbounded(held.release(Outcome::Failed)).await {
-                tracing::error!(pod_uid = args.pod_uid, node = args.node, token, %err, "release after the scheduler left failed; the hold timeout or a pod revoke will free it");
+            for held in holds {
+                let token = held.token();
+                if let Err(err) = unbounded(held.release(Outcome::Failed)).await {
+                    tracing::error!(pod_uid = args.pod_uid, node = args.node, token, %err, "release after the scheduler left failed; the hold timeout or a pod revoke will free it");
+                }
             }
-            self.release_claim(args, "the scheduler gave up on the bind")
-                .await;
+            for (kind, _) in claimed {
+                self.release_claim(kind, args, "the scheduler gave up on the bind")
+                    .await;
+            }
             return Err(format!(
                 "the scheduler gave up on binding {who} before the binding call; nothing was kept"
             ));
         }
+        let kept = match tokens.as_slice() {
+            [token] => format!("lock {token} kept for the device plugin"),
+            _ => format!("locks {tokens:?} kept for the device plugins"),
+        };
         // From here the binding call runs to its end whatever the
         // scheduler does: a pod bound is a pod bound.
         if let Err(error) = self.binder.bind(args).await {
@@ -734,20 +807,53 @@ impl<B: Binder> Extender<B> {
                 && pod.spec.as_ref().and_then(|s| s.node_name.as_deref()) == Some(&args.node)
             {
                 return Ok(format!(
-                    "bound (the binding call answered {error:?}, but the pod is on the node); lock \
-                     {token} kept for the device plugin"
+                    "bound (the binding call answered {error:?}, but the pod is on the node); \
+                     {kept}"
                 ));
             }
             // Unreserve: give the node to the next waiter at once.
-            if let Err(err) = unbounded(held.release(Outcome::Failed)).await {
-                tracing::error!(pod_uid = args.pod_uid, node = args.node, token, %err, "release after a failed bind failed; the hold timeout or a pod revoke will free it");
+            for held in holds {
+                let token = held.token();
+                if let Err(err) = unbounded(held.release(Outcome::Failed)).await {
+                    tracing::error!(pod_uid = args.pod_uid, node = args.node, token, %err, "release after a failed bind failed; the hold timeout or a pod revoke will free it");
+                }
             }
-            self.release_claim(args, "the bind failed").await;
+            for (kind, _) in claimed {
+                self.release_claim(kind, args, "the bind failed").await;
+            }
             return Err(error);
         }
-        Ok(format!(
-            "bound with devices {devices:?}; lock {token} kept for the device plugin"
-        ))
+        let devices: Vec<&String> = claimed.iter().flat_map(|(_, d)| d).collect();
+        Ok(format!("bound with devices {devices:?}; {kept}"))
+    }
+
+    /// Gives back the holds a bind took before it failed, with outcome
+    /// `failed`. The scheduler hears once the node is given back, or at the
+    /// bind's deadline, whichever comes first; past the deadline the
+    /// release goes on in the background for as long as it takes (a claim
+    /// fails at the deadline when Tether has no quorum, and so would the
+    /// release, after the client's whole retry budget).
+    async fn give_back_holds(&self, args: &ExtenderBindingArgs, holds: Vec<Held>) {
+        if holds.is_empty() {
+            return;
+        }
+        let (pod_uid, node) = (args.pod_uid.clone(), args.node.clone());
+        let release = tokio::spawn(unbounded(async move {
+            for held in holds {
+                if let Err(err) = held.release(Outcome::Failed).await {
+                    tracing::error!(pod_uid, node, %err, "release after a failed bind failed; the hold timeout or a pod revoke will free it");
+                }
+            }
+        }));
+        match tether_client::deadline::current() {
+            Some(deadline) => {
+                let deadline = tokio::time::Instant::from_std(deadline);
+                let _ = tokio::time::timeout_at(deadline, release).await;
+            }
+            None => {
+                let _ = release.await;
+            }
+        }
     }
 
     /// Claims `count` free devices of the node for the pod: its existing
@@ -755,10 +861,11 @@ impl<B: Binder> Extender<B> {
     /// the plugin's published topology allows ([`pick_free_near`]).
     async fn claim_devices(
         &self,
+        kind: &Kind,
         args: &ExtenderBindingArgs,
         count: usize,
     ) -> Result<Vec<String>, String> {
-        let published = published_inventory(&self.client, &args.node)
+        let published = published_inventory(&self.client, &kind.spec.inventory_set, &args.node)
             .await
             .map_err(|err| {
                 format!(
@@ -770,7 +877,7 @@ impl<B: Binder> Extender<B> {
         // nothing (its device count).
         let node_devices = match published.as_deref() {
             Some(devices) => healthy_ids(devices),
-            None => self.devices_of(&args.node, Duration::ZERO).await?,
+            None => self.devices_of(kind, &args.node, Duration::ZERO).await?,
         };
         let numa_of: BTreeMap<String, u32> = published
             .iter()
@@ -782,7 +889,7 @@ impl<B: Binder> Extender<B> {
                 "pod {}/{} needs {count} {} devices; node {} has {} allocatable",
                 args.pod_namespace,
                 args.pod_name,
-                self.config.resource,
+                kind.spec.resource,
                 args.node,
                 node_devices.len()
             ));
@@ -792,7 +899,7 @@ impl<B: Binder> Extender<B> {
         let stopped_wait_until = Instant::now() + STOPPED_CLAIM_WAIT;
         while attempts < CLAIM_ATTEMPTS {
             let in_use =
-                self.ledger.claims_on(&args.node).await.map_err(|e| {
+                kind.ledger.claims_on(&args.node).await.map_err(|e| {
                     format!("cannot read the device claims of node {}: {e}", args.node)
                 })?;
             let taken = in_use
@@ -817,7 +924,7 @@ impl<B: Binder> Extender<B> {
                     Err(_)
                         if in_use
                             .values()
-                            .any(|by| by.owner_stopped || self.view.is_deleted(&by.pod_uid))
+                            .any(|by| by.owner_stopped || kind.view.is_deleted(&by.pod_uid))
                             && Instant::now() < stopped_wait_until =>
                     {
                         tokio::time::sleep(STOPPED_CLAIM_POLL).await;
@@ -825,14 +932,14 @@ impl<B: Binder> Extender<B> {
                     }
                     Err(e) => {
                         return Err(format!(
-                            "node {} cannot take {}/{}: {e}",
-                            args.node, args.pod_namespace, args.pod_name
+                            "node {} cannot take {}/{}: {}: {e}",
+                            args.node, args.pod_namespace, args.pod_name, kind.spec.resource
                         ));
                     }
                 }
             };
             attempts += 1;
-            match self
+            match kind
                 .ledger
                 .claim(
                     &args.node,
@@ -859,7 +966,7 @@ impl<B: Binder> Extender<B> {
                         count,
                         "the pod's claim from an earlier bind names other devices than it needs; making it again"
                     );
-                    self.ledger
+                    kind.ledger
                         .release(
                             &args.pod_uid,
                             "the pod's claim from an earlier bind was short; made again",
@@ -882,7 +989,7 @@ impl<B: Binder> Extender<B> {
                         to = args.node,
                         "moving a device claim left by an earlier bind"
                     );
-                    self.ledger
+                    kind.ledger
                         .release(&args.pod_uid, "the pod is being bound to another node")
                         .await
                         .map_err(|e| format!("cannot release the claim on {node}: {e}"))?;
@@ -891,8 +998,8 @@ impl<B: Binder> Extender<B> {
             }
         }
         Err(format!(
-            "could not claim {count} devices on {} in {CLAIM_ATTEMPTS} attempts: {last_loss}",
-            args.node
+            "could not claim {count} {} devices on {} in {CLAIM_ATTEMPTS} attempts: {last_loss}",
+            kind.spec.resource, args.node
         ))
     }
 
@@ -941,22 +1048,23 @@ impl<B: Binder> Extender<B> {
         }
     }
 
-    async fn release_claim(&self, args: &ExtenderBindingArgs, reason: &str) {
-        if let Err(err) = unbounded(self.ledger.release(&args.pod_uid, reason)).await {
+    async fn release_claim(&self, kind: &Kind, args: &ExtenderBindingArgs, reason: &str) {
+        if let Err(err) = unbounded(kind.ledger.release(&args.pod_uid, reason)).await {
             tracing::error!(pod_uid = args.pod_uid, node = args.node, %err, "cannot release a device claim; it ends with its pod");
         }
     }
 
-    /// The device ids of `nodes` from their Node objects (read unless read
-    /// within the inventory TTL), a few at a time.
+    /// The device ids of `kind` of `nodes` from their Node objects (read
+    /// unless read within the inventory TTL), a few at a time.
     async fn read_node_devices(
         &self,
+        kind: &Kind,
         nodes: Vec<&String>,
     ) -> Vec<(String, Result<Vec<String>, String>)> {
         use futures::StreamExt as _;
         let ttl = self.config.inventory_ttl;
         let reads = nodes.into_iter().cloned().map(|name| async move {
-            let devices = self.devices_of(&name, ttl).await;
+            let devices = self.devices_of(kind, &name, ttl).await;
             (name, devices)
         });
         futures::stream::iter(reads)
@@ -970,24 +1078,25 @@ impl<B: Binder> Extender<B> {
     /// listed, the Node objects of the candidates `inventory` lacks read.
     async fn judge_from_tether(
         &self,
+        kind: &Kind,
         candidates: &[String],
         needed: usize,
         mut inventory: BTreeMap<String, Result<Vec<String>, String>>,
         uid: &str,
     ) -> Result<Verdicts, String> {
-        let claims = self
+        let claims = kind
             .ledger
             .live_claims_by_node()
             .await
             .map_err(|err| format!("cannot read the device claims: {err}"))?;
-        let published = published_inventories(&self.client)
+        let published = published_inventories(&self.client, &kind.spec.inventory_set)
             .await
             .map_err(|err| format!("cannot read the devices the nodes published: {err}"))?;
         let unread: Vec<&String> = candidates
             .iter()
             .filter(|n| !inventory.contains_key(*n))
             .collect();
-        let read = self.read_node_devices(unread).await;
+        let read = self.read_node_devices(kind, unread).await;
         inventory.extend(read);
         for (node, ids) in inventory.iter_mut() {
             if let Some(devices) = published.get(node) {
@@ -1005,7 +1114,7 @@ impl<B: Binder> Extender<B> {
                 devices,
                 claims.get(node),
                 uid,
-                &self.config.resource,
+                &kind.spec.resource,
             );
             verdicts.note(node, unfit, devices);
         }
@@ -1014,14 +1123,15 @@ impl<B: Binder> Extender<B> {
 
     /// Records a pod that no candidate fits because devices are claimed
     /// (the scheduler parks it until some event; [`crate::requeue`] makes
-    /// one when devices free up), or forgets it once a node fits.
+    /// one when devices free up), or forgets it once a node fits. `judged`
+    /// is, per kind the pod asks for: the kind's index, how many devices
+    /// it needs, and the kind's verdicts. The refusal is of the first kind
+    /// that refused nodes for want of free devices.
     fn note_refusal(
         &self,
         pod: &KubePod,
-        needed: usize,
+        judged: &[(usize, usize, Verdicts)],
         candidates: &[String],
-        failed: &BTreeMap<String, String>,
-        device_counts: &BTreeMap<String, usize>,
         fits: &dyn Fn(&str) -> bool,
     ) {
         let uid = pod.metadata.uid.clone().unwrap_or_default();
@@ -1032,46 +1142,59 @@ impl<B: Binder> Extender<B> {
             self.refusals.settled(&uid);
             return;
         }
-        // Nodes refused for claimed devices: those whose devices were read.
-        let nodes: BTreeMap<String, usize> = failed
-            .keys()
-            .filter_map(|node| Some((node.clone(), *device_counts.get(node)?)))
-            .collect();
-        if nodes.is_empty() {
-            return;
+        for (kind, needed, verdicts) in judged {
+            // Nodes refused for claimed devices: those whose devices were
+            // read.
+            let nodes: BTreeMap<String, usize> = verdicts
+                .failed
+                .keys()
+                .filter_map(|node| Some((node.clone(), *verdicts.device_counts.get(node)?)))
+                .collect();
+            if !nodes.is_empty() {
+                self.refusals
+                    .refused(Refusal::of(pod, uid, *needed, nodes, false).of_kind(*kind));
+                return;
+            }
         }
-        self.refusals
-            .refused(Refusal::of(pod, uid, needed, nodes, false));
     }
 
     /// Finds the pods an earlier extender (before a restart, or another
     /// replica that stopped) refused and the scheduler has parked: pending,
     /// `PodScheduled=False` with this filter's reason. Each is remembered as
-    /// refused on every node whose devices are published, to be asked
-    /// about once devices fit. Returns how many.
+    /// refused on every node whose devices (of the first kind it asks for)
+    /// are published, to be asked about once devices fit. Returns how many.
     pub async fn recover_refusals(&self) -> Result<usize, String> {
         let pods = self.binder.unbound_pods().await?;
-        let published = published_inventories(&self.client)
-            .await
-            .map_err(|e| format!("cannot read the devices the nodes published: {e}"))?;
-        let nodes: BTreeMap<String, usize> = published
-            .iter()
-            .map(|(node, devices)| (node.clone(), healthy_ids(devices).len()))
-            .collect();
+        let mut nodes_of_kind = Vec::with_capacity(self.kinds.len());
+        for kind in &self.kinds {
+            let published = published_inventories(&self.client, &kind.spec.inventory_set)
+                .await
+                .map_err(|e| format!("cannot read the devices the nodes published: {e}"))?;
+            let nodes: BTreeMap<String, usize> = published
+                .iter()
+                .map(|(node, devices)| (node.clone(), healthy_ids(devices).len()))
+                .collect();
+            nodes_of_kind.push(nodes);
+        }
         let mut recovered = 0;
         for pod in pods.iter().filter(|p| refused_by_filter(p)) {
             let Some(uid) = pod.metadata.uid.clone() else {
                 continue;
             };
-            let Ok(demands) = kubelet::demands(pod, &self.config.resource) else {
-                continue;
-            };
-            let needed = kubelet::admission(&demands).devices() as usize;
-            if needed == 0 || self.refusals.get(&uid).is_some() {
+            if self.refusals.get(&uid).is_some() {
                 continue;
             }
-            self.refusals
-                .refused(Refusal::of(pod, uid, needed, nodes.clone(), true));
+            let first_needed = self.kinds.iter().enumerate().find_map(|(index, kind)| {
+                let demands = kubelet::demands(pod, &kind.spec.resource).ok()?;
+                let needed = kubelet::admission(&demands).devices() as usize;
+                (needed > 0).then_some((index, needed))
+            });
+            let Some((kind, needed)) = first_needed else {
+                continue;
+            };
+            self.refusals.refused(
+                Refusal::of(pod, uid, needed, nodes_of_kind[kind].clone(), true).of_kind(kind),
+            );
             recovered += 1;
         }
         Ok(recovered)
@@ -1079,18 +1202,41 @@ impl<B: Binder> Extender<B> {
 
     /// One pass of the requeuer: reads the claims (where the filter reads
     /// them) and nudges the refused pods that now fit a node they were
-    /// refused on. Returns how many were asked about.
+    /// refused on, kind by kind. Returns how many were asked about.
     pub async fn requeue_pass(&self) -> usize {
         let now = Instant::now();
         let standing = self.refusals.standing(now);
-        if standing.is_empty() {
-            return 0;
+        let mut asked = 0;
+        for (index, kind) in self.kinds.iter().enumerate() {
+            let of_kind: Vec<Refusal> = standing
+                .iter()
+                .filter(|r| r.kind == index)
+                .cloned()
+                .collect();
+            if of_kind.is_empty() || asked >= NUDGES_PER_PASS {
+                continue;
+            }
+            asked += self
+                .nudge_fitting(kind, &of_kind, now, NUDGES_PER_PASS - asked)
+                .await;
         }
+        asked
+    }
+
+    /// Nudges up to `limit` of `standing` (refusals for want of `kind`'s
+    /// devices) that now fit a node they were refused on.
+    async fn nudge_fitting(
+        &self,
+        kind: &Kind,
+        standing: &[Refusal],
+        now: Instant,
+        limit: usize,
+    ) -> usize {
         // The filter's own copy when it is whole: a pod is asked about
         // when the copy its filter will read shows the devices freed.
-        let claims = match self.view.read(Pins::live_claims_by_node) {
+        let claims = match kind.view.read(Pins::live_claims_by_node) {
             Some(claims) => Ok(claims),
-            None => self.ledger.live_claims_by_node().await,
+            None => kind.ledger.live_claims_by_node().await,
         };
         let claims = match claims {
             Ok(claims) => claims,
@@ -1104,7 +1250,7 @@ impl<B: Binder> Extender<B> {
             .map(|(node, devices)| (node.clone(), devices.len()))
             .collect();
         let mut asked = 0;
-        for (uid, node) in to_nudge(&standing, &claimed, now, NUDGES_PER_PASS) {
+        for (uid, node) in to_nudge(standing, &claimed, now, limit) {
             let Some(refusal) = standing.iter().find(|r| r.uid == uid) else {
                 continue;
             };
@@ -1150,8 +1296,9 @@ impl<B: Binder> Extender<B> {
     }
 
     /// The filter verb: drops the candidate nodes without enough free
-    /// devices for the pod, with a reason for each (a stopped pod's claim
-    /// counts free), and remembers a pod it leaves without any node.
+    /// devices for the pod, of every kind it asks for, with a reason for
+    /// each (a stopped pod's claim counts free), and remembers a pod it
+    /// leaves without any node.
     pub async fn filter(&self, args: ExtenderArgs) -> ExtenderFilterResult {
         let started = Instant::now();
         let result = self.filter_nodes(args).await;
@@ -1167,15 +1314,24 @@ impl<B: Binder> Extender<B> {
                 ..Default::default()
             };
         };
-        let needed = match kubelet::demands(&pod, &self.config.resource) {
-            Ok(demands) => kubelet::admission(&demands).devices() as usize,
-            Err(err) => {
-                return ExtenderFilterResult {
-                    error: err,
-                    ..Default::default()
-                };
+        // (kind index, devices needed) of each kind the pod asks for.
+        let mut needs = Vec::new();
+        for (index, kind) in self.kinds.iter().enumerate() {
+            match kubelet::demands(&pod, &kind.spec.resource) {
+                Ok(demands) => {
+                    let needed = kubelet::admission(&demands).devices() as usize;
+                    if needed > 0 {
+                        needs.push((index, needed));
+                    }
+                }
+                Err(err) => {
+                    return ExtenderFilterResult {
+                        error: err,
+                        ..Default::default()
+                    };
+                }
             }
-        };
+        }
         let candidates: Vec<String> = match (&args.node_names, &args.nodes) {
             (Some(names), _) => names.clone(),
             (None, Some(list)) => list
@@ -1185,56 +1341,106 @@ impl<B: Binder> Extender<B> {
                 .collect(),
             (None, None) => Vec::new(),
         };
+        let uid = pod.metadata.uid.as_deref().unwrap_or_default();
+        // A node fits when it fits every kind the pod asks for.
+        let mut judged = Vec::with_capacity(needs.len());
+        for (index, needed) in needs {
+            let kind = &self.kinds[index];
+            match self
+                .judge(kind, &candidates, needed, args.nodes.as_ref(), uid)
+                .await
+            {
+                Ok(verdicts) => judged.push((index, needed, verdicts)),
+                Err(error) => {
+                    return ExtenderFilterResult {
+                        error,
+                        ..Default::default()
+                    };
+                }
+            }
+        }
+        let (mut failed, mut unresolvable) = (BTreeMap::new(), BTreeMap::<String, String>::new());
+        for (_, _, verdicts) in &judged {
+            for (node, why) in &verdicts.unresolvable {
+                add_reason(&mut unresolvable, node, why);
+            }
+            for (node, why) in &verdicts.failed {
+                add_reason(&mut failed, node, why);
+            }
+        }
+        failed.retain(|node, _| !unresolvable.contains_key(node));
+        let fits = |name: &str| !failed.contains_key(name) && !unresolvable.contains_key(name);
+        if !judged.is_empty() {
+            self.note_refusal(&pod, &judged, &candidates, &fits);
+        }
+        ExtenderFilterResult {
+            node_names: args
+                .node_names
+                .map(|names| names.into_iter().filter(|n| fits(n)).collect()),
+            nodes: args.nodes.map(|mut list| {
+                list.items
+                    .retain(|n| n.metadata.name.as_deref().is_some_and(fits));
+                list
+            }),
+            failed_nodes: failed,
+            failed_and_unresolvable_nodes: unresolvable,
+            error: String::new(),
+        }
+    }
+
+    /// Judges `candidates` for `needed` devices of `kind` (for the pod
+    /// `uid`): from the watched copy when it is whole, else from Tether.
+    /// `nodes` are the candidates' Node objects when the scheduler sent
+    /// them.
+    async fn judge(
+        &self,
+        kind: &Kind,
+        candidates: &[String],
+        needed: usize,
+        nodes: Option<&k8s_openapi::List<KubeNode>>,
+        uid: &str,
+    ) -> Result<Verdicts, String> {
         let mut inventory = BTreeMap::new();
         // Reads past their TTL go, so nodes that left the cluster do not
         // stay in the cache for ever; the pass costs what the call's own
         // candidate list does.
-        self.inventory
+        kind.inventory
             .lock()
             .expect("inventory lock")
             .retain(|_, (read, _)| read.elapsed() <= self.config.inventory_ttl);
         // The candidates whose plugin published its devices, by the watched
         // copy (when it is whole): those are planned by what they published,
         // and their Node objects need no read.
-        let published_in_view: Option<BTreeSet<String>> = if needed == 0 {
-            None
-        } else {
-            self.view.read(|pins| {
-                candidates
-                    .iter()
-                    .filter(|node| pins.healthy(node).is_some())
-                    .cloned()
-                    .collect()
-            })
-        };
-        if needed > 0 {
-            match &args.nodes {
-                Some(list) => {
-                    for node in &list.items {
-                        if let Some(name) = node.metadata.name.clone() {
-                            inventory.insert(name, self.remember(node));
-                        }
+        let published_in_view: Option<BTreeSet<String>> = kind.view.read(|pins| {
+            candidates
+                .iter()
+                .filter(|node| pins.healthy(node).is_some())
+                .cloned()
+                .collect()
+        });
+        match nodes {
+            Some(list) => {
+                for node in &list.items {
+                    if let Some(name) = node.metadata.name.clone() {
+                        inventory.insert(name, self.remember(kind, node));
                     }
                 }
-                None => {
-                    let unpublished: Vec<&String> = candidates
-                        .iter()
-                        .filter(|n| !published_in_view.as_ref().is_some_and(|p| p.contains(*n)))
-                        .collect();
-                    inventory.extend(self.read_node_devices(unpublished).await);
-                }
+            }
+            None => {
+                let unpublished: Vec<&String> = candidates
+                    .iter()
+                    .filter(|n| !published_in_view.as_ref().is_some_and(|p| p.contains(*n)))
+                    .collect();
+                inventory.extend(self.read_node_devices(kind, unpublished).await);
             }
         }
-        let uid = pod.metadata.uid.as_deref().unwrap_or_default();
-        let resource = self.config.resource.as_str();
+        let resource = kind.spec.resource.as_str();
         // Every candidate judged under the copy's lock, from references
         // into it: nothing is copied per node.
-        let from_view = if needed == 0 {
-            Some(Verdicts::default())
-        } else if published_in_view.is_some() {
-            self.view.read(|pins| {
+        let from_view = if published_in_view.is_some() {
+            kind.view.read(|pins| {
                 let mut verdicts = Verdicts::default();
-                for node in &candidates {
+                for node in candidates {
                     let devices = match pins.healthy(node) {
                         Some(healthy) => Some(Ok(healthy)),
                         None => inventory
@@ -1250,42 +1456,26 @@ impl<B: Binder> Extender<B> {
         } else {
             None
         };
-        let verdicts = match from_view {
-            Some(verdicts) => verdicts,
-            None => match self
-                .judge_from_tether(&candidates, needed, inventory, uid)
-                .await
-            {
-                Ok(verdicts) => verdicts,
-                Err(error) => {
-                    return ExtenderFilterResult {
-                        error,
-                        ..Default::default()
-                    };
-                }
-            },
-        };
-        let Verdicts {
-            failed,
-            unresolvable,
-            device_counts,
-        } = verdicts;
-        let fits = |name: &str| !failed.contains_key(name) && !unresolvable.contains_key(name);
-        if needed > 0 {
-            self.note_refusal(&pod, needed, &candidates, &failed, &device_counts, &fits);
+        match from_view {
+            Some(verdicts) => Ok(verdicts),
+            None => {
+                self.judge_from_tether(kind, candidates, needed, inventory, uid)
+                    .await
+            }
         }
-        ExtenderFilterResult {
-            node_names: args
-                .node_names
-                .map(|names| names.into_iter().filter(|n| fits(n)).collect()),
-            nodes: args.nodes.map(|mut list| {
-                list.items
-                    .retain(|n| n.metadata.name.as_deref().is_some_and(fits));
-                list
-            }),
-            failed_nodes: failed,
-            failed_and_unresolvable_nodes: unresolvable,
-            error: String::new(),
+    }
+}
+
+/// Adds `why` to `node`'s reasons in `reasons` (a node may be refused for
+/// more than one device kind).
+fn add_reason(reasons: &mut BTreeMap<String, String>, node: &str, why: &str) {
+    match reasons.get_mut(node) {
+        Some(reasons) => {
+            reasons.push_str("; ");
+            reasons.push_str(why);
+        }
+        None => {
+            reasons.insert(node.to_string(), why.to_string());
         }
     }
 }
@@ -1369,13 +1559,20 @@ pub async fn serve_extender<B: Binder>(
 ) {
     // Stopped with the server, also when this future is dropped.
     let _requeuer = AbortOnDrop(tokio::spawn(requeue_refused(extender.clone())));
-    let _view = AbortOnDrop(tokio::spawn(extender.view.clone().follow()));
-    let view = extender.view.clone();
+    let views = extender.device_views();
+    let _views: Vec<AbortOnDrop> = views
+        .iter()
+        .map(|view| AbortOnDrop(tokio::spawn(view.clone().follow())))
+        .collect();
     let deletions = extender.clone();
     let _deletions = AbortOnDrop(tokio::spawn(async move {
         deletions
             .binder
-            .follow_deletions(Arc::new(move |uid: &str| view.pod_deleted(uid)))
+            .follow_deletions(Arc::new(move |uid: &str| {
+                for view in &views {
+                    view.pod_deleted(uid);
+                }
+            }))
             .await
     }));
     tether_http::serve(listener, router(extender), shutdown).await;
@@ -1399,6 +1596,7 @@ pub async fn requeue_refused<B: Binder>(extender: Arc<Extender<B>>) {
     let mut tick = tokio::time::interval(POLL_INTERVAL);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     let mut recover_at = Some(Instant::now());
+    let views = extender.device_views();
     loop {
         // Every poll interval (a nudge lost, a refusal recovered), and at
         // once when the filter's copy sees devices freed: a pod refused
@@ -1406,7 +1604,7 @@ pub async fn requeue_refused<B: Binder>(extender: Arc<Extender<B>>) {
         // not up to a poll interval later.
         tokio::select! {
             _ = tick.tick() => {}
-            () = extender.view.freed() => {}
+            _ = futures::future::select_all(views.iter().map(|view| Box::pin(view.freed()))) => {}
         }
         if let Some(at) = recover_at
             && Instant::now() >= at

@@ -331,25 +331,27 @@ fn fnv1a(text: &str) -> u64 {
     })
 }
 
-/// The key of `node`'s inventory pin.
-pub fn inventory_key(node: &str) -> PinKey {
+/// The key of `node`'s inventory pin in `set` ([`INVENTORY_SET`], or a
+/// further device kind's, [`crate::kind`]).
+pub fn inventory_key(set: &str, node: &str) -> PinKey {
     PinKey {
-        set: INVENTORY_SET.into(),
+        set: set.into(),
         member: inventory_member(node),
     }
 }
 
 /// Publishes `inventory` as `node`'s devices, owned by the plugin's pod
-/// `pod_uid` (one `Reclaim`: the labels change in one entry).
+/// `pod_uid` (one `Reclaim`: the labels change in one entry), in `set`.
 pub async fn publish(
     client: &Client,
+    set: &str,
     node: &str,
     pod_uid: &str,
     inventory: &Inventory,
 ) -> Result<(), Error> {
     client
         .reclaim(
-            &inventory_key(node),
+            &inventory_key(set, node),
             node,
             pod_uid,
             INVENTORY_LIFETIME,
@@ -360,25 +362,27 @@ pub async fn publish(
         .map(|_| ())
 }
 
-/// Every node's published devices (one read), by node.
+/// Every node's published devices in `set` (one read), by node.
 pub async fn published_inventories(
     client: &Client,
+    set: &str,
 ) -> Result<BTreeMap<String, Vec<PublishedDevice>>, Error> {
     Ok(client
-        .list_pins(INVENTORY_SET, "")
+        .list_pins(set, "")
         .await?
         .iter()
         .map(|pin| (pin.node.clone(), published_devices(pin)))
         .collect())
 }
 
-/// `node`'s published devices, if its plugin published them.
+/// `node`'s published devices in `set`, if its plugin published them.
 pub async fn published_inventory(
     client: &Client,
+    set: &str,
     node: &str,
 ) -> Result<Option<Vec<PublishedDevice>>, Error> {
     Ok(client
-        .get_pin(&inventory_key(node))
+        .get_pin(&inventory_key(set, node))
         .await?
         .filter(|pin| pin.node == node)
         .map(|pin| published_devices(&pin)))

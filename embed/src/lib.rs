@@ -45,6 +45,7 @@ pub mod device_plugin;
 pub mod device_view;
 pub mod extender;
 pub mod inventory;
+pub mod kind;
 pub mod kubelet;
 pub mod metrics;
 pub mod nvidia;

@@ -101,8 +101,13 @@ pub struct Refusal {
     pub namespace: String,
     /// Its name.
     pub name: String,
-    /// How many devices it needs on one node.
+    /// How many devices it needs on one node, of the device kind
+    /// [`Refusal::kind`].
     pub needed: usize,
+    /// The extender's index of the device kind it was refused for want of
+    /// ([`crate::kind`]; 0 is the first kind). A pod asking for two kinds
+    /// is asked about again when the kind that refused it frees devices.
+    pub kind: usize,
     /// The nodes refused because too few of their devices were free, and
     /// how many devices each has in all.
     pub nodes: BTreeMap<String, usize>,
@@ -130,11 +135,18 @@ impl Refusal {
             namespace: pod.metadata.namespace.clone().unwrap_or_default(),
             name: pod.metadata.name.clone().unwrap_or_default(),
             needed,
+            kind: 0,
             nodes,
             refused_at: Instant::now(),
             nudged: None,
             recovered,
         }
+    }
+
+    /// This refusal, for want of devices of the extender's kind `kind`.
+    pub fn of_kind(mut self, kind: usize) -> Refusal {
+        self.kind = kind;
+        self
     }
 
     /// Nudged since the last refusal, and recently enough that the
@@ -269,6 +281,7 @@ mod tests {
             namespace: "ml".into(),
             name: uid.into(),
             needed,
+            kind: 0,
             nodes: nodes.iter().map(|(n, d)| (n.to_string(), *d)).collect(),
             refused_at: now - Duration::from_millis(age_ms),
             nudged: None,

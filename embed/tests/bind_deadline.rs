@@ -132,6 +132,7 @@ async fn bind_while_the_quorum_goes() -> (Duration, String) {
             bind_deadline: BIND_DEADLINE,
             device_prefix: "gpu".into(),
             inventory_ttl: Duration::from_secs(30),
+            also_kinds: Vec::new(),
         },
     );
     let args = ExtenderBindingArgs {

@@ -20,7 +20,9 @@ use tether_client::proto as pb;
 use tether_client::{Client, Options};
 use tether_embed::accounting::{ClaimOwner, DeviceLedger};
 use tether_embed::device_view::{DeviceView, Pins, RESYNC};
-use tether_embed::inventory::{DeviceSource, Inventory, publish, published_inventories};
+use tether_embed::inventory::{
+    DeviceSource, INVENTORY_SET, Inventory, publish, published_inventories,
+};
 use tether_server::testing::Cluster;
 
 /// How soon the copy must follow a change: far below [`RESYNC`].
@@ -69,7 +71,7 @@ impl Rig {
     async fn publish(&self, node: &str, plugin_pod: &str, devices: &[&str]) {
         let source = DeviceSource::Fake(devices.iter().map(|d| d.to_string()).collect());
         let inventory = Inventory::read(&source).expect("fake devices");
-        publish(&self.client, node, plugin_pod, &inventory)
+        publish(&self.client, INVENTORY_SET, node, plugin_pod, &inventory)
             .await
             .expect("published");
     }
@@ -85,7 +87,7 @@ impl Rig {
                 "claims: the copy has {copy_claims:?}, Tether {claims:?}"
             ));
         }
-        let published = published_inventories(&self.client)
+        let published = published_inventories(&self.client, INVENTORY_SET)
             .await
             .expect("inventories");
         for (node, devices) in &published {

@@ -471,6 +471,8 @@ fn start_plugin(
         node: NODE.into(),
         scope: "gpu-bind".into(),
         resource_name: RESOURCE.into(),
+        claim_set: tether_embed::accounting::DEVICE_SET.into(),
+        inventory_set: tether_embed::inventory::INVENTORY_SET.into(),
         devices: devices.clone(),
         pod_uid: "device-plugin-pod".into(),
         allocate_deadline: DEADLINE,
@@ -744,10 +746,14 @@ impl Rig {
     /// devices.
     async fn wait_for_published(&self, what: &str, count: usize) {
         self.wait_for(what, async || {
-            tether_embed::inventory::published_inventory(&self.client, NODE)
-                .await
-                .unwrap()
-                .is_some_and(|devices| devices.len() == count)
+            tether_embed::inventory::published_inventory(
+                &self.client,
+                tether_embed::inventory::INVENTORY_SET,
+                NODE,
+            )
+            .await
+            .unwrap()
+            .is_some_and(|devices| devices.len() == count)
         })
         .await;
     }
@@ -1242,6 +1248,8 @@ async fn the_plugin_lists_its_devices_to_the_kubelet() {
         node: NODE.into(),
         scope: "gpu-bind".into(),
         resource_name: RESOURCE.into(),
+        claim_set: tether_embed::accounting::DEVICE_SET.into(),
+        inventory_set: tether_embed::inventory::INVENTORY_SET.into(),
         devices: DeviceSource::Fake(vec!["gpu0".into(), "gpu1".into()]),
         pod_uid: "device-plugin-pod".into(),
         allocate_deadline: DEADLINE,
@@ -1701,7 +1709,7 @@ async fn a_bind_abandoned_just_before_the_holder_releases_gives_the_node_to_the_
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn nvidia_gpus_are_planned_and_handed_over_by_uuid_and_a_lost_one_goes_to_no_pod() {
     use fixtures::{fall_off_the_bus, nvidia_node, uuid};
-    use tether_embed::inventory::published_inventory;
+    use tether_embed::inventory::{INVENTORY_SET, published_inventory};
     let host = nvidia_node("eight-gpus");
     let Some(rig) = Rig::start_real(
         "nvidia_gpus_are_planned_and_handed_over_by_uuid_and_a_lost_one_goes_to_no_pod",
@@ -1729,7 +1737,7 @@ async fn nvidia_gpus_are_planned_and_handed_over_by_uuid_and_a_lost_one_goes_to_
     .await;
     rig.wait_for_published("the plugin to publish the GPUs", 8)
         .await;
-    let published = published_inventory(&rig.client, NODE)
+    let published = published_inventory(&rig.client, INVENTORY_SET, NODE)
         .await
         .unwrap()
         .unwrap();
@@ -1805,7 +1813,7 @@ async fn nvidia_gpus_are_planned_and_handed_over_by_uuid_and_a_lost_one_goes_to_
         assert!(metrics.contains(line), "{line} in {metrics}");
     }
     rig.wait_for("the plugin to publish it unhealthy", async || {
-        published_inventory(&rig.client, NODE)
+        published_inventory(&rig.client, INVENTORY_SET, NODE)
             .await
             .unwrap()
             .is_some_and(|devices| devices.iter().any(|d| d.id == uuid(lost) && !d.healthy))
@@ -1874,10 +1882,10 @@ async fn a_plugin_socket_deleted_while_registering_is_served_again() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn published_devices_that_vanish_are_published_again() {
     use tether_embed::device_plugin::PUBLISHED_CHECK_EVERY;
-    use tether_embed::inventory::{inventory_key, published_inventory};
+    use tether_embed::inventory::{INVENTORY_SET, inventory_key, published_inventory};
     let rig = Rig::start_on_fake(DEADLINE).await;
     rig.wait_for("the plugin to publish its devices", async || {
-        published_inventory(&rig.client, NODE)
+        published_inventory(&rig.client, INVENTORY_SET, NODE)
             .await
             .unwrap()
             .is_some()
@@ -1885,7 +1893,7 @@ async fn published_devices_that_vanish_are_published_again() {
     .await;
     let released = rig
         .client
-        .release_pin(&inventory_key(NODE), "by hand")
+        .release_pin(&inventory_key(INVENTORY_SET, NODE), "by hand")
         .await
         .unwrap();
     assert!(released.is_some());

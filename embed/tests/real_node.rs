@@ -138,6 +138,8 @@ impl Rig {
                     node: NODE.into(),
                     scope: "gpu-bind".into(),
                     resource_name: RESOURCE.into(),
+                    claim_set: tether_embed::accounting::DEVICE_SET.into(),
+                    inventory_set: tether_embed::inventory::INVENTORY_SET.into(),
                     devices: match devices {
                         Devices::Nvidia => DeviceSource::Nvidia {
                             host_root: host.path().to_path_buf(),
@@ -993,7 +995,7 @@ async fn a_gpu_that_falls_off_the_bus_is_given_to_no_pod_by_the_real_kubelet() {
 /// to a free one (the host network is shared with the other tests).
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn the_device_plugin_image_runs_from_its_daemonset_manifest_on_a_real_node() {
-    use tether_embed::inventory::{inventory_key, published_inventory};
+    use tether_embed::inventory::{INVENTORY_SET, inventory_key, published_inventory};
     let test = "the_device_plugin_image_runs_from_its_daemonset_manifest_on_a_real_node";
     node_assets_or_skip(test);
     let Some(plane) = ControlPlane::start_or_skip(test).await else {
@@ -1110,7 +1112,7 @@ async fn the_device_plugin_image_runs_from_its_daemonset_manifest_on_a_real_node
             .and_then(|n| n.status?.allocatable?.get(RESOURCE).cloned())
             .map(|q| q.0)
             .unwrap_or_default();
-        let published = published_inventory(&client, NODE)
+        let published = published_inventory(&client, INVENTORY_SET, NODE)
             .await
             .ok()
             .flatten()
@@ -1127,7 +1129,11 @@ async fn the_device_plugin_image_runs_from_its_daemonset_manifest_on_a_real_node
         );
         tokio::time::sleep(Duration::from_millis(200)).await;
     }
-    let pin = client.get_pin(&inventory_key(NODE)).await.unwrap().unwrap();
+    let pin = client
+        .get_pin(&inventory_key(INVENTORY_SET, NODE))
+        .await
+        .unwrap()
+        .unwrap();
     assert_eq!(pin.pod_uid, uid, "owned by the plugin's pod (POD_UID)");
     let running = pods.get(&name).await.unwrap();
     assert_eq!(

@@ -147,6 +147,8 @@ impl Rig {
                     node: NODE.into(),
                     scope: "gpu-bind".into(),
                     resource_name: RESOURCE.into(),
+                    claim_set: tether_embed::accounting::DEVICE_SET.into(),
+                    inventory_set: tether_embed::inventory::INVENTORY_SET.into(),
                     devices: DeviceSource::Fake(device_ids),
                     pod_uid: "device-plugin-pod".into(),
                     allocate_deadline: DEADLINE,

@@ -85,6 +85,13 @@ async fn main() -> anyhow::Result<()> {
             tetherd,
             nodes: args.nodes,
             gpus: args.gpus,
+            // The two-kinds workload's nodes have as many of the second
+            // kind as GPUs; the others' have none.
+            npus: if args.workload == Workload::TwoKinds {
+                args.gpus
+            } else {
+                0
+            },
         },
     )
     .await?;

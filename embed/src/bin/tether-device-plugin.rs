@@ -24,6 +24,8 @@ async fn main() -> anyhow::Result<()> {
         node: args.node_name.clone(),
         scope: args.scope,
         resource_name: args.resource_name.clone(),
+        claim_set: args.claim_set.clone(),
+        inventory_set: args.inventory_set.clone(),
         devices: DeviceSource::parse(
             &args.devices,
             args.host_root.clone(),

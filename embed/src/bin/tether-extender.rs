@@ -22,7 +22,7 @@ async fn main() -> anyhow::Result<()> {
         anyhow::anyhow!("cannot reach the Kubernetes API (in-cluster config or KUBECONFIG): {e}")
     })?;
     let client = args.tether.client(Options::default())?;
-    let config = args.extender_config();
+    let config = args.extender_config().map_err(anyhow::Error::msg)?;
     let ledger = DeviceLedger::new(client.clone(), DEFAULT_LIFETIME);
     let extender = Arc::new(Extender::new(client, ledger, KubeBinder::new(kube), config));
     // Before the port opens: a SIGTERM from then on stops the server.

@@ -100,6 +100,7 @@ pub fn extender_config(wait: Duration) -> ExtenderConfig {
         bind_deadline: DEADLINE,
         device_prefix: "gpu".into(),
         inventory_ttl: Duration::from_secs(30),
+        also_kinds: Vec::new(),
     }
 }
 
