@@ -19,6 +19,13 @@
 //! plugin published none (an older plugin), `<prefix>0..N` with N its
 //! allocatable count of the resource, as before.
 //!
+//! Each further device kind (`--also-kind`, [`crate::kind`]) has a lock,
+//! claims and plugin of its own: a pod asking for several kinds takes each
+//! kind's `<scope>/<node>` in the order of the scopes' names, with that
+//! kind's calls as payload, then claims each kind's devices; a failure at
+//! any step gives back everything taken. The filter judges every kind the
+//! pod asks for.
+//!
 //! A retried bind of the same pod is idempotent: the claim and the hold of
 //! the same UID come back unchanged, and a pod the API already shows bound
 //! to the node (an earlier attempt got through) is reported bound, never

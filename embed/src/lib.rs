@@ -28,6 +28,9 @@
 //!   for want of devices, once devices free up on their nodes.
 //! - [`plan`]: the device plan carried as the hold's payload.
 //! - [`metrics`]: what both count, for `/metrics`.
+//! - [`kind`]: device kinds: a node may carry several, each with its own
+//!   node lock, claims and plugin; a pod asking for two takes both locks
+//!   in one order (HAMi-core #246).
 //! - [`inventory`]: the devices the plugin advertises (`--devices nvidia`
 //!   or `fake:N`), their health and topology, and what a container gets.
 //! - [`nvidia`]: a node's NVIDIA GPUs read under its host root: device
@@ -36,7 +39,8 @@
 //!
 //! # Layout
 //! - `extender.rs`, `device_view.rs`, `requeue.rs`, `device_plugin.rs`,
-//!   `kubelet.rs`, `accounting.rs`, `plan.rs`, `metrics.rs`, `inventory.rs`, `nvidia.rs` — the logic above.
+//!   `kubelet.rs`, `accounting.rs`, `plan.rs`, `metrics.rs`, `inventory.rs`, `kind.rs`,
+//!   `nvidia.rs` — the logic above.
 //! - `bin/tether-extender.rs`, `bin/tether-device-plugin.rs` — the binaries.
 
 pub mod accounting;
