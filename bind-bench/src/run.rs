@@ -25,6 +25,8 @@ use crate::world::{POD_LABEL, RESOURCE, SCHEDULER_NAME, SECOND_RESOURCE, World};
 /// Pod creations sent at once (the admin's client has no rate limit; a
 /// burst is created as fast as the API server takes it).
 const CREATES_IN_FLIGHT: usize = 32;
+/// How long the replicas' idle CPU is measured before each run.
+pub const IDLE_SAMPLE: Duration = Duration::from_secs(5);
 /// How often progress is sampled (the chart's resolution).
 const SAMPLE_EVERY: Duration = Duration::from_millis(100);
 
@@ -172,6 +174,15 @@ pub struct Report {
     pub api_requests: f64,
     /// CPU seconds the 3 replicas used during the run, together.
     pub replica_cpu_seconds: f64,
+    /// From the first create until the pods were settled (or the deadline).
+    pub run_time: Duration,
+    /// The replicas' CPU, in cores together, over [`IDLE_SAMPLE`] before
+    /// the run with nothing asked of them (heartbeats, the copies and
+    /// watches that follow Tether).
+    pub replica_idle_cores: f64,
+    /// After the run, while its pods were deleted and Tether ended their
+    /// claims: how long that took, and the replicas' CPU seconds in it.
+    pub ending: (Duration, f64),
     /// Each replica's resident memory at the end, MiB.
     pub replica_rss_mib: Vec<f64>,
     /// Devices given to two live pods of one node at once.
@@ -218,6 +229,16 @@ pub struct ChurnSummary {
 }
 
 impl Report {
+    /// The replicas' CPU per pod over the pods' whole life (the run, and
+    /// the end of their claims after it) less what the replicas' idle rate
+    /// would have used in that time, in ms.
+    pub fn replica_ms_per_pod_less_idle(&self) -> f64 {
+        let (ending, ending_cpu) = self.ending;
+        let span = self.run_time.as_secs_f64() + ending.as_secs_f64();
+        let busy = self.replica_cpu_seconds + ending_cpu - self.replica_idle_cores * span;
+        busy * 1000.0 / self.pods.max(1) as f64
+    }
+
     /// Pods bound per second over the whole burst.
     pub fn pods_per_second(&self) -> Option<f64> {
         self.all_bound
@@ -289,6 +310,19 @@ impl Report {
             self.api_requests,
             self.api_requests / self.pods.max(1) as f64
         );
+        let (ending, ending_cpu) = self.ending;
+        // Only Tether's runs use the replicas (the comparators' leave them
+        // idle but for what follows Tether).
+        if self.tether_filter.is_some() {
+            out += &format!(
+                "  replicas' CPU        idle {:.3} cores before the run; ending the pods' claims after \
+             it {:.2} s of CPU in {:.1} s; per pod, its whole life less the idle rate, {:.2} ms\n",
+                self.replica_idle_cores,
+                ending_cpu,
+                ending.as_secs_f64(),
+                self.replica_ms_per_pod_less_idle()
+            );
+        }
         out += &format!(
             "  replicas' CPU        {:.2} s ({:.2} ms per pod); RSS {} MiB\n",
             self.replica_cpu_seconds,
@@ -627,7 +661,14 @@ pub async fn run(world: &World, system: System, options: &RunOptions) -> anyhow:
     };
 
     let pids = world.replica_pids();
-    let cpu_before: f64 = pids.iter().filter_map(|p| cpu_seconds(*p)).sum();
+    let replica_cpu = || pids.iter().filter_map(|p| cpu_seconds(*p)).sum::<f64>();
+    // The replicas' rate with nothing asked of them: the window is the
+    // measurement, not a wait for something.
+    let (idle_from, idle_started) = (replica_cpu(), Instant::now());
+    tokio::time::sleep(IDLE_SAMPLE).await;
+    let replica_idle_cores =
+        (replica_cpu() - idle_from) / idle_started.elapsed().as_secs_f64().max(0.001);
+    let cpu_before = replica_cpu();
     let processes = world.process_pids();
     let process_cpu = || {
         processes
@@ -700,7 +741,8 @@ pub async fn run(world: &World, system: System, options: &RunOptions) -> anyhow:
         let seconds = (filter_after.0 - filter_before.0) / filter_calls.max(1.0);
         (filter_calls, Duration::from_secs_f64(seconds.max(0.0)))
     });
-    let cpu_after: f64 = pids.iter().filter_map(|p| cpu_seconds(*p)).sum();
+    let cpu_after = replica_cpu();
+    let run_time = started.elapsed();
     let mut cpu_by_process: Vec<(&'static str, f64)> = Vec::new();
     for ((name, after), (_, before)) in process_cpu().into_iter().zip(process_cpu_before) {
         match cpu_by_process.iter_mut().find(|(n, _)| *n == name) {
@@ -749,7 +791,7 @@ pub async fn run(world: &World, system: System, options: &RunOptions) -> anyhow:
         .into_iter()
         .filter(|(k, _)| k.starts_with(&format!("{namespace}/")))
         .collect();
-    let report = Report {
+    let mut report = Report {
         system: system.name().to_string(),
         workload: workload.name().to_string(),
         nodes,
@@ -767,6 +809,9 @@ pub async fn run(world: &World, system: System, options: &RunOptions) -> anyhow:
         },
         api_requests: requests_after - requests_before,
         replica_cpu_seconds: cpu_after - cpu_before,
+        replica_idle_cores,
+        ending: (Duration::ZERO, 0.0),
+        run_time,
         cpu_by_process,
         tether_calls_per_pod,
         log_entries_per_pod,
@@ -785,7 +830,9 @@ pub async fn run(world: &World, system: System, options: &RunOptions) -> anyhow:
         failed_deleted,
         bound_over_time,
     };
+    let ending_started = Instant::now();
     world.clear(&namespace).await?;
+    report.ending = (ending_started.elapsed(), replica_cpu() - cpu_after);
     Ok(report)
 }
 

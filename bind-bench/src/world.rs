@@ -83,6 +83,10 @@ pub struct World {
     tether_extender_metrics: Arc<Extender<KubeBinder>>,
     /// A comparator's extender, while its system is in use.
     comparator: Option<JoinHandle<()>>,
+    /// A client of the replicas, for what the bench reads of Tether itself.
+    tether_reader: Client,
+    /// The claim sets of the device kinds in use.
+    claim_sets: Vec<String>,
     gpus: usize,
     tasks: Vec<JoinHandle<()>>,
     dir: tempfile::TempDir,
@@ -117,6 +121,14 @@ impl World {
             flags.push(format!("{SECOND_RESOURCE}={SECOND_PREFIX}"));
         }
         let args = ExtenderArgs::try_parse_from(flags)?;
+        let world_endpoints = tether.endpoints.clone();
+        let extender_claim_sets: Vec<String> = args
+            .extender_config()
+            .map_err(anyhow::Error::msg)?
+            .kinds()
+            .into_iter()
+            .map(|kind| kind.claim_set)
+            .collect();
         let extender_kube = plane
             .client_as_service_account(SYSTEM, "tether-extender")
             .await;
@@ -186,6 +198,8 @@ impl World {
             tether_extender: extender_addr,
             tether_extender_metrics: extender,
             comparator: None,
+            tether_reader: tether_client(&world_endpoints)?,
+            claim_sets: extender_claim_sets,
             gpus: options.gpus,
             tasks,
             dir,
@@ -316,7 +330,10 @@ impl World {
 
     /// Deletes every pod of `namespace` at once (no grace: no kubelet is
     /// there to confirm), and waits until the nodes have seen them go and
-    /// taken their devices back.
+    /// taken their devices back, and Tether has ended every device claim
+    /// (the bridge's reports of the pods, the claims' end at the leader's
+    /// sweep): the next run starts on quiet replicas, and what ending a
+    /// run's pods costs Tether is counted with that run.
     pub async fn clear(&self, namespace: &str) -> anyhow::Result<()> {
         let pods: Api<Pod> = Api::namespaced(self.admin.clone(), namespace);
         pods.delete_collection(
@@ -330,15 +347,26 @@ impl World {
         let deadline = std::time::Instant::now() + SETTLE;
         loop {
             let left = pods.list(&ListParams::default()).await?.items.len();
-            if left == 0 && self.fleet.all_forgotten(namespace).await {
+            let claims = self.claims_left().await?;
+            if left == 0 && claims == 0 && self.fleet.all_forgotten(namespace).await {
                 return Ok(());
             }
             anyhow::ensure!(
                 std::time::Instant::now() < deadline,
-                "{left} pods of {namespace} still there after {SETTLE:?}"
+                "{left} pods of {namespace} and {claims} device claims in Tether still there \
+                 after {SETTLE:?}"
             );
             tokio::time::sleep(Duration::from_millis(50)).await;
         }
+    }
+
+    /// How many device claims Tether still has, of every kind.
+    async fn claims_left(&self) -> anyhow::Result<usize> {
+        let mut left = 0;
+        for set in &self.claim_sets {
+            left += self.tether_reader.list_pins(set, "").await?.len();
+        }
+        Ok(left)
     }
 
     /// The replicas' process ids (for their CPU and memory).
