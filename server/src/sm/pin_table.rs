@@ -159,6 +159,12 @@ impl PinTable {
         self.indexed(self.by_pod.get(pod_uid))
     }
 
+    /// The UIDs of the pods that own pins ("" if any pin has no owner), in
+    /// order, from the index: no pin is looked at.
+    pub fn owners(&self) -> impl Iterator<Item = &String> {
+        self.by_pod.keys()
+    }
+
     fn indexed<'a>(
         &'a self,
         keys: Option<&'a BTreeSet<PinKey>>,

@@ -2309,6 +2309,13 @@ fn property_rounds(base_seed: u64, rounds: u64) -> Reached {
                 &response,
                 &format!("seed {seed} entry {}", m.index),
             );
+            assert_eq!(
+                unreferenced_pods(&m.state),
+                unreferenced_pods_by_collecting(&m.state),
+                "seed {seed} entry {}: the walk over the pin owners' index and the \
+                 collection of every pin's owner name different pods",
+                m.index
+            );
             if matches!(command, Command::Sweep(_)) {
                 // One that applied (not a retry answered from the table, nor
                 // a refused reuse of an id).
@@ -2610,4 +2617,22 @@ fn pin_labels_are_stored_exactly_as_the_map_they_replaced() {
     let keys: Vec<&str> = labels.iter().map(|(k, _)| k.as_str()).collect();
     assert_eq!(keys, ["app", "zone"]);
     assert_eq!((labels.len(), Labels::default().is_empty()), (2, true));
+}
+
+/// [`unreferenced_pods`] as it was written before the pin table's index of
+/// owners was walked instead: every hold's, wait's and pin's pod collected
+/// into one set.
+fn unreferenced_pods_by_collecting(state: &State) -> Vec<String> {
+    let mut named: std::collections::BTreeSet<&str> = std::collections::BTreeSet::new();
+    for lock in state.locks.values() {
+        named.extend(lock.holder.iter().map(|h| h.pod.uid.as_str()));
+        named.extend(lock.waiters.iter().map(|w| w.pod.uid.as_str()));
+    }
+    named.extend(state.pins.values().map(|p| p.pod_uid.as_str()));
+    state
+        .pods
+        .keys()
+        .filter(|uid| !named.contains(uid.as_str()))
+        .cloned()
+        .collect()
 }
