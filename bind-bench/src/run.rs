@@ -399,6 +399,35 @@ async fn api_requests(admin: &kube::Client) -> anyhow::Result<f64> {
 /// replica's `tether_requests_total`, all results, together), and the
 /// highest replica's last log index. A replica that does not answer counts
 /// nothing.
+/// Waits until Tether's log has not moved for [`QUIET_FOR`] (up to
+/// [`QUIET_WAIT`]; false if it still moved then): what the world's set-up
+/// or the last run left to apply (the bridge's reports of a thousand new
+/// nodes, the end of a run's pods) is applied before the replicas' idle
+/// CPU is measured and the run starts. At 1,000 nodes the set-up's node
+/// reports went on for seconds after the nodes were registered, and were
+/// counted as the first run's.
+async fn wait_quiet(world: &World) -> bool {
+    let deadline = Instant::now() + QUIET_WAIT;
+    let mut last = tether_counts(world).1;
+    let mut still_since = Instant::now();
+    while Instant::now() < deadline {
+        tokio::time::sleep(QUIET_POLL).await;
+        let now = tether_counts(world).1;
+        if now != last {
+            (last, still_since) = (now, Instant::now());
+        } else if still_since.elapsed() >= QUIET_FOR {
+            return true;
+        }
+    }
+    false
+}
+
+/// How long Tether's log must stay still to count as quiet, how often it
+/// is looked at, and the longest wait for it.
+const QUIET_FOR: Duration = Duration::from_secs(1);
+const QUIET_POLL: Duration = Duration::from_millis(200);
+const QUIET_WAIT: Duration = Duration::from_secs(60);
+
 fn tether_counts(world: &World) -> (BTreeMap<String, f64>, f64) {
     let mut calls: BTreeMap<String, f64> = BTreeMap::new();
     let mut last_log = 0.0_f64;
@@ -660,6 +689,11 @@ pub async fn run(world: &World, system: System, options: &RunOptions) -> anyhow:
         None
     };
 
+    if !wait_quiet(world).await {
+        tracing::warn!(
+            "Tether's log still moved {QUIET_WAIT:?} after the run's start; the idle CPU is not idle"
+        );
+    }
     let pids = world.replica_pids();
     let replica_cpu = || pids.iter().filter_map(|p| cpu_seconds(*p)).sum::<f64>();
     // The replicas' rate with nothing asked of them: the window is the
