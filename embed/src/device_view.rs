@@ -712,6 +712,71 @@ mod tests {
         )
     }
 
+    /// `pin` moved to `set`.
+    fn in_set(set: &str, mut pin: pb::Pin) -> pb::Pin {
+        if let Some(key) = pin.key.as_mut() {
+            key.set = set.into();
+        }
+        pin
+    }
+
+    #[test]
+    fn a_second_kinds_copy_reads_its_own_sets_and_no_other() {
+        let npu = Sets {
+            claims: "npu-devices".into(),
+            inventory: "npu-inventory".into(),
+        };
+        let pins = Pins::from_list_of(
+            npu.clone(),
+            [
+                in_set(
+                    "npu-devices",
+                    claim("n1", "a", &["npu0"], pb::OwnerState::OwnerRunning),
+                ),
+                in_set("npu-inventory", inventory("n1", &["npu0", "npu1"])),
+                // The first kind's pins, were a list to answer them.
+                claim("n1", "b", &["gpu0"], pb::OwnerState::OwnerRunning),
+                inventory("n1", &["gpu0"]),
+            ]
+            .into_iter()
+            .map(|pin| {
+                let key = pin.key.clone().unwrap();
+                (key.set, key.member, pin)
+            }),
+            BTreeSet::new(),
+        );
+        assert_eq!(
+            pins.live_claims("n1"),
+            BTreeMap::from([("npu0".to_string(), "a".to_string())])
+        );
+        assert_eq!(
+            pins.healthy("n1"),
+            Some(&["npu0".to_string(), "npu1".to_string()][..])
+        );
+        // Events about the first kind's pins touch nothing here; its own
+        // sets' do.
+        assert_eq!(
+            touched(
+                &event("PinReleased", "pin/gpu-devices/b", "n1"),
+                &pins,
+                &none()
+            ),
+            nodes(&[])
+        );
+        assert_eq!(
+            touched(
+                &event("PinReleased", "pin/npu-devices/a", "n1"),
+                &pins,
+                &none()
+            ),
+            nodes(&[("npu-devices", "n1")])
+        );
+        assert_eq!(
+            touched(&reported("a", "Gone"), &pins, &none()),
+            nodes(&[("npu-devices", "n1")])
+        );
+    }
+
     #[test]
     fn live_claims_leave_out_stopped_pods_and_published_devices_come_from_the_inventory() {
         let pins = listed(vec![

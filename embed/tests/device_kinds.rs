@@ -185,6 +185,15 @@ async fn holder(client: &Client, scope: &str) -> Option<String> {
         .and_then(|hold| hold.pod.map(|pod| pod.uid))
 }
 
+/// The pod `uid`'s claim of `kind`: its node and devices.
+async fn claim_of(client: &Client, kind: &DeviceKind, uid: &str) -> Option<(String, Vec<String>)> {
+    DeviceLedger::new(client.clone(), DEFAULT_LIFETIME)
+        .in_set(&kind.claim_set)
+        .claim_of(uid)
+        .await
+        .expect("a claim read")
+}
+
 /// The kubelet's `Allocate` of `devices` for one container.
 async fn allocate(plugin: &GpuPlugin, devices: &[&str]) -> Result<(), String> {
     plugin
@@ -212,16 +221,11 @@ async fn a_pod_of_two_kinds_holds_each_kinds_lock_and_each_plugin_releases_its_o
     // Both of the node's locks, for the pod; a claim in each kind's set.
     assert_eq!(holder(&client, "gpu-bind").await.as_deref(), Some("uid-a"));
     assert_eq!(holder(&client, "npu-bind").await.as_deref(), Some("uid-a"));
-    let gpu_claim = DeviceLedger::new(client.clone(), DEFAULT_LIFETIME)
-        .claim_of("uid-a")
+    let gpu_claim = claim_of(&client, &first, "uid-a")
         .await
-        .expect("a claim read")
         .expect("a GPU claim");
-    let npu_claim = DeviceLedger::new(client.clone(), DEFAULT_LIFETIME)
-        .in_set(&second.claim_set)
-        .claim_of("uid-a")
+    let npu_claim = claim_of(&client, &second, "uid-a")
         .await
-        .expect("a claim read")
         .expect("a claim of the second kind");
     assert_eq!(gpu_claim.0, NODE);
     assert_eq!(gpu_claim.1.len(), 1);
@@ -265,20 +269,16 @@ async fn a_bind_whose_second_kind_is_taken_gives_back_the_first_kinds_lock_and_c
             .error,
         ""
     );
-    let (_, a_gpus) = DeviceLedger::new(client.clone(), DEFAULT_LIFETIME)
-        .claim_of("uid-a")
+    let gpu = DeviceKind::first(GPU, "gpu-bind", "gpu");
+    let (_, a_gpus) = claim_of(&client, &gpu, "uid-a")
         .await
-        .expect("a claim read")
         .expect("a's GPU claim");
     allocate(&plugin(&client, &second, NPUS), &["npu0"])
         .await
         .expect("a's second-kind Allocate");
-    allocate(
-        &plugin(&client, &DeviceKind::first(GPU, "gpu-bind", "gpu"), GPUS),
-        &[&a_gpus[0]],
-    )
-    .await
-    .expect("a's GPU Allocate");
+    allocate(&plugin(&client, &gpu, GPUS), &[&a_gpus[0]])
+        .await
+        .expect("a's GPU Allocate");
 
     // The filter refuses the node for pod b, for the kind it lacks.
     let filtered = extender
@@ -303,10 +303,10 @@ async fn a_bind_whose_second_kind_is_taken_gives_back_the_first_kinds_lock_and_c
     assert!(answer.error.contains(NPU), "{}", answer.error);
     assert_eq!(holder(&client, "gpu-bind").await, None);
     assert_eq!(holder(&client, "npu-bind").await, None);
-    let b_gpu = DeviceLedger::new(client.clone(), DEFAULT_LIFETIME)
-        .claim_of("uid-b")
-        .await
-        .expect("a claim read");
-    assert_eq!(b_gpu, None, "the failed bind kept its GPU claim");
+    assert_eq!(
+        claim_of(&client, &gpu, "uid-b").await,
+        None,
+        "the failed bind kept its GPU claim"
+    );
     cluster.shutdown().await;
 }
