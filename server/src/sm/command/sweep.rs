@@ -72,12 +72,13 @@ pub fn any_unreferenced_pod(state: &State) -> bool {
 /// The pods of [`unreferenced_pods`], in UID order. The pods and the pin
 /// table's index of owners are both in UID order, and are walked side by
 /// side, rather than every pin's owner collected into a set: the sweeper
-/// asks this of the whole state every sweep
-/// interval and after each pod stop, and at 1,000 GPU nodes (8,000 claims)
-/// collecting them made an idle leader spend a quarter of a core, and
-/// ending 8,000 pods cost the replicas 6 ms of CPU each (`tether-bind-bench`,
-/// 2026-12-05, build of f59693d; `perf` put string comparisons and tree
-/// inserts under this function and `Sweep::apply` on top of the profile).
+/// asks this of the whole state every sweep interval and after each pod
+/// stop, and with 8,000 pods holding claims (1,000 GPU nodes) the
+/// collection put string comparisons and tree inserts at a third of the
+/// replicas' CPU samples over a burst and the end of its pods
+/// (`tether-bind-bench` under `perf`, 2026-12-05, build of f59693d), and
+/// ending the 8,000 claims cost the replicas 47.7 s of CPU (26–29 s with
+/// the walk).
 fn unreferenced(state: &State) -> impl Iterator<Item = &String> {
     // Holders and waiters: one set, as a lock names few pods.
     let mut named: std::collections::BTreeSet<&str> = std::collections::BTreeSet::new();
