@@ -787,16 +787,8 @@ impl<B: Binder> Extender<B> {
         }
         let tokens: Vec<u64> = holds.iter().map(|held| held.token()).collect();
         if scheduler.is_gone() {
-            for held in holds {
-                let token = held.token();
-                if let Err(err) = unbounded(held.release(Outcome::Failed)).await {
-                    tracing::error!(pod_uid = args.pod_uid, node = args.node, token, %err, "release after the scheduler left failed; the hold timeout or a pod revoke will free it");
-                }
-            }
-            for (kind, _) in claimed {
-                self.release_claim(kind, args, "the scheduler gave up on the bind")
-                    .await;
-            }
+            self.undo(args, holds, &claimed, "the scheduler gave up on the bind")
+                .await;
             return Err(format!(
                 "the scheduler gave up on binding {who} before the binding call; nothing was kept"
             ));
@@ -819,19 +811,32 @@ impl<B: Binder> Extender<B> {
                 ));
             }
             // Unreserve: give the node to the next waiter at once.
-            for held in holds {
-                let token = held.token();
-                if let Err(err) = unbounded(held.release(Outcome::Failed)).await {
-                    tracing::error!(pod_uid = args.pod_uid, node = args.node, token, %err, "release after a failed bind failed; the hold timeout or a pod revoke will free it");
-                }
-            }
-            for (kind, _) in claimed {
-                self.release_claim(kind, args, "the bind failed").await;
-            }
+            self.undo(args, holds, &claimed, "the bind failed").await;
             return Err(error);
         }
         let devices: Vec<&String> = claimed.iter().flat_map(|(_, d)| d).collect();
         Ok(format!("bound with devices {devices:?}; {kept}"))
+    }
+
+    /// Undoes a bind that got its locks and claims but will not bind: each
+    /// hold released with outcome `failed`, then each claim, whatever it
+    /// takes (not cut short by the bind's deadline).
+    async fn undo(
+        &self,
+        args: &ExtenderBindingArgs,
+        holds: Vec<Held>,
+        claimed: &[(&Kind, Vec<String>)],
+        reason: &str,
+    ) {
+        for held in holds {
+            let token = held.token();
+            if let Err(err) = unbounded(held.release(Outcome::Failed)).await {
+                tracing::error!(pod_uid = args.pod_uid, node = args.node, token, reason, %err, "release failed; the hold timeout or a pod revoke will free it");
+            }
+        }
+        for (kind, _) in claimed {
+            self.release_claim(kind, args, reason).await;
+        }
     }
 
     /// Gives back the holds a bind took before it failed, with outcome
