@@ -1,12 +1,19 @@
-//! Finding the control-plane binaries and unpacking them once.
+//! Finding the binaries of a real control plane and node.
 //!
-//! The assets are the xz-compressed binaries of `../shared/kube` (or the
-//! directory `TETHER_KUBE_ASSETS` names) with their `SHA256SUMS`. They are
-//! unpacked into the build cache (`<target>/kube-assets/<digest of
-//! SHA256SUMS>/`), each checked against its sum, so every later test run
-//! (and every fresh clone sharing the cache) starts them at once. A binary
-//! is renamed into place only after its sum matched, so a run that died
-//! halfway leaves nothing that looks unpacked.
+//! Two sources:
+//! - **Kubernetes** (`kube-apiserver`, `kube-scheduler`,
+//!   `kube-controller-manager`, `kubelet`), built by `./dev` from the Go
+//!   module proxy (the wrapper module in `kubernetes/` beside this crate)
+//!   into the build cache, `~/.cache/tether/kubernetes-<version>/`, or the
+//!   directory `TETHER_KUBE_BIN` names. Used where they are.
+//! - **The rest** (etcd, containerd and its shim, `ctr`, runc, the CNI
+//!   plugins, the node images), Debian's, xz-compressed in `../shared/kube`
+//!   (or the directory `TETHER_KUBE_ASSETS` names) with their `SHA256SUMS`.
+//!   They are unpacked into the build cache (`<target>/kube-assets/<digest
+//!   of SHA256SUMS>/`), each checked against its sum, so every later test
+//!   run (and every fresh clone sharing the cache) starts them at once. A
+//!   binary is renamed into place only after its sum matched, so a run
+//!   that died halfway leaves nothing that looks unpacked.
 
 use std::io::Write;
 use std::path::{Path, PathBuf};
@@ -18,12 +25,28 @@ use anyhow::{Context, bail};
 /// The environment variable that names the assets' directory.
 pub const ASSETS_VAR: &str = "TETHER_KUBE_ASSETS";
 
+/// The environment variable that names the directory of the Kubernetes
+/// binaries `./dev` built (it sets it; the default is the same place).
+pub const KUBE_BIN_VAR: &str = "TETHER_KUBE_BIN";
+
+/// The Kubernetes release the tests run (`./dev`'s `KUBERNETES_VERSION`,
+/// the wrapper module's `k8s.io/kubernetes` requirement).
+pub const KUBERNETES_VERSION: &str = "v1.36.3";
+
+/// The Kubernetes binaries, from [`kube_bin_dir`].
+const KUBERNETES: [&str; 4] = [
+    "kube-apiserver",
+    "kube-scheduler",
+    "kube-controller-manager",
+    "kubelet",
+];
+
 /// The file `./dev test` sets in this variable collects one line per test
 /// skipped for want of assets, so it can count them.
 pub const SKIP_LOG_VAR: &str = "TETHER_KUBE_SKIP_LOG";
 
 /// The binaries a control plane is made of.
-const BINARIES: [&str; 4] = [
+const CONTROL_PLANE: [&str; 4] = [
     "etcd",
     "kube-apiserver",
     "kube-scheduler",
@@ -45,18 +68,52 @@ const NODE_FILES: [&str; 9] = [
     "node-images.tar",
 ];
 
-/// Unpacked, checked control-plane binaries.
+/// Unpacked, checked binaries and the built Kubernetes ones.
 #[derive(Debug)]
 pub struct Assets {
     /// Where the unpacked binaries are.
     pub bin_dir: PathBuf,
+    /// Where the Kubernetes binaries are.
+    pub kube_dir: PathBuf,
 }
 
 impl Assets {
-    /// The path of one unpacked binary (`etcd`, `kube-apiserver`, ...).
+    /// The path of one binary (`etcd`, `kube-apiserver`, ...).
     pub fn binary(&self, name: &str) -> PathBuf {
-        self.bin_dir.join(name)
+        if KUBERNETES.contains(&name) {
+            self.kube_dir.join(name)
+        } else {
+            self.bin_dir.join(name)
+        }
     }
+}
+
+/// Where the Kubernetes binaries are looked for.
+pub fn kube_bin_dir() -> PathBuf {
+    match std::env::var_os(KUBE_BIN_VAR) {
+        Some(dir) => PathBuf::from(dir),
+        None => {
+            let home = std::env::var_os("HOME").unwrap_or_else(|| "/root".into());
+            Path::new(&home)
+                .join(".cache/tether")
+                .join(format!("kubernetes-{KUBERNETES_VERSION}"))
+        }
+    }
+}
+
+/// The Kubernetes binaries among `names` exist in [`kube_bin_dir`].
+fn check_kubernetes(names: &[&str]) -> anyhow::Result<PathBuf> {
+    let dir = kube_bin_dir();
+    for name in names.iter().filter(|n| KUBERNETES.contains(n)) {
+        if !dir.join(name).is_file() {
+            bail!(
+                "no {name} in {} (./dev test builds Kubernetes {KUBERNETES_VERSION} there from \
+                 the Go module proxy; or set {KUBE_BIN_VAR})",
+                dir.display()
+            );
+        }
+    }
+    Ok(dir)
 }
 
 /// Where the compressed assets are looked for.
@@ -73,7 +130,7 @@ pub fn source_dir() -> PathBuf {
 pub fn assets() -> Result<&'static Assets, String> {
     static ASSETS: OnceLock<Result<Assets, String>> = OnceLock::new();
     ASSETS
-        .get_or_init(|| unpack(&source_dir(), &BINARIES).map_err(|e| format!("{e:#}")))
+        .get_or_init(|| unpack(&source_dir(), &CONTROL_PLANE).map_err(|e| format!("{e:#}")))
         .as_ref()
         .map_err(Clone::clone)
 }
@@ -95,9 +152,10 @@ pub fn node_assets_or_skip(test: &str) -> Option<&'static Assets> {
         Ok(assets) => Some(assets),
         Err(why) => {
             let why = format!(
-                "{test}: no real Kubernetes node ({why}); set {ASSETS_VAR} to a directory \
-                 holding kubelet.xz, containerd.xz, containerd-shim-runc-v2.xz, ctr.xz, runc.xz, \
-                 cni-*.xz, node-images.tar.xz and SHA256SUMS"
+                "{test}: no real Kubernetes node ({why}); ./dev test builds the kubelet, and \
+                 {ASSETS_VAR} names a directory holding containerd.xz, \
+                 containerd-shim-runc-v2.xz, ctr.xz, runc.xz, cni-*.xz, node-images.tar.xz and \
+                 SHA256SUMS (../shared/kube by default)"
             );
             if std::env::var("CI").is_ok_and(|v| v == "true") {
                 panic!("{why} (CI=true: missing assets are a failure, not a skip)");
@@ -116,9 +174,9 @@ pub fn assets_or_skip(test: &str) -> Option<&'static Assets> {
         Ok(assets) => Some(assets),
         Err(why) => {
             let why = format!(
-                "{test}: no real Kubernetes binaries ({why}); set {ASSETS_VAR} to a directory \
-                 holding etcd.xz, kube-apiserver.xz, kube-scheduler.xz, kube-controller-manager.xz \
-                 and SHA256SUMS"
+                "{test}: no real Kubernetes control plane ({why}); ./dev test builds \
+                 Kubernetes, and {ASSETS_VAR} names a directory holding etcd.xz and SHA256SUMS \
+                 (../shared/kube by default)"
             );
             if std::env::var("CI").is_ok_and(|v| v == "true") {
                 panic!("{why} (CI=true: missing assets are a failure, not a skip)");
@@ -157,6 +215,7 @@ fn target_dir() -> anyhow::Result<PathBuf> {
 }
 
 fn unpack(source: &Path, names: &[&str]) -> anyhow::Result<Assets> {
+    let kube_dir = check_kubernetes(names)?;
     let sums_path = source.join("SHA256SUMS");
     let sums = std::fs::read_to_string(&sums_path)
         .with_context(|| format!("cannot read {}", sums_path.display()))?;
@@ -164,7 +223,7 @@ fn unpack(source: &Path, names: &[&str]) -> anyhow::Result<Assets> {
     let bin_dir = target_dir()?.join("kube-assets").join(&digest[..16]);
     std::fs::create_dir_all(&bin_dir)
         .with_context(|| format!("cannot create {}", bin_dir.display()))?;
-    for &name in names {
+    for &name in names.iter().filter(|n| !KUBERNETES.contains(n)) {
         let target = bin_dir.join(name);
         if target.exists() {
             continue;
@@ -203,7 +262,7 @@ fn unpack(source: &Path, names: &[&str]) -> anyhow::Result<Assets> {
         set_executable(&partial)?;
         std::fs::rename(&partial, &target)?;
     }
-    Ok(Assets { bin_dir })
+    Ok(Assets { bin_dir, kube_dir })
 }
 
 fn sha256_of_file(path: &Path) -> anyhow::Result<ring::digest::Digest> {

@@ -1,10 +1,11 @@
 //! `tether-kube-testenv`: real Kubernetes control planes for tests, started
-//! from the binaries in `../shared/kube` the way controller-runtime's envtest
-//! starts its assets.
+//! from Kubernetes binaries `./dev` builds from the Go module proxy and the
+//! Debian-built parts in `../shared/kube`, the way controller-runtime's
+//! envtest starts its assets.
 //!
 //! A test asks for a plane and gets `None` (reported as skipped, one loud
-//! line naming `TETHER_KUBE_ASSETS`) on a machine without the assets; under
-//! `CI=true` that is a failure instead:
+//! line saying what is missing) on a machine without them; under `CI=true`
+//! that is a failure instead:
 //!
 //! ```no_run
 //! # async fn example() {
@@ -18,8 +19,9 @@
 //! # Layout
 //! - `apply.rs` — manifest objects of any kind applied (or dry-run) by
 //!   server-side apply with strict validation.
-//! - `assets.rs` — finding the compressed binaries, unpacking and checking
-//!   them once into the build cache, reporting skips.
+//! - `assets.rs` — finding the built Kubernetes binaries and the compressed
+//!   Debian ones, unpacking and checking those once into the build cache,
+//!   reporting skips.
 //! - `process.rs` — child processes that die with the test process (a
 //!   watchdog beside each), killed on drop: the control plane's, and the
 //!   `tetherd` replicas of the server's process tests and the chaos
@@ -33,9 +35,10 @@
 //! - `gpu_manifests.rs` — `deploy/optional/gpu` read as deployed: the
 //!   RBAC of the extender, the bridge and the scheduler, and the
 //!   scheduler's configuration pointed at a test's extender.
-//! - `lazyfs.rs` — directories on LazyFS, which loses every write not
-//!   fsynced when its cache is cleared (a power cut), each mount in a
-//!   mount namespace of its own. Without the `control-plane` feature too.
+//! - `lazyfs.rs` — directories on the project's lazy file system
+//!   (`tether-lazyfs`), which loses every write not synced at a power cut,
+//!   each mount in a mount namespace of its own. Without the
+//!   `control-plane` feature too.
 //! - `node.rs` — a real node beside a control plane: containerd and a
 //!   kubelet in a mount namespace and a cgroup tree of their own, running
 //!   pods from local images and serving device plugins, all stopped and

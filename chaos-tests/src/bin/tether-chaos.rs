@@ -61,8 +61,9 @@ struct Args {
     /// failpoint-crash).
     #[arg(long)]
     only: Option<String>,
-    /// Power-loss schedules: every replica's data directory on a LazyFS
-    /// mount of its own (`../shared/lazyfs`, or TETHER_LAZYFS), and each
+    /// Power-loss schedules: every replica's data directory on a mount of
+    /// its own of the lazy file system (`tether-lazyfs`, the `lazyfs/`
+    /// crate, or the binary TETHER_LAZYFS names), and each
     /// schedule opens with a power cut of a minority or of every replica
     /// (kill -9, unsynced writes dropped, restart on what the disk kept).
     #[arg(long)]

@@ -54,8 +54,9 @@ struct Args {
     /// The tetherd binary (default: next to this one).
     #[arg(long)]
     tetherd: Option<PathBuf>,
-    /// Each replica's data on a LazyFS mount of its own (`../shared/lazyfs`
-    /// or TETHER_LAZYFS); the restarts follow power cuts, not kills.
+    /// Each replica's data on a mount of its own of the lazy file system
+    /// (`tether-lazyfs`, beside this binary, or the one TETHER_LAZYFS
+    /// names); the restarts follow power cuts, not kills.
     #[arg(long)]
     power_loss: bool,
 }
