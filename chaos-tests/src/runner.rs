@@ -877,6 +877,44 @@ fn tally_outcomes(
     }
 }
 
+/// The cluster's id as its leader reports it, once it has one (the first
+/// leader draws it as soon as it leads): `None` when none came within 10 s.
+async fn leader_cluster_id(cluster: &ProcessCluster) -> Option<String> {
+    let client = cluster.client_with(Duration::from_secs(1));
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    loop {
+        let id = cluster
+            .leader(&client)
+            .await
+            .map(|leader| leader.cluster_id)
+            .filter(|id| !id.is_empty());
+        if id.is_some() || tokio::time::Instant::now() > deadline {
+            return id;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+/// Whether the healed cluster answers under another id than `before`, the
+/// id it had when the run began: after a power cut that means every
+/// replica's log lost the entry that recorded the id (committed when the
+/// cluster started, so synced by a majority before anyone was told of any
+/// later entry), and the leader that came back found none applied and drew
+/// a new one (`tetherd`'s `claim_cluster_id`). A build that syncs its log
+/// cannot get there; one that acknowledges appends it has not synced can
+/// (`log-append-without-sync` under `power-loss-all`).
+async fn identity_lost(cluster: &ProcessCluster, before: Option<&str>) -> Option<String> {
+    let before = before?;
+    let now = leader_cluster_id(cluster).await?;
+    (now != before).then(|| {
+        format!(
+            "the cluster came back as cluster {now}, not {before}: every replica's log lost \
+             the entry that named it (and with it what clients were told was committed), and \
+             its clients are refused"
+        )
+    })
+}
+
 /// Runs `schedule` on `cluster`; keys and pods are prefixed with `prefix`
 /// (unique per run on one cluster).
 pub async fn run(
@@ -893,6 +931,10 @@ pub async fn run(
     let start = pb::Revision {
         index: leader.applied_index + 1,
         sub: 0,
+    };
+    let cluster_id = match leader.cluster_id.as_str() {
+        "" => leader_cluster_id(cluster).await,
+        id => Some(id.to_string()),
     };
     let shared = Arc::new(Shared {
         // A short retry budget: calls that cannot finish during a fault end
@@ -963,6 +1005,15 @@ pub async fn run(
     let converged = converged?;
     report.elections = converged.term.saturating_sub(leader.term);
     report.phases.push(("heal+converge", phase.elapsed()));
+    if let Some(lost) = identity_lost(cluster, cluster_id.as_deref()).await {
+        // Nothing of the run can be read back (its clients know the old
+        // id and every replica refuses them), and nothing needs to be: the
+        // log lost what it had committed first.
+        report.violations.insert("durability", vec![lost]);
+        report.violations.insert("process", unexpected);
+        report.evidence_dump = Some(format!("{report:#?}"));
+        return Ok(report);
+    }
     phase = tokio::time::Instant::now();
 
     // The log of every key the run touched.
