@@ -294,6 +294,84 @@ pub type AppendResults<'s> =
 /// one is being synced and replicated.
 const PIPELINE_DEPTH: usize = 64;
 
+/// How long an AppendEntries stream the leader stopped waiting for is still
+/// read in the background, so that it ends as the follower answers it and
+/// not by a reset (RST_STREAM). openraft gives every heartbeat one
+/// heartbeat interval (100 ms) and drops it then, and each read round and
+/// heartbeat opens a stream of its own on the connection every append to
+/// that follower shares. A follower too slow to accept streams for a
+/// moment (starved of CPU, stopped, catching up) counts the resets of
+/// streams it had not accepted yet, and past 20 (h2's limit against
+/// "rapid reset" floods) it ends the whole connection with GOAWAY
+/// ENHANCE_YOUR_CALM, and every append in flight on it. Closed instead
+/// (the request side ended, the answers read), such a stream costs the
+/// follower one late answer. After this grace a stream is reset after all.
+const LATE_ANSWER_GRACE: Duration = Duration::from_secs(10);
+
+/// The answers of an AppendEntries stream. Dropped before their end, they
+/// are read to it in the background (for up to [`LATE_ANSWER_GRACE`]), so
+/// that the stream closes rather than being reset; dropping the request
+/// side beside it has ended the stream's requests.
+struct Replies(Option<tonic::Streaming<RaftReply>>);
+
+impl Replies {
+    async fn message(&mut self) -> Result<Option<RaftReply>, Status> {
+        match self.0.as_mut() {
+            Some(replies) => replies.message().await,
+            None => Ok(None),
+        }
+    }
+}
+
+impl Drop for Replies {
+    fn drop(&mut self) {
+        if let Some(replies) = self.0.take() {
+            drain_in_background(replies);
+        }
+    }
+}
+
+/// Reads what is left of `replies` in a task of its own, for up to
+/// [`LATE_ANSWER_GRACE`] (outside a runtime, shutting down, drops them).
+fn drain_in_background(mut replies: tonic::Streaming<RaftReply>) {
+    if let Ok(runtime) = tokio::runtime::Handle::try_current() {
+        runtime.spawn(async move {
+            let _ = tokio::time::timeout(LATE_ANSWER_GRACE, async {
+                while let Ok(Some(_)) = replies.message().await {}
+            })
+            .await;
+        });
+    }
+}
+
+/// Opens an AppendEntries stream in a task of its own: a caller that stops
+/// waiting (openraft's timeout drops it) leaves the opening to go on, and
+/// the stream it opens is then drained ([`Replies`]), instead of being
+/// reset before the follower has accepted it.
+async fn open_stream(
+    mut client: RaftServiceClient<Channel>,
+    request: tonic::Request<ReceiverStream<RaftRequest>>,
+) -> Result<tonic::Response<Replies>, Status> {
+    let (opened, waiting) = tokio::sync::oneshot::channel();
+    tokio::spawn(async move {
+        let response =
+            tokio::time::timeout(LATE_ANSWER_GRACE, client.append_entries_stream(request))
+                .await
+                .unwrap_or_else(|_| {
+                    Err(Status::deadline_exceeded(
+                        "the AppendEntries stream did not open",
+                    ))
+                })
+                .map(|response| response.map(|replies| Replies(Some(replies))));
+        // Nobody waits any more: the stream, if it opened, is drained as
+        // the answer is dropped.
+        let _ = opened.send(response);
+    });
+    waiting
+        .await
+        .unwrap_or_else(|_| Err(Status::internal("the stream's opening task ended")))
+}
+
 /// The last log id an AppendEntries covers: its last entry's, or the one
 /// it follows when it carries none (a heartbeat).
 fn last_covered(rpc: &AppendEntriesRequest<TypeConfig>) -> Option<LogId> {
@@ -428,7 +506,7 @@ pub struct PeerClient {
 /// older request.
 struct AppendStream {
     requests: mpsc::Sender<RaftRequest>,
-    replies: tonic::Streaming<RaftReply>,
+    replies: Replies,
     awaiting_reply: bool,
     /// The cluster id named when the stream was opened.
     cluster_id: Option<String>,
@@ -544,10 +622,10 @@ impl PeerClient {
             .map_err(|_| Status::internal("a new stream's queue is full"))?;
         let mut request = tonic::Request::new(ReceiverStream::new(outgoing));
         let cluster_id = self.name_target(&mut request);
-        let Some(client) = self.client.as_mut() else {
+        let Some(client) = self.client.clone() else {
             return Err(Status::unavailable("no client"));
         };
-        let response = client.append_entries_stream(request).await?;
+        let response = open_stream(client, request).await?;
         self.metrics
             .raft_append(self.target, RaftAppend::StreamOpened);
         self.stream_refusals.accepted(&self.addr);
@@ -777,7 +855,7 @@ impl PeerClient {
         if !self.stream_refusals.may_stream(&self.addr) {
             return Ok(self.append_one_at_a_time(input, option));
         }
-        let mut client = self.client()?.clone();
+        let client = self.client()?.clone();
         let (requests, outgoing) = mpsc::channel::<RaftRequest>(PIPELINE_DEPTH);
         let (sent_tx, sent_rx) = mpsc::unbounded_channel::<Sent>();
         // Dropped with the answers' stream: the sending task stops with it.
@@ -792,7 +870,7 @@ impl PeerClient {
             self.message_limit,
             (self.own, self.target),
         ));
-        let response = match client.append_entries_stream(request).await {
+        let response = match open_stream(client, request).await {
             Ok(response) => response,
             Err(status) if status.code() == tonic::Code::Unimplemented => {
                 self.stream_refused();
@@ -891,7 +969,7 @@ async fn send_appends<S>(
 
 /// Reads the answers of a pipelined stream, one request's at a time.
 struct PipelinedAnswers {
-    replies: tonic::Streaming<RaftReply>,
+    replies: Replies,
     sent: mpsc::UnboundedReceiver<Sent>,
     ttl: Duration,
     target: u64,
@@ -1033,6 +1111,13 @@ mod tests {
         unary_calls: AtomicUsize,
         /// The leader-side address of every stream and call.
         callers: Mutex<Vec<std::net::SocketAddr>>,
+        /// A streamed AppendEntries after this index blocks the thread it
+        /// is answered on this long: on a server of one thread
+        /// ([`serve_on_one_thread`]) the whole replica stops, reading
+        /// nothing from its connections, as one starved of CPU.
+        stall: Option<(u64, Duration)>,
+        /// Set once a stall began.
+        stalled: Arc<std::sync::atomic::AtomicBool>,
     }
 
     impl FakeFollower {
@@ -1044,6 +1129,8 @@ mod tests {
                 streams_opened: AtomicUsize::new(0),
                 unary_calls: AtomicUsize::new(0),
                 callers: Mutex::default(),
+                stall: None,
+                stalled: Arc::default(),
             })
         }
 
@@ -1095,9 +1182,24 @@ mod tests {
                 futures::StreamExt::chunks(request.into_inner(), self.answer_in_groups_of),
                 futures::stream::iter,
             );
-            let replies = futures::StreamExt::then(grouped, move |message| async move {
-                tokio::time::sleep(delay).await;
-                message.map(|m| answer(&m))
+            let (stall, stalled) = (self.stall, self.stalled.clone());
+            let replies = futures::StreamExt::then(grouped, move |message| {
+                let stalled = stalled.clone();
+                async move {
+                    tokio::time::sleep(delay).await;
+                    message.map(|m| {
+                        let rpc: AppendEntriesRequest<TypeConfig> = decode(&m.data).unwrap();
+                        if let Some((index, blocked)) = stall
+                            && rpc.prev_log_id.map(|l| l.index) == Some(index)
+                        {
+                            stalled.store(true, Ordering::SeqCst);
+                            // Blocking on purpose: the stall of the whole
+                            // server.
+                            std::thread::sleep(blocked);
+                        }
+                        answer(&m)
+                    })
+                }
             });
             Ok(tonic::Response::new(Box::pin(replies)))
         }
@@ -1141,6 +1243,28 @@ mod tests {
                 .serve_with_incoming(tokio_stream::wrappers::TcpListenerStream::new(listener)),
         );
         addr.to_string()
+    }
+
+    /// Serves `follower` on a loopback port from a runtime of one thread
+    /// of its own (for the life of the test process); its address.
+    fn serve_on_one_thread(follower: Arc<FakeFollower>) -> String {
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        listener.set_nonblocking(true).unwrap();
+        let addr = listener.local_addr().unwrap().to_string();
+        std::thread::spawn(move || {
+            let runtime = tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+                .unwrap();
+            runtime.block_on(async move {
+                let listener = tokio::net::TcpListener::from_std(listener).unwrap();
+                tonic::transport::Server::builder()
+                    .add_service(RaftServiceServer::from_arc(follower))
+                    .serve_with_incoming(tokio_stream::wrappers::TcpListenerStream::new(listener))
+                    .await
+            })
+        });
+        addr
     }
 
     fn network_dialing(dial: PeerDial) -> Network {
@@ -1409,6 +1533,89 @@ mod tests {
         assert!(
             matches!(results[0], Err(RPCError::Network(_))),
             "{results:?}"
+        );
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_follower_that_stalls_keeps_the_connection_its_appends_share() {
+        // The issue-61 failure: heartbeats given up after openraft's 100 ms
+        // while the follower read nothing were reset before it had accepted
+        // them; past 20 it sent GOAWAY ENHANCE_YOUR_CALM ("too_many_resets")
+        // and the replication stream on that connection died with it.
+        let stall = Duration::from_secs(3);
+        let follower = Arc::new(FakeFollower {
+            stall: Some((100, stall)),
+            ..Arc::into_inner(FakeFollower::new(true, Duration::ZERO)).unwrap()
+        });
+        let addr = serve_on_one_thread(follower.clone());
+        let network = network();
+        // A replication session, open across the stall.
+        let mut session_client = network.client(2, &BasicNode::new(&addr));
+        let (feed, input) = mpsc::channel(4);
+        let mut session = session_client
+            .stream_append(ReceiverStream::new(input), RPCOption::new(GENEROUS))
+            .await
+            .unwrap();
+        feed.send(append_after(1)).await.unwrap();
+        let first = session.next().await.unwrap().unwrap().unwrap();
+        assert_eq!(first.map(|l| l.index), Some(1));
+
+        // The follower stops (an append over a connection of its own
+        // blocks its only thread) ...
+        let stalling = tokio::spawn({
+            let addr = addr.clone();
+            async move {
+                let mut other =
+                    network_dialing(PeerDial::default()).client(2, &BasicNode::new(&addr));
+                other
+                    .append_entries(append_after(100), RPCOption::new(GENEROUS))
+                    .await
+            }
+        });
+        let deadline = tokio::time::Instant::now() + GENEROUS;
+        while !follower.stalled.load(Ordering::SeqCst) {
+            assert!(
+                tokio::time::Instant::now() < deadline,
+                "the stall never began"
+            );
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        // ... while the leader sends heartbeats on the session's connection
+        // and gives each up after 100 ms, as openraft does.
+        let mut heartbeats = network.client(2, &BasicNode::new(&addr));
+        let began = tokio::time::Instant::now();
+        let mut given_up = 0;
+        while began.elapsed() < stall - Duration::from_millis(500) {
+            let ttl = Duration::from_millis(100);
+            let heartbeat = futures::stream::iter([append_after(50)]);
+            let answered = tokio::time::timeout(ttl, async {
+                let mut answers = heartbeats
+                    .stream_append(heartbeat, RPCOption::new(ttl))
+                    .await?;
+                answers.next().await.transpose()
+            })
+            .await;
+            if answered.is_err() {
+                given_up += 1;
+            }
+        }
+        assert!(
+            given_up > 20,
+            "only {given_up} heartbeats given up during the stall"
+        );
+        stalling.await.unwrap().unwrap();
+
+        // The session goes on, on the same connection.
+        feed.send(append_after(2)).await.unwrap();
+        let next = tokio::time::timeout(GENEROUS, session.next())
+            .await
+            .expect("the session answers after the stall")
+            .expect("the session was not ended");
+        assert_eq!(
+            next.expect("the session's connection survived the stall")
+                .unwrap()
+                .map(|l| l.index),
+            Some(2)
         );
     }
 
