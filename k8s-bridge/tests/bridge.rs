@@ -324,7 +324,11 @@ async fn churn_with_relists_and_outages_revokes_no_live_pod_and_unpins_no_live_n
             .await
             .unwrap()
             .iter()
-            .any(|n| n.name == recreated && n.uid.ends_with("-2"))
+            // Ready too: the pin below is placed only on a ready node, and
+            // readiness can reach the registry in a later report than the
+            // node's new object (seen once in a `./dev test` run on
+            // 2026-12-06: "c5: node is not ready").
+            .any(|n| n.name == recreated && n.uid.ends_with("-2") && n.ready)
     })
     .await;
     let repinned_at = std::time::Instant::now();
