@@ -25,6 +25,36 @@ impl<F: FnMut(u64, &mut [u8]) -> io::Result<()>> Below for F {
     }
 }
 
+/// The part of bytes `at..` that lies in page `index`: `n` bytes from
+/// `within` the page.
+struct Span {
+    index: u64,
+    at: u64,
+    within: usize,
+    n: usize,
+}
+
+/// The bytes `offset..end`, page by page.
+fn spans(offset: u64, end: u64) -> impl Iterator<Item = Span> {
+    let mut at = offset;
+    std::iter::from_fn(move || {
+        if at >= end {
+            return None;
+        }
+        let index = at / PAGE;
+        let within = at - index * PAGE;
+        let n = (PAGE - within).min(end - at);
+        let span = Span {
+            index,
+            at,
+            within: within as usize,
+            n: n as usize,
+        };
+        at += n;
+        Some(span)
+    })
+}
+
 /// One file's unsynced writes.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Dirty {
@@ -57,12 +87,14 @@ impl Dirty {
     /// first (where not cached yet), then changed in the cache only.
     pub fn write(&mut self, offset: u64, data: &[u8], below: &mut impl Below) -> io::Result<()> {
         let end = offset + data.len() as u64;
-        let mut at = offset;
-        while at < end {
-            let index = at / PAGE;
+        for Span {
+            index,
+            at,
+            within,
+            n,
+        } in spans(offset, end)
+        {
             let page_start = index * PAGE;
-            let within = (at - page_start) as usize;
-            let n = ((PAGE - (at - page_start)).min(end - at)) as usize;
             let page = match self.pages.entry(index) {
                 std::collections::btree_map::Entry::Occupied(e) => e.into_mut(),
                 std::collections::btree_map::Entry::Vacant(e) => {
@@ -78,7 +110,6 @@ impl Dirty {
             };
             let source = (at - offset) as usize;
             page[within..within + n].copy_from_slice(&data[source..source + n]);
-            at += n as u64;
         }
         self.size = self.size.max(end);
         Ok(())
@@ -93,18 +124,18 @@ impl Dirty {
             return Ok(Vec::new());
         }
         let mut out = vec![0u8; (end - offset) as usize];
-        let mut at = offset;
-        while at < end {
-            let index = at / PAGE;
-            let page_start = index * PAGE;
-            let within = (at - page_start) as usize;
-            let n = ((PAGE - (at - page_start)).min(end - at)) as usize;
+        for Span {
+            index,
+            at,
+            within,
+            n,
+        } in spans(offset, end)
+        {
             let target = &mut out[(at - offset) as usize..(at - offset) as usize + n];
             match self.pages.get(&index) {
                 Some(page) => target.copy_from_slice(&page[within..within + n]),
                 None => below.read_below(at, target)?,
             }
-            at += n as u64;
         }
         Ok(out)
     }

@@ -496,6 +496,20 @@ fn timespec(time: Option<TimeOrNow>) -> rustix::fs::Timespec {
     }
 }
 
+fn answer_empty(reply: ReplyEmpty, result: io::Result<()>) {
+    match result {
+        Ok(()) => reply.ok(),
+        Err(e) => reply.error(e.into()),
+    }
+}
+
+fn answer_entry(reply: ReplyEntry, result: io::Result<FileAttr>) {
+    match result {
+        Ok(attr) => reply.entry(&NO_TTL, &attr, Generation(0)),
+        Err(e) => reply.error(e.into()),
+    }
+}
+
 impl Filesystem for LazyFs {
     fn lookup(&self, _req: &Request, parent: INodeNo, name: &OsStr, reply: ReplyEntry) {
         match self.state().lookup(parent, name) {
@@ -599,10 +613,7 @@ impl Filesystem for LazyFs {
             )?;
             state.lookup(parent, name)
         })();
-        match result {
-            Ok(attr) => reply.entry(&NO_TTL, &attr, Generation(0)),
-            Err(e) => reply.error(e.into()),
-        }
+        answer_entry(reply, result);
     }
 
     fn unlink(&self, _req: &Request, parent: INodeNo, name: &OsStr, reply: ReplyEmpty) {
@@ -610,10 +621,7 @@ impl Filesystem for LazyFs {
         let result = state
             .node(parent)
             .and_then(|p| Ok(rustix::fs::unlinkat(&p.below, name, AtFlags::empty())?));
-        match result {
-            Ok(()) => reply.ok(),
-            Err(e) => reply.error(e.into()),
-        }
+        answer_empty(reply, result);
     }
 
     fn rmdir(&self, _req: &Request, parent: INodeNo, name: &OsStr, reply: ReplyEmpty) {
@@ -621,10 +629,7 @@ impl Filesystem for LazyFs {
         let result = state
             .node(parent)
             .and_then(|p| Ok(rustix::fs::unlinkat(&p.below, name, AtFlags::REMOVEDIR)?));
-        match result {
-            Ok(()) => reply.ok(),
-            Err(e) => reply.error(e.into()),
-        }
+        answer_empty(reply, result);
     }
 
     fn symlink(
@@ -640,10 +645,7 @@ impl Filesystem for LazyFs {
             rustix::fs::symlinkat(target, &state.node(parent)?.below, link_name)?;
             state.lookup(parent, link_name)
         })();
-        match result {
-            Ok(attr) => reply.entry(&NO_TTL, &attr, Generation(0)),
-            Err(e) => reply.error(e.into()),
-        }
+        answer_entry(reply, result);
     }
 
     fn rename(
@@ -667,10 +669,7 @@ impl Filesystem for LazyFs {
             )?;
             Ok(())
         })();
-        match result {
-            Ok(()) => reply.ok(),
-            Err(e) => reply.error(e.into()),
-        }
+        answer_empty(reply, result);
     }
 
     fn link(
@@ -692,10 +691,7 @@ impl Filesystem for LazyFs {
             )?;
             state.lookup(newparent, newname)
         })();
-        match result {
-            Ok(attr) => reply.entry(&NO_TTL, &attr, Generation(0)),
-            Err(e) => reply.error(e.into()),
-        }
+        answer_entry(reply, result);
     }
 
     fn open(&self, _req: &Request, ino: INodeNo, flags: OpenFlags, reply: ReplyOpen) {

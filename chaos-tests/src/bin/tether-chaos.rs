@@ -156,7 +156,7 @@ async fn main() -> anyhow::Result<()> {
         options.lanes,
         if failpoints { "on" } else { "off" },
         if args.power_loss {
-            "on (LazyFS)"
+            "on (tether-lazyfs)"
         } else {
             "off"
         },
