@@ -38,14 +38,21 @@ mod tests {
     #[test]
     fn this_process_has_cpu_time_and_memory() {
         let pid = std::process::id();
-        // Burn a little CPU so the count is above zero at 1/100 s ticks.
-        let started = std::time::Instant::now();
+        // Burn CPU until at least one 1/100 s tick is counted. Spinning a
+        // fixed wall time was not enough on a loaded 2-core machine (a
+        // fresh clone's `./dev test` on 2026-12-06 counted none after
+        // 30 ms): the thread was not running for most of it.
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
         let mut x = 0u64;
-        while started.elapsed() < std::time::Duration::from_millis(30) {
-            x = x.wrapping_mul(31).wrapping_add(7);
+        let mut cpu = 0.0;
+        while cpu <= 0.0 && std::time::Instant::now() < deadline {
+            for _ in 0..1_000_000 {
+                x = std::hint::black_box(x.wrapping_mul(31).wrapping_add(7));
+            }
+            cpu = cpu_seconds(pid).unwrap();
         }
         assert!(x != 1);
-        assert!(cpu_seconds(pid).unwrap() > 0.0);
+        assert!(cpu > 0.0, "no CPU time counted in 30 s of spinning");
         let (rss, peak) = memory_mib(pid).unwrap();
         assert!(rss > 0.0 && peak >= rss, "{rss} {peak}");
     }
