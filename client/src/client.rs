@@ -942,11 +942,26 @@ impl Client {
 
     /// Releases a pin; returns it (None if there was none).
     pub async fn release_pin(&self, key: &pb::PinKey, reason: &str) -> Result<Option<pb::Pin>> {
+        self.release_pin_if(key, reason, HashMap::new()).await
+    }
+
+    /// Releases a pin only while it carries every one of `labels` (name
+    /// and value): a pin made again since without them is kept, and the
+    /// call fails with [`Error::FailedPrecondition`] naming its labels. No
+    /// pin answers `None`. Needs every member at format 9; with no labels
+    /// it is [`Client::release_pin`].
+    pub async fn release_pin_if(
+        &self,
+        key: &pb::PinKey,
+        reason: &str,
+        labels: HashMap<String, String>,
+    ) -> Result<Option<pb::Pin>> {
         let (request_id, _in_flight) = self.begin_request().await;
         let request = pb::ReleasePinRequest {
             request_id: Some(request_id),
             key: Some(key.clone()),
             reason: reason.to_string(),
+            if_labels: labels,
         };
         self.unary(request, |channel, request| async move {
             PinServiceClient::new(channel).release(request).await

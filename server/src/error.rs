@@ -111,7 +111,8 @@ impl From<ApiError> for Status {
                     | CommandError::StaleToken { .. }
                     | CommandError::SequenceTooOld { .. }
                     | CommandError::RequestIdReused { .. }
-                    | CommandError::NodeObjectMismatch { .. } => Code::FailedPrecondition,
+                    | CommandError::NodeObjectMismatch { .. }
+                    | CommandError::PinLabelsDiffer { .. } => Code::FailedPrecondition,
                     CommandError::HoldEnded { .. } | CommandError::WaitEnded { .. } => {
                         Code::Aborted
                     }

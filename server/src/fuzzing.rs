@@ -327,7 +327,7 @@ fn next_command(c: &mut Choices<'_>, state: &State) -> Command {
             pod_uid: format!("p{uid}"),
             reason: "fuzz".into(),
         }),
-        7 => match c.below(3) {
+        7 => match c.below(4) {
             0 => Command::CancelWait(CancelWait {
                 key: lock,
                 pod_uid: format!("p{uid}"),
@@ -340,9 +340,15 @@ fn next_command(c: &mut Choices<'_>, state: &State) -> Command {
                 answered_at: u64::from(c.byte()),
             }),
             // A caller that gave up: its wait ends or its hold is given back.
-            _ => Command::Withdraw(Withdraw {
+            2 => Command::Withdraw(Withdraw {
                 key: lock,
                 pod_uid: format!("p{uid}"),
+            }),
+            // The same, only for what this client queued or was granted.
+            _ => Command::WithdrawOwn(WithdrawOwn {
+                key: lock,
+                pod_uid: format!("p{uid}"),
+                client_id: format!("c{}", c.below(3)),
             }),
         },
         8 => Command::ForceRelease(ForceRelease {
@@ -370,10 +376,21 @@ fn next_command(c: &mut Choices<'_>, state: &State) -> Command {
                 },
             })
         }
-        11 => Command::ReleasePin(ReleasePin {
-            key: PinKey::new("spread", format!("m{}", c.below(5))),
-            reason: "fuzz".into(),
-        }),
+        11 => match c.below(2) {
+            0 => Command::ReleasePin(ReleasePin {
+                key: PinKey::new("spread", format!("m{}", c.below(5))),
+                reason: "fuzz".into(),
+            }),
+            _ => Command::ReleasePinIf(ReleasePinIf {
+                key: PinKey::new("spread", format!("m{}", c.below(5))),
+                reason: "fuzz".into(),
+                labels: BTreeMap::from([(
+                    "app".to_string(),
+                    ["spread", "other"][c.below(2) as usize].to_string(),
+                )])
+                .into(),
+            }),
+        },
         12 => {
             let node = c.below(NODES);
             Command::ReportNode(ReportNode {
@@ -776,6 +793,7 @@ fn request_seeds() -> Vec<Vec<u8>> {
                 request_id: rid.clone(),
                 key: pin_key.clone(),
                 reason: "done".into(),
+                if_labels: [("app".to_string(), "slurm".to_string())].into(),
             },
         ),
         tagged(8, &pb::GetPinRequest { key: pin_key }),

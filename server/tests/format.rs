@@ -652,6 +652,74 @@ fn format_v8_log_entries_still_decode() {
     check_log_fixture(8, &v8_entries());
 }
 
+/// Format 9: another client's acquire takes a pod's hold or wait over (an
+/// acquire's shape is unchanged; what changed is how it applies), a
+/// withdrawal of the withdrawing client's own, and a pin release on
+/// condition of its labels.
+fn v9_entries() -> Vec<Entry> {
+    let next = v1_entries().len() as u64 + v2_entries().len() as u64 + 13;
+    let entry = |at: u64, client: &str, sequence: u64, command: Command| Entry {
+        log_id: log_id(6, next + at),
+        payload: EntryPayload::Normal(Request {
+            format_version: 9,
+            request_id: Some(RequestId {
+                client_id: client.into(),
+                sequence,
+                first_incomplete: sequence,
+            }),
+            leader_time_ms: 1_790_000_800_000 + at,
+            command,
+        }),
+    };
+    let second_extender = "token:extender/client.99887766aabbccdd";
+    let first_extender = "token:extender/client.00112233aabbccdd";
+    vec![
+        entry(
+            0,
+            second_extender,
+            5,
+            Command::Acquire(Acquire {
+                key: LockKey::new("gpu-bind", "node-9"),
+                pod: pod("k"),
+                payload: b"plan-b".to_vec(),
+                wait_ms: 30_000,
+                lease_id: 0,
+                client_id: second_extender.into(),
+                queue_limit: 1024,
+            }),
+        ),
+        entry(
+            1,
+            first_extender,
+            21,
+            Command::WithdrawOwn(WithdrawOwn {
+                key: LockKey::new("gpu-bind", "node-9"),
+                pod_uid: "k".into(),
+                client_id: first_extender.into(),
+            }),
+        ),
+        entry(
+            2,
+            first_extender,
+            22,
+            Command::ReleasePinIf(ReleasePinIf {
+                key: PinKey::new("gpu-devices", "k"),
+                reason: "the bind failed".into(),
+                labels: BTreeMap::from([(
+                    "bind.tether.io/lock-token".to_string(),
+                    "41".to_string(),
+                )])
+                .into(),
+            }),
+        ),
+    ]
+}
+
+#[test]
+fn format_v9_log_entries_still_decode() {
+    check_log_fixture(9, &v9_entries());
+}
+
 #[test]
 fn entries_are_written_in_the_oldest_format_that_expresses_them() {
     // A replica of an older build keeps reading single commands without a
@@ -666,14 +734,15 @@ fn entries_are_written_in_the_oldest_format_that_expresses_them() {
         };
         Request::new(request.request_id.clone(), 1, request.command.clone())
     };
-    assert_eq!(newest(v3_entries()).format_version, 6);
-    assert_eq!(newest(v4_entries()).format_version, 6);
+    // Batches of acquires and an acquire apply format 9's takeover rule.
+    assert_eq!(newest(v3_entries()).format_version, 9);
+    assert_eq!(newest(v4_entries()).format_version, 9);
     assert_eq!(
         newest(v5_entries()).format_version,
         6,
         "a sweep forgets pods from 6"
     );
-    assert_eq!(newest(v6_entries()).format_version, 6);
+    assert_eq!(newest(v6_entries()).format_version, 9);
     // An abandoned wait gives back a grant nobody took up from 7, and has a
     // format-6 form that keeps it; a withdrawal exists only from 7.
     let v7 = |at: usize| {
@@ -683,8 +752,10 @@ fn entries_are_written_in_the_oldest_format_that_expresses_them() {
         Request::new(request.request_id.clone(), 1, request.command.clone())
     };
     assert_eq!(v7(0).format_version, 7);
-    assert_eq!(v7(1).format_version, 7);
+    // From 9 an abandoned wait ends only its own client's wait.
+    assert_eq!(v7(1).format_version, 9);
     assert_eq!(v7(1).for_members(Some(6)).format_version, 6);
+    assert_eq!(v7(1).for_members(Some(7)).format_version, 7);
     assert_eq!(v7(0).for_members(Some(6)).format_version, 7);
     // While a member is known to read only format 5 (a rolling upgrade),
     // each goes out in format 5 (no older than its oldest form), which that
@@ -703,7 +774,8 @@ fn entries_are_written_in_the_oldest_format_that_expresses_them() {
         "a batch naming a lock twice needs 4"
     );
     assert_eq!(newest(v6_entries()).for_members(Some(6)).format_version, 6);
-    assert_eq!(newest(v6_entries()).for_members(None).format_version, 6);
+    assert_eq!(newest(v6_entries()).for_members(None).format_version, 9);
+    assert_eq!(newest(v6_entries()).for_members(Some(8)).format_version, 8);
     // A node report naming another node object is refused from 8, and
     // has older forms that adopt it, as builds of those formats did.
     let EntryPayload::Normal(report) = &v8_entries()[0].payload else {
@@ -713,7 +785,17 @@ fn entries_are_written_in_the_oldest_format_that_expresses_them() {
     assert_eq!(report.format_version, 8);
     assert_eq!(report.clone().for_members(Some(7)).format_version, 7);
     assert_eq!(report.for_members(Some(5)).format_version, 5);
-    assert_eq!(FORMAT_VERSION, 8);
+    // Format 9's own commands have no older form.
+    let v9 = |at: usize| {
+        let EntryPayload::Normal(request) = &v9_entries()[at].payload else {
+            unreachable!("a normal entry")
+        };
+        Request::new(request.request_id.clone(), 1, request.command.clone())
+    };
+    assert_eq!(v9(1).format_version, 9);
+    assert_eq!(v9(1).for_members(Some(8)).format_version, 9);
+    assert_eq!(v9(2).for_members(Some(7)).format_version, 9);
+    assert_eq!(FORMAT_VERSION, 9);
     assert_eq!(SNAPSHOT_FORMAT_VERSION, 6);
 }
 

@@ -869,3 +869,105 @@ async fn withdraw_ends_a_wait_or_gives_back_a_hold_and_a_second_finds_nothing() 
     );
     cluster.shutdown().await;
 }
+
+/// Two bind attempts of one pod through two clients (kube-scheduler gave up
+/// on the first and tried again through another extender replica): the
+/// second client's acquire takes the pod's hold over with a new token, or
+/// its wait over in its place, and the first client can end neither — its
+/// token is stale, its withdrawal finds nothing of its own, and its queued
+/// call is told the wait was taken over (format 9).
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_second_clients_acquire_of_a_pod_takes_it_over_and_the_first_can_end_nothing() {
+    use pb::withdraw_response::Result as Withdrawn;
+    let cluster = Cluster::start(3).await;
+    let first = common::client(&cluster);
+    let second = common::client(&cluster);
+    assert_ne!(first.client_id(), second.client_id());
+
+    // A hold taken over.
+    let key = lock("node-takeover");
+    let held = first
+        .acquire(&key, &pod("p"), b"plan-a".to_vec(), Duration::ZERO, 0)
+        .await
+        .unwrap();
+    let again = first
+        .acquire(&key, &pod("p"), b"plan-a".to_vec(), Duration::ZERO, 0)
+        .await
+        .unwrap();
+    assert_eq!(
+        again.token(),
+        held.token(),
+        "the same client gets its hold back"
+    );
+    let taken = second
+        .acquire(&key, &pod("p"), b"plan-b".to_vec(), Duration::ZERO, 0)
+        .await
+        .unwrap();
+    assert!(
+        taken.token() > held.token(),
+        "{} {}",
+        taken.token(),
+        held.token()
+    );
+    let withdrawn = first.withdraw(&key, "p").await.unwrap();
+    assert_eq!(withdrawn.result, Withdrawn::TakenOver as i32);
+    let stale = first
+        .release(&key, "p", held.token(), Outcome::Failed)
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(&stale, Error::FailedPrecondition(m) if m.contains("token")),
+        "{stale}"
+    );
+    let now = first.holder(&key).await.unwrap().unwrap();
+    assert_eq!(
+        (now.token, now.payload.as_slice()),
+        (taken.token(), &b"plan-b"[..])
+    );
+
+    // A wait taken over: the first call is told so, the second is granted.
+    let queue = |client: &tether_client::Client, payload: &'static [u8]| {
+        let (client, key) = (client.clone(), key.clone());
+        tokio::spawn(async move {
+            client
+                .acquire(&key, &pod("q"), payload.to_vec(), DEADLINE, 0)
+                .await
+        })
+    };
+    let first_wait = queue(&first, b"plan-qa");
+    let waiters = || async { first.get(&key).await.unwrap().waiters };
+    let deadline = tokio::time::Instant::now() + DEADLINE;
+    while waiters().await.is_empty() {
+        assert!(tokio::time::Instant::now() < deadline, "queued");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let second_wait = queue(&second, b"plan-qb");
+    let deadline = tokio::time::Instant::now() + DEADLINE;
+    while waiters().await[0].client_id != second.client_id() {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "the wait taken over"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert_eq!(waiters().await.len(), 1, "one wait, in its place");
+    let withdrawn = first.withdraw(&key, "q").await.unwrap();
+    assert_eq!(withdrawn.result, Withdrawn::TakenOver as i32);
+    second
+        .release(&key, "p", taken.token(), Outcome::Allocated)
+        .await
+        .unwrap();
+    let granted = second_wait.await.unwrap().unwrap();
+    assert_eq!(granted.pod_uid(), "q");
+    let told = first_wait.await.unwrap().unwrap_err();
+    assert!(
+        matches!(&told, Error::Aborted(m) if m.contains("taken over")),
+        "{told}"
+    );
+    let now = second.holder(&key).await.unwrap().unwrap();
+    assert_eq!(
+        (now.token, now.payload.as_slice()),
+        (granted.token(), &b"plan-qb"[..])
+    );
+    cluster.shutdown().await;
+}

@@ -16,7 +16,8 @@ use super::{Ctx, unexpected, validate};
 use crate::error::{ApiError, Result};
 use crate::replica::waits::{self, Answered, WaitOutcome};
 use crate::sm::command::{
-    Acquire, CancelOutcome, ForceRelease, GIVE_BACK_FORMAT_VERSION, Release, Withdraw,
+    Acquire, CancelOutcome, ForceRelease, GIVE_BACK_FORMAT_VERSION, Release,
+    TAKEOVER_FORMAT_VERSION, Withdraw, WithdrawOwn,
 };
 use crate::sm::{Command, Hold, Reply};
 
@@ -231,10 +232,21 @@ impl LockApi {
             "withdraw",
             "finish the upgrade, or release the hold by its token",
         )?;
-        let command = Command::Withdraw(Withdraw {
-            key: key.clone(),
-            pod_uid: req.pod_uid.clone(),
-        });
+        // Once every member reads format 9, only what this client queued or
+        // was granted: never a later attempt's hold of the same pod.
+        let command = match &request_id {
+            Some(id) if ctx.core.members_read(TAKEOVER_FORMAT_VERSION) => {
+                Command::WithdrawOwn(WithdrawOwn {
+                    key: key.clone(),
+                    pod_uid: req.pod_uid.clone(),
+                    client_id: id.client_id.clone(),
+                })
+            }
+            _ => Command::Withdraw(Withdraw {
+                key: key.clone(),
+                pod_uid: req.pod_uid.clone(),
+            }),
+        };
         use pb::withdraw_response::Result as Withdrawn;
         let (result, given_back, next) = match ctx.core.write(request_id, command).await? {
             Reply::WaitCancelled(CancelOutcome::Removed) => (Withdrawn::WaitEnded, None, None),
@@ -242,6 +254,7 @@ impl LockApi {
                 (Withdrawn::HoldGivenBack, Some(hold), next)
             }
             Reply::WaitCancelled(CancelOutcome::NotWaiting) => (Withdrawn::NotInvolved, None, None),
+            Reply::WaitCancelled(CancelOutcome::TakenOver) => (Withdrawn::TakenOver, None, None),
             other => return Err(unexpected(other)),
         };
         tracing::debug!(%key, pod_uid = req.pod_uid, ?result, "acquire withdrawn");

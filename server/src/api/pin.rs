@@ -10,7 +10,9 @@ use tonic::{Request, Response, Status};
 use super::convert::{key_of_pin, pin_to};
 use super::{Ctx, unexpected, validate};
 use crate::error::Result;
-use crate::sm::command::{Assign, GIVE_BACK_FORMAT_VERSION, Reclaim, ReleasePin};
+use crate::sm::command::{
+    Assign, GIVE_BACK_FORMAT_VERSION, Reclaim, ReleasePin, ReleasePinIf, TAKEOVER_FORMAT_VERSION,
+};
 use crate::sm::{Command, Reply};
 
 /// The `PinService` implementation.
@@ -94,18 +96,29 @@ impl PinApi {
         } else {
             req.reason
         };
-        match self
-            .ctx
-            .core
-            .write(
-                request_id,
-                Command::ReleasePin(ReleasePin {
-                    key: key.clone(),
-                    reason,
-                }),
-            )
-            .await?
-        {
+        let command = if req.if_labels.is_empty() {
+            Command::ReleasePin(ReleasePin {
+                key: key.clone(),
+                reason,
+            })
+        } else {
+            let labels = validate::labels(
+                "condition label",
+                &req.if_labels,
+                self.ctx.core.config.max_labels,
+            )?;
+            self.ctx.core.require_format(
+                TAKEOVER_FORMAT_VERSION,
+                "a pin release on condition of its labels",
+                "finish the upgrade",
+            )?;
+            Command::ReleasePinIf(ReleasePinIf {
+                key: key.clone(),
+                reason,
+                labels: labels.into(),
+            })
+        };
+        match self.ctx.core.write(request_id, command).await? {
             Reply::PinReleased { pin } => Ok(pb::ReleasePinResponse {
                 released: pin.as_ref().map(|p| pin_to(&key, p)),
                 header: Some(self.ctx.header(false)),

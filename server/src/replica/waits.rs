@@ -44,6 +44,31 @@ fn wait_state(core: &Replica, key: &LockKey, pod_uid: &str) -> WaitState {
     }
 }
 
+/// The client whose wait of `pod_uid` for `key` is queued now, if it waits.
+fn waiting_client(core: &Replica, key: &LockKey, pod_uid: &str) -> Option<String> {
+    let applied = core.state.read();
+    let lock = applied.state.locks.get(key)?;
+    let position = lock.position_of(pod_uid)?;
+    Some(lock.waiters[position - 1].client_id.clone())
+}
+
+/// Whether a hold or wait of `client` belongs to the call of `own` (the
+/// server-side client id of the request that queued it, when it had one):
+/// from format 9 another client's acquire of the same pod takes the wait
+/// over, and its grant is that client's, not this call's.
+fn belongs_to(own: Option<&str>, client: &str) -> bool {
+    own.is_none_or(|own| own == client)
+}
+
+/// The answer to a call whose wait another client's acquire of the same pod
+/// took over.
+fn taken_over(key: &LockKey, pod_uid: &str) -> WaitOutcome {
+    WaitOutcome::Ended(ApiError::Aborted(format!(
+        "the wait of pod uid {pod_uid} for lock {key} was taken over by another client's acquire \
+         of the same pod (a later attempt); this call holds nothing"
+    )))
+}
+
 /// The request that queued a wait, as the stream following it knows it: its
 /// id (with the server-side client id) and the log index of the entry whose
 /// answer the stream carries.
@@ -69,6 +94,8 @@ pub async fn follow(
 ) -> WaitOutcome {
     let mut caller_gone = std::pin::pin!(caller_gone);
     let deadline = tokio::time::Instant::now() + wait;
+    let own = answered.as_ref().map(|a| a.request_id.client_id.clone());
+    let own = own.as_deref();
     // A dedupe-replayed "queued" answer may be stale: look at the state once
     // before relying on events, which only report what happens from now on.
     let mut check_state = true;
@@ -76,7 +103,10 @@ pub async fn follow(
         if check_state {
             check_state = false;
             match wait_state(&core, &key, &pod_uid) {
-                WaitState::Granted(hold) => return WaitOutcome::Granted(hold),
+                WaitState::Granted(hold) if belongs_to(own, &hold.client_id) => {
+                    return WaitOutcome::Granted(hold);
+                }
+                WaitState::Granted(_) => return taken_over(&key, &pod_uid),
                 WaitState::Gone => {
                     let err = ApiError::Aborted(format!(
                         "the wait of pod uid {pod_uid} for lock {key} already ended (deadline \
@@ -91,6 +121,9 @@ pub async fn follow(
             signal = ticket.recv() => match signal {
                 Some(WaitSignal::Event(event)) => match event.kind {
                     EventKind::LockGranted { key: k, hold } if k == key && hold.pod.uid == pod_uid => {
+                        if !belongs_to(own, &hold.client_id) {
+                            return taken_over(&key, &pod_uid);
+                        }
                         return WaitOutcome::Granted(hold);
                     }
                     EventKind::WaitEnded { key: k, pod, reason } if k == key && pod.uid == pod_uid => {
@@ -134,7 +167,15 @@ pub async fn follow(
                 }
             },
             _ = tokio::time::sleep_until(deadline) => {
+                // A wait another client took over has that client's
+                // deadline: it is not this call's to cancel.
+                if waiting_client(&core, &key, &pod_uid).is_some_and(|c| !belongs_to(own, &c)) {
+                    return taken_over(&key, &pod_uid);
+                }
                 return match cancel_wait(&core, &key, &pod_uid).await {
+                    Ok(CancelOutcome::AlreadyGranted(hold)) if !belongs_to(own, &hold.client_id) => {
+                        taken_over(&key, &pod_uid)
+                    }
                     Ok(CancelOutcome::AlreadyGranted(hold)) => WaitOutcome::Granted(hold),
                     Ok(_) => WaitOutcome::Ended(ApiError::DeadlineExceeded(format!(
                         "lock {key} was not granted to pod uid {pod_uid} within {} ms; the pod \
@@ -205,6 +246,7 @@ async fn give_up_wait(
                     CancelOutcome::AlreadyGranted(_) => "granted",
                     CancelOutcome::NotWaiting => "not_waiting",
                     CancelOutcome::GaveBack { .. } => "given_back",
+                    CancelOutcome::TakenOver => "taken_over",
                 });
                 return;
             }

@@ -62,7 +62,10 @@ pub use types::*;
 /// in one command, and a device claim is corrected in one command
 /// (`Reclaim`) ([`command::GIVE_BACK_FORMAT_VERSION`]); 8: a node report
 /// naming another node object than the registered one is refused
-/// ([`command::NODE_REPLACED_FORMAT_VERSION`]).
+/// ([`command::NODE_REPLACED_FORMAT_VERSION`]); 9: another client's acquire
+/// of a pod takes the pod's hold (new token) or wait over, a withdrawal
+/// ends only the withdrawing client's own, and a pin can be released on
+/// condition of its labels ([`command::TAKEOVER_FORMAT_VERSION`]).
 ///
 /// An entry is written in the oldest format that can express it
 /// ([`Command::format_version`]) and snapshots in [`SNAPSHOT_FORMAT_VERSION`],
@@ -71,7 +74,7 @@ pub use types::*;
 /// every member has said that it reads them, and sweeps, node reports and
 /// client requests in the newest format unless a member has said that it
 /// reads only an older one (then in the oldest form, [`Command::oldest_form`]).
-pub const FORMAT_VERSION: u16 = 8;
+pub const FORMAT_VERSION: u16 = 9;
 
 /// From this format a client request's answer is kept with the fingerprint
 /// of its command, a retry is answered only when it carries the same
@@ -89,7 +92,9 @@ pub const SESSION_BINDING_FORMAT_VERSION: u16 = 6;
 /// shape that a format-6 member could meet: the only new answer a session
 /// keeps (a withdrawal's `GaveBack`) exists once every member reads 7.
 /// Nor does format 8: its one new answer (a refused node report's
-/// `NodeObjectMismatch`) is written only once every member reads 8.
+/// `NodeObjectMismatch`) is written only once every member reads 8. Nor
+/// format 9: its new answers (`TakenOver`, `PinLabelsDiffer`) come only
+/// from its new commands, sent once every member reads 9.
 pub const SNAPSHOT_FORMAT_VERSION: u16 = 6;
 
 /// One log entry's application payload.
@@ -519,9 +524,17 @@ fn release_of_this_entrys_grant(txn: &Txn<'_>, command: &Command) -> Option<Stri
 /// "granted" answer only while that very hold stands (else `HoldEnded`), a
 /// "queued" one with the current position, or the hold the wait became, or
 /// `WaitEnded`. Other commands get their first answer again.
-fn current_answer(state: &State, command: &Command, stored: &CommandResult) -> CommandResult {
+fn current_answer(
+    state: &State,
+    command: &Command,
+    stored: &CommandResult,
+    format_version: u16,
+) -> CommandResult {
     let Command::Acquire(acquire) = command else {
         return stored.clone();
+    };
+    let taken_over = |hold: &Hold| {
+        format_version >= command::TAKEOVER_FORMAT_VERSION && hold.client_id != acquire.client_id
     };
     let lock = state.locks.get(&acquire.key);
     let holder = lock
@@ -538,6 +551,12 @@ fn current_answer(state: &State, command: &Command, stored: &CommandResult) -> C
         },
         Ok(Reply::Queued { .. }) => {
             match (holder, lock.and_then(|l| l.position_of(&acquire.pod.uid))) {
+                // A hold another client took over is not this request's
+                // (format 9: its grant went to that client).
+                (Some(current), _) if taken_over(current) => Err(CommandError::WaitEnded {
+                    key: acquire.key.clone(),
+                    pod_uid: acquire.pod.uid.clone(),
+                }),
                 (Some(current), _) => Ok(Reply::Granted(current.clone())),
                 (None, Some(position)) => Ok(Reply::Queued {
                     position: position as u32,
@@ -583,7 +602,7 @@ fn apply_one(txn: &mut Txn<'_>, request_id: Option<&RequestId>, command: &Comman
                     deduplicated: false,
                 };
             }
-            let result = current_answer(txn.state, command, &stored.result);
+            let result = current_answer(txn.state, command, &stored.result, txn.format_version);
             if bound {
                 // A retry takes the request up again: a queued acquire is
                 // not given up for a caller that left before it

@@ -49,6 +49,14 @@ pub struct BatchItem {
 }
 
 impl Batch {
+    /// Whether an item is an acquire (whose rules change in format 9,
+    /// [`super::TAKEOVER_FORMAT_VERSION`]).
+    pub fn has_acquire(&self) -> bool {
+        self.items
+            .iter()
+            .any(|item| matches!(item.command, Command::Acquire(_)))
+    }
+
     /// Why this batch may not be applied in an entry of `format_version`, if
     /// it may not: no items, too many, a command that is not an acquire or
     /// release, or (before [`SHARED_LOCK_BATCH_FORMAT_VERSION`]) two commands

@@ -42,6 +42,9 @@ pub enum CancelOutcome {
         /// Who was granted in its place.
         next: Option<Hold>,
     },
+    /// The pod's wait or hold is another client's now: that client's
+    /// acquire of the same pod took it over (format 9, [`WithdrawOwn`]).
+    TakenOver,
 }
 
 /// The wait queued by one client request, whose stream's caller went away:
@@ -152,6 +155,12 @@ impl AbandonWait {
         if give_back_rule && self.granted_to_nobody(txn) {
             return Ok(give_back(txn, &self.key, ReleaseReason::Abandoned));
         }
+        // From format 9 a wait another client took over is that client's.
+        if txn.format_version >= super::TAKEOVER_FORMAT_VERSION
+            && waits_for_another_client(txn, &self.key, &self.pod_uid, &self.client_id)
+        {
+            return Ok(Reply::WaitCancelled(CancelOutcome::NotWaiting));
+        }
         end_wait(txn, self.key, self.pod_uid, WaitEndReason::Abandoned)
     }
 
@@ -180,6 +189,70 @@ impl AbandonWait {
             && hold.token > self.answered_at
             && !seen_since
     }
+}
+
+/// `pod_uid` no longer wants `key` as far as client `client_id` is
+/// concerned: the wait it queued ends, or the hold it was granted is given
+/// back and the next waiter granted, in one entry; a wait or hold another
+/// client took over since ([`super::TAKEOVER_FORMAT_VERSION`]: a later bind
+/// attempt of the same pod) is left alone and answered
+/// [`CancelOutcome::TakenOver`]. What [`Withdraw`] is from format 9: an
+/// extender whose scheduler hung up on a bind can no longer end the hold a
+/// later attempt of the same pod bound the pod with.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct WithdrawOwn {
+    /// The lock.
+    pub key: LockKey,
+    /// The pod that no longer wants it.
+    pub pod_uid: String,
+    /// The server-side id of the client that withdraws.
+    pub client_id: String,
+}
+
+impl WithdrawOwn {
+    /// Ends the client's wait or hold of the pod, or finds neither of its
+    /// own.
+    pub fn apply(self, txn: &mut Txn<'_>) -> Result<Reply, CommandError> {
+        let lock = txn.state.locks.get(&self.key);
+        let hold = lock
+            .and_then(|l| l.holder.as_ref())
+            .filter(|h| h.pod.uid == self.pod_uid);
+        let ignore_client = {
+            // A deliberate bug for the checkers' "can fail" tests: withdraw
+            // whichever client's hold or wait it is (the `Withdraw` of
+            // format 7). Only with the `failpoints` feature and
+            // FAILPOINTS=sm-withdraw-ignores-client=return.
+            #[cfg(feature = "failpoints")]
+            {
+                fail::eval("sm-withdraw-ignores-client", |_| ()).is_some()
+            }
+            #[cfg(not(feature = "failpoints"))]
+            {
+                false
+            }
+        };
+        if let Some(hold) = hold {
+            if hold.client_id != self.client_id && !ignore_client {
+                return Ok(Reply::WaitCancelled(CancelOutcome::TakenOver));
+            }
+            return Ok(give_back(txn, &self.key, ReleaseReason::Withdrawn));
+        }
+        if waits_for_another_client(txn, &self.key, &self.pod_uid, &self.client_id)
+            && !ignore_client
+        {
+            return Ok(Reply::WaitCancelled(CancelOutcome::TakenOver));
+        }
+        end_wait(txn, self.key, self.pod_uid, WaitEndReason::Withdrawn)
+    }
+}
+
+/// Whether `pod_uid` waits for `key` under another client than `client_id`.
+fn waits_for_another_client(txn: &Txn<'_>, key: &LockKey, pod_uid: &str, client_id: &str) -> bool {
+    txn.state.locks.get(key).is_some_and(|lock| {
+        lock.waiters
+            .iter()
+            .any(|w| w.pod.uid == pod_uid && w.client_id != client_id)
+    })
 }
 
 impl CancelWait {

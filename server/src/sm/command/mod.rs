@@ -17,7 +17,7 @@ mod report_pod;
 mod revoke_pod;
 mod sweep;
 
-pub use acquire::Acquire;
+pub use acquire::{Acquire, TAKEOVER_FORMAT_VERSION};
 pub use assign::Assign;
 pub use audit::Audit;
 pub use batch::{
@@ -26,13 +26,13 @@ pub use batch::{
 };
 pub use cancel_wait::{
     ABANDON_WAIT_FORMAT_VERSION, AbandonWait, CancelOutcome, CancelWait, GIVE_BACK_FORMAT_VERSION,
-    Withdraw,
+    Withdraw, WithdrawOwn,
 };
 pub use force_release::ForceRelease;
 pub use lease::{GrantLease, KeepAliveLease, RevokeLease};
 pub use reclaim::{Reclaim, Reclaimed};
 pub use release::Release;
-pub use release_pin::ReleasePin;
+pub use release_pin::{ReleasePin, ReleasePinIf};
 pub use report_node::{
     NODE_GONE_UID_FORMAT_VERSION, NODE_REPLACED_FORMAT_VERSION, NODE_UID_FORMAT_VERSION, ReportNode,
 };
@@ -45,7 +45,7 @@ pub use sweep::{
 use serde::{Deserialize, Serialize};
 
 use super::Txn;
-use super::types::{Hold, LockKey, NodeState, Pin, PinKey, Pod};
+use super::types::{Hold, Labels, LockKey, NodeState, Pin, PinKey, Pod};
 
 /// A command in the log. Variants are only appended (on-disk format).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -91,6 +91,11 @@ pub enum Command {
     /// Re-pin a pin with exactly the given labels, taking its exclusive
     /// labels from the set's other pins on its node (format 7).
     Reclaim(Reclaim),
+    /// A client no longer wants a lock for a pod: end the wait or hold it
+    /// queued or was granted, never one another client took over (format 9).
+    WithdrawOwn(WithdrawOwn),
+    /// Release a pin only while it carries the given labels (format 9).
+    ReleasePinIf(ReleasePinIf),
 }
 
 impl Command {
@@ -114,6 +119,8 @@ impl Command {
             Command::AbandonWait(c) => c.apply(txn),
             Command::Withdraw(c) => c.apply(txn),
             Command::Reclaim(c) => c.apply(txn),
+            Command::WithdrawOwn(c) => c.apply(txn),
+            Command::ReleasePinIf(c) => c.apply(txn),
             // `sm::apply` applies a batch item by item; a batch can only get
             // here as an item of another, which `Batch::check` refuses.
             Command::Batch(_) => Err(CommandError::InvalidBatch {
@@ -127,6 +134,7 @@ impl Command {
     /// need the newer format (see `FORMAT_VERSION`).
     pub fn format_version(&self) -> u16 {
         match self {
+            Command::Batch(batch) if batch.has_acquire() => TAKEOVER_FORMAT_VERSION,
             Command::Batch(batch) if batch.shares_a_lock() => SHARED_LOCK_BATCH_FORMAT_VERSION,
             Command::Batch(_) => BATCH_FORMAT_VERSION,
             Command::Sweep(_) => POD_CLEANUP_FORMAT_VERSION,
@@ -134,9 +142,13 @@ impl Command {
                 NODE_GONE_UID_FORMAT_VERSION
             }
             Command::ReportNode(_) => NODE_REPLACED_FORMAT_VERSION,
-            Command::AbandonWait(_) | Command::Withdraw(_) | Command::Reclaim(_) => {
-                GIVE_BACK_FORMAT_VERSION
-            }
+            Command::Withdraw(_) | Command::Reclaim(_) => GIVE_BACK_FORMAT_VERSION,
+            // Another client's acquire takes a pod's hold or wait over, and
+            // an abandoned wait ends only its own client's wait.
+            Command::Acquire(_)
+            | Command::AbandonWait(_)
+            | Command::WithdrawOwn(_)
+            | Command::ReleasePinIf(_) => TAKEOVER_FORMAT_VERSION,
             _ => 2,
         }
     }
@@ -155,6 +167,7 @@ impl Command {
             Command::Batch(_) => BATCH_FORMAT_VERSION,
             Command::AbandonWait(_) => ABANDON_WAIT_FORMAT_VERSION,
             Command::Withdraw(_) | Command::Reclaim(_) => GIVE_BACK_FORMAT_VERSION,
+            Command::WithdrawOwn(_) | Command::ReleasePinIf(_) => TAKEOVER_FORMAT_VERSION,
             _ => 2,
         }
     }
@@ -382,6 +395,20 @@ pub enum CommandError {
         registered_uid: String,
         /// The UID the report named.
         reported_uid: String,
+    },
+    /// A conditional pin release found the pin without the labels it
+    /// named (format 9): someone made the pin again since; it is kept.
+    #[error(
+        "pin {key} carries labels {actual:?}, not {expected:?}: it was made again since (by a later \
+         attempt); it is kept"
+    )]
+    PinLabelsDiffer {
+        /// The pin.
+        key: PinKey,
+        /// What the release asked for.
+        expected: Labels,
+        /// What the pin carries.
+        actual: Labels,
     },
 }
 
