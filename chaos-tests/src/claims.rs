@@ -31,6 +31,58 @@ pub fn claims_set(prefix: &str) -> String {
     format!("{prefix}-claims")
 }
 
+/// The label naming the bind attempt that made a claim (the extender's
+/// `bind.tether.io/lock-token`).
+pub const ATTEMPT_LABEL: &str = "attempt";
+
+/// Two bind attempts at one pod's claim: attempt 1 makes it, attempt 2
+/// ends it on condition of attempt 1's label and makes it again, then
+/// attempt 1 (whose scheduler left) asks to end it on condition of its own
+/// label, which must be refused. Claims no device (its pin has no `dev/`
+/// label), so the round's claims are untouched. A remade claim whose every
+/// answer was definite is recorded for the `pins` checker.
+async fn remake_claim(shared: &Shared, set: &str, node: &str, round: u64) {
+    let uid = format!("{}-c{round}d", shared.prefix);
+    let key = pb::PinKey {
+        set: set.to_string(),
+        member: format!("{round}d"),
+    };
+    let attempt = |n: &str| HashMap::from([(ATTEMPT_LABEL.to_string(), n.to_string())]);
+    let made = |n: &'static str| {
+        let (key, uid) = (key.clone(), uid.clone());
+        async move {
+            shared
+                .client
+                .reclaim(&key, node, &uid, Duration::ZERO, attempt(n), DEVICE_PREFIX)
+                .await
+                .is_ok()
+        }
+    };
+    if !made("1").await {
+        return;
+    }
+    let ended = shared
+        .client
+        .release_pin_if(&key, "made again by attempt 2", attempt("1"))
+        .await;
+    if ended.is_err() || !made("2").await {
+        return;
+    }
+    // Attempt 1 leaves: refused, the pin is attempt 2's.
+    match shared
+        .client
+        .release_pin_if(&key, "attempt 1 left", attempt("1"))
+        .await
+    {
+        Err(tether_client::Error::FailedPrecondition(_)) | Ok(_) => shared
+            .remade_claims
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .push(key.member.clone()),
+        Err(_) => {}
+    }
+}
+
 /// The claimer's rounds, until stopped.
 pub async fn claimer(shared: Arc<Shared>, mut rng: Rng) {
     let set = claims_set(&shared.prefix);
@@ -77,6 +129,7 @@ pub async fn claimer(shared: Arc<Shared>, mut rng: Rng) {
         for task in tasks {
             let _ = task.await;
         }
+        remake_claim(&shared, &set, node, round).await;
         tokio::time::sleep(Duration::from_millis(rng.between(50, 150))).await;
     }
 }

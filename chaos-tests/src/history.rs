@@ -41,6 +41,12 @@ pub enum Call {
         /// The pod UID.
         uid: String,
     },
+    /// Withdraw pod `uid`'s acquire of `key` (its wait or hold, as far as
+    /// this process's client is concerned).
+    Withdraw {
+        /// The pod UID.
+        uid: String,
+    },
 }
 
 /// A definite answer.
@@ -63,6 +69,8 @@ pub enum Value {
     /// The wait ended because its caller went away, told to a caller that
     /// was there to hear it (the `ends` checker reports every one).
     Abandoned,
+    /// A withdrawal gave back the hold with this token.
+    GaveBack(u64),
 }
 
 /// How an operation ended.

@@ -39,6 +39,7 @@ pub mod history;
 pub mod keeper;
 pub mod procfs;
 pub mod proxy;
+pub mod retry;
 pub mod rng;
 pub mod runner;
 pub mod schedule;

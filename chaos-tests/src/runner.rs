@@ -42,6 +42,9 @@ pub struct RunConfig {
     pub keepers: usize,
     /// Claimers (three pods a round): device claims corrected by `Reclaim`.
     pub claimers: usize,
+    /// Retriers (three pods a round): a pod's second attempt through
+    /// another client takes its hold over; the first leaves.
+    pub retriers: usize,
     /// The session flooder (clusters with tokens only).
     pub session_flood: bool,
     /// TTL of the lease workers' leases: the replicas' shortest.
@@ -68,6 +71,7 @@ impl Default for RunConfig {
             abandoners: 1,
             keepers: 1,
             claimers: 1,
+            retriers: 1,
             session_flood: true,
             // 3 x the chaos clusters' election timeout upper bound (2 x
             // 300 ms), the shortest TTL a replica grants.
@@ -779,6 +783,20 @@ fn spawn_workers(
             rng.fork(process),
         )),
     ));
+    // Last, so that the workers before keep their processes and draws.
+    for _ in 0..config.retriers {
+        process += 1;
+        tasks.push((
+            "retrier",
+            tokio::spawn(crate::retry::retrier(
+                shared.clone(),
+                process,
+                rng.fork(process),
+            )),
+        ));
+        // Its two attempts and its waiter are `process` to `process + 2`.
+        process += 2;
+    }
 
     tasks
 }
@@ -825,6 +843,7 @@ fn tally_outcomes(
             crate::history::Call::Release { .. } => "release",
             crate::history::Call::RevokePod { .. } => "revoke",
             crate::history::Call::Assign { .. } => "assign",
+            crate::history::Call::Withdraw { .. } => "withdraw",
         };
         let outcome = match &op.outcome {
             Outcome::Ok(value) => format!("{value:?}")
@@ -940,6 +959,8 @@ pub async fn run(
         // A short retry budget: calls that cannot finish during a fault end
         // as unknown, which the checkers must handle.
         client: cluster.client_with(Duration::from_millis(800)),
+        // Another extender replica's client, for a pod's second attempt.
+        second_client: cluster.client_with(Duration::from_millis(800)),
         history: History::new(),
         shadow: Shadow::default(),
         holding: Mutex::new(Vec::new()),
@@ -948,6 +969,7 @@ pub async fn run(
         prefix: prefix.to_string(),
         extra_locks: Mutex::new(Vec::new()),
         extra_nodes: Mutex::new(Vec::new()),
+        remade_claims: Mutex::new(Vec::new()),
     });
     let mut rng = Rng::new(schedule.seed ^ 0x5EED);
     let locks = RunLocks::new(&shared, config);
@@ -1092,6 +1114,11 @@ pub async fn run(
             .collect(),
         pins,
         claims,
+        remade_claims: shared
+            .remade_claims
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone(),
         events_complete,
         recoveries,
         fault_windows,

@@ -290,6 +290,33 @@ async fn a_build_whose_claim_correction_keeps_other_claims_is_caught() {
     assert!(violations["pins"] > 0, "{violations:?}");
 }
 
+/// Issue 62, case 1 planted three times: another client's acquire of a
+/// held pod sharing the hold and its token (`sm-acquire-shares-attempts`,
+/// the rule before format 9) and a withdrawal ending whichever client's
+/// hold it finds (`sm-withdraw-ignores-client`), which the retrier's two
+/// attempts at one pod reach and the `attempts` checker reports; and a
+/// release on condition of a claim's labels that ignores them
+/// (`sm-release-pin-ignores-labels`), which the claimer's remade claims
+/// reach and the `pins` checker reports.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn builds_that_let_one_bind_attempt_end_anothers_hold_or_claim_are_caught() {
+    for (failpoint, seed, checker) in [
+        ("sm-acquire-shares-attempts", 99_200, "attempts"),
+        ("sm-withdraw-ignores-client", 99_300, "attempts"),
+        ("sm-release-pin-ignores-labels", 99_400, "pins"),
+    ] {
+        let violations = planted_bug_runs(
+            failpoint,
+            seed,
+            2,
+            Duration::from_millis(1500),
+            RunConfig::default(),
+        )
+        .await;
+        assert!(violations[checker] > 0, "{failpoint}: {violations:?}");
+    }
+}
+
 /// Issue 34's defect 5 planted (`sessions-no-quota`: no session quota):
 /// the session flooder's device plugin opens a session with every new
 /// client, past its quota of 16, and the `sessions` checker reports it.

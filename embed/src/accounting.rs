@@ -34,6 +34,14 @@ pub const DEVICE_SET: &str = "gpu-devices";
 /// A claim's pin carries one label `<this><device id>` per device.
 pub const DEVICE_LABEL_PREFIX: &str = "devices.tether.io/";
 
+/// The label naming the bind attempt a claim was made by: the token of
+/// the node lock the attempt held (tokens rise per lock, so a later
+/// attempt's is higher). A bind attempt ends only a claim carrying its own
+/// token ([`DeviceLedger::release_attempt`]), so an attempt kube-scheduler
+/// gave up on cannot end the claim a later attempt of the same pod bound
+/// the pod with (format 9).
+pub const BIND_TOKEN_LABEL: &str = "bind.tether.io/lock-token";
+
 /// How long a claim outlives its stopped pod: the shortest lifetime there
 /// is (0 would make the pin permanent), so the claim ends at the sweep the
 /// leader makes as soon as it applies the bridge's report (at the latest
@@ -65,6 +73,15 @@ pub enum Claim {
     },
     /// Another pod took one of the devices since they were read.
     Taken(String),
+    /// The pod already claims devices on this node, by another bind
+    /// attempt than the one asking ([`BIND_TOKEN_LABEL`]; `None` when the
+    /// claim names no attempt).
+    OtherAttempt {
+        /// That attempt's lock token.
+        token: Option<u64>,
+        /// The devices it claims.
+        devices: Vec<String>,
+    },
 }
 
 /// The pod a claim is for.
@@ -85,6 +102,15 @@ pub struct ClaimedBy {
     pub pod_uid: String,
     /// Tether knows the pod has stopped: the claim ends at the next sweep.
     pub owner_stopped: bool,
+    /// The lock token of the bind attempt that made the claim
+    /// ([`BIND_TOKEN_LABEL`]), if it names one.
+    pub attempt: Option<u64>,
+}
+
+/// The lock token of the bind attempt that made claim `pin`, if it names
+/// one.
+pub fn attempt_of(pin: &Pin) -> Option<u64> {
+    pin.labels.get(BIND_TOKEN_LABEL)?.parse().ok()
 }
 
 /// Whether the pod that owns `pin` is known to have stopped.
@@ -211,6 +237,7 @@ impl DeviceLedger {
                         ClaimedBy {
                             pod_uid: pin.pod_uid.clone(),
                             owner_stopped: owner_stopped(pin),
+                            attempt: attempt_of(pin),
                         },
                     )
                 })
@@ -251,8 +278,26 @@ impl DeviceLedger {
         pod: ClaimOwner<'_>,
         devices: &[String],
     ) -> Result<Claim, Error> {
+        self.claim_for(node, pod, devices, None).await
+    }
+
+    /// Claims `devices` on `node` for the pod, atomically, for the bind
+    /// attempt that holds the node's lock with token `attempt`
+    /// ([`BIND_TOKEN_LABEL`]). A claim the pod already has on the node by
+    /// another attempt is answered [`Claim::OtherAttempt`] and left as it
+    /// is.
+    pub async fn claim_for(
+        &self,
+        node: &str,
+        pod: ClaimOwner<'_>,
+        devices: &[String],
+        attempt: Option<u64>,
+    ) -> Result<Claim, Error> {
         let pod_uid = pod.uid;
-        let (labels, affinity) = claim_request(&pod, devices);
+        let (mut labels, affinity) = claim_request(&pod, devices);
+        if let Some(token) = attempt {
+            labels.insert(BIND_TOKEN_LABEL.into(), token.to_string());
+        }
         match self
             .client
             .assign(
@@ -273,6 +318,12 @@ impl DeviceLedger {
                         devices: devices_of(&pin),
                     });
                 }
+                if attempt.is_some() && attempt_of(&pin) != attempt {
+                    return Ok(Claim::OtherAttempt {
+                        token: attempt_of(&pin),
+                        devices: devices_of(&pin),
+                    });
+                }
                 Ok(Claim::Held(devices_of(&pin)))
             }
             Err(Error::ResourceExhausted(why)) if why.contains("anti-affinity") => {
@@ -288,6 +339,32 @@ impl DeviceLedger {
             .release_pin(&key(&self.set, pod_uid), reason)
             .await?;
         Ok(())
+    }
+
+    /// Ends the pod's claim if bind attempt `attempt` made it (it carries
+    /// that [`BIND_TOKEN_LABEL`]): false, and the claim kept, when another
+    /// attempt made it again since. No claim at all is true.
+    pub async fn release_attempt(
+        &self,
+        pod_uid: &str,
+        attempt: u64,
+        reason: &str,
+    ) -> Result<bool, Error> {
+        let labels = HashMap::from([(BIND_TOKEN_LABEL.to_string(), attempt.to_string())]);
+        match self
+            .client
+            .release_pin_if(&key(&self.set, pod_uid), reason, labels)
+            .await
+        {
+            Ok(_) => Ok(true),
+            Err(Error::FailedPrecondition(why)) if why.contains("made again since") => Ok(false),
+            // A member still reads only format 8 (an upgrade): as before.
+            Err(Error::FailedPrecondition(why)) if why.contains("format") => {
+                self.release(pod_uid, reason).await?;
+                Ok(true)
+            }
+            Err(err) => Err(err),
+        }
     }
 
     /// Makes the pod's claim on `node` name exactly `devices`: what the
@@ -448,7 +525,8 @@ impl DeviceLedger {
                 .await?;
         }
         match self.claim(node, pod, &sorted).await? {
-            Claim::Held(_) => {
+            // `claim` names no attempt, so it never answers `OtherAttempt`.
+            Claim::Held(_) | Claim::OtherAttempt { .. } => {
                 correction.changed = true;
                 Ok(Ok(correction))
             }

@@ -43,6 +43,7 @@ use tether_client::{Client, Error, Held};
 use tokio::net::TcpListener;
 
 use crate::accounting::{Claim, ClaimOwner, DeviceLedger};
+use crate::attempts::{Attempts, Turn};
 use crate::device_view::{DeviceView, Pins, Sets};
 use crate::inventory::{PublishedDevice, published_inventories, published_inventory};
 use crate::kind::DeviceKind;
@@ -519,6 +520,21 @@ const CLAIM_ATTEMPTS: usize = 5;
 const STOPPED_CLAIM_WAIT: Duration = Duration::from_secs(3);
 const STOPPED_CLAIM_POLL: Duration = Duration::from_millis(25);
 
+/// Whether `pod` is the pod `args` binds, bound to `args.node`.
+fn bound_here(pod: &KubePod, args: &ExtenderBindingArgs) -> bool {
+    pod.metadata.uid.as_deref() == Some(args.pod_uid.as_str())
+        && pod.spec.as_ref().and_then(|s| s.node_name.as_deref()) == Some(args.node.as_str())
+}
+
+/// Devices one bind attempt claimed of one kind.
+struct Claimed<'a> {
+    kind: &'a Kind,
+    devices: Vec<String>,
+    /// The token of the attempt's hold of the kind's lock, which the claim
+    /// carries ([`crate::accounting::BIND_TOKEN_LABEL`]).
+    attempt: u64,
+}
+
 /// The bind verb.
 pub struct Extender<B> {
     client: Client,
@@ -530,6 +546,8 @@ pub struct Extender<B> {
     /// Pods the filter left without a node for want of free devices, to be
     /// asked about again when devices free up ([`crate::requeue`]).
     refusals: Refusals,
+    /// One bind attempt per pod at a time ([`crate::attempts`]).
+    attempts: Arc<Attempts>,
 }
 
 impl<B: Binder> Extender<B> {
@@ -559,6 +577,7 @@ impl<B: Binder> Extender<B> {
             kinds,
             metrics: ExtenderMetrics::default(),
             refusals: Refusals::default(),
+            attempts: Arc::default(),
         }
     }
 
@@ -626,14 +645,19 @@ impl<B: Binder> Extender<B> {
         // A planted bug for `tests/bind_deadline.rs` (`extender-bind-unbounded`,
         // set with `fail::cfg`): each call of the bind retries on its own
         // budget, as before issue 34, past the scheduler's `httpTimeout`.
+        // An earlier attempt of the same pod ends first, its undo included
+        // ([`crate::attempts`]).
+        let attempt = async {
+            let (turn, _) = self
+                .attempts
+                .turn(&args.pod_uid, || self.metrics.bind_overlap())
+                .await;
+            self.try_bind(args, scheduler, &turn).await
+        };
         let result = if fail::eval("extender-bind-unbounded", |_| ()).is_some() {
-            self.try_bind(args, scheduler).await
+            attempt.await
         } else {
-            tether_client::deadline::within(
-                started + self.config.bind_deadline,
-                self.try_bind(args, scheduler),
-            )
-            .await
+            tether_client::deadline::within(started + self.config.bind_deadline, attempt).await
         };
         let outcome = match result {
             Ok(_) => BindOutcome::Bound,
@@ -669,6 +693,7 @@ impl<B: Binder> Extender<B> {
         &self,
         args: &ExtenderBindingArgs,
         scheduler: &Departure,
+        turn: &Turn,
     ) -> Result<String, String> {
         let who = format!("{}/{}", args.pod_namespace, args.pod_name);
         let pod = self.binder.pod(&args.pod_namespace, &args.pod_name).await?;
@@ -737,15 +762,33 @@ impl<B: Binder> Extender<B> {
                 scope: kind.spec.scope.clone(),
                 name: args.node.clone(),
             };
+            // An attempt the scheduler has left takes nothing more: another
+            // client's acquire of the pod would take the hold over from a
+            // later attempt that may be binding the pod now.
+            if scheduler.is_gone() {
+                self.leave(args, holds, &[], turn).await;
+                return Err(format!(
+                    "the scheduler gave up on binding {who} before it took {}/{}",
+                    key.scope, key.name
+                ));
+            }
             let acquired = tokio::select! {
                 acquired = self
                     .client
                     .acquire(&key, &holder, calls.to_payload(), self.config.wait, 0) => acquired,
                 () = scheduler.wait() => {
                     // One definite act: the wait ends, or a grant that raced the
-                    // departure is given back to the next waiter.
+                    // departure is given back to the next waiter — unless a
+                    // later attempt has bound the pod to the node meanwhile.
+                    if let Some(why) = self.keeps_holds(args).await {
+                        return Err(format!(
+                            "the scheduler gave up on binding {who} while it waited for {}/{}; \
+                             what it took is kept: {why}",
+                            key.scope, key.name
+                        ));
+                    }
                     self.withdraw(&key, args).await;
-                    self.give_back_holds(args, holds).await;
+                    self.give_back_holds(args, holds, turn).await;
                     return Err(format!(
                         "the scheduler gave up on binding {who} while it waited for {}/{}; \
                          nothing was kept",
@@ -756,7 +799,7 @@ impl<B: Binder> Extender<B> {
             match acquired {
                 Ok(held) => holds.push(held),
                 Err(err) => {
-                    self.give_back_holds(args, holds).await;
+                    self.give_back_holds(args, holds, turn).await;
                     return Err(match err {
                         Error::DeadlineExceeded(_) => format!(
                             "node {} is busy: {who} did not get {}/{} within {:?}; retry",
@@ -769,17 +812,28 @@ impl<B: Binder> Extender<B> {
                 }
             }
         }
-        let mut claimed: Vec<(&Kind, Vec<String>)> = Vec::with_capacity(wanted.len());
-        for (kind, admission) in &wanted {
+        // Each kind's claim names the token of that kind's hold: the bind
+        // attempt that made it, and the only one that may end it.
+        let mut claimed: Vec<Claimed> = Vec::with_capacity(wanted.len());
+        for ((kind, admission), held) in wanted.iter().zip(&holds) {
+            let attempt = held.token();
             match self
-                .claim_devices(kind, args, admission.devices() as usize)
+                .claim_devices(kind, args, admission.devices() as usize, attempt, scheduler)
                 .await
             {
-                Ok(devices) => claimed.push((kind, devices)),
+                Ok(devices) => claimed.push(Claimed {
+                    kind,
+                    devices,
+                    attempt,
+                }),
+                Err(error) if scheduler.is_gone() => {
+                    self.leave(args, holds, &claimed, turn).await;
+                    return Err(error);
+                }
                 Err(error) => {
-                    self.give_back_holds(args, holds).await;
-                    for (kind, _) in claimed {
-                        self.release_claim(kind, args, "the bind failed").await;
+                    self.give_back_holds(args, holds, turn).await;
+                    for claim in claimed {
+                        self.release_claim(&claim, args, "the bind failed").await;
                     }
                     return Err(error);
                 }
@@ -787,11 +841,45 @@ impl<B: Binder> Extender<B> {
         }
         let tokens: Vec<u64> = holds.iter().map(|held| held.token()).collect();
         if scheduler.is_gone() {
+            if let Some(why) = self.keeps_holds(args).await {
+                return Err(format!(
+                    "the scheduler gave up on binding {who} before the binding call; what it \
+                     took is kept: {why}"
+                ));
+            }
             self.undo(args, holds, &claimed, "the scheduler gave up on the bind")
                 .await;
             return Err(format!(
                 "the scheduler gave up on binding {who} before the binding call; nothing was kept"
             ));
+        }
+        // A hold another attempt of the pod took over since (through
+        // another extender replica, format 9) is not this attempt's to bind
+        // with: that attempt binds, or gives the node back.
+        for (held, (kind, _)) in holds.iter().zip(&wanted) {
+            let key = LockKey {
+                scope: kind.spec.scope.clone(),
+                name: args.node.clone(),
+            };
+            let current = self
+                .client
+                .holder(&key)
+                .await
+                .map_err(|e| format!("cannot read the holder of {}/{}: {e}", key.scope, key.name))?
+                .map(|hold| hold.token);
+            if current != Some(held.token()) {
+                for claim in &claimed {
+                    self.release_claim(claim, args, "another attempt took the lock over")
+                        .await;
+                }
+                return Err(format!(
+                    "another bind attempt of {who} took {}/{} over (token {current:?}, this \
+                     attempt's {}); this attempt binds nothing",
+                    key.scope,
+                    key.name,
+                    held.token()
+                ));
+            }
         }
         let kept = match tokens.as_slice() {
             [token] => format!("lock {token} kept for the device plugin"),
@@ -800,22 +888,84 @@ impl<B: Binder> Extender<B> {
         // From here the binding call runs to its end whatever the
         // scheduler does: a pod bound is a pod bound.
         if let Err(error) = self.binder.bind(args).await {
-            // The binding may have gone through with its answer lost.
-            if let Ok(pod) = self.binder.pod(&args.pod_namespace, &args.pod_name).await
-                && pod.metadata.uid.as_deref() == Some(args.pod_uid.as_str())
-                && pod.spec.as_ref().and_then(|s| s.node_name.as_deref()) == Some(&args.node)
-            {
-                return Ok(format!(
-                    "bound (the binding call answered {error:?}, but the pod is on the node); \
-                     {kept}"
-                ));
+            // The binding may have gone through with its answer lost: only
+            // a read that shows the pod not bound here undoes.
+            match self.binder.pod(&args.pod_namespace, &args.pod_name).await {
+                Ok(pod) if bound_here(&pod, args) => {
+                    return Ok(format!(
+                        "bound (the binding call answered {error:?}, but the pod is on the \
+                         node); {kept}"
+                    ));
+                }
+                Ok(_) => {
+                    // Unreserve: give the node to the next waiter at once.
+                    self.undo(args, holds, &claimed, "the bind failed").await;
+                    return Err(error);
+                }
+                Err(read) => {
+                    // Unknown: the pod may be bound and its Allocate need
+                    // the hold. Kept: the scheduler's next attempt of the
+                    // pod takes it up, and an unbound pod's hold ends at
+                    // its hold timeout.
+                    tracing::warn!(
+                        pod_uid = args.pod_uid,
+                        node = args.node,
+                        error,
+                        read,
+                        "the binding call and the read after it both failed; the holds and claims are kept"
+                    );
+                    return Err(format!(
+                        "{error}; and the pod cannot be read ({read}), so it may be bound: \
+                         {kept}, and the pod's device claims"
+                    ));
+                }
             }
-            // Unreserve: give the node to the next waiter at once.
-            self.undo(args, holds, &claimed, "the bind failed").await;
-            return Err(error);
         }
-        let devices: Vec<&String> = claimed.iter().flat_map(|(_, d)| d).collect();
+        let devices: Vec<&String> = claimed.iter().flat_map(|c| &c.devices).collect();
         Ok(format!("bound with devices {devices:?}; {kept}"))
+    }
+
+    /// Why an attempt the scheduler left must keep what it took, if it
+    /// must: the pod is bound to the node (another attempt of the pod got
+    /// through, and its `Allocate` needs the hold), or it cannot be read
+    /// (it may be).
+    async fn keeps_holds(&self, args: &ExtenderBindingArgs) -> Option<String> {
+        match self.binder.pod(&args.pod_namespace, &args.pod_name).await {
+            Ok(pod) if bound_here(&pod, args) => Some(format!(
+                "the pod is bound to {} (another attempt got through)",
+                args.node
+            )),
+            Ok(_) => None,
+            Err(err) => Some(format!("the pod cannot be read ({err}); it may be bound")),
+        }
+    }
+
+    /// Leaves a bind whose scheduler went away: what it took is given
+    /// back, unless [`Extender::keeps_holds`].
+    async fn leave(
+        &self,
+        args: &ExtenderBindingArgs,
+        holds: Vec<Held>,
+        claimed: &[Claimed<'_>],
+        turn: &Turn,
+    ) {
+        if holds.is_empty() && claimed.is_empty() {
+            return;
+        }
+        if let Some(why) = self.keeps_holds(args).await {
+            tracing::info!(
+                pod_uid = args.pod_uid,
+                node = args.node,
+                why,
+                "the scheduler left the bind; what it took is kept"
+            );
+            return;
+        }
+        self.give_back_holds(args, holds, turn).await;
+        for claim in claimed {
+            self.release_claim(claim, args, "the scheduler gave up on the bind")
+                .await;
+        }
     }
 
     /// Undoes a bind that got its locks and claims but will not bind: each
@@ -825,7 +975,7 @@ impl<B: Binder> Extender<B> {
         &self,
         args: &ExtenderBindingArgs,
         holds: Vec<Held>,
-        claimed: &[(&Kind, Vec<String>)],
+        claimed: &[Claimed<'_>],
         reason: &str,
     ) {
         for held in holds {
@@ -834,8 +984,8 @@ impl<B: Binder> Extender<B> {
                 tracing::error!(pod_uid = args.pod_uid, node = args.node, token, reason, %err, "release failed; the hold timeout or a pod revoke will free it");
             }
         }
-        for (kind, _) in claimed {
-            self.release_claim(kind, args, reason).await;
+        for claim in claimed {
+            self.release_claim(claim, args, reason).await;
         }
     }
 
@@ -845,12 +995,16 @@ impl<B: Binder> Extender<B> {
     /// release goes on in the background for as long as it takes (a claim
     /// fails at the deadline when Tether has no quorum, and so would the
     /// release, after the client's whole retry budget).
-    async fn give_back_holds(&self, args: &ExtenderBindingArgs, holds: Vec<Held>) {
+    async fn give_back_holds(&self, args: &ExtenderBindingArgs, holds: Vec<Held>, turn: &Turn) {
         if holds.is_empty() {
             return;
         }
         let (pod_uid, node) = (args.pod_uid.clone(), args.node.clone());
+        // The pod's next attempt waits for these releases too: it would get
+        // the same holds back (the same client), and lose them to them.
+        let turn = turn.clone();
         let release = tokio::spawn(unbounded(async move {
+            let _turn = turn;
             for held in holds {
                 if let Err(err) = held.release(Outcome::Failed).await {
                     tracing::error!(pod_uid, node, %err, "release after a failed bind failed; the hold timeout or a pod revoke will free it");
@@ -876,6 +1030,8 @@ impl<B: Binder> Extender<B> {
         kind: &Kind,
         args: &ExtenderBindingArgs,
         count: usize,
+        attempt: u64,
+        scheduler: &Departure,
     ) -> Result<Vec<String>, String> {
         let published = published_inventory(&self.client, &kind.spec.inventory_set, &args.node)
             .await
@@ -924,6 +1080,19 @@ impl<B: Binder> Extender<B> {
                 .filter(|(_, by)| by.pod_uid == args.pod_uid)
                 .map(|(device, _)| device.clone())
                 .collect();
+            // The pod's claim here by another bind attempt: a later one's
+            // is not this attempt's to touch; an earlier one's is ended
+            // (this attempt holds the node's lock now) and made again.
+            let other_attempt = in_use
+                .values()
+                .find(|by| by.pod_uid == args.pod_uid && by.attempt != Some(attempt))
+                .map(|by| by.attempt);
+            if let Some(other) = other_attempt {
+                attempts += 1;
+                self.end_earlier_claim(kind, args, attempt, other).await?;
+                last_loss = format!("the pod's claim by bind attempt {other:?}");
+                continue;
+            }
             let devices = if ours.len() == count {
                 ours
             } else {
@@ -953,7 +1122,7 @@ impl<B: Binder> Extender<B> {
             attempts += 1;
             match kind
                 .ledger
-                .claim(
+                .claim_for(
                     &args.node,
                     ClaimOwner {
                         uid: &args.pod_uid,
@@ -961,6 +1130,7 @@ impl<B: Binder> Extender<B> {
                         name: &args.pod_name,
                     },
                     &devices,
+                    Some(attempt),
                 )
                 .await
                 .map_err(|e| format!("cannot claim devices on {}: {e}", args.node))?
@@ -993,6 +1163,19 @@ impl<B: Binder> Extender<B> {
                         })?;
                     last_loss = format!("the pod's own claim named {held:?}");
                 }
+                Claim::OtherAttempt { token, .. } => {
+                    self.end_earlier_claim(kind, args, attempt, token).await?;
+                    last_loss = format!("the pod's claim by bind attempt {token:?}");
+                }
+                Claim::OnOtherNode { .. } if scheduler.is_gone() => {
+                    // The claim elsewhere may be a later attempt's, made
+                    // after the scheduler gave up on this one.
+                    return Err(format!(
+                        "the scheduler gave up on binding {}/{}; the pod's claim on another \
+                         node is left as it is",
+                        args.pod_namespace, args.pod_name
+                    ));
+                }
                 Claim::OnOtherNode { node, devices } => {
                     tracing::info!(
                         pod_uid = args.pod_uid,
@@ -1013,6 +1196,54 @@ impl<B: Binder> Extender<B> {
             "could not claim {count} {} devices on {} in {CLAIM_ATTEMPTS} attempts: {last_loss}",
             kind.spec.resource, args.node
         ))
+    }
+
+    /// Ends the pod's claim on the node made by bind attempt `other` (its
+    /// lock token, `None` for a claim that names none) so that attempt
+    /// `attempt`, which holds the node's lock now, can claim afresh; a
+    /// later attempt's claim is refused.
+    async fn end_earlier_claim(
+        &self,
+        kind: &Kind,
+        args: &ExtenderBindingArgs,
+        attempt: u64,
+        other: Option<u64>,
+    ) -> Result<(), String> {
+        let who = format!("{}/{}", args.pod_namespace, args.pod_name);
+        let ended = match other {
+            Some(later) if later > attempt => {
+                return Err(format!(
+                    "a later bind attempt of {who} (lock token {later}) claims its devices on {}; \
+                     this attempt (token {attempt}) keeps nothing",
+                    args.node
+                ));
+            }
+            Some(earlier) => {
+                kind.ledger
+                    .release_attempt(
+                        &args.pod_uid,
+                        earlier,
+                        "made by an earlier bind attempt of the pod",
+                    )
+                    .await
+            }
+            None => kind
+                .ledger
+                .release(&args.pod_uid, "made by an earlier bind attempt of the pod")
+                .await
+                .map(|()| true),
+        };
+        tracing::info!(
+            pod_uid = args.pod_uid,
+            node = args.node,
+            attempt,
+            earlier = ?other,
+            ?ended,
+            "ending the pod's claim made by an earlier bind attempt"
+        );
+        ended
+            .map(|_| ())
+            .map_err(|e| format!("cannot end the claim an earlier bind attempt of {who} made: {e}"))
     }
 
     /// Takes the pod out of `key`'s queue, or gives back the hold it was
@@ -1060,9 +1291,23 @@ impl<B: Binder> Extender<B> {
         }
     }
 
-    async fn release_claim(&self, kind: &Kind, args: &ExtenderBindingArgs, reason: &str) {
-        if let Err(err) = unbounded(kind.ledger.release(&args.pod_uid, reason)).await {
-            tracing::error!(pod_uid = args.pod_uid, node = args.node, %err, "cannot release a device claim; it ends with its pod");
+    /// Ends the claim this attempt made, unless a later attempt of the
+    /// pod made it again since (it carries that attempt's token then).
+    async fn release_claim(&self, claim: &Claimed<'_>, args: &ExtenderBindingArgs, reason: &str) {
+        let ledger = &claim.kind.ledger;
+        match unbounded(ledger.release_attempt(&args.pod_uid, claim.attempt, reason)).await {
+            Ok(true) => {}
+            Ok(false) => {
+                tracing::info!(
+                    pod_uid = args.pod_uid,
+                    node = args.node,
+                    attempt = claim.attempt,
+                    "the device claim was made again by a later bind attempt of the pod; kept"
+                )
+            }
+            Err(err) => {
+                tracing::error!(pod_uid = args.pod_uid, node = args.node, %err, "cannot release a device claim; it ends with its pod")
+            }
         }
     }
 

@@ -44,6 +44,7 @@
 //! - `bin/tether-extender.rs`, `bin/tether-device-plugin.rs` — the binaries.
 
 pub mod accounting;
+pub mod attempts;
 pub mod cli;
 pub mod device_plugin;
 pub mod device_view;

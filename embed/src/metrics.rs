@@ -51,6 +51,7 @@ pub struct ExtenderMetrics {
     filters: Family<OutcomeLabel, Counter>,
     filter_duration: Histogram,
     nudges: Counter,
+    bind_overlaps: Counter,
 }
 
 impl Default for ExtenderMetrics {
@@ -88,6 +89,12 @@ impl Default for ExtenderMetrics {
             "Refused pods the extender asked the scheduler about again because devices freed up",
             nudges.clone(),
         );
+        let bind_overlaps = Counter::default();
+        registry.register(
+            "tether_extender_bind_overlaps",
+            "Bind calls for a pod whose earlier bind call was still running (the scheduler gave up on it and tried again); each waited for the earlier one to end",
+            bind_overlaps.clone(),
+        );
         Self {
             registry,
             binds,
@@ -95,6 +102,7 @@ impl Default for ExtenderMetrics {
             filters,
             filter_duration,
             nudges,
+            bind_overlaps,
         }
     }
 }
@@ -115,6 +123,11 @@ impl ExtenderMetrics {
         let outcome = if answered { "answered" } else { "error" };
         self.filters.get_or_create(&OutcomeLabel { outcome }).inc();
         self.filter_duration.observe(seconds);
+    }
+
+    /// Counts a bind call that waited for an earlier one of its pod.
+    pub fn bind_overlap(&self) {
+        self.bind_overlaps.inc();
     }
 
     /// Counts a refused pod asked about again.

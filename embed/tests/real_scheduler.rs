@@ -40,8 +40,8 @@ use std::time::{Duration, Instant};
 
 use fake_kubelet::FakeKubelet;
 use gpu_scheduling::{
-    RESOURCE, RunningExtender, SYSTEM, apply_rbac, remove_not_ready_taint, scheduler_config,
-    spawn_bridge, start_extender,
+    ApiFaults, RESOURCE, RunningExtender, SYSTEM, apply_rbac, remove_not_ready_taint,
+    scheduler_config, spawn_bridge, start_extender_with,
 };
 use k8s_openapi::api::core::v1::{Node, Pod};
 use kube::api::{Api, DeleteParams, ListParams, Patch, PatchParams, PostParams, Preconditions};
@@ -90,6 +90,12 @@ struct Rig {
     /// Pods that ended (Succeeded or Failed) but stay bound to the node.
     ended: std::sync::Mutex<std::collections::BTreeSet<String>>,
     _scheduler: Process,
+    /// The scheduler's configuration ([`Rig::restart_scheduler`]).
+    scheduler_config: std::path::PathBuf,
+    /// What the API server does to the extenders' calls.
+    faults: Arc<ApiFaults>,
+    /// Where the front sends new connections (two replicas).
+    route: Route,
     /// The certificates each part presents to Tether.
     identities: Identities,
     /// The real bridge, while it runs.
@@ -98,9 +104,14 @@ struct Rig {
     _dir: tempfile::TempDir,
 }
 
+/// Where the front sends the next connection: the next replica in turn
+/// (`usize::MAX`), or always replica `n`.
+type Route = Arc<std::sync::atomic::AtomicUsize>;
+
 /// Forwards each connection to the next of `targets` in turn: a Service in
-/// front of extender replicas.
-async fn round_robin(targets: Vec<SocketAddr>) -> (SocketAddr, JoinHandle<()>) {
+/// front of extender replicas; or, once the test sets `route`, always to
+/// one of them.
+async fn round_robin(targets: Vec<SocketAddr>, route: Route) -> (SocketAddr, JoinHandle<()>) {
     let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = listener.local_addr().unwrap();
     let task = tokio::spawn(async move {
@@ -108,7 +119,10 @@ async fn round_robin(targets: Vec<SocketAddr>) -> (SocketAddr, JoinHandle<()>) {
             let Ok((mut inbound, _)) = listener.accept().await else {
                 return;
             };
-            let target = targets[turn % targets.len()];
+            let target = match route.load(std::sync::atomic::Ordering::SeqCst) {
+                usize::MAX => targets[turn % targets.len()],
+                fixed => targets[fixed],
+            };
             tokio::spawn(async move {
                 if let Ok(mut outbound) = tokio::net::TcpStream::connect(target).await {
                     let _ = tokio::io::copy_bidirectional(&mut inbound, &mut outbound).await;
@@ -170,18 +184,26 @@ impl Rig {
         let mut extenders = Vec::new();
         let mut serving = Vec::new();
         let mut addrs = Vec::new();
+        let faults = Arc::new(ApiFaults::default());
         for _ in 0..replicas {
             let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
             addrs.push(listener.local_addr().unwrap());
-            let (extender, task) =
-                start_extender(&cluster, &identities, &extender_kube, wait, listener);
+            let (extender, task) = start_extender_with(
+                &cluster,
+                &identities,
+                &extender_kube,
+                wait,
+                listener,
+                faults.clone(),
+            );
             serving.push(task);
             extenders.push(extender);
         }
+        let route: Route = Arc::new(usize::MAX.into());
         let extender_addr = if replicas == 1 {
             addrs[0]
         } else {
-            let (addr, task) = round_robin(addrs.clone()).await;
+            let (addr, task) = round_robin(addrs.clone(), route.clone()).await;
             tasks.push(task);
             addr
         };
@@ -207,6 +229,9 @@ impl Rig {
             admitted: Default::default(),
             ended: Default::default(),
             _scheduler: scheduler,
+            scheduler_config: config_path,
+            faults,
+            route,
             identities,
             bridge: Default::default(),
             plane,
@@ -546,15 +571,24 @@ impl Rig {
         socket.set_reuseaddr(true).unwrap();
         socket.bind(addr).unwrap();
         let listener = socket.listen(64).unwrap();
-        let (extender, task) = start_extender(
+        let (extender, task) = start_extender_with(
             &self.cluster,
             &self.identities,
             &self.extender_kube,
             self.wait,
             listener,
+            self.faults.clone(),
         );
         self.extenders[replica] = extender;
         self.serving[replica] = task;
+    }
+
+    /// Kills kube-scheduler (as a crash or an eviction would) and starts
+    /// another on the same configuration; it schedules every pending pod
+    /// afresh.
+    fn restart_scheduler(&mut self) {
+        self._scheduler.kill();
+        self._scheduler = self.plane.scheduler(&self.scheduler_config).unwrap();
     }
 
     async fn shutdown(self) {
@@ -1031,5 +1065,162 @@ async fn two_extender_replicas_bind_racing_pods_without_sharing_a_device() {
         bound.iter().all(|b| *b > 0),
         "one replica served every bind: {bound:?}"
     );
+    rig.shutdown().await;
+}
+
+impl Rig {
+    /// After `first` was bound by a bind that may not know it (another
+    /// attempt of the pod bound it, or the answer was lost): what the bound
+    /// pod and a pod that then waits for the node each got. The bound pod
+    /// must still hold the node's lock and its claim until its `Allocate`,
+    /// and the waiting pod must wait for that `Allocate`.
+    async fn check_the_bound_attempt_kept_its_hold(&self) {
+        let first = self.pods.get("first").await.unwrap();
+        let first_uid = first.metadata.uid.unwrap();
+        let holder = self.holder().await;
+        let claims = self.claims().await;
+        let claimed: Vec<&String> = claims
+            .iter()
+            .filter(|(_, uid)| **uid == first_uid)
+            .map(|(device, _)| device)
+            .collect();
+        println!("the bound pod: holder {holder:?}, its claim {claimed:?}");
+        self.create_pod("second", 1).await;
+        self.wait_for(
+            "the second pod to queue for the node, or to be bound",
+            async || {
+                self.waiters().await == ["second"]
+                    || self.bound().await.iter().any(|n| n == "second")
+            },
+        )
+        .await;
+        let second_bound = self.bound().await.iter().any(|n| n == "second");
+        println!(
+            "the waiting pod, before the bound pod's Allocate: {}",
+            if second_bound { "bound" } else { "queued" }
+        );
+        assert_eq!(
+            holder.as_deref(),
+            Some("first"),
+            "the bound pod lost the node's lock its Allocate needs"
+        );
+        assert_eq!(claimed.len(), 1, "the bound pod lost its device claim");
+        assert!(
+            !second_bound,
+            "the next pod was bound before the first one's Allocate"
+        );
+        self.admit("first").await;
+        assert_eq!(self.admit_next().await, "second");
+        assert_devices_distinct_and_claimed(self).await;
+    }
+}
+
+/// Issue 62, case 1: the scheduler gives up on a bind at its `httpTimeout`
+/// (the extender's read of the pod is slow to answer) and binds the pod
+/// again through the same extender. The first attempt, answering only
+/// then, must not give back the hold and claim the second bound the pod
+/// with: the second waits for the first to end, and the first, its
+/// scheduler gone, keeps nothing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_bind_retried_after_http_timeout_keeps_the_hold_the_retry_bound_the_pod_with() {
+    let Some(rig) = Rig::start(
+        "a_bind_retried_after_http_timeout_keeps_the_hold_the_retry_bound_the_pod_with",
+        2,
+        1,
+        DEPLOYED_WAIT,
+    )
+    .await
+    else {
+        return;
+    };
+    let read = rig.faults.hold_next_read("first");
+    rig.create_pod("first", 1).await;
+    rig.wait_for("the first attempt to read its pod", async || read.made())
+        .await;
+    let started = Instant::now();
+    // The scheduler hangs up at its httpTimeout (10 s) and binds again:
+    // the second call waits for the first (this build), or binds (before).
+    rig.wait_for("the scheduler's second bind of the pod", async || {
+        rig.counter_total("tether_extender_bind_overlaps_total") > 0
+            || rig.bound().await == ["first"]
+    })
+    .await;
+    println!(
+        "second attempt {:?} after the first read its pod",
+        started.elapsed()
+    );
+    read.answer();
+    rig.wait_for(
+        "both attempts to answer and the pod to be bound",
+        async || rig.binds(0, "refused") >= 1 && rig.bound().await == ["first"],
+    )
+    .await;
+    rig.check_the_bound_attempt_kept_its_hold().await;
+    rig.shutdown().await;
+}
+
+/// Issue 62, case 1, across extender replicas: kube-scheduler is killed
+/// while the first attempt (replica 0) waits for the API server, and the
+/// new scheduler binds the pod through replica 1 (another Tether client).
+/// The first attempt, answering only then, must take nothing and give back
+/// nothing of what the second bound the pod with.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_bind_left_by_a_restarted_scheduler_keeps_nothing_of_the_retry_through_another_replica() {
+    let Some(mut rig) = Rig::start(
+        "a_bind_left_by_a_restarted_scheduler_keeps_nothing_of_the_retry_through_another_replica",
+        2,
+        2,
+        DEPLOYED_WAIT,
+    )
+    .await
+    else {
+        return;
+    };
+    rig.route.store(0, std::sync::atomic::Ordering::SeqCst);
+    let read = rig.faults.hold_next_read("first");
+    rig.create_pod("first", 1).await;
+    rig.wait_for("the first attempt to read its pod", async || read.made())
+        .await;
+    rig.route.store(1, std::sync::atomic::Ordering::SeqCst);
+    rig.restart_scheduler();
+    rig.wait_for(
+        "the new scheduler to bind the pod through replica 1",
+        async || rig.bound().await == ["first"],
+    )
+    .await;
+    assert_eq!(rig.binds(1, "bound"), 1);
+    read.answer();
+    rig.wait_for("the first attempt to answer", async || {
+        rig.binds(0, "refused") >= 1
+    })
+    .await;
+    rig.check_the_bound_attempt_kept_its_hold().await;
+    rig.shutdown().await;
+}
+
+/// Issue 62, case 2: the Binding call lands but its answer is lost, and
+/// the read that would confirm it fails too (an overloaded API server
+/// times out both). The pod may be bound, so the bind keeps the node's
+/// lock and the claim its `Allocate` needs, and answers an error; the pod
+/// is bound, and the next pod waits for its `Allocate`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_bind_whose_answer_and_confirming_read_are_lost_keeps_the_hold() {
+    let Some(rig) = Rig::start(
+        "a_bind_whose_answer_and_confirming_read_are_lost_keeps_the_hold",
+        2,
+        1,
+        DEPLOYED_WAIT,
+    )
+    .await
+    else {
+        return;
+    };
+    rig.faults.lose_next_bind("first");
+    rig.create_pod("first", 1).await;
+    rig.wait_for("the bind to answer an error and the pod to be bound", async || {
+        rig.binds(0, "refused") >= 1 && rig.bound().await == ["first"]
+    })
+    .await;
+    rig.check_the_bound_attempt_kept_its_hold().await;
     rig.shutdown().await;
 }

@@ -1,7 +1,8 @@
 //! Each command applies once, and each answer is its own:
 //! - in the log, a pod is granted a lock at most once (every pod of the
 //!   chaos workload asks for each lock once; its retries, duplicates and
-//!   late copies must be answered, never applied again);
+//!   late copies must be answered, never applied again), apart from a
+//!   grant while it holds: another client's attempt taking its hold over;
 //! - a client told "granted, token T" holds the log's grant T of that lock,
 //!   not another pod's (the answer to another command under the same
 //!   request id).
@@ -26,8 +27,27 @@ pub fn check(evidence: &Evidence) -> Vec<String> {
     let mut granted: BTreeMap<&str, BTreeMap<u64, &str>> = BTreeMap::new();
     for (key, events) in &evidence.events {
         let mut first: BTreeMap<&str, &tether_client::proto::Event> = BTreeMap::new();
-        for event in events.iter().filter(|e| e.kind == "LockGranted") {
+        // The pod holding the lock: granted again while it holds, it was
+        // taken over by another attempt (format 9), not applied twice.
+        let mut holding: Option<&str> = None;
+        for event in events {
+            if event.kind == "LockReleased" {
+                holding = None;
+                continue;
+            }
+            if event.kind != "LockGranted" {
+                continue;
+            }
             let uid = uid_of(event);
+            let taken_over = holding == Some(uid);
+            holding = Some(uid);
+            if taken_over {
+                granted
+                    .entry(key.as_str())
+                    .or_default()
+                    .insert(event.token, uid);
+                continue;
+            }
             granted
                 .entry(key.as_str())
                 .or_default()

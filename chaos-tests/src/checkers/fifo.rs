@@ -15,9 +15,14 @@ pub fn check(evidence: &Evidence) -> Vec<String> {
     let mut out = Vec::new();
     for (key, events) in &evidence.events {
         let mut queue: VecDeque<String> = VecDeque::new();
+        // The holder: granted again while it holds, another attempt of the
+        // pod took its hold over (format 9); nobody waiting is overtaken.
+        let mut holder: Option<String> = None;
         for event in events {
             let uid = uid_of(event).to_string();
             match event.kind.as_str() {
+                "LockReleased" => holder = None,
+                "LockGranted" if holder.as_deref() == Some(uid.as_str()) => {}
                 "LockQueued" => {
                     let position = event
                         .attributes
@@ -45,6 +50,7 @@ pub fn check(evidence: &Evidence) -> Vec<String> {
                         ));
                     }
                     queue.retain(|w| *w != uid);
+                    holder = Some(uid);
                 }
                 _ => {}
             }

@@ -88,7 +88,7 @@ fn step(state: &Lock, op: &Op, key: &str) -> Option<Lock> {
                 next.holder = None;
             }
         }
-        Call::Assign { .. } => {}
+        Call::Assign { .. } | Call::Withdraw { .. } => {}
     }
     Some(next)
 }

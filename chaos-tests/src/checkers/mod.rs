@@ -18,8 +18,10 @@
 //! | `sessions` | one identity gets at most its session quota; the bridge is never refused a session |
 //! | `nodes` | a live node never turns into another node object (UID) without the old one going |
 //! | `leases` | a lease kept alive does not end before its TTL has run out in real time (clock steps included) |
+//! | `attempts` | two attempts at one pod never share a hold, and a withdrawal never ends another attempt's |
 
 pub mod answers;
+pub mod attempts;
 pub mod durability;
 pub mod ends;
 pub mod fencing;
@@ -62,6 +64,10 @@ pub struct Evidence {
     /// The claimer's pins (final state), whose `dev/` labels are device
     /// claims.
     pub claims: Vec<pb::Pin>,
+    /// Members of the claimer's set made again by a second attempt whose
+    /// first attempt then asked to release them on condition of its own
+    /// label: each must stand with the second attempt's label.
+    pub remade_claims: Vec<String>,
     /// `events` holds the run's whole log. When false (no replica kept it),
     /// the checkers that read the log skip it rather than report what is
     /// only missing history.
@@ -78,7 +84,7 @@ pub struct Evidence {
 }
 
 /// Names of every checker, in report order.
-pub const CHECKERS: [&str; 14] = [
+pub const CHECKERS: [&str; 15] = [
     "mutual_exclusion",
     "fencing",
     "tokens",
@@ -93,6 +99,7 @@ pub const CHECKERS: [&str; 14] = [
     "leases",
     "sessions",
     "nodes",
+    "attempts",
 ];
 
 /// Runs every checker: violations by checker name, and the locks whose
@@ -117,6 +124,7 @@ pub fn check_all(
     out.insert("leases", leases::check(evidence));
     out.insert("sessions", sessions::check(evidence));
     out.insert("nodes", nodes::check(evidence));
+    out.insert("attempts", attempts::check(evidence));
     (out, undecided)
 }
 

@@ -5,7 +5,9 @@
 //! earlier than the assignment, when its owner stops).
 //!
 //! Device claims (the claimer's pins, corrected by `Reclaim`): in the final
-//! state no device label (`dev/...`) of a node is in two pins.
+//! state no device label (`dev/...`) of a node is in two pins, and a claim
+//! a second attempt made again stands as it made it (its first attempt's
+//! release on condition of its own label ended nothing).
 //!
 //! Proves: affinity is evaluated atomically in apply even when assignments
 //! race and faults hit; a pin's lifetime is honoured across leader changes
@@ -31,6 +33,32 @@ pub fn check(evidence: &Evidence) -> Vec<String> {
         })
         .chain(early_expiries(evidence))
         .chain(doubly_claimed(evidence))
+        .chain(remade_claims_lost(evidence))
+        .collect()
+}
+
+/// Claims a second attempt made again that are gone or not its own at the
+/// end: the first attempt's release on condition of its label ended them.
+fn remade_claims_lost(evidence: &Evidence) -> Vec<String> {
+    evidence
+        .remade_claims
+        .iter()
+        .filter(|member| {
+            !evidence.claims.iter().any(|pin| {
+                pin.key.as_ref().is_some_and(|k| &k.member == *member)
+                    && pin
+                        .labels
+                        .get(crate::claims::ATTEMPT_LABEL)
+                        .map(String::as_str)
+                        == Some("2")
+            })
+        })
+        .map(|member| {
+            format!(
+                "claim {member}, made again by a second attempt, is gone or not that attempt's: \
+                 the first attempt's release on condition of its label ended it"
+            )
+        })
         .collect()
 }
 

@@ -133,6 +133,9 @@ impl Shadow {
 pub struct Shared {
     /// The cluster.
     pub client: Client,
+    /// The cluster through another client (its own session): a second
+    /// bind attempt of a pod through another extender replica.
+    pub second_client: Client,
     /// Where operations are recorded.
     pub history: History,
     /// The fenced resource.
@@ -152,6 +155,11 @@ pub struct Shared {
     /// Nodes the workers reported (the ender's), for the runner to read
     /// their logs.
     pub extra_nodes: Mutex<Vec<String>>,
+    /// The claimer's claims made again by a second attempt, whose first
+    /// attempt's release on condition of its label was answered: members
+    /// of the claims set that must stand at the end, as the second attempt
+    /// made them.
+    pub remade_claims: Mutex<Vec<String>>,
 }
 
 impl Shared {
@@ -208,6 +216,22 @@ impl Shared {
         lease_id: u64,
         queued: Option<tokio::sync::oneshot::Sender<()>>,
     ) -> Outcome {
+        self.acquire_through(&self.client, process, key, uid, wait, lease_id, queued)
+            .await
+    }
+
+    /// [`Shared::acquire_on_lease`] through `client`.
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) async fn acquire_through(
+        &self,
+        client: &Client,
+        process: u64,
+        key: &pb::LockKey,
+        uid: &str,
+        wait: Duration,
+        lease_id: u64,
+        queued: Option<tokio::sync::oneshot::Sender<()>>,
+    ) -> Outcome {
         let event_key = lock_event_key(key);
         let call = Call::Acquire {
             uid: uid.to_string(),
@@ -215,8 +239,7 @@ impl Shared {
         };
         let invoked = self.history.invoke(process, &event_key, call);
         let queued = Mutex::new(queued);
-        let result = self
-            .client
+        let result = client
             .acquire_with_progress(
                 key,
                 &self.pod(uid),
@@ -265,6 +288,29 @@ impl Shared {
         {
             Ok(_) => Outcome::Ok(Value::Released),
             Err(Error::FailedPrecondition(_)) => Outcome::Ok(Value::Rejected),
+            Err(err) => error_outcome(&err),
+        };
+        self.history.complete(invoked, outcome.clone());
+        outcome
+    }
+
+    /// Withdraws pod `uid`'s acquire of `key` through `client`.
+    pub(crate) async fn withdraw(
+        &self,
+        client: &Client,
+        process: u64,
+        key: &pb::LockKey,
+        uid: &str,
+    ) -> Outcome {
+        let call = Call::Withdraw {
+            uid: uid.to_string(),
+        };
+        let invoked = self.history.invoke(process, &lock_event_key(key), call);
+        let outcome = match client.withdraw(key, uid).await {
+            Ok(answer) => match answer.given_back {
+                Some(hold) => Outcome::Ok(Value::GaveBack(hold.token)),
+                None => Outcome::Ok(Value::Rejected),
+            },
             Err(err) => error_outcome(&err),
         };
         self.history.complete(invoked, outcome.clone());

@@ -10,9 +10,13 @@ use std::path::Path;
 use std::sync::Arc;
 use std::time::Duration;
 
+use k8s_openapi::api::core::v1::{Node as KubeNode, Pod as KubePod};
 use serde_json::{Value, json};
 use tether_embed::accounting::{DEFAULT_LIFETIME, DeviceLedger};
-use tether_embed::extender::{Extender, ExtenderConfig, KubeBinder, serve_extender};
+use tether_embed::extender::{
+    Binder, Extender, ExtenderBindingArgs, ExtenderConfig, KubeBinder, serve_extender,
+};
+use tether_embed::requeue::Nudged;
 use tether_kube_testenv::{ControlPlane, gpu_manifests};
 use tether_server::testing::DEADLINE;
 use tokio::net::TcpListener;
@@ -24,7 +28,133 @@ pub const RESOURCE: &str = "tether.io/gpu";
 /// The namespace the manifests' RBAC binds the accounts in.
 pub const SYSTEM: &str = "tether-system";
 
-pub type RunningExtender = Arc<Extender<KubeBinder>>;
+pub type RunningExtender = Arc<Extender<TestBinder>>;
+
+/// What the API server does to an extender's calls, as the test sets it:
+/// nothing unless asked (every call goes to the real API server).
+#[derive(Default)]
+pub struct ApiFaults {
+    /// Pod name -> the next read of it, held until the test lets it
+    /// answer (it answers what the API server said when the read was made:
+    /// a slow, overloaded API server).
+    held_reads: std::sync::Mutex<std::collections::BTreeMap<String, Arc<HeldRead>>>,
+    /// Pods whose next binding call lands but whose answer is lost, and
+    /// whose next read after that fails too (an overloaded API server
+    /// that times out both).
+    lost_binds: std::sync::Mutex<std::collections::BTreeSet<String>>,
+    /// Pods whose next read fails (after a lost bind).
+    failing_reads: std::sync::Mutex<std::collections::BTreeSet<String>>,
+}
+
+/// A read held back by the test ([`ApiFaults::hold_next_read`]).
+pub struct HeldRead {
+    made: std::sync::atomic::AtomicBool,
+    answer: tokio::sync::Semaphore,
+}
+
+impl Default for HeldRead {
+    fn default() -> Self {
+        Self {
+            made: Default::default(),
+            answer: tokio::sync::Semaphore::new(0),
+        }
+    }
+}
+
+impl HeldRead {
+    /// Whether the read was made (and now waits to answer).
+    pub fn made(&self) -> bool {
+        self.made.load(std::sync::atomic::Ordering::SeqCst)
+    }
+
+    /// Lets it answer.
+    pub fn answer(&self) {
+        self.answer.add_permits(1);
+    }
+}
+
+impl ApiFaults {
+    /// Holds the next read of pod `name` until the test lets it answer.
+    pub fn hold_next_read(&self, name: &str) -> Arc<HeldRead> {
+        let held = Arc::new(HeldRead::default());
+        self.held_reads
+            .lock()
+            .unwrap()
+            .insert(name.into(), held.clone());
+        held
+    }
+
+    /// The next binding of pod `name` lands with its answer lost, and the
+    /// read after it fails.
+    pub fn lose_next_bind(&self, name: &str) {
+        self.lost_binds.lock().unwrap().insert(name.into());
+    }
+}
+
+/// The extender's binder in these tests: [`KubeBinder`] with the faults
+/// the test injects ([`ApiFaults`]).
+pub struct TestBinder {
+    real: KubeBinder,
+    faults: Arc<ApiFaults>,
+}
+
+impl Binder for TestBinder {
+    async fn pod(&self, namespace: &str, name: &str) -> Result<KubePod, String> {
+        if self.faults.failing_reads.lock().unwrap().remove(name) {
+            return Err(format!(
+                "the server was unable to return a response in the time allotted (pod {name})"
+            ));
+        }
+        let held = self.faults.held_reads.lock().unwrap().remove(name);
+        let answer = self.real.pod(namespace, name).await;
+        if let Some(held) = held {
+            held.made.store(true, std::sync::atomic::Ordering::SeqCst);
+            let _ = held.answer.acquire().await;
+        }
+        answer
+    }
+
+    async fn node(&self, name: &str) -> Result<KubeNode, String> {
+        self.real.node(name).await
+    }
+
+    async fn bind(&self, args: &ExtenderBindingArgs) -> Result<(), String> {
+        let lost = self
+            .faults
+            .lost_binds
+            .lock()
+            .unwrap()
+            .remove(&args.pod_name);
+        let answer = self.real.bind(args).await;
+        if lost && answer.is_ok() {
+            self.faults
+                .failing_reads
+                .lock()
+                .unwrap()
+                .insert(args.pod_name.clone());
+            return Err("Post \"pods/binding\": context deadline exceeded".into());
+        }
+        answer
+    }
+
+    async fn unbound_pods(&self) -> Result<Vec<KubePod>, String> {
+        self.real.unbound_pods().await
+    }
+
+    async fn nudge(
+        &self,
+        namespace: &str,
+        name: &str,
+        uid: &str,
+        value: &str,
+    ) -> Result<Nudged, String> {
+        self.real.nudge(namespace, name, uid, value).await
+    }
+
+    async fn follow_deletions(&self, deleted: Arc<dyn Fn(&str) + Send + Sync>) {
+        self.real.follow_deletions(deleted).await
+    }
+}
 
 /// The manifests' objects of `kinds` in `file`.
 pub fn objects_of(file: &str, kinds: &[&str]) -> Vec<Value> {
@@ -52,11 +182,27 @@ pub fn start_extender(
     wait: Duration,
     listener: TcpListener,
 ) -> (RunningExtender, JoinHandle<()>) {
+    start_extender_with(cluster, identities, kube, wait, listener, Arc::default())
+}
+
+/// [`start_extender`], its API calls meeting `faults`.
+pub fn start_extender_with(
+    cluster: &impl Endpoints,
+    identities: &Identities,
+    kube: &kube::Client,
+    wait: Duration,
+    listener: TcpListener,
+    faults: Arc<ApiFaults>,
+) -> (RunningExtender, JoinHandle<()>) {
     let tether = client_as(cluster, identities, "scheduler");
+    let binder = TestBinder {
+        real: KubeBinder::new(kube.clone()),
+        faults,
+    };
     let extender = Arc::new(Extender::new(
         tether.clone(),
         DeviceLedger::new(tether, DEFAULT_LIFETIME),
-        KubeBinder::new(kube.clone()),
+        binder,
         extender_config(wait),
     ));
     let task = tokio::spawn(serve_extender(
