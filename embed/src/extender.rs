@@ -1399,19 +1399,22 @@ impl<B: Binder> Extender<B> {
             self.refusals.settled(&uid);
             return;
         }
+        // Every kind the pod asks for, and each node's kinds refused for
+        // claimed devices (those whose devices were read): the pod is asked
+        // about again once a node has every kind it was short of there.
+        let mut needs = BTreeMap::new();
+        let mut nodes: BTreeMap<String, BTreeMap<usize, usize>> = BTreeMap::new();
         for (kind, needed, verdicts) in judged {
-            // Nodes refused for claimed devices: those whose devices were
-            // read.
-            let nodes: BTreeMap<String, usize> = verdicts
-                .failed
-                .keys()
-                .filter_map(|node| Some((node.clone(), *verdicts.device_counts.get(node)?)))
-                .collect();
-            if !nodes.is_empty() {
-                self.refusals
-                    .refused(Refusal::of(pod, uid, *needed, nodes, false).of_kind(*kind));
-                return;
+            needs.insert(*kind, *needed);
+            for node in verdicts.failed.keys() {
+                if let Some(count) = verdicts.device_counts.get(node) {
+                    nodes.entry(node.clone()).or_default().insert(*kind, *count);
+                }
             }
+        }
+        if !nodes.is_empty() {
+            self.refusals
+                .refused(Refusal::of(pod, uid, needs, nodes, false));
         }
     }
 
@@ -1441,73 +1444,99 @@ impl<B: Binder> Extender<B> {
             if self.refusals.get(&uid).is_some() {
                 continue;
             }
-            let first_needed = self.kinds.iter().enumerate().find_map(|(index, kind)| {
-                let demands = kubelet::demands(pod, &kind.spec.resource).ok()?;
-                let needed = kubelet::admission(&demands).devices() as usize;
-                (needed > 0).then_some((index, needed))
-            });
-            let Some((kind, needed)) = first_needed else {
+            // Every kind it asks for, on every node that published it:
+            // asked about once a node has all of them free.
+            let needs: BTreeMap<usize, usize> = self
+                .kinds
+                .iter()
+                .enumerate()
+                .filter_map(|(index, kind)| {
+                    let demands = kubelet::demands(pod, &kind.spec.resource).ok()?;
+                    let needed = kubelet::admission(&demands).devices() as usize;
+                    (needed > 0).then_some((index, needed))
+                })
+                .collect();
+            let mut nodes: BTreeMap<String, BTreeMap<usize, usize>> = BTreeMap::new();
+            for kind in needs.keys() {
+                for (node, count) in &nodes_of_kind[*kind] {
+                    nodes.entry(node.clone()).or_default().insert(*kind, *count);
+                }
+            }
+            // A node must offer every kind.
+            nodes.retain(|_, kinds| kinds.len() == needs.len());
+            if needs.is_empty() || nodes.is_empty() {
                 continue;
-            };
-            self.refusals.refused(
-                Refusal::of(pod, uid, needed, nodes_of_kind[kind].clone(), true).of_kind(kind),
-            );
+            }
+            self.refusals
+                .refused(Refusal::of(pod, uid, needs, nodes, true));
             recovered += 1;
         }
         Ok(recovered)
     }
 
-    /// One pass of the requeuer: reads the claims (where the filter reads
-    /// them) and nudges the refused pods that now fit a node they were
-    /// refused on, kind by kind. Returns how many were asked about.
+    /// One pass of the requeuer: reads the claims of every kind a refusal
+    /// concerns (where the filter reads them) and nudges the refused pods
+    /// that now fit a node they were refused on, in every kind they were
+    /// short of there. Returns how many were asked about.
     pub async fn requeue_pass(&self) -> usize {
         let now = Instant::now();
         let standing = self.refusals.standing(now);
-        let mut asked = 0;
-        for (index, kind) in self.kinds.iter().enumerate() {
-            let of_kind: Vec<Refusal> = standing
-                .iter()
-                .filter(|r| r.kind == index)
-                .cloned()
-                .collect();
-            if of_kind.is_empty() || asked >= NUDGES_PER_PASS {
-                continue;
-            }
-            asked += self
-                .nudge_fitting(kind, &of_kind, now, NUDGES_PER_PASS - asked)
-                .await;
+        if standing.is_empty() {
+            return 0;
         }
-        asked
+        let kinds: BTreeSet<usize> = standing.iter().flat_map(Refusal::kinds).collect();
+        let mut claimed = BTreeMap::new();
+        for index in kinds {
+            let Some(kind) = self.kinds.get(index) else {
+                continue;
+            };
+            match self.claimed_counts(kind).await {
+                Some(counts) => {
+                    claimed.insert(index, counts);
+                }
+                // Unknown claims of a kind: nobody is asked this pass
+                // (a pod short of it may not fit).
+                None => return 0,
+            }
+        }
+        self.nudge_fitting(&standing, &claimed, now, NUDGES_PER_PASS)
+            .await
     }
 
-    /// Nudges up to `limit` of `standing` (refusals for want of `kind`'s
-    /// devices) that now fit a node they were refused on.
-    async fn nudge_fitting(
-        &self,
-        kind: &Kind,
-        standing: &[Refusal],
-        now: Instant,
-        limit: usize,
-    ) -> usize {
-        // The filter's own copy when it is whole: a pod is asked about
-        // when the copy its filter will read shows the devices freed.
+    /// How many devices of `kind` live pods claim, per node: from the
+    /// filter's own copy when it is whole (a pod is asked about when the
+    /// copy its filter will read shows the devices freed), else from
+    /// Tether; `None` when neither can be read.
+    async fn claimed_counts(&self, kind: &Kind) -> Option<BTreeMap<String, usize>> {
         let claims = match kind.view.read(Pins::live_claims_by_node) {
             Some(claims) => Ok(claims),
             None => kind.ledger.live_claims_by_node().await,
         };
-        let claims = match claims {
-            Ok(claims) => claims,
+        match claims {
+            Ok(claims) => Some(
+                claims
+                    .iter()
+                    .map(|(node, devices)| (node.clone(), devices.len()))
+                    .collect(),
+            ),
             Err(err) => {
-                tracing::warn!(%err, "cannot read the device claims to ask about refused pods; next pass");
-                return 0;
+                tracing::warn!(%err, kind = kind.spec.resource, "cannot read the device claims to ask about refused pods; next pass");
+                None
             }
-        };
-        let claimed: BTreeMap<String, usize> = claims
-            .iter()
-            .map(|(node, devices)| (node.clone(), devices.len()))
-            .collect();
+        }
+    }
+
+    /// Nudges up to `limit` of `standing` that now fit a node they were
+    /// refused on, given `claimed` (kind -> node -> claimed devices).
+    async fn nudge_fitting(
+        &self,
+        standing: &[Refusal],
+        claimed: &BTreeMap<usize, BTreeMap<String, usize>>,
+        now: Instant,
+        limit: usize,
+    ) -> usize {
         let mut asked = 0;
-        for (uid, node) in to_nudge(standing, &claimed, now, limit) {
+        for (uid, node) in to_nudge(standing, claimed, now, limit) {
             let Some(refusal) = standing.iter().find(|r| r.uid == uid) else {
                 continue;
             };

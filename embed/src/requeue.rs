@@ -36,7 +36,7 @@
 //! nudged and not yet tried again holds its share), so freeing one GPU on a
 //! full cluster asks about one pod, not every pending one.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 use std::time::{Duration, Instant};
 
 /// The annotation a nudge sets on a refused pod: when devices it was
@@ -92,6 +92,10 @@ pub fn refused_by_filter(pod: &k8s_openapi::api::core::v1::Pod) -> bool {
             })
 }
 
+/// A device kind, by the extender's index of it ([`crate::kind`]; 0 is the
+/// first kind).
+pub type KindIndex = usize;
+
 /// A pod the filter left without a node because devices were claimed.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Refusal {
@@ -101,16 +105,16 @@ pub struct Refusal {
     pub namespace: String,
     /// Its name.
     pub name: String,
-    /// How many devices it needs on one node, of the device kind
-    /// [`Refusal::kind`].
-    pub needed: usize,
-    /// The extender's index of the device kind it was refused for want of
-    /// ([`crate::kind`]; 0 is the first kind). A pod asking for two kinds
-    /// is asked about again when the kind that refused it frees devices.
-    pub kind: usize,
-    /// The nodes refused because too few of their devices were free, and
-    /// how many devices each has in all.
-    pub nodes: BTreeMap<String, usize>,
+    /// Each device kind the pod asks for, and how many devices of it it
+    /// needs on one node.
+    pub needs: BTreeMap<KindIndex, usize>,
+    /// The nodes refused because too few of their devices were free: per
+    /// node, each kind it was short of, and how many devices of that kind
+    /// it has in all. A kind a node is not listed for had enough free when
+    /// the filter judged it. The pod is asked about again once some node
+    /// has enough free of every kind it was short of there (issue 62: a
+    /// pod short of two kinds was remembered for the first only).
+    pub nodes: BTreeMap<String, BTreeMap<KindIndex, usize>>,
     /// When the filter last refused it.
     pub refused_at: Instant,
     /// When it was last nudged, and toward which node.
@@ -122,20 +126,20 @@ pub struct Refusal {
 }
 
 impl Refusal {
-    /// A refusal of `pod` (UID `uid`) made now.
+    /// A refusal of `pod` (UID `uid`) made now, needing `needs`, refused
+    /// on `nodes` for the kinds each lists.
     pub fn of(
         pod: &k8s_openapi::api::core::v1::Pod,
         uid: String,
-        needed: usize,
-        nodes: BTreeMap<String, usize>,
+        needs: BTreeMap<KindIndex, usize>,
+        nodes: BTreeMap<String, BTreeMap<KindIndex, usize>>,
         recovered: bool,
     ) -> Refusal {
         Refusal {
             uid,
             namespace: pod.metadata.namespace.clone().unwrap_or_default(),
             name: pod.metadata.name.clone().unwrap_or_default(),
-            needed,
-            kind: 0,
+            needs,
             nodes,
             refused_at: Instant::now(),
             nudged: None,
@@ -143,10 +147,9 @@ impl Refusal {
         }
     }
 
-    /// This refusal, for want of devices of the extender's kind `kind`.
-    pub fn of_kind(mut self, kind: usize) -> Refusal {
-        self.kind = kind;
-        self
+    /// The kinds the refusal concerns: those a node was short of.
+    pub fn kinds(&self) -> BTreeSet<KindIndex> {
+        self.nodes.values().flat_map(|k| k.keys().copied()).collect()
     }
 
     /// Nudged since the last refusal, and recently enough that the
@@ -161,35 +164,53 @@ impl Refusal {
             _ => None,
         }
     }
+
+    /// What the pod takes of each kind it was short of on `node`.
+    fn takes_on<'a>(&'a self, node: &'a str) -> impl Iterator<Item = (KindIndex, usize)> + 'a {
+        self.nodes
+            .get(node)
+            .into_iter()
+            .flat_map(|kinds| kinds.keys())
+            .map(|kind| (*kind, self.needs.get(kind).copied().unwrap_or(0)))
+    }
 }
 
 /// Which refused pods to nudge now, and toward which node: `(uid, node)`.
 ///
-/// `claimed` is node -> how many of its devices live pods claim (stopped
-/// pods' claims are free). A node's free devices are its device count (as
-/// the refusal recorded it) less those. Pods nudged and not yet tried
-/// again hold their need on their node first; then refusals, oldest
-/// first, take a node they were refused on where their need still fits.
-/// At most `limit` pods are named.
+/// `claimed` is kind -> node -> how many of its devices of that kind live
+/// pods claim (stopped pods' claims are free). A node's free devices of a
+/// kind are its count of them (as the refusal recorded it) less those.
+/// Pods nudged and not yet tried again hold their need on their node
+/// first; then refusals, oldest first, take a node they were refused on
+/// where every kind they were short of there now fits. At most `limit`
+/// pods are named.
 pub fn to_nudge(
     refusals: &[Refusal],
-    claimed: &BTreeMap<String, usize>,
+    claimed: &BTreeMap<KindIndex, BTreeMap<String, usize>>,
     now: Instant,
     limit: usize,
 ) -> Vec<(String, String)> {
-    let mut free: BTreeMap<&str, usize> = BTreeMap::new();
+    let mut free: BTreeMap<(KindIndex, &str), usize> = BTreeMap::new();
     for refusal in refusals {
-        for (node, devices) in &refusal.nodes {
-            let taken = claimed.get(node).copied().unwrap_or(0);
-            free.entry(node)
-                .or_insert_with(|| devices.saturating_sub(taken));
+        for (node, kinds) in &refusal.nodes {
+            for (kind, devices) in kinds {
+                let taken = claimed
+                    .get(kind)
+                    .and_then(|nodes| nodes.get(node))
+                    .copied()
+                    .unwrap_or(0);
+                free.entry((*kind, node))
+                    .or_insert_with(|| devices.saturating_sub(taken));
+            }
         }
     }
     for refusal in refusals {
-        if let Some(node) = refusal.awaiting_retry(now)
-            && let Some(left) = free.get_mut(node)
-        {
-            *left = left.saturating_sub(refusal.needed);
+        if let Some(node) = refusal.awaiting_retry(now) {
+            for (kind, needed) in refusal.takes_on(node) {
+                if let Some(left) = free.get_mut(&(kind, node)) {
+                    *left = left.saturating_sub(needed);
+                }
+            }
         }
     }
     let mut waiting: Vec<&Refusal> = refusals
@@ -203,11 +224,17 @@ pub fn to_nudge(
             break;
         }
         let fits = refusal.nodes.keys().find(|node| {
-            free.get(node.as_str())
-                .is_some_and(|left| *left >= refusal.needed)
+            refusal.takes_on(node).all(|(kind, needed)| {
+                free.get(&(kind, node.as_str()))
+                    .is_some_and(|left| *left >= needed)
+            })
         });
         if let Some(node) = fits {
-            *free.get_mut(node.as_str()).expect("a known node") -= refusal.needed;
+            for (kind, needed) in refusal.takes_on(node) {
+                *free
+                    .get_mut(&(kind, node.as_str()))
+                    .expect("a known node") -= needed;
+            }
             out.push((refusal.uid.clone(), node.clone()));
         }
     }
@@ -269,6 +296,7 @@ pub enum Nudged {
 mod tests {
     use super::*;
 
+    /// A refusal for want of the first kind alone.
     fn refusal(
         uid: &str,
         needed: usize,
@@ -280,17 +308,79 @@ mod tests {
             uid: uid.into(),
             namespace: "ml".into(),
             name: uid.into(),
-            needed,
-            kind: 0,
-            nodes: nodes.iter().map(|(n, d)| (n.to_string(), *d)).collect(),
+            needs: BTreeMap::from([(0, needed)]),
+            nodes: nodes
+                .iter()
+                .map(|(n, d)| (n.to_string(), BTreeMap::from([(0, *d)])))
+                .collect(),
             refused_at: now - Duration::from_millis(age_ms),
             nudged: None,
             recovered: false,
         }
     }
 
-    fn claimed(counts: &[(&str, usize)]) -> BTreeMap<String, usize> {
-        counts.iter().map(|(n, c)| (n.to_string(), *c)).collect()
+    /// Claims of the first kind.
+    fn claimed(counts: &[(&str, usize)]) -> BTreeMap<KindIndex, BTreeMap<String, usize>> {
+        BTreeMap::from([(0, counts.iter().map(|(n, c)| (n.to_string(), *c)).collect())])
+    }
+
+    /// Claims of kinds 0 and 1.
+    fn claimed_of_two(
+        first: &[(&str, usize)],
+        second: &[(&str, usize)],
+    ) -> BTreeMap<KindIndex, BTreeMap<String, usize>> {
+        let of = |counts: &[(&str, usize)]| counts.iter().map(|(n, c)| (n.to_string(), *c)).collect();
+        BTreeMap::from([(0, of(first)), (1, of(second))])
+    }
+
+    #[test]
+    fn a_pod_refused_for_one_kind_on_one_node_and_another_on_another_is_nudged_for_either() {
+        // Needs one device of each kind; n1 (2 of each) was short of kind 0,
+        // n2 (2 of each) of kind 1.
+        let now = Instant::now();
+        let pod = Refusal {
+            needs: BTreeMap::from([(0, 1), (1, 1)]),
+            nodes: BTreeMap::from([
+                ("n1".to_string(), BTreeMap::from([(0, 2)])),
+                ("n2".to_string(), BTreeMap::from([(1, 2)])),
+            ]),
+            ..refusal("p", 1, &[], 100, now)
+        };
+        let refusals = [pod];
+        let full = claimed_of_two(&[("n1", 2), ("n2", 2)], &[("n1", 2), ("n2", 2)]);
+        assert!(to_nudge(&refusals, &full, now, 10).is_empty());
+        // Kind 1 frees on n2 (kind 0 there was never short): nudged to n2.
+        let freed = claimed_of_two(&[("n1", 2), ("n2", 2)], &[("n1", 2), ("n2", 1)]);
+        assert_eq!(
+            to_nudge(&refusals, &freed, now, 10),
+            [("p".to_string(), "n2".to_string())]
+        );
+        // Kind 0 frees on n1: nudged to n1.
+        let freed = claimed_of_two(&[("n1", 1), ("n2", 2)], &[("n1", 2), ("n2", 2)]);
+        assert_eq!(
+            to_nudge(&refusals, &freed, now, 10),
+            [("p".to_string(), "n1".to_string())]
+        );
+    }
+
+    #[test]
+    fn a_pod_short_of_two_kinds_on_a_node_is_nudged_once_both_fit() {
+        let now = Instant::now();
+        let pod = Refusal {
+            needs: BTreeMap::from([(0, 1), (1, 1)]),
+            nodes: BTreeMap::from([("n1".to_string(), BTreeMap::from([(0, 2), (1, 1)]))]),
+            ..refusal("p", 1, &[], 100, now)
+        };
+        let refusals = [pod];
+        let only_first = claimed_of_two(&[("n1", 1)], &[("n1", 1)]);
+        assert!(to_nudge(&refusals, &only_first, now, 10).is_empty());
+        let only_second = claimed_of_two(&[("n1", 2)], &[("n1", 0)]);
+        assert!(to_nudge(&refusals, &only_second, now, 10).is_empty());
+        let both = claimed_of_two(&[("n1", 1)], &[("n1", 0)]);
+        assert_eq!(
+            to_nudge(&refusals, &both, now, 10),
+            [("p".to_string(), "n1".to_string())]
+        );
     }
 
     #[test]
