@@ -149,7 +149,10 @@ impl Refusal {
 
     /// The kinds the refusal concerns: those a node was short of.
     pub fn kinds(&self) -> BTreeSet<KindIndex> {
-        self.nodes.values().flat_map(|k| k.keys().copied()).collect()
+        self.nodes
+            .values()
+            .flat_map(|k| k.keys().copied())
+            .collect()
     }
 
     /// Nudged since the last refusal, and recently enough that the
@@ -231,9 +234,7 @@ pub fn to_nudge(
         });
         if let Some(node) = fits {
             for (kind, needed) in refusal.takes_on(node) {
-                *free
-                    .get_mut(&(kind, node.as_str()))
-                    .expect("a known node") -= needed;
+                *free.get_mut(&(kind, node.as_str())).expect("a known node") -= needed;
             }
             out.push((refusal.uid.clone(), node.clone()));
         }
@@ -329,7 +330,8 @@ mod tests {
         first: &[(&str, usize)],
         second: &[(&str, usize)],
     ) -> BTreeMap<KindIndex, BTreeMap<String, usize>> {
-        let of = |counts: &[(&str, usize)]| counts.iter().map(|(n, c)| (n.to_string(), *c)).collect();
+        let of =
+            |counts: &[(&str, usize)]| counts.iter().map(|(n, c)| (n.to_string(), *c)).collect();
         BTreeMap::from([(0, of(first)), (1, of(second))])
     }
 

@@ -310,3 +310,54 @@ async fn a_bind_whose_second_kind_is_taken_gives_back_the_first_kinds_lock_and_c
     );
     cluster.shutdown().await;
 }
+
+/// Issue 62, case 4: a pod short of both kinds on the node is remembered
+/// for both, and asked about again only once both have freed — not when
+/// the first kind alone frees (the refusal used to name the first kind
+/// only, so the pod was asked about in vain, and never when the second
+/// kind was the one that freed last).
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_pod_short_of_both_kinds_is_asked_about_again_once_both_free() {
+    use tether_embed::accounting::ClaimOwner;
+    let cluster = Cluster::start(3).await;
+    cluster.wait_leader().await;
+    let client = Client::new(cluster.endpoints(), Options::default()).expect("a client");
+    let extender = extender(&client);
+    let gpus = DeviceLedger::new(client.clone(), DEFAULT_LIFETIME);
+    let npus = gpus.clone().in_set(&second_kind().claim_set);
+    let owner = |uid: &'static str| ClaimOwner {
+        uid,
+        namespace: "ml",
+        name: uid,
+    };
+    // Every device of both kinds claimed by live pods.
+    gpus.claim(NODE, owner("x"), &["gpu0".into(), "gpu1".into()])
+        .await
+        .expect("x's GPUs");
+    npus.claim(NODE, owner("y"), &["npu0".into()])
+        .await
+        .expect("y's device of the second kind");
+
+    let filtered = extender
+        .filter(ExtenderArgs {
+            pod: Some(two_kind_pod("ml", "b")),
+            nodes: None,
+            node_names: Some(vec![NODE.into()]),
+        })
+        .await;
+    assert_eq!(filtered.node_names, Some(Vec::new()));
+    let refusal = extender.refusals().get("uid-b").expect("b's refusal");
+    assert_eq!(
+        refusal.nodes[NODE].keys().copied().collect::<Vec<_>>(),
+        [0, 1],
+        "short of both kinds on the node"
+    );
+
+    // The GPUs free: the pod still lacks the second kind.
+    gpus.release("x", "ended").await.expect("x ends");
+    assert_eq!(extender.requeue_pass().await, 0, "asked about in vain");
+    // The second kind frees too: asked about.
+    npus.release("y", "ended").await.expect("y ends");
+    assert_eq!(extender.requeue_pass().await, 1);
+    cluster.shutdown().await;
+}

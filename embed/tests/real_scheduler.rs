@@ -1217,9 +1217,10 @@ async fn a_bind_whose_answer_and_confirming_read_are_lost_keeps_the_hold() {
     };
     rig.faults.lose_next_bind("first");
     rig.create_pod("first", 1).await;
-    rig.wait_for("the bind to answer an error and the pod to be bound", async || {
-        rig.binds(0, "refused") >= 1 && rig.bound().await == ["first"]
-    })
+    rig.wait_for(
+        "the bind to answer an error and the pod to be bound",
+        async || rig.binds(0, "refused") >= 1 && rig.bound().await == ["first"],
+    )
     .await;
     rig.check_the_bound_attempt_kept_its_hold().await;
     rig.shutdown().await;
