@@ -483,7 +483,10 @@ impl Client {
 
     /// Acquires `key` for `pod`, waiting up to `wait` in the FIFO queue
     /// (zero = fail at once if held). Returns the hold with its fencing token
-    /// and payload. Re-acquiring for the same pod UID returns the same hold.
+    /// and payload. Re-acquiring for the same pod UID through this client
+    /// returns the same hold; through another client (another process) it
+    /// takes the hold over with a new token, and this client's goes stale
+    /// (format 9).
     pub async fn acquire(
         &self,
         key: &LockKey,

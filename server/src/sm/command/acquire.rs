@@ -44,9 +44,11 @@ pub struct Acquire {
 }
 
 impl Acquire {
-    /// Granted at once if the lock is free; the same pod UID re-acquiring gets
-    /// its existing hold or queue position back; otherwise queued, unless the
-    /// caller does not wait or the queue is full.
+    /// Granted at once if the lock is free; the same pod UID re-acquiring
+    /// from the same client gets its existing hold or queue position back,
+    /// from another client takes it over (format 9, see the module doc);
+    /// otherwise queued, unless the caller does not wait or the queue is
+    /// full.
     pub fn apply(self, txn: &mut Txn<'_>) -> Result<Reply, CommandError> {
         let takeover = txn.format_version >= TAKEOVER_FORMAT_VERSION;
         // A deliberate bug for the checkers' "can fail" tests: another
