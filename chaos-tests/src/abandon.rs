@@ -189,9 +189,34 @@ pub async fn abandoner(shared: Arc<Shared>, process: u64, mut rng: Rng) {
         let mut released_at = None;
         if withdraws {
             let key = key.clone();
+            // Under the session that queued the wait, as the extender
+            // withdraws through the client that acquired: from format 9 a
+            // withdrawal ends only its own client's wait or hold.
             let withdraw = || async {
-                let answer = shared.client.withdraw(&key, &w).await;
-                answer.is_ok_and(|a| a.result() != pb::withdraw_response::Result::Unspecified)
+                let request = pb::WithdrawRequest {
+                    request_id: Some(session.next()),
+                    key: Some(key.clone()),
+                    pod_uid: w.clone(),
+                };
+                let answer = fresh_client(&shared)
+                    .with_leader(Duration::ZERO, |conn| {
+                        let request = request.clone();
+                        async move {
+                            LockServiceClient::new(conn)
+                                .withdraw(request)
+                                .await
+                                .map(tonic::Response::into_inner)
+                        }
+                    })
+                    .await;
+                answer.is_ok_and(|a| {
+                    matches!(
+                        a.result(),
+                        pb::withdraw_response::Result::WaitEnded
+                            | pb::withdraw_response::Result::HoldGivenBack
+                            | pb::withdraw_response::Result::NotInvolved
+                    )
+                })
             };
             let release = || async {
                 matches!(

@@ -142,7 +142,9 @@ func (c *Client) Get(ctx context.Context, key LockKey) (*LockState, error) {
 }
 
 // Withdraw ends pod's wait on key, or gives back the hold it got: what a
-// caller does once it gave up on an acquire (idempotent).
+// caller does once it gave up on an acquire (idempotent). Once every
+// replica reads log format 9, only what this client queued or was granted:
+// a wait or hold another client's acquire of the pod took over is kept.
 func (c *Client) Withdraw(ctx context.Context, key LockKey, podUID string) error {
 	id, done := c.nextRequestID()
 	defer done()
