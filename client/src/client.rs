@@ -576,6 +576,10 @@ impl Client {
     /// it (a dropped [`Client::acquire`] does not): its wait ends, or the
     /// hold it was granted meanwhile is given back and the next waiter
     /// granted, in one entry. Idempotent, and retried as any write is.
+    /// Once every member reads format 9 it ends only what this client
+    /// queued or was granted: a wait or hold another client's acquire of
+    /// the pod took over (or another client queued) is kept, answered
+    /// `TAKEN_OVER`.
     pub async fn withdraw(&self, key: &LockKey, pod_uid: &str) -> Result<pb::WithdrawResponse> {
         let (request_id, _in_flight) = self.begin_request().await;
         let request = pb::WithdrawRequest {
