@@ -366,6 +366,14 @@ async fn open_store(
     Ok((db, log_store, sm_store, metrics))
 }
 
+/// The most metadata (HTTP/2 headers, decoded) one gRPC request may carry:
+/// hyper's own default, named so that the docs and tests can say it. A
+/// request a little over it is answered HTTP `431` on its own stream (gRPC
+/// clients report "mapped from HTTP status code 431"); one over four times
+/// it (h2's abuse limit) closes the connection with HTTP/2's
+/// `ENHANCE_YOUR_CALM` and the debug data `header_list_way_too_large`.
+pub const MAX_METADATA_BYTES: u32 = 16 * 1024;
+
 /// Serves gRPC on `listener` until `stop`: every API the handlers serve
 /// and the Raft service the other replicas call, behind the timing layer
 /// and the cluster-id checks.
@@ -397,6 +405,7 @@ fn serve_grpc(
         Ok(request)
     });
     let server = tonic::transport::Server::builder()
+        .http2_max_header_list_size(MAX_METADATA_BYTES)
         // Outermost: every call is timed, refused ones too.
         .layer(crate::metrics::GrpcTimingLayer(ctx.core.metrics.clone()))
         // Then: a refused request reaches no handler (its refusal

@@ -863,3 +863,76 @@ async fn a_build_without_the_session_quota_is_caught() {
     );
     cluster.shutdown().await;
 }
+
+/// More than the gRPC port takes, over TLS, gets a status that says what
+/// was over which limit, not a reset: a message of 8 MiB against the 1 MiB
+/// `--max-request-bytes` (through the client library, which says what to
+/// change), and metadata over HTTP/2's header list limit.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn an_oversized_grpc_request_over_tls_gets_a_status_naming_the_limit() {
+    let root = tempfile::tempdir().unwrap();
+    let ca = TestCa::new("tether-test-ca");
+    let cluster = tls_cluster(1, root.path(), &ca).await;
+    let material = identity(root.path(), &ca, "admin");
+    let admin = client_as(&cluster, material.clone());
+    let result = admin
+        .acquire(
+            &lock("node-a"),
+            &pod("p1"),
+            vec![7; 8 << 20],
+            Duration::ZERO,
+            0,
+        )
+        .await;
+    match result {
+        Err(Error::InvalidArgument(message)) => assert!(
+            message.contains("1048576") && message.contains("--max-request-bytes"),
+            "{message}"
+        ),
+        other => panic!("an 8 MiB acquire: {other:?}"),
+    }
+    // Nothing was taken, and the connection still serves.
+    assert_eq!(admin.holder(&lock("node-a")).await.unwrap(), None);
+
+    // Metadata a little over the limit: HTTP 431 on its stream alone; the
+    // connection goes on serving.
+    let endpoint =
+        tonic::transport::Endpoint::from_shared(format!("https://{}", cluster.addrs[&1])).unwrap();
+    let channel = tether_tls::lazy_channel(endpoint, material, DEADLINE);
+    let mut raw = tether_client::proto::lock_service_client::LockServiceClient::new(channel);
+    let with_metadata = |bytes: usize| {
+        let mut request = tonic::Request::new(tether_client::proto::HolderRequest {
+            key: Some(lock("node-a")),
+        });
+        let filler = "f".repeat(bytes).parse().unwrap();
+        request.metadata_mut().insert("x-filler", filler);
+        request
+    };
+    let limit = tether_server::node::MAX_METADATA_BYTES as usize;
+    raw.holder(with_metadata(limit / 2))
+        .await
+        .expect("metadata within the limit");
+    let status = raw.holder(with_metadata(limit + 1024)).await.unwrap_err();
+    assert!(status.message().contains("431"), "{status:?}");
+    raw.holder(with_metadata(limit / 2))
+        .await
+        .expect("the connection serves on after a 431");
+    // Over h2's abuse limit: the connection is closed with a reason the
+    // client sees; a new one serves.
+    let status = raw.holder(with_metadata(5 * limit)).await.unwrap_err();
+    assert_eq!(status.code(), tonic::Code::ResourceExhausted, "{status:?}");
+    let reason = format!("{:?}", std::error::Error::source(&status));
+    assert!(
+        reason.contains("header_list_way_too_large") && reason.contains("ENHANCE_YOUR_CALM"),
+        "{reason}"
+    );
+    // The channel may hand the next call to the closing connection first
+    // (cancelled, as any call caught by a closing connection is).
+    let deadline = tokio::time::Instant::now() + DEADLINE;
+    while let Err(status) = raw.holder(with_metadata(limit / 2)).await {
+        assert_eq!(status.code(), tonic::Code::Cancelled, "{status:?}");
+        assert!(tokio::time::Instant::now() < deadline, "no new connection");
+        tokio::task::yield_now().await;
+    }
+    cluster.shutdown().await;
+}

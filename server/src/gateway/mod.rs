@@ -22,6 +22,10 @@
 //! - Errors: the HTTP status of the gRPC code (as gRPC-gateway maps them)
 //!   and `{"code": "UNAVAILABLE", "message": "..."}`; the metadata the
 //!   gRPC answer would carry (`x-tether-leader-id`, ...) comes as headers.
+//!   A body over `--max-request-bytes` is answered `413` (code
+//!   `RESOURCE_EXHAUSTED`, the limit in the message) before the body is
+//!   asked for when the client waits for `100 Continue`, else once the
+//!   body has been read and thrown away, so that the client reads it.
 //! - Every answer names the answering replica (`x-tether-node-id`) and,
 //!   once known, its cluster (`x-tether-cluster-id`); a request with
 //!   `x-tether-expect-cluster` naming another cluster is refused before
@@ -317,13 +321,12 @@ where
             let (call, operation) = (call.clone(), operation.clone());
             async move {
                 let started = std::time::Instant::now();
-                let outcome = match prepare::<Req>(&services, request).await {
-                    Ok(request) => call(services.clone(), request).await,
-                    Err(status) => Err(status),
-                };
-                let (code, answer) = match outcome {
-                    Ok(response) => (Code::Ok, respond(&services, response.into_inner())),
-                    Err(status) => (status.code(), refusal(&services, &status)),
+                let (code, answer) = match prepare::<Req>(&services, request).await {
+                    Ok(request) => match call(services.clone(), request).await {
+                        Ok(response) => (Code::Ok, respond(&services, response.into_inner())),
+                        Err(status) => (status.code(), refusal(&services, &status)),
+                    },
+                    Err(unprepared) => (unprepared.status.code(), unprepared.answer(&services)),
                 };
                 let metrics = &services.ctx.core.metrics;
                 metrics.http_api_call(operation, code_name(code), started.elapsed());
@@ -336,21 +339,20 @@ where
 
 /// The gRPC request an HTTP request stands for: the body decoded, the
 /// headers as metadata, the connection's peer as the extension the gRPC
-/// server would have set; refused if meant for another cluster.
-async fn prepare<Req>(services: &Services, request: Request) -> Result<tonic::Request<Req>, Status>
+/// server would have set; refused if meant for another cluster or if its
+/// body is over `--max-request-bytes`.
+async fn prepare<Req>(
+    services: &Services,
+    request: Request,
+) -> Result<tonic::Request<Req>, Unprepared>
 where
     Req: prost::Message + prost::Name + Default,
 {
     let (parts, body) = request.into_parts();
+    let limit = services.ctx.core.config.max_request_bytes;
+    let body = read_body(&parts.headers, body, limit).await?;
     let metadata = tonic::metadata::MetadataMap::from_headers(parts.headers);
     crate::cluster_id::check_expected(&services.ctx.core.cluster_id, &metadata)?;
-    let limit = services.ctx.core.config.max_request_bytes;
-    let body = axum::body::to_bytes(body, limit).await.map_err(|err| {
-        Status::resource_exhausted(format!(
-            "the request body could not be read within the limit of {limit} bytes \
-             (tetherd --max-request-bytes): {err}"
-        ))
-    })?;
     let message = json::decode::<Req>(&body).map_err(Status::invalid_argument)?;
     let peer = parts
         .extensions
@@ -364,6 +366,128 @@ where
     *request.metadata_mut() = metadata;
     request.extensions_mut().insert(peer);
     Ok(request)
+}
+
+/// How much of a body over the limit is read and thrown away before the
+/// 413 is sent, and for how long at most. A client that sends its whole
+/// body before reading the answer (curl without `Expect: 100-continue`,
+/// most libraries) would otherwise have the connection reset under it
+/// while still sending: the server closes a connection whose body it did
+/// not read, the kernel answers the data still arriving with a reset, and
+/// the reset can throw away the answer before the client reads it. Past
+/// these bounds the answer is sent anyway and the connection closed.
+const DRAIN_BYTES: usize = 64 << 20;
+const DRAIN_TIME: std::time::Duration = std::time::Duration::from_secs(10);
+
+/// A request refused before its call: the status its body carries, the
+/// HTTP status when it is not the code's own, and whether the connection
+/// must close (part of the body is left unread).
+struct Unprepared {
+    status: Status,
+    http: Option<StatusCode>,
+    close: bool,
+}
+
+impl From<Status> for Unprepared {
+    fn from(status: Status) -> Self {
+        Self {
+            status,
+            http: None,
+            close: false,
+        }
+    }
+}
+
+impl Unprepared {
+    /// `413 Content Too Large` naming the limit (gRPC's own code for a
+    /// message over the limit is `RESOURCE_EXHAUSTED`).
+    fn too_large(declared: Option<u64>, limit: usize, close: bool) -> Self {
+        let size = match declared {
+            Some(bytes) => format!("the request body of {bytes} bytes"),
+            None => "the request body".to_string(),
+        };
+        Self {
+            status: Status::resource_exhausted(format!(
+                "{size} is over the limit of {limit} bytes (tetherd --max-request-bytes); \
+                 nothing was done"
+            )),
+            http: Some(StatusCode::PAYLOAD_TOO_LARGE),
+            close,
+        }
+    }
+
+    fn answer(&self, services: &Services) -> Response {
+        let mut response = refusal(services, &self.status);
+        if let Some(status) = self.http {
+            *response.status_mut() = status;
+        }
+        if self.close {
+            response
+                .headers_mut()
+                .insert(header::CONNECTION, HeaderValue::from_static("close"));
+        }
+        response
+    }
+}
+
+/// The body, if it is at most `limit` bytes. A body declared over the limit
+/// by a client waiting for `100 Continue` is refused before the server asks
+/// for it; any other body over the limit is read to its end (within
+/// [`DRAIN_BYTES`] and [`DRAIN_TIME`]) and thrown away, so that the client,
+/// done sending, reads the refusal.
+async fn read_body(
+    headers: &axum::http::HeaderMap,
+    body: Body,
+    limit: usize,
+) -> Result<axum::body::Bytes, Unprepared> {
+    let declared: Option<u64> = headers
+        .get(header::CONTENT_LENGTH)
+        .and_then(|value| value.to_str().ok())
+        .and_then(|value| value.trim().parse().ok());
+    let over = |bytes: u64| bytes > limit as u64;
+    let waits_for_continue = headers
+        .get(header::EXPECT)
+        .is_some_and(|value| value.as_bytes().eq_ignore_ascii_case(b"100-continue"));
+    if waits_for_continue && declared.is_some_and(over) {
+        // Not a byte of the body has been asked for: hyper sends `100
+        // Continue` only once the body is read, so the client sends none.
+        return Err(Unprepared::too_large(declared, limit, true));
+    }
+    let unreadable = |err: axum::Error| {
+        Unprepared::from(Status::invalid_argument(format!(
+            "the request body could not be read: {err}"
+        )))
+    };
+    let mut chunks = body.into_data_stream();
+    let mut kept = Vec::with_capacity(declared.unwrap_or(0).min(limit as u64) as usize);
+    let mut read = 0usize;
+    if !declared.is_some_and(over) {
+        while let Some(chunk) = chunks.next().await {
+            let chunk = chunk.map_err(unreadable)?;
+            read += chunk.len();
+            if read > limit {
+                break;
+            }
+            kept.extend_from_slice(&chunk);
+        }
+        if read <= limit {
+            return Ok(kept.into());
+        }
+    }
+    drop(kept);
+    let drained = tokio::time::timeout(DRAIN_TIME, async {
+        while read <= limit.saturating_add(DRAIN_BYTES) {
+            match chunks.next().await {
+                Some(Ok(chunk)) => read += chunk.len(),
+                Some(Err(_)) => return false,
+                None => return true,
+            }
+        }
+        false
+    })
+    .await
+    .unwrap_or(false);
+    Err(Unprepared::too_large(declared, limit, !drained))
 }
 
 /// What the HTTP port knows of a connection: its [`PeerInfo`], as the gRPC
