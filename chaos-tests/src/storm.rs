@@ -107,6 +107,7 @@ pub(crate) fn acquire_request(
         payload: Vec::new(),
         wait_timeout_ms: wait.as_millis() as u64,
         lease_id: 0,
+        node_uid: String::new(),
     }
 }
 

@@ -509,6 +509,29 @@ impl Client {
         lease_id: u64,
         on_progress: impl Fn(AcquireProgress),
     ) -> Result<Held> {
+        self.acquire_for_node_object(key, "", pod, payload, wait, lease_id, on_progress)
+            .await
+    }
+
+    /// [`Client::acquire_with_progress`] of a lock named after a node, for
+    /// the node object with UID `node_uid` as the caller saw it: refused
+    /// with [`Error::FailedPrecondition`], taking nothing, when Tether has
+    /// another object registered under the name (the node deleted and
+    /// re-created, and the bridge has not reported it yet) or has this one
+    /// reported deleted. So a report that the old object is gone never ends
+    /// what was taken for the new one. An empty `node_uid` is not checked;
+    /// nor is any before every replica reads log format 10.
+    #[allow(clippy::too_many_arguments)]
+    pub async fn acquire_for_node_object(
+        &self,
+        key: &LockKey,
+        node_uid: &str,
+        pod: &Pod,
+        payload: Vec<u8>,
+        wait: Duration,
+        lease_id: u64,
+        on_progress: impl Fn(AcquireProgress),
+    ) -> Result<Held> {
         let (request_id, _in_flight) = self.begin_request().await;
         let request = pb::AcquireRequest {
             request_id: Some(request_id),
@@ -517,6 +540,7 @@ impl Client {
             payload,
             wait_timeout_ms: wait.as_millis() as u64,
             lease_id,
+            node_uid: node_uid.to_string(),
         };
         let on_progress = &on_progress;
         self.with_leader(wait, |channel| {
@@ -902,6 +926,25 @@ impl Client {
         labels: HashMap<String, String>,
         affinity: pb::Affinity,
     ) -> Result<pb::AssignResponse> {
+        let uids = HashMap::new();
+        self.assign_for_node_objects(key, candidates, uids, pod_uid, lifetime, labels, affinity)
+            .await
+    }
+
+    /// [`Client::assign`] for the candidate node objects the caller saw
+    /// (`candidate_uids`: node name to UID), checked as
+    /// [`Client::acquire_for_node_object`] checks its one.
+    #[allow(clippy::too_many_arguments)]
+    pub async fn assign_for_node_objects(
+        &self,
+        key: &pb::PinKey,
+        candidates: Vec<String>,
+        candidate_uids: HashMap<String, String>,
+        pod_uid: &str,
+        lifetime: Duration,
+        labels: HashMap<String, String>,
+        affinity: pb::Affinity,
+    ) -> Result<pb::AssignResponse> {
         let (request_id, _in_flight) = self.begin_request().await;
         let request = pb::AssignRequest {
             request_id: Some(request_id),
@@ -911,6 +954,7 @@ impl Client {
             lifetime_ms: lifetime.as_millis() as u64,
             labels,
             affinity: Some(affinity),
+            candidate_uids,
         };
         self.unary(request, |channel, request| async move {
             PinServiceClient::new(channel).assign(request).await
@@ -931,6 +975,23 @@ impl Client {
         labels: HashMap<String, String>,
         exclusive_prefix: &str,
     ) -> Result<pb::ReclaimResponse> {
+        self.reclaim_for_node_object(key, node, "", pod_uid, lifetime, labels, exclusive_prefix)
+            .await
+    }
+
+    /// [`Client::reclaim`] for the node object with UID `node_uid` as the
+    /// caller saw it, checked as [`Client::acquire_for_node_object`] checks.
+    #[allow(clippy::too_many_arguments)]
+    pub async fn reclaim_for_node_object(
+        &self,
+        key: &pb::PinKey,
+        node: &str,
+        node_uid: &str,
+        pod_uid: &str,
+        lifetime: Duration,
+        labels: HashMap<String, String>,
+        exclusive_prefix: &str,
+    ) -> Result<pb::ReclaimResponse> {
         let (request_id, _in_flight) = self.begin_request().await;
         let request = pb::ReclaimRequest {
             request_id: Some(request_id),
@@ -940,6 +1001,7 @@ impl Client {
             lifetime_ms: lifetime.as_millis() as u64,
             labels,
             exclusive_prefix: exclusive_prefix.to_string(),
+            node_uid: node_uid.to_string(),
         };
         self.unary(request, |channel, request| async move {
             PinServiceClient::new(channel).reclaim(request).await

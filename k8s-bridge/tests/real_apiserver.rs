@@ -1104,6 +1104,102 @@ async fn a_node_recreated_while_the_bridge_was_down_is_a_new_node() {
     rig.shutdown().await;
 }
 
+/// Issue 62 case 3: what a scheduler takes for the new object of a node
+/// re-created while the bridge was down is never ended by the old object's
+/// `Gone`. While Tether still has the old object registered, a claim or
+/// the bind lock taken for the new one (its UID as the scheduler saw it) is
+/// refused and nothing is taken; once the bridge has reported the old
+/// object gone and the new one joined, they are taken, and a late report
+/// that the old object is gone (a lagging second bridge) ends none of it.
+/// Before, the claim and the lock were taken under the name while the old
+/// object held it, and the bridge's `Gone` for the old object ended them, a
+/// holder in the middle of Allocate included.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn what_was_taken_for_a_recreated_node_outlives_the_old_objects_gone() {
+    let Some(mut rig) =
+        Rig::shared("what_was_taken_for_a_recreated_node_outlives_the_old_objects_gone").await
+    else {
+        return;
+    };
+    let old = rig.node_holding_everything("rn3").await;
+    let (node, old_uid) = (old.node.clone(), old.old_uid.clone());
+    rig.stop_bridge();
+    let new_uid = rig.recreate_node(&node).await;
+    let pod = rig.kubelet.create_pod("rn3-new").await;
+    let claim = pb::PinKey {
+        set: "gpu-devices".into(),
+        member: uid(&pod),
+    };
+    let devices = || [("devices.tether.io/gpu1".to_string(), "held".to_string())].into();
+    let client = rig.client.clone();
+    let take = async |node_uid: &str| {
+        let claimed = client
+            .reclaim_for_node_object(
+                &claim,
+                &node,
+                node_uid,
+                &uid(&pod),
+                Duration::from_secs(1),
+                devices(),
+                "devices.tether.io/",
+            )
+            .await;
+        let held = client
+            .acquire_for_node_object(
+                &key(&node),
+                node_uid,
+                &tether_pod(&pod),
+                vec![],
+                Duration::ZERO,
+                0,
+                |_| {},
+            )
+            .await;
+        (claimed, held)
+    };
+    // The bridge away: Tether has the old object under the name.
+    let (claimed, held) = take(&new_uid).await;
+    for refused in [claimed.map(|_| ()), held.map(|_| ())] {
+        match refused {
+            Err(tether_client::Error::FailedPrecondition(message)) => assert!(
+                message.contains(&old_uid) && message.contains(&new_uid),
+                "{message}"
+            ),
+            other => panic!("taken for the new object while the old one is registered: {other:?}"),
+        }
+    }
+    assert!(rig.client.get_pin(&claim).await.unwrap().is_none());
+    // The bridge back: the old object's holdings end, the new one joins.
+    rig.start_bridge();
+    assert_replaced(&rig, old, &new_uid).await;
+    let (claimed, held) = take(&new_uid).await;
+    claimed.expect("claimed for the registered object");
+    let token = held.expect("locked for the registered object").token();
+    // A lagging reporter's delete of the old object changes nothing.
+    let late = rig
+        .client
+        .report_node(pb::ReportNodeRequest {
+            name: node.clone(),
+            uid: old_uid.clone(),
+            state: pb::NodeState::NodeGone as i32,
+            ..Default::default()
+        })
+        .await
+        .unwrap();
+    assert!(!late.changed, "{late:?}");
+    assert_eq!(rig.holder_uid(&node).await, Some(uid(&pod)));
+    let hold = rig.client.holder(&key(&node)).await.unwrap().unwrap();
+    assert_eq!(hold.token, token);
+    assert!(rig.client.get_pin(&claim).await.unwrap().is_some());
+    // And nothing more is taken for the old object.
+    let (claimed, _) = take(&old_uid).await;
+    assert!(
+        matches!(claimed, Err(tether_client::Error::FailedPrecondition(_))),
+        "{claimed:?}"
+    );
+    rig.shutdown().await;
+}
+
 /// The same re-create while the bridge's watch is cut off by an API server
 /// outage, with etcd compacted: the resumed watch meets 410 Gone and
 /// relists, and the relist pairs the name's old and new objects.

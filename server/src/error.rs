@@ -112,6 +112,7 @@ impl From<ApiError> for Status {
                     | CommandError::SequenceTooOld { .. }
                     | CommandError::RequestIdReused { .. }
                     | CommandError::NodeObjectMismatch { .. }
+                    | CommandError::NodeObjectGone { .. }
                     | CommandError::PinLabelsDiffer { .. } => Code::FailedPrecondition,
                     CommandError::HoldEnded { .. } | CommandError::WaitEnded { .. } => {
                         Code::Aborted

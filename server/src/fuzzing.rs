@@ -739,6 +739,7 @@ fn request_seeds() -> Vec<Vec<u8>> {
                 payload: b"gpu-0,gpu-1".to_vec(),
                 wait_timeout_ms: 5000,
                 lease_id: 3,
+                node_uid: "0b7e4c1a-node".into(),
             },
         ),
         tagged(
@@ -785,6 +786,7 @@ fn request_seeds() -> Vec<Vec<u8>> {
                     }],
                     ..Default::default()
                 }),
+                candidate_uids: [("node-2".to_string(), "0b7e4c1a-node".to_string())].into(),
             },
         ),
         tagged(
@@ -922,6 +924,7 @@ fn request_seeds() -> Vec<Vec<u8>> {
                 lifetime_ms: 1000,
                 labels: [("devices.tether.io/gpu1".to_string(), "held".to_string())].into(),
                 exclusive_prefix: "devices.tether.io/".into(),
+                node_uid: "0b7e4c1a-node".into(),
             },
         ),
     ]

@@ -720,6 +720,84 @@ fn format_v9_log_entries_still_decode() {
     check_log_fixture(9, &v9_entries());
 }
 
+fn v10_entries() -> Vec<Entry> {
+    let next = v1_entries().len() as u64 + v2_entries().len() as u64 + 16;
+    let extender = "token:extender/client.99887766aabbccdd";
+    let entry = |at: u64, sequence: u64, command: Command| Entry {
+        log_id: log_id(7, next + at),
+        payload: EntryPayload::Normal(Request {
+            format_version: 10,
+            request_id: Some(RequestId {
+                client_id: extender.into(),
+                sequence,
+                first_incomplete: sequence,
+            }),
+            leader_time_ms: 1_790_000_900_000 + at,
+            command,
+        }),
+    };
+    let seen = |name: &str| SeenNode {
+        name: name.into(),
+        uid: format!("uid-{name}-b"),
+    };
+    vec![
+        entry(
+            0,
+            7,
+            Command::ForNodeObjects(ForNodeObjects {
+                nodes: vec![seen("node-9")],
+                command: NodeTaking::Acquire(Acquire {
+                    key: LockKey::new("gpu-bind", "node-9"),
+                    pod: pod("m"),
+                    payload: b"plan-m".to_vec(),
+                    wait_ms: 30_000,
+                    lease_id: 0,
+                    client_id: extender.into(),
+                    queue_limit: 1024,
+                }),
+            }),
+        ),
+        entry(
+            1,
+            8,
+            Command::ForNodeObjects(ForNodeObjects {
+                nodes: vec![seen("node-9")],
+                command: NodeTaking::Reclaim(Reclaim {
+                    key: PinKey::new("gpu-devices", "m"),
+                    node: "node-9".into(),
+                    pod_uid: "m".into(),
+                    lifetime_ms: 1_000,
+                    labels: BTreeMap::from([(
+                        "devices.tether.io/gpu1".to_string(),
+                        "held".to_string(),
+                    )]),
+                    exclusive_prefix: "devices.tether.io/".into(),
+                }),
+            }),
+        ),
+        entry(
+            2,
+            9,
+            Command::ForNodeObjects(ForNodeObjects {
+                nodes: vec![seen("node-8"), seen("node-9")],
+                command: NodeTaking::Assign(Assign {
+                    key: PinKey::new("slurm", "worker-0"),
+                    candidates: vec!["node-8".into(), "node-9".into()],
+                    pod_uid: "w0".into(),
+                    lifetime_ms: 0,
+                    labels: BTreeMap::new(),
+                    affinity: Affinity::default(),
+                }),
+            }),
+        ),
+    ]
+}
+
+#[test]
+fn format_v10_log_entries_still_decode() {
+    check_log_fixture(10, &v10_entries());
+}
+
 #[test]
 fn entries_are_written_in_the_oldest_format_that_expresses_them() {
     // A replica of an older build keeps reading single commands without a
@@ -795,7 +873,12 @@ fn entries_are_written_in_the_oldest_format_that_expresses_them() {
     assert_eq!(v9(1).format_version, 9);
     assert_eq!(v9(1).for_members(Some(8)).format_version, 9);
     assert_eq!(v9(2).for_members(Some(7)).format_version, 9);
-    assert_eq!(FORMAT_VERSION, 9);
+    // So have format 10's node-object checks (the API sends the plain
+    // command while a member reads only older formats).
+    let v10 = newest(v10_entries());
+    assert_eq!(v10.format_version, 10);
+    assert_eq!(v10.for_members(Some(9)).format_version, 10);
+    assert_eq!(FORMAT_VERSION, 10);
     assert_eq!(SNAPSHOT_FORMAT_VERSION, 6);
 }
 

@@ -474,6 +474,7 @@ async fn retried_request_after_a_leader_change_is_not_applied_twice() {
         payload: vec![],
         wait_timeout_ms: 0,
         lease_id: 0,
+        node_uid: String::new(),
     };
     let leader = cluster.wait_leader().await;
     let mut raw = LockServiceClient::connect(format!("http://{}", cluster.addrs[&leader]))
@@ -641,6 +642,7 @@ fn queued_acquire(client: &str, name: &str, uid: &str) -> pb::AcquireRequest {
         payload: vec![],
         wait_timeout_ms: 60_000,
         lease_id: 0,
+        node_uid: String::new(),
     }
 }
 

@@ -702,6 +702,7 @@ async fn one_callers_request_ids_cannot_reach_another_callers_session() {
         payload: vec![],
         wait_timeout_ms: 0,
         lease_id: 0,
+        node_uid: String::new(),
     };
     for (sequence, node) in [
         (1, "node-b"),

@@ -16,7 +16,7 @@ use super::{Ctx, unexpected, validate};
 use crate::error::{ApiError, Result};
 use crate::replica::waits::{self, Answered, WaitOutcome};
 use crate::sm::command::{
-    Acquire, CancelOutcome, ForceRelease, GIVE_BACK_FORMAT_VERSION, Release,
+    Acquire, CancelOutcome, ForceRelease, GIVE_BACK_FORMAT_VERSION, NodeTaking, Release, SeenNode,
     TAKEOVER_FORMAT_VERSION, Withdraw, WithdrawOwn,
 };
 use crate::sm::{Command, Hold, Reply};
@@ -69,7 +69,12 @@ impl LockApi {
                 max_wait.as_millis()
             )));
         }
-        let command = Command::Acquire(Acquire {
+        validate::node_uid(&key.name, &req.node_uid)?;
+        let seen = vec![SeenNode {
+            name: key.name.clone(),
+            uid: req.node_uid,
+        }];
+        let acquire = Acquire {
             key: key.clone(),
             pod: pod_from(pod),
             payload: req.payload,
@@ -80,7 +85,8 @@ impl LockApi {
                 .map(|r| r.client_id.clone())
                 .unwrap_or_default(),
             queue_limit: ctx.core.config.max_queue_length,
-        });
+        };
+        let command = ctx.taking_for(seen, NodeTaking::Acquire(acquire));
         // Register before proposing so the grant cannot slip between the
         // apply and the registration.
         let ticket = ctx.core.state.register_wait(&key, &pod.uid);

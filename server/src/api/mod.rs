@@ -103,6 +103,28 @@ impl Ctx {
         Ok(id)
     }
 
+    /// `taking` for the node objects the caller saw (those with a UID), once
+    /// every member reads format 10; unchecked before (an upgrade from an
+    /// older build), or when the caller named none.
+    pub fn taking_for(
+        &self,
+        seen: Vec<crate::sm::command::SeenNode>,
+        taking: crate::sm::command::NodeTaking,
+    ) -> crate::sm::Command {
+        let seen: Vec<_> = seen.into_iter().filter(|n| !n.uid.is_empty()).collect();
+        if seen.is_empty()
+            || !self
+                .core
+                .members_read(crate::sm::command::NODE_OBJECT_FORMAT_VERSION)
+        {
+            return taking.into_command();
+        }
+        crate::sm::Command::ForNodeObjects(crate::sm::command::ForNodeObjects {
+            nodes: seen,
+            command: taking,
+        })
+    }
+
     /// Header for a response.
     pub fn header(&self, linearizable: bool) -> ResponseHeader {
         let (applied_index, leader_id) = self.core.applied_and_leader();

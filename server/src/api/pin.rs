@@ -11,7 +11,8 @@ use super::convert::{key_of_pin, pin_to};
 use super::{Ctx, unexpected, validate};
 use crate::error::Result;
 use crate::sm::command::{
-    Assign, GIVE_BACK_FORMAT_VERSION, Reclaim, ReleasePin, ReleasePinIf, TAKEOVER_FORMAT_VERSION,
+    Assign, GIVE_BACK_FORMAT_VERSION, NodeTaking, Reclaim, ReleasePin, ReleasePinIf, SeenNode,
+    TAKEOVER_FORMAT_VERSION,
 };
 use crate::sm::{Command, Reply};
 
@@ -60,14 +61,27 @@ impl PinApi {
         }
         let labels = validate::labels("pin label", &req.labels, self.ctx.core.config.max_labels)?;
         let affinity = validate::affinity(req.affinity.as_ref())?;
-        let command = Command::Assign(Assign {
-            key: key.clone(),
-            candidates,
-            pod_uid: req.pod_uid,
-            lifetime_ms: req.lifetime_ms,
-            labels,
-            affinity,
-        });
+        let mut seen = Vec::new();
+        for (node, uid) in req.candidate_uids {
+            if !candidates.contains(&node) {
+                return Err(crate::error::ApiError::InvalidArgument(format!(
+                    "candidate_uids names node {node:?}, which is not a candidate"
+                )));
+            }
+            validate::node_uid(&node, &uid)?;
+            seen.push(SeenNode { name: node, uid });
+        }
+        let command = self.ctx.taking_for(
+            seen,
+            NodeTaking::Assign(Assign {
+                key: key.clone(),
+                candidates,
+                pod_uid: req.pod_uid,
+                lifetime_ms: req.lifetime_ms,
+                labels,
+                affinity,
+            }),
+        );
         match self.ctx.core.write(request_id, command).await? {
             Reply::Pinned { pin, created } => {
                 if created {
@@ -144,14 +158,22 @@ impl PinApi {
             "reclaim",
             "finish the upgrade, or release and assign again",
         )?;
-        let command = Command::Reclaim(Reclaim {
-            key: key.clone(),
-            node: req.node,
-            pod_uid: req.pod_uid,
-            lifetime_ms: req.lifetime_ms,
-            labels,
-            exclusive_prefix: req.exclusive_prefix,
-        });
+        validate::node_uid(&req.node, &req.node_uid)?;
+        let seen = vec![SeenNode {
+            name: req.node.clone(),
+            uid: req.node_uid,
+        }];
+        let command = ctx.taking_for(
+            seen,
+            NodeTaking::Reclaim(Reclaim {
+                key: key.clone(),
+                node: req.node,
+                pod_uid: req.pod_uid,
+                lifetime_ms: req.lifetime_ms,
+                labels,
+                exclusive_prefix: req.exclusive_prefix,
+            }),
+        );
         match ctx.core.write(request_id, command).await? {
             Reply::Reclaimed(done) => {
                 if !done.taken_from.is_empty() || done.previous.as_ref() != Some(&done.pin) {

@@ -52,6 +52,23 @@ pub fn dns1123_subdomain(what: &str, value: &str) -> Result<()> {
     }
 }
 
+/// A node object's UID as a caller saw it: empty (not given), or as a pod
+/// UID.
+pub fn node_uid(node: &str, value: &str) -> Result<()> {
+    let ok = value.len() <= 64
+        && value
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || b == b'-');
+    if ok {
+        Ok(())
+    } else {
+        Err(invalid(format!(
+            "node uid {value:?} of node {node:?} is not valid: use up to 64 letters, digits or \
+             '-' (the node object's metadata.uid), or nothing"
+        )))
+    }
+}
+
 /// A pod UID: 1-64 ASCII letters, digits or '-' (Kubernetes UIDs are UUIDs).
 pub fn pod_uid(value: &str) -> Result<()> {
     let ok = !value.is_empty()

@@ -65,7 +65,10 @@ pub use types::*;
 /// ([`command::NODE_REPLACED_FORMAT_VERSION`]); 9: another client's acquire
 /// of a pod takes the pod's hold (new token) or wait over, a withdrawal
 /// ends only the withdrawing client's own, and a pin can be released on
-/// condition of its labels ([`command::TAKEOVER_FORMAT_VERSION`]).
+/// condition of its labels ([`command::TAKEOVER_FORMAT_VERSION`]); 10: an
+/// acquire, assignment or reclaim can name the node objects it is taken
+/// for, refused when another is registered under a name
+/// ([`command::NODE_OBJECT_FORMAT_VERSION`]).
 ///
 /// An entry is written in the oldest format that can express it
 /// ([`Command::format_version`]) and snapshots in [`SNAPSHOT_FORMAT_VERSION`],
@@ -74,7 +77,7 @@ pub use types::*;
 /// every member has said that it reads them, and sweeps, node reports and
 /// client requests in the newest format unless a member has said that it
 /// reads only an older one (then in the oldest form, [`Command::oldest_form`]).
-pub const FORMAT_VERSION: u16 = 9;
+pub const FORMAT_VERSION: u16 = 10;
 
 /// From this format a client request's answer is kept with the fingerprint
 /// of its command, a retry is answered only when it carries the same
@@ -530,7 +533,7 @@ fn current_answer(
     stored: &CommandResult,
     format_version: u16,
 ) -> CommandResult {
-    let Command::Acquire(acquire) = command else {
+    let Some(acquire) = command.acquire() else {
         return stored.clone();
     };
     let taken_over = |hold: &Hold| {

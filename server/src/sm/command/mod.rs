@@ -9,6 +9,7 @@ mod batch;
 mod cancel_wait;
 mod force_release;
 mod lease;
+mod node_object;
 mod reclaim;
 mod release;
 mod release_pin;
@@ -30,6 +31,7 @@ pub use cancel_wait::{
 };
 pub use force_release::ForceRelease;
 pub use lease::{GrantLease, KeepAliveLease, RevokeLease};
+pub use node_object::{ForNodeObjects, NODE_OBJECT_FORMAT_VERSION, NodeTaking, SeenNode};
 pub use reclaim::{Reclaim, Reclaimed};
 pub use release::Release;
 pub use release_pin::{ReleasePin, ReleasePinIf};
@@ -96,6 +98,9 @@ pub enum Command {
     WithdrawOwn(WithdrawOwn),
     /// Release a pin only while it carries the given labels (format 9).
     ReleasePinIf(ReleasePinIf),
+    /// An acquire, assignment or reclaim for the node objects the caller
+    /// saw, refused if another is registered under a name (format 10).
+    ForNodeObjects(ForNodeObjects),
 }
 
 impl Command {
@@ -121,11 +126,25 @@ impl Command {
             Command::Reclaim(c) => c.apply(txn),
             Command::WithdrawOwn(c) => c.apply(txn),
             Command::ReleasePinIf(c) => c.apply(txn),
+            Command::ForNodeObjects(c) => c.apply(txn),
             // `sm::apply` applies a batch item by item; a batch can only get
             // here as an item of another, which `Batch::check` refuses.
             Command::Batch(_) => Err(CommandError::InvalidBatch {
                 reason: "a batch inside a batch".into(),
             }),
+        }
+    }
+
+    /// The acquire this command makes, plain or for the node objects its
+    /// caller saw.
+    pub fn acquire(&self) -> Option<&Acquire> {
+        match self {
+            Command::Acquire(acquire)
+            | Command::ForNodeObjects(ForNodeObjects {
+                command: NodeTaking::Acquire(acquire),
+                ..
+            }) => Some(acquire),
+            _ => None,
         }
     }
 
@@ -149,6 +168,7 @@ impl Command {
             | Command::AbandonWait(_)
             | Command::WithdrawOwn(_)
             | Command::ReleasePinIf(_) => TAKEOVER_FORMAT_VERSION,
+            Command::ForNodeObjects(_) => NODE_OBJECT_FORMAT_VERSION,
             _ => 2,
         }
     }
@@ -168,6 +188,7 @@ impl Command {
             Command::AbandonWait(_) => ABANDON_WAIT_FORMAT_VERSION,
             Command::Withdraw(_) | Command::Reclaim(_) => GIVE_BACK_FORMAT_VERSION,
             Command::WithdrawOwn(_) | Command::ReleasePinIf(_) => TAKEOVER_FORMAT_VERSION,
+            Command::ForNodeObjects(_) => NODE_OBJECT_FORMAT_VERSION,
             _ => 2,
         }
     }
@@ -381,19 +402,21 @@ pub enum CommandError {
         /// The limit.
         limit: u32,
     },
-    /// A node report naming another node object than the one registered
-    /// under the name (format 8): refused without applying anything.
+    /// A node report (format 8), or an acquire, assignment or reclaim
+    /// (format 10), naming another node object than the one registered
+    /// under the name: refused without applying anything.
     #[error(
         "node {node} is registered as the node object with UID {registered_uid}, not \
-         {reported_uid}: report {registered_uid} gone first if that object was deleted (the \
-         name re-created); otherwise this report is about an older object and changes nothing"
+         {reported_uid}; nothing was changed: report {registered_uid} gone first if that object \
+         was deleted (the name re-created; until the bridge has, nothing can be taken for the \
+         new object); otherwise {reported_uid} is an older object"
     )]
     NodeObjectMismatch {
         /// The node name.
         node: String,
         /// The UID Tether has registered under the name.
         registered_uid: String,
-        /// The UID the report named.
+        /// The UID the report or the taking named.
         reported_uid: String,
     },
     /// A conditional pin release found the pin without the labels it
@@ -409,6 +432,15 @@ pub enum CommandError {
         expected: Labels,
         /// What the pin carries.
         actual: Labels,
+    },
+    /// An acquire, assignment or reclaim for a node object that was
+    /// reported gone (format 10): nothing was taken.
+    #[error("node {node} with UID {uid} was deleted: nothing can be taken for it")]
+    NodeObjectGone {
+        /// The node name.
+        node: String,
+        /// The gone object's UID.
+        uid: String,
     },
 }
 
