@@ -1092,6 +1092,10 @@ fn the_gpu_manifests_fit_the_extender_the_plugin_and_the_schedulers_contract() {
         allows("nodes", "get"),
         "the extender reads each node's allocatable devices"
     );
+    assert!(
+        allows("nodes", "list") && allows("nodes", "watch"),
+        "the extender watches the node object under each name"
+    );
     let binding: ClusterRoleBinding = strict(
         objects
             .iter()

@@ -278,31 +278,40 @@ impl DeviceLedger {
         pod: ClaimOwner<'_>,
         devices: &[String],
     ) -> Result<Claim, Error> {
-        self.claim_for(node, pod, devices, None).await
+        self.claim_for(node, pod, devices, None, "").await
     }
 
     /// Claims `devices` on `node` for the pod, atomically, for the bind
     /// attempt that holds the node's lock with token `attempt`
     /// ([`BIND_TOKEN_LABEL`]). A claim the pod already has on the node by
     /// another attempt is answered [`Claim::OtherAttempt`] and left as it
-    /// is.
+    /// is. A non-empty `node_uid` is the node object the claim is taken
+    /// for: refused ([`Error::FailedPrecondition`]) while Tether has another
+    /// object registered under the name ([`crate::node_objects`]).
     pub async fn claim_for(
         &self,
         node: &str,
         pod: ClaimOwner<'_>,
         devices: &[String],
         attempt: Option<u64>,
+        node_uid: &str,
     ) -> Result<Claim, Error> {
         let pod_uid = pod.uid;
         let (mut labels, affinity) = claim_request(&pod, devices);
         if let Some(token) = attempt {
             labels.insert(BIND_TOKEN_LABEL.into(), token.to_string());
         }
+        let seen = if node_uid.is_empty() {
+            HashMap::new()
+        } else {
+            HashMap::from([(node.to_string(), node_uid.to_string())])
+        };
         match self
             .client
-            .assign(
+            .assign_for_node_objects(
                 &key(&self.set, pod_uid),
                 vec![node.to_string()],
+                seen,
                 pod_uid,
                 self.lifetime,
                 labels,

@@ -49,6 +49,7 @@ use crate::inventory::{PublishedDevice, published_inventories, published_invento
 use crate::kind::DeviceKind;
 use crate::kubelet;
 use crate::metrics::{BindOutcome, ExtenderMetrics};
+use crate::node_objects::NodeObjects;
 use crate::plan::{PodCalls, pick_free, pick_free_near};
 use crate::requeue::{
     NUDGE_ANNOTATION, NUDGES_PER_PASS, Nudged, POLL_INTERVAL, REFUSED_MARK, Refusal, Refusals,
@@ -331,6 +332,12 @@ pub trait Binder: Send + Sync + 'static {
         let _ = deleted;
         std::future::pending()
     }
+    /// Keeps `objects` current with the node object under each name, until
+    /// dropped. The default sees none (binds name no object).
+    fn follow_nodes(&self, objects: Arc<NodeObjects>) -> impl Future<Output = ()> + Send {
+        let _ = objects;
+        std::future::pending()
+    }
 }
 
 /// Binds through the Kubernetes API with kube-rs.
@@ -423,6 +430,10 @@ impl Binder for KubeBinder {
             }
             Err(e) => Err(format!("cannot annotate pod {namespace}/{name}: {e}")),
         }
+    }
+
+    async fn follow_nodes(&self, objects: Arc<NodeObjects>) {
+        objects.follow(self.client.clone()).await
     }
 
     async fn follow_deletions(&self, deleted: Arc<dyn Fn(&str) + Send + Sync>) {
@@ -548,9 +559,18 @@ pub struct Extender<B> {
     refusals: Refusals,
     /// One bind attempt per pod at a time ([`crate::attempts`]).
     attempts: Arc<Attempts>,
+    /// The node object under each name, which a bind takes its locks and
+    /// claims for ([`crate::node_objects`]).
+    node_objects: Arc<NodeObjects>,
 }
 
 impl<B: Binder> Extender<B> {
+    /// The node object under each name, as the extender's watch sees it
+    /// (what its binds take their locks and claims for).
+    pub fn node_objects(&self) -> &NodeObjects {
+        &self.node_objects
+    }
+
     /// An extender over a Tether client and a binder; `ledger` keeps the
     /// first kind's claims, and each further kind's are kept in its own
     /// set by a ledger like it.
@@ -578,6 +598,7 @@ impl<B: Binder> Extender<B> {
             metrics: ExtenderMetrics::default(),
             refusals: Refusals::default(),
             attempts: Arc::default(),
+            node_objects: Arc::default(),
         }
     }
 
@@ -748,6 +769,9 @@ impl<B: Binder> Extender<B> {
             namespace: args.pod_namespace.clone(),
             name: args.pod_name.clone(),
         };
+        // Taken for the node object under the name as the extender's watch
+        // sees it: refused while Tether has another registered there.
+        let node_uid = self.node_objects.uid_of(&args.node);
         // The node's locks first: binds to one node then claim devices one
         // at a time, in FIFO order, and never race each other for them.
         let mut holds = Vec::with_capacity(wanted.len());
@@ -773,9 +797,15 @@ impl<B: Binder> Extender<B> {
                 ));
             }
             let acquired = tokio::select! {
-                acquired = self
-                    .client
-                    .acquire(&key, &holder, calls.to_payload(), self.config.wait, 0) => acquired,
+                acquired = self.client.acquire_for_node_object(
+                    &key,
+                    &node_uid,
+                    &holder,
+                    calls.to_payload(),
+                    self.config.wait,
+                    0,
+                    |_| {},
+                ) => acquired,
                 () = scheduler.wait() => {
                     // One definite act: the wait ends, or a grant that raced the
                     // departure is given back to the next waiter — unless a
@@ -818,7 +848,14 @@ impl<B: Binder> Extender<B> {
         for ((kind, admission), held) in wanted.iter().zip(&holds) {
             let attempt = held.token();
             match self
-                .claim_devices(kind, args, admission.devices() as usize, attempt, scheduler)
+                .claim_devices(
+                    kind,
+                    args,
+                    &node_uid,
+                    admission.devices() as usize,
+                    attempt,
+                    scheduler,
+                )
                 .await
             {
                 Ok(devices) => claimed.push(Claimed {
@@ -1029,6 +1066,7 @@ impl<B: Binder> Extender<B> {
         &self,
         kind: &Kind,
         args: &ExtenderBindingArgs,
+        node_uid: &str,
         count: usize,
         attempt: u64,
         scheduler: &Departure,
@@ -1131,6 +1169,7 @@ impl<B: Binder> Extender<B> {
                     },
                     &devices,
                     Some(attempt),
+                    node_uid,
                 )
                 .await
                 .map_err(|e| format!("cannot claim devices on {}: {e}", args.node))?
@@ -1850,6 +1889,10 @@ pub async fn serve_extender<B: Binder>(
         .iter()
         .map(|view| AbortOnDrop(tokio::spawn(view.clone().follow())))
         .collect();
+    let nodes = extender.clone();
+    let _nodes = AbortOnDrop(tokio::spawn(async move {
+        nodes.binder.follow_nodes(nodes.node_objects.clone()).await
+    }));
     let deletions = extender.clone();
     let _deletions = AbortOnDrop(tokio::spawn(async move {
         deletions

@@ -26,6 +26,8 @@
 //!   filter (inside kube-scheduler's serial cycle) reads memory.
 //! - [`requeue`]: asking kube-scheduler again about pods the filter refused
 //!   for want of devices, once devices free up on their nodes.
+//! - [`node_objects`]: the node object under each name, which a bind's
+//!   lock and claims are taken for.
 //! - [`plan`]: the device plan carried as the hold's payload.
 //! - [`metrics`]: what both count, for `/metrics`.
 //! - [`kind`]: device kinds: a node may carry several, each with its own
@@ -53,6 +55,7 @@ pub mod inventory;
 pub mod kind;
 pub mod kubelet;
 pub mod metrics;
+pub mod node_objects;
 pub mod nvidia;
 pub mod plan;
 pub mod requeue;

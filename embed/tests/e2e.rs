@@ -437,6 +437,8 @@ struct Rig {
     api: KubeSide,
     kubelet: Arc<FakeKubelet>,
     extender: std::net::SocketAddr,
+    /// The extender serving at `extender`.
+    extender_state: Arc<Extender<KubeBinder>>,
     plugin: Option<RunningPlugin>,
     /// Where the plugin's devices come from.
     devices: DeviceSource,
@@ -618,6 +620,7 @@ impl Rig {
         ));
         let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
         let extender_addr = listener.local_addr().unwrap();
+        let extender_state = extender.clone();
         tokio::spawn(serve_extender(listener, extender, std::future::pending()));
         let dir = tempfile::tempdir().unwrap();
         // The kubelet knows fake devices from the start; real GPUs only
@@ -635,6 +638,7 @@ impl Rig {
             api,
             kubelet,
             extender: extender_addr,
+            extender_state,
             plugin: Some(plugin),
             devices,
             _dir: dir,
@@ -1904,4 +1908,101 @@ async fn published_devices_that_vanish_are_published_again() {
     println!("published again {after:?} after the release");
     assert!(after <= PUBLISHED_CHECK_EVERY * 2, "{after:?}");
     rig.shutdown().await;
+}
+
+/// Issue 62 case 3 through the extender on the real API server: the node
+/// is deleted and created again under its name while the bridge is away
+/// (here the test reports nodes to Tether as the bridge would, and
+/// reports nothing while "away"). A bind to the new machine names the new
+/// object, as the extender's node watch sees it, and is refused while
+/// Tether has the old one registered, taking nothing; once the old object
+/// is reported gone and the new one joined, the bind goes through, and a
+/// late report that the old object is gone ends neither its hold nor its
+/// claim. Before, the bind took both under the old object's registration,
+/// and the old object's `Gone` ended them.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_bind_to_a_node_recreated_while_the_bridge_was_away_is_taken_for_the_new_object() {
+    let Some(rig) = Rig::start(
+        "a_bind_to_a_node_recreated_while_the_bridge_was_away_is_taken_for_the_new_object",
+    )
+    .await
+    else {
+        return;
+    };
+    let KubeSide::Real(api) = &rig.api else {
+        unreachable!("a real API server")
+    };
+    let report = async |uid: &str, state: tether_client::proto::NodeState| {
+        rig.client
+            .report_node(tether_client::proto::ReportNodeRequest {
+                name: NODE.into(),
+                uid: uid.into(),
+                state: state as i32,
+                ..Default::default()
+            })
+            .await
+            .unwrap()
+    };
+    let objects = rig.extender_state.node_objects();
+    let uid_of = async || api.nodes.get(NODE).await.unwrap().metadata.uid.unwrap();
+    let old_uid = uid_of().await;
+    report(&old_uid, tether_client::proto::NodeState::NodeReady).await;
+    rig.wait_for("the extender's watch to see the node", async || {
+        objects.uid_of(NODE) == old_uid
+    })
+    .await;
+    rig.add_pod("before", 1).await;
+    assert_eq!(rig.bind("before").await.error, "");
+
+    // Re-created while the bridge is away.
+    api.nodes.delete(NODE, &Default::default()).await.unwrap();
+    rig.wait_for("the old node object deleted", async || {
+        api.nodes.get_opt(NODE).await.unwrap().is_none()
+    })
+    .await;
+    rig.api.add_node(NODE, Some("8")).await;
+    let new_uid = uid_of().await;
+    rig.wait_for("the extender's watch to see the new object", async || {
+        objects.uid_of(NODE) == new_uid
+    })
+    .await;
+    rig.add_pod("after", 1).await;
+    let refused = rig.bind("after").await.error;
+    assert!(
+        refused.contains(&old_uid) && refused.contains(&new_uid),
+        "{refused}"
+    );
+    assert!(
+        !rig.claims()
+            .await
+            .values()
+            .any(|uid| *uid == rig.uid("after")),
+        "nothing claimed for the refused bind"
+    );
+    assert_ne!(rig.holder().await.as_deref(), Some("after"));
+
+    // The bridge back: the old object gone (what it held ends), the new one
+    // joined; the scheduler's retry binds.
+    report(&old_uid, tether_client::proto::NodeState::NodeGone).await;
+    report(&new_uid, tether_client::proto::NodeState::NodeReady).await;
+    assert_eq!(rig.bind("after").await.error, "");
+    assert_eq!(rig.holder().await.as_deref(), Some("after"));
+    let claimed: Vec<String> = rig
+        .claims()
+        .await
+        .into_iter()
+        .filter(|(_, uid)| *uid == rig.uid("after"))
+        .map(|(device, _)| device)
+        .collect();
+    assert_eq!(claimed.len(), 1, "{claimed:?}");
+    // A lagging reporter's delete of the old object changes nothing.
+    let late = report(&old_uid, tether_client::proto::NodeState::NodeGone).await;
+    assert!(!late.changed, "{late:?}");
+    assert_eq!(rig.holder().await.as_deref(), Some("after"));
+    assert!(
+        rig.claims()
+            .await
+            .values()
+            .any(|uid| *uid == rig.uid("after"))
+    );
 }

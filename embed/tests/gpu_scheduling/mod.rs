@@ -154,6 +154,10 @@ impl Binder for TestBinder {
     async fn follow_deletions(&self, deleted: Arc<dyn Fn(&str) + Send + Sync>) {
         self.real.follow_deletions(deleted).await
     }
+
+    async fn follow_nodes(&self, objects: Arc<tether_embed::node_objects::NodeObjects>) {
+        self.real.follow_nodes(objects).await
+    }
 }
 
 /// The manifests' objects of `kinds` in `file`.
