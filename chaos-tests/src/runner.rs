@@ -970,6 +970,7 @@ pub async fn run(
         extra_locks: Mutex::new(Vec::new()),
         extra_nodes: Mutex::new(Vec::new()),
         remade_claims: Mutex::new(Vec::new()),
+        taken_for_objects: Mutex::new(Vec::new()),
     });
     let mut rng = Rng::new(schedule.seed ^ 0x5EED);
     let locks = RunLocks::new(&shared, config);
@@ -1116,6 +1117,11 @@ pub async fn run(
         claims,
         remade_claims: shared
             .remade_claims
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone(),
+        taken_for_objects: shared
+            .taken_for_objects
             .lock()
             .unwrap_or_else(|p| p.into_inner())
             .clone(),

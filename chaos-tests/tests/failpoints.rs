@@ -317,6 +317,25 @@ async fn builds_that_let_one_bind_attempt_end_anothers_hold_or_claim_are_caught(
     }
 }
 
+/// Issue 62, case 3 planted (`sm-node-object-unchecked`: an acquire for a
+/// node object taken whatever object Tether has registered under the name,
+/// the rule before format 10): the ender's re-create rounds bind to the new
+/// machine before the old object is reported gone, the bind is granted
+/// under the old registration, and the old object's `Gone` ends it, which
+/// the `nodes` checker reports.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_build_that_takes_for_any_node_object_is_caught_by_the_nodes_checker() {
+    let violations = planted_bug_runs(
+        "sm-node-object-unchecked",
+        99_500,
+        2,
+        Duration::from_millis(1500),
+        RunConfig::default(),
+    )
+    .await;
+    assert!(violations["nodes"] > 0, "{violations:?}");
+}
+
 /// Issue 34's defect 5 planted (`sessions-no-quota`: no session quota):
 /// the session flooder's device plugin opens a session with every new
 /// client, past its quota of 16, and the `sessions` checker reports it.

@@ -68,6 +68,9 @@ pub struct Evidence {
     /// first attempt then asked to release them on condition of its own
     /// label: each must stand with the second attempt's label.
     pub remade_claims: Vec<String>,
+    /// Holds that may have been granted for the node object their acquire
+    /// named (format 10): none may end with another object's `Gone`.
+    pub taken_for_objects: Vec<crate::workers::TakenForObject>,
     /// `events` holds the run's whole log. When false (no replica kept it),
     /// the checkers that read the log skip it rather than report what is
     /// only missing history.

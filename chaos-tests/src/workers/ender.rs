@@ -100,19 +100,7 @@ pub async fn ender(shared: Arc<Shared>, process: u64, mut rng: Rng) {
                 let _ =
                     report_ender_node(&shared, &name, OLD_OBJECT, pb::NodeState::NodeGone).await;
             }
-            Ending::NodeRecreated => {
-                // Each answer is what the checkers judge by the log: a
-                // refused report leaves nothing there, an applied one does.
-                for (object, state) in [
-                    (NEW_OBJECT, pb::NodeState::NodeReady),
-                    (OLD_OBJECT, pb::NodeState::NodeGone),
-                    (NEW_OBJECT, pb::NodeState::NodeJoined),
-                    (NEW_OBJECT, pb::NodeState::NodeReady),
-                    (OLD_OBJECT, pb::NodeState::NodeReady),
-                ] {
-                    let _ = report_ender_node(&shared, &name, object, state).await;
-                }
-            }
+            Ending::NodeRecreated => recreate_node(&shared, process, &name).await,
             Ending::ForceRelease => {
                 let _ = shared
                     .client
@@ -148,6 +136,58 @@ pub async fn ender(shared: Arc<Shared>, process: u64, mut rng: Rng) {
         ) {
             shared.revoke(process, &h).await;
         }
+    }
+}
+
+/// A re-create round's reports, as the bridge makes them, and a bind to
+/// the new machine on the node's other lock (free: the round's holder and
+/// waiter are on the first), taken for the new object (format 10): refused
+/// while the old object is registered, taken once the new one has joined,
+/// and left by a lagging reporter's late `Gone` of the old object; the
+/// `nodes` checker judges how the log ended it. Each answer is what the
+/// checkers judge by the log: a refused report leaves nothing there, an
+/// applied one does.
+async fn recreate_node(shared: &Shared, process: u64, name: &str) {
+    let other_lock = pb::LockKey {
+        scope: HOLD_TIMEOUT_SCOPE.into(),
+        name: name.to_string(),
+    };
+    shared
+        .extra_locks
+        .lock()
+        .unwrap_or_else(|p| p.into_inner())
+        .push(other_lock.clone());
+    let binder = format!("{name}n");
+    let new_object = format!("{name}-{NEW_OBJECT}");
+    let bind = || shared.acquire_for_object(process, &other_lock, &binder, name, &new_object);
+    // The new object reported while the old one is registered (refused),
+    // and a bind to the new machine (refused likewise).
+    let _ = report_ender_node(shared, name, NEW_OBJECT, pb::NodeState::NodeReady).await;
+    let early = bind().await;
+    for (object, state) in [
+        (OLD_OBJECT, pb::NodeState::NodeGone),
+        (NEW_OBJECT, pb::NodeState::NodeJoined),
+        (NEW_OBJECT, pb::NodeState::NodeReady),
+    ] {
+        let _ = report_ender_node(shared, name, object, state).await;
+    }
+    let taken = match early {
+        Outcome::Ok(Value::Granted(token)) => Outcome::Ok(Value::Granted(token)),
+        _ => bind().await,
+    };
+    for state in [pb::NodeState::NodeReady, pb::NodeState::NodeGone] {
+        let _ = report_ender_node(shared, name, OLD_OBJECT, state).await;
+    }
+    // Given up: released with its token, or (an answer lost) revoked.
+    let released = match taken {
+        Outcome::Ok(Value::Granted(token)) => {
+            shared.release(process, &other_lock, &binder, token).await
+        }
+        Outcome::Ok(_) | Outcome::Fail(_) => return,
+        Outcome::Unknown(_) | Outcome::Pending => Outcome::Pending,
+    };
+    if !matches!(released, Outcome::Ok(Value::Released)) {
+        shared.revoke(process, &binder).await;
     }
 }
 

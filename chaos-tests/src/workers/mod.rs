@@ -160,6 +160,36 @@ pub struct Shared {
     /// of the claims set that must stand at the end, as the second attempt
     /// made them.
     pub remade_claims: Mutex<Vec<String>>,
+    /// Holds that may have been granted for a node object the acquire
+    /// named (the ender's re-create rounds): none may end with another
+    /// object's `Gone`.
+    pub taken_for_objects: Mutex<Vec<TakenForObject>>,
+}
+
+/// A hold taken for a node object ([`Shared::acquire_for_object`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct TakenForObject {
+    /// The lock's event key, `lock/<scope>/<name>`.
+    pub lock: String,
+    /// The pod it was taken for.
+    pub pod_uid: String,
+    /// The node the lock is named after.
+    pub node: String,
+    /// The UID of the node object it was taken for.
+    pub object: String,
+}
+
+/// What an acquire's answer says of it.
+fn acquire_outcome(result: tether_client::Result<tether_client::Held>, wait: Duration) -> Outcome {
+    match result {
+        Ok(held) => Outcome::Ok(Value::Granted(held.token())),
+        Err(Error::FailedPrecondition(_)) if wait.is_zero() => Outcome::Ok(Value::Busy),
+        Err(Error::Aborted(message)) if message.contains(crate::abandon::ABANDONED_MESSAGE) => {
+            Outcome::Ok(Value::Abandoned)
+        }
+        Err(Error::Aborted(_)) => Outcome::Ok(Value::Busy),
+        Err(err) => error_outcome(&err),
+    }
 }
 
 impl Shared {
@@ -256,15 +286,62 @@ impl Shared {
                 },
             )
             .await;
-        let outcome = match result {
-            Ok(held) => Outcome::Ok(Value::Granted(held.token())),
-            Err(Error::FailedPrecondition(_)) if wait.is_zero() => Outcome::Ok(Value::Busy),
-            Err(Error::Aborted(message)) if message.contains(crate::abandon::ABANDONED_MESSAGE) => {
-                Outcome::Ok(Value::Abandoned)
-            }
-            Err(Error::Aborted(_)) => Outcome::Ok(Value::Busy),
-            Err(err) => error_outcome(&err),
+        let outcome = acquire_outcome(result, wait);
+        self.history.complete(invoked, outcome.clone());
+        outcome
+    }
+
+    /// A try-acquire (wait 0) of `key`, a lock named after node `node`, for
+    /// pod `uid`, taken for the node object with UID `node_uid` (format
+    /// 10): `Rejected` while Tether has another object registered under
+    /// the name. One that may have been granted is recorded for the
+    /// `nodes` checker.
+    pub(crate) async fn acquire_for_object(
+        &self,
+        process: u64,
+        key: &pb::LockKey,
+        uid: &str,
+        node: &str,
+        node_uid: &str,
+    ) -> Outcome {
+        let event_key = lock_event_key(key);
+        let call = Call::Acquire {
+            uid: uid.to_string(),
+            wait_ms: 0,
         };
+        let invoked = self.history.invoke(process, &event_key, call);
+        let result = self
+            .client
+            .acquire_for_node_object(
+                key,
+                node_uid,
+                &self.pod(uid),
+                Vec::new(),
+                Duration::ZERO,
+                0,
+                |_| {},
+            )
+            .await;
+        let outcome = match result {
+            Err(Error::FailedPrecondition(message)) if message.contains("node object") => {
+                Outcome::Ok(Value::Rejected)
+            }
+            result => acquire_outcome(result, Duration::ZERO),
+        };
+        if matches!(
+            outcome,
+            Outcome::Ok(Value::Granted(_)) | Outcome::Unknown(_) | Outcome::Pending
+        ) {
+            self.taken_for_objects
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .push(TakenForObject {
+                    lock: event_key,
+                    pod_uid: uid.to_string(),
+                    node: node.to_string(),
+                    object: node_uid.to_string(),
+                });
+        }
         self.history.complete(invoked, outcome.clone());
         outcome
     }
