@@ -520,7 +520,8 @@ impl Client {
     /// re-created, and the bridge has not reported it yet) or has this one
     /// reported deleted. So a report that the old object is gone never ends
     /// what was taken for the new one. An empty `node_uid` is not checked;
-    /// nor is any before every replica reads log format 10.
+    /// nor is any while a replica is known to read only log formats older
+    /// than 10 (an upgrade from an older build).
     #[allow(clippy::too_many_arguments)]
     pub async fn acquire_for_node_object(
         &self,

@@ -238,10 +238,12 @@ impl LockApi {
             "withdraw",
             "finish the upgrade, or release the hold by its token",
         )?;
-        // Once every member reads format 9, only what this client queued or
-        // was granted: never a later attempt's hold of the same pod.
+        // Only what this client queued or was granted: never a later
+        // attempt's hold of the same pod; unless a member is known to read
+        // only formats older than 9 (an upgrade). A member not heard from
+        // yet (a new leader's first moments) does not count.
         let command = match &request_id {
-            Some(id) if ctx.core.members_read(TAKEOVER_FORMAT_VERSION) => {
+            Some(id) if !ctx.core.member_known_older_than(TAKEOVER_FORMAT_VERSION) => {
                 Command::WithdrawOwn(WithdrawOwn {
                     key: key.clone(),
                     pod_uid: req.pod_uid.clone(),

@@ -103,9 +103,14 @@ impl Ctx {
         Ok(id)
     }
 
-    /// `taking` for the node objects the caller saw (those with a UID), once
-    /// every member reads format 10; unchecked before (an upgrade from an
-    /// older build), or when the caller named none.
+    /// `taking` for the node objects the caller saw (those with a UID);
+    /// unchecked while another member is known to read only older formats
+    /// than 10 (an upgrade from an older build), or when the caller named
+    /// none. A member not heard from since this replica started (a new
+    /// leader's first moments) does not turn the check off: a taking let
+    /// through unchecked then would sit under the old object's
+    /// registration and end with its `Gone` (the chaos workload caught
+    /// that).
     pub fn taking_for(
         &self,
         seen: Vec<crate::sm::command::SeenNode>,
@@ -113,9 +118,9 @@ impl Ctx {
     ) -> crate::sm::Command {
         let seen: Vec<_> = seen.into_iter().filter(|n| !n.uid.is_empty()).collect();
         if seen.is_empty()
-            || !self
+            || self
                 .core
-                .members_read(crate::sm::command::NODE_OBJECT_FORMAT_VERSION)
+                .member_known_older_than(crate::sm::command::NODE_OBJECT_FORMAT_VERSION)
         {
             return taking.into_command();
         }

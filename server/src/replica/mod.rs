@@ -348,6 +348,16 @@ impl Replica {
             .is_none_or(|newest| newest >= format)
     }
 
+    /// Whether another member has said that it reads only formats older
+    /// than `format` (a rolling upgrade from an older build). Unlike
+    /// [`Replica::members_read`], a member that has not answered since
+    /// this replica started (a new leader's first moments) does not count.
+    pub fn member_known_older_than(&self, format: u16) -> bool {
+        self.peer_formats
+            .oldest_member_known(&self.raft, self.id)
+            .is_some_and(|oldest| oldest < format)
+    }
+
     /// The newest log format every other member has said it reads (None
     /// without other members; 0 while one has not answered since this
     /// replica started).
