@@ -733,6 +733,124 @@ async fn deleted_while_another_waits(
     assert_eq!(rig.claim_of("second").await, all);
 }
 
+/// Issue 62 case 5: a force delete (`kubectl delete --grace-period=0
+/// --force`) removes the pod object while the kubelet is still killing its
+/// containers. The kubelet's device manager counts the pod's devices free
+/// at once (v1.36.3 `pkg/kubelet/kubelet.go`, `HandlePodRemoves`: the pod
+/// leaves the pod manager before its containers are killed, so
+/// `GetActivePods` no longer lists it and `devicemanager`'s
+/// `UpdateAllocatedDevices`, run before the next `Allocate`, drops its
+/// devices). Tether does the same: the bridge sees the object gone and the
+/// claim ends, and a pod waiting for all eight GPUs is scheduled and gets
+/// them from the kubelet. Holding the claim longer would only make the
+/// extender refuse devices the kubelet hands out anyway. The test prints
+/// how long the deleted pod's container went on running after its claim
+/// ended, and whether it still ran when the next pod started.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_force_deleted_pods_gpus_are_free_at_once_as_the_kubelet_counts_them() {
+    let Some(rig) =
+        Rig::start("a_force_deleted_pods_gpus_are_free_at_once_as_the_kubelet_counts_them").await
+    else {
+        return;
+    };
+    let all: BTreeSet<String> = (0..8).map(fixtures::uuid).collect();
+    // A beat a second, TERM ignored: the kubelet kills it after the
+    // minimum grace period (2 s) once it acts on the removal.
+    let beating = "trap '' TERM; env; echo DEV $(ls /dev); while true; do echo BEAT; sleep 1; done";
+    rig.create("first", vec![], vec![container("main", 8, beating)])
+        .await;
+    rig.output_of("first").await;
+    assert_eq!(rig.claim_of("first").await, all);
+    let first_uid = rig.uid_of("first").await;
+    rig.create_pod("second", 8).await;
+    rig.wait_for(
+        "the second pod to be refused for want of GPUs",
+        async || {
+            rig.pods
+                .get("second")
+                .await
+                .unwrap()
+                .status
+                .and_then(|s| s.conditions)
+                .is_some_and(|c| {
+                    c.iter()
+                        .any(|c| c.type_ == "PodScheduled" && c.status == "False")
+                })
+        },
+    )
+    .await;
+    let force = kube::api::DeleteParams {
+        grace_period_seconds: Some(0),
+        ..Default::default()
+    };
+    let deleted_at = std::time::SystemTime::now();
+    rig.pods.delete("first", &force).await.unwrap();
+    // The first pod's beats, read while the kubelet still has its log.
+    let mut beats: Vec<std::time::SystemTime> = Vec::new();
+    let mut read_beats = |rig: &Rig| {
+        for (time, text) in rig
+            .node
+            .container_log_lines(&rig.namespace, "first", "main")
+        {
+            if text == "BEAT"
+                && let Ok(at) = humantime::parse_rfc3339_weak(&time)
+                && !beats.contains(&at)
+            {
+                beats.push(at);
+            }
+        }
+    };
+    let claim_ended_at = loop {
+        read_beats(&rig);
+        if rig.claim_of_uid(&first_uid).await.is_empty() {
+            break std::time::SystemTime::now();
+        }
+        assert!(
+            deleted_at.elapsed().unwrap() < POD_DEADLINE,
+            "the force-deleted pod's claim never ended"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    };
+    assert!(rig.pods.get_opt("first").await.unwrap().is_none());
+    // The kubelet gives all eight to the waiting pod.
+    let started = Instant::now();
+    while started.elapsed() < Duration::from_secs(5) {
+        read_beats(&rig);
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let seen = rig.output_of("second").await;
+    seen.assert_handed(&all);
+    assert_eq!(rig.claim_of("second").await, all);
+    let second_started = rig
+        .node
+        .container_log_lines(&rig.namespace, "second", "main")
+        .first()
+        .and_then(|(time, _)| humantime::parse_rfc3339_weak(time).ok())
+        .expect("the second pod logged");
+    let last_beat = beats.iter().max().copied();
+    let after = |later: std::time::SystemTime, earlier: std::time::SystemTime| {
+        later
+            .duration_since(earlier)
+            .map_or_else(|e| -(e.duration().as_secs_f64()), |d| d.as_secs_f64())
+    };
+    println!(
+        "force delete -> claim ended {:.3} s later; the first pod's last beat {} s after the \
+         claim ended; the second pod's first line {:.3} s after the force delete, {} s after \
+         the first pod's last beat",
+        after(claim_ended_at, deleted_at),
+        last_beat.map_or("(none seen)".into(), |b| format!(
+            "{:.3}",
+            after(b, claim_ended_at)
+        )),
+        after(second_started, deleted_at),
+        last_beat.map_or("(none seen)".into(), |b| format!(
+            "{:.3}",
+            after(second_started, b)
+        )),
+    );
+    rig.shutdown().await;
+}
+
 /// Whether the kubelet reports some container of `pod` (init containers
 /// and sidecars included) running.
 fn some_container_runs(pod: &Pod) -> bool {

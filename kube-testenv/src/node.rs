@@ -266,10 +266,26 @@ impl RealNode {
     /// the kubelet's log files (every restart's, in order); empty when
     /// there is none yet.
     pub fn container_log(&self, namespace: &str, pod: &str, container: &str) -> String {
-        let prefix = format!("{namespace}_{pod}_");
         let mut text = String::new();
+        for (_, line) in self.container_log_lines(namespace, pod, container) {
+            text.push_str(&line);
+            text.push('\n');
+        }
+        text
+    }
+
+    /// [`RealNode::container_log`] line by line, each with the time the
+    /// container runtime logged it (RFC 3339, as in the CRI log file).
+    pub fn container_log_lines(
+        &self,
+        namespace: &str,
+        pod: &str,
+        container: &str,
+    ) -> Vec<(String, String)> {
+        let prefix = format!("{namespace}_{pod}_");
+        let mut lines = Vec::new();
         let Ok(pods) = std::fs::read_dir(self.dir.path().join("pod-logs")) else {
-            return text;
+            return lines;
         };
         for entry in pods.flatten() {
             if !entry.file_name().to_string_lossy().starts_with(&prefix) {
@@ -282,13 +298,14 @@ impl RealNode {
             for file in files {
                 // CRI log lines: "<time> <stream> <tag> <text>".
                 for line in std::fs::read_to_string(file).unwrap_or_default().lines() {
-                    let text_part = line.splitn(4, ' ').nth(3).unwrap_or("");
-                    text.push_str(text_part);
-                    text.push('\n');
+                    let mut parts = line.splitn(4, ' ');
+                    let time = parts.next().unwrap_or("").to_string();
+                    let text_part = parts.nth(2).unwrap_or("").to_string();
+                    lines.push((time, text_part));
                 }
             }
         }
-        text
+        lines
     }
 
     /// Stops the kubelet (as a restart does: its containers keep running)
