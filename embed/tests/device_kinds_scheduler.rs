@@ -32,7 +32,7 @@ use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use gpu_scheduling::{SYSTEM, apply_rbac, remove_not_ready_taint, scheduler_config};
+use gpu_scheduling::{SYSTEM, apply_rbac, register_ready_node, scheduler_config};
 use k8s_openapi::api::core::v1::{Node, Pod};
 use kube::api::{Api, Patch, PatchParams, PostParams};
 use roles::{Identities, client_as, cluster_on_tls};
@@ -144,26 +144,9 @@ impl Rig {
     /// each kind's devices published to Tether as its plugin would.
     async fn register_node(&self, name: &str) {
         let nodes: Api<Node> = Api::all(self.plane.client().await);
-        let node: Node = serde_json::from_value(json!({"metadata": {
-            "name": name, "labels": {"kubernetes.io/hostname": name},
-        }}))
-        .unwrap();
-        nodes.create(&PostParams::default(), &node).await.unwrap();
-        let resources = json!({"cpu": "8", "memory": "32Gi", "pods": "110", GPU: "1", NPU: "1"});
-        nodes
-            .patch_status(
-                name,
-                &PatchParams::default(),
-                &Patch::Merge(json!({"status": {
-                    "capacity": resources, "allocatable": resources,
-                    "conditions": [{"type": "Ready", "status": "True", "reason": "KubeletReady",
-                                    "lastHeartbeatTime": "2026-12-06T00:00:00Z",
-                                    "lastTransitionTime": "2026-12-06T00:00:00Z"}],
-                }})),
-            )
-            .await
-            .unwrap();
-        remove_not_ready_taint(&nodes, name).await;
+        let labels = json!({"kubernetes.io/hostname": name});
+        let one = || "1".to_string();
+        register_ready_node(&nodes, name, labels, &[(GPU, one()), (NPU, one())]).await;
         for kind in self.extender_kinds() {
             let source = DeviceSource::parse(
                 "fake:1",

@@ -266,6 +266,23 @@ impl Rig {
             .unwrap()
     }
 
+    /// Waits until the scheduler has found no node for pod `name`.
+    async fn until_unschedulable(&self, name: &str) {
+        self.wait_for(&format!("pod {name} to be refused"), async || {
+            self.pods
+                .get(name)
+                .await
+                .unwrap()
+                .status
+                .and_then(|s| s.conditions)
+                .is_some_and(|c| {
+                    c.iter()
+                        .any(|c| c.type_ == "PodScheduled" && c.status == "False")
+                })
+        })
+        .await;
+    }
+
     async fn phase(&self, name: &str) -> String {
         self.pods
             .get(name)
@@ -675,22 +692,7 @@ async fn deleted_while_another_waits(
     assert_eq!(rig.claim_of("first").await, all);
     let first_uid = rig.uid_of("first").await;
     rig.create_pod("second", 8).await;
-    rig.wait_for(
-        "the second pod to be refused for want of GPUs",
-        async || {
-            rig.pods
-                .get("second")
-                .await
-                .unwrap()
-                .status
-                .and_then(|s| s.conditions)
-                .is_some_and(|c| {
-                    c.iter()
-                        .any(|c| c.type_ == "PodScheduled" && c.status == "False")
-                })
-        },
-    )
-    .await;
+    rig.until_unschedulable("second").await;
     let deleted_at = Instant::now();
     rig.pods.delete("first", &Default::default()).await.unwrap();
     // The claim is read before the pod: a claim ended by the pod's
@@ -763,22 +765,7 @@ async fn a_force_deleted_pods_gpus_are_free_at_once_as_the_kubelet_counts_them()
     assert_eq!(rig.claim_of("first").await, all);
     let first_uid = rig.uid_of("first").await;
     rig.create_pod("second", 8).await;
-    rig.wait_for(
-        "the second pod to be refused for want of GPUs",
-        async || {
-            rig.pods
-                .get("second")
-                .await
-                .unwrap()
-                .status
-                .and_then(|s| s.conditions)
-                .is_some_and(|c| {
-                    c.iter()
-                        .any(|c| c.type_ == "PodScheduled" && c.status == "False")
-                })
-        },
-    )
-    .await;
+    rig.until_unschedulable("second").await;
     let force = kube::api::DeleteParams {
         grace_period_seconds: Some(0),
         ..Default::default()

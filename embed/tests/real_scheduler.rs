@@ -40,7 +40,7 @@ use std::time::{Duration, Instant};
 
 use fake_kubelet::FakeKubelet;
 use gpu_scheduling::{
-    ApiFaults, RESOURCE, RunningExtender, SYSTEM, apply_rbac, remove_not_ready_taint,
+    ApiFaults, RESOURCE, RunningExtender, SYSTEM, apply_rbac, register_ready_node,
     scheduler_config, spawn_bridge, start_extender_with,
 };
 use k8s_openapi::api::core::v1::{Node, Pod};
@@ -263,24 +263,7 @@ impl Rig {
             .filter(|d| d.health == "Healthy")
             .count();
         let nodes: Api<Node> = Api::all(self.plane.client().await);
-        let node: Node = serde_json::from_value(json!({"metadata": {"name": NODE}})).unwrap();
-        nodes.create(&PostParams::default(), &node).await.unwrap();
-        let resources =
-            json!({"cpu": "8", "memory": "32Gi", "pods": "110", RESOURCE: healthy.to_string()});
-        nodes
-            .patch_status(
-                NODE,
-                &PatchParams::default(),
-                &Patch::Merge(json!({"status": {
-                    "capacity": resources, "allocatable": resources,
-                    "conditions": [{"type": "Ready", "status": "True", "reason": "KubeletReady",
-                                    "lastHeartbeatTime": "2026-12-03T00:00:00Z",
-                                    "lastTransitionTime": "2026-12-03T00:00:00Z"}],
-                }})),
-            )
-            .await
-            .unwrap();
-        remove_not_ready_taint(&nodes, NODE).await;
+        register_ready_node(&nodes, NODE, json!({}), &[(RESOURCE, healthy.to_string())]).await;
     }
 
     /// A pod for the `tether-gpu` scheduler asking for `gpus`.

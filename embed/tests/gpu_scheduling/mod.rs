@@ -254,6 +254,42 @@ pub fn extender_config(wait: Duration) -> ExtenderConfig {
     }
 }
 
+/// Creates node `name` with `labels`, as its kubelet registers it: Ready,
+/// `resources` (beside 8 CPUs, 32 GiB and 110 pods) as capacity and
+/// allocatable, and (as the node lifecycle controller does for a Ready
+/// node) no `not-ready` taint.
+pub async fn register_ready_node(
+    nodes: &kube::Api<k8s_openapi::api::core::v1::Node>,
+    name: &str,
+    labels: Value,
+    resources: &[(&str, String)],
+) {
+    let node = serde_json::from_value(json!({"metadata": {"name": name, "labels": labels}}))
+        .expect("a node");
+    nodes
+        .create(&kube::api::PostParams::default(), &node)
+        .await
+        .unwrap();
+    let mut all = json!({"cpu": "8", "memory": "32Gi", "pods": "110"});
+    for (resource, count) in resources {
+        all[*resource] = json!(count);
+    }
+    nodes
+        .patch_status(
+            name,
+            &kube::api::PatchParams::default(),
+            &kube::api::Patch::Merge(json!({"status": {
+                "capacity": all, "allocatable": all,
+                "conditions": [{"type": "Ready", "status": "True", "reason": "KubeletReady",
+                                "lastHeartbeatTime": "2026-12-03T00:00:00Z",
+                                "lastTransitionTime": "2026-12-03T00:00:00Z"}],
+            }})),
+        )
+        .await
+        .unwrap();
+    remove_not_ready_taint(nodes, name).await;
+}
+
 /// Removes the taints of node `name` (the `node.kubernetes.io/not-ready`
 /// one it was registered with), as the node lifecycle controller does once
 /// the node is Ready; no such controller runs in these tests.

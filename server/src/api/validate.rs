@@ -52,14 +52,19 @@ pub fn dns1123_subdomain(what: &str, value: &str) -> Result<()> {
     }
 }
 
+/// 1-64 ASCII letters, digits or '-': a Kubernetes object's UID (a UUID).
+fn is_uid(value: &str) -> bool {
+    !value.is_empty()
+        && value.len() <= 64
+        && value
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || b == b'-')
+}
+
 /// A node object's UID as a caller saw it: empty (not given), or as a pod
 /// UID.
 pub fn node_uid(node: &str, value: &str) -> Result<()> {
-    let ok = value.len() <= 64
-        && value
-            .bytes()
-            .all(|b| b.is_ascii_alphanumeric() || b == b'-');
-    if ok {
+    if value.is_empty() || is_uid(value) {
         Ok(())
     } else {
         Err(invalid(format!(
@@ -71,12 +76,7 @@ pub fn node_uid(node: &str, value: &str) -> Result<()> {
 
 /// A pod UID: 1-64 ASCII letters, digits or '-' (Kubernetes UIDs are UUIDs).
 pub fn pod_uid(value: &str) -> Result<()> {
-    let ok = !value.is_empty()
-        && value.len() <= 64
-        && value
-            .bytes()
-            .all(|b| b.is_ascii_alphanumeric() || b == b'-');
-    if ok {
+    if is_uid(value) {
         Ok(())
     } else {
         Err(invalid(format!(
