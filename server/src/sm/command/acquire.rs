@@ -85,7 +85,7 @@ impl Acquire {
             }
         }
         self.lease_exists(txn)?;
-        let (index, now) = (txn.index, txn.now_ms);
+        let now = txn.now_ms;
         let current = txn
             .state
             .locks
@@ -97,24 +97,7 @@ impl Acquire {
         #[cfg(feature = "failpoints")]
         let current = current.filter(|_| fail::eval("sm-acquire-ignore-holder", |_| ()).is_none());
         match current {
-            None => {
-                let hold = Hold {
-                    pod: self.pod,
-                    token: index,
-                    granted_at_ms: now,
-                    payload: self.payload,
-                    client_id: self.client_id,
-                    lease_id: self.lease_id,
-                };
-                let lock = txn.lock_mut(&self.key);
-                lock.holder = Some(hold.clone());
-                lock.last_token = index;
-                txn.emit(EventKind::LockGranted {
-                    key: self.key,
-                    hold: hold.clone(),
-                });
-                Ok(Reply::Granted(hold))
-            }
+            None => Ok(self.grant(txn)),
             Some(holder) => {
                 if self.wait_ms == 0 {
                     return Err(CommandError::LockHeld {
@@ -162,7 +145,7 @@ impl Acquire {
     /// entry, so this acquire is refused as if the lock were another pod's.
     fn take_hold_over(self, txn: &mut Txn<'_>) -> Result<Reply, CommandError> {
         self.lease_exists(txn)?;
-        let (index, now) = (txn.index, txn.now_ms);
+        let index = txn.index;
         let lock = txn.lock_mut(&self.key);
         let held = lock.holder.as_ref().expect("the pod holds the lock");
         if held.token == index {
@@ -172,6 +155,13 @@ impl Acquire {
                 token: held.token,
             });
         }
+        Ok(self.grant(txn))
+    }
+
+    /// Makes this acquire the lock's holder, with this entry's index as
+    /// its token (whoever held it before, if anyone, no longer does).
+    fn grant(self, txn: &mut Txn<'_>) -> Reply {
+        let (index, now) = (txn.index, txn.now_ms);
         let hold = Hold {
             pod: self.pod,
             token: index,
@@ -180,13 +170,14 @@ impl Acquire {
             client_id: self.client_id,
             lease_id: self.lease_id,
         };
+        let lock = txn.lock_mut(&self.key);
         lock.holder = Some(hold.clone());
         lock.last_token = index;
         txn.emit(EventKind::LockGranted {
             key: self.key,
             hold: hold.clone(),
         });
-        Ok(Reply::Granted(hold))
+        Reply::Granted(hold)
     }
 
     /// Refuses a TTL lease that does not exist.
