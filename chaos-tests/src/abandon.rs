@@ -105,11 +105,7 @@ pub async fn abandoner(shared: Arc<Shared>, process: u64, mut rng: Rng) {
         round += 1;
         let comes_back = round.is_multiple_of(2);
         let key = shared.lock(&format!("a{process}-{round}"));
-        shared
-            .extra_locks
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .push(key.clone());
+        shared.track_lock(&key);
         let name = key.name.clone();
         let (h, w, x) = (format!("{name}h"), format!("{name}w"), format!("{name}x"));
         let Outcome::Ok(Value::Granted(token)) =

@@ -50,11 +50,7 @@ pub async fn keeper(shared: Arc<Shared>, process: u64, ttl: Duration, mut rng: R
         }
         round += 1;
         let key = shared.lock(&format!("k{process}-{round}"));
-        shared
-            .extra_locks
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .push(key.clone());
+        shared.track_lock(&key);
         let (k, w) = (format!("{}k", key.name), format!("{}w", key.name));
         let grant_sent_us = shared.history.now_us();
         let Ok(lease) = shared.client.grant_lease(ttl).await else {

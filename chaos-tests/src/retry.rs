@@ -38,11 +38,7 @@ pub async fn retrier(shared: Arc<Shared>, process: u64, mut rng: Rng) {
     while !shared.stopped() {
         round += 1;
         let key = shared.lock(&format!("t{process}-{round}"));
-        shared
-            .extra_locks
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .push(key.clone());
+        shared.track_lock(&key);
         let name = key.name.clone();
         let (p, x) = (format!("{name}p"), format!("{name}x"));
         let Outcome::Ok(Value::Granted(first)) =

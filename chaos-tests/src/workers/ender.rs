@@ -48,11 +48,7 @@ pub async fn ender(shared: Arc<Shared>, process: u64, mut rng: Rng) {
             },
             name: name.clone(),
         };
-        shared
-            .extra_locks
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .push(key.clone());
+        shared.track_lock(&key);
         let names_a_node = matches!(ending, Ending::NodeGone | Ending::NodeRecreated);
         if names_a_node {
             shared
@@ -152,11 +148,7 @@ async fn recreate_node(shared: &Shared, process: u64, name: &str) {
         scope: HOLD_TIMEOUT_SCOPE.into(),
         name: name.to_string(),
     };
-    shared
-        .extra_locks
-        .lock()
-        .unwrap_or_else(|p| p.into_inner())
-        .push(other_lock.clone());
+    shared.track_lock(&other_lock);
     let binder = format!("{name}n");
     let new_object = format!("{name}-{NEW_OBJECT}");
     let bind = || shared.acquire_for_object(process, &other_lock, &binder, name, &new_object);

@@ -207,6 +207,15 @@ impl Shared {
         !self.stopped() && tokio::time::Instant::now() + round <= self.workload_ends
     }
 
+    /// Keeps a lock a worker made up (not one of the run's own), so that
+    /// the runner reads its log.
+    pub(crate) fn track_lock(&self, key: &pb::LockKey) {
+        self.extra_locks
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .push(key.clone());
+    }
+
     pub(crate) fn pod(&self, uid: &str) -> pb::Pod {
         pb::Pod {
             uid: uid.to_string(),
