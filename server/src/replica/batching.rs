@@ -106,10 +106,9 @@ impl Proposal {
     }
 
     fn payload_bytes(&self) -> usize {
-        match &self.command {
-            Command::Acquire(acquire) => acquire.payload.len(),
-            _ => 0,
-        }
+        self.command
+            .acquire()
+            .map_or(0, |acquire| acquire.payload.len())
     }
 }
 
@@ -263,7 +262,7 @@ fn to_hold(
     if !held.may_hold(proposal) {
         return false;
     }
-    let Command::Acquire(acquire) = &proposal.command else {
+    let Some(acquire) = proposal.command.acquire() else {
         return false;
     };
     let Some(applied) = state.try_read() else {
@@ -350,7 +349,10 @@ impl HeldBack {
     fn may_hold(&self, proposal: &Proposal) -> bool {
         proposal.shares_locks
             && !self.hold.is_zero()
-            && matches!(&proposal.command, Command::Acquire(acquire) if acquire.wait_ms > 0)
+            && proposal
+                .command
+                .acquire()
+                .is_some_and(|acquire| acquire.wait_ms > 0)
     }
 
     fn hold(&mut self, mut proposal: Proposal, now: Instant) {

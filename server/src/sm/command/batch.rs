@@ -54,7 +54,15 @@ impl Batch {
     pub fn has_acquire(&self) -> bool {
         self.items
             .iter()
-            .any(|item| matches!(item.command, Command::Acquire(_)))
+            .any(|item| item.command.acquire().is_some())
+    }
+
+    /// Whether an item is an acquire for a node object (which needs format
+    /// [`super::NODE_OBJECT_FORMAT_VERSION`]).
+    pub fn has_node_object_check(&self) -> bool {
+        self.items
+            .iter()
+            .any(|item| matches!(item.command, Command::ForNodeObjects(_)))
     }
 
     /// Why this batch may not be applied in an entry of `format_version`, if
@@ -70,6 +78,13 @@ impl Batch {
             return Err(format!(
                 "a batch entry has {} items, over the limit of {MAX_BATCH_ITEMS}",
                 self.items.len()
+            ));
+        }
+        if format_version < super::NODE_OBJECT_FORMAT_VERSION && self.has_node_object_check() {
+            return Err(format!(
+                "a batch entry of format {format_version} carries an acquire for a node object \
+                 (format {})",
+                super::NODE_OBJECT_FORMAT_VERSION
             ));
         }
         let shared_locks = format_version >= SHARED_LOCK_BATCH_FORMAT_VERSION;
@@ -103,10 +118,12 @@ impl Batch {
 /// The lock a command names, if it may go into a batch: acquires and
 /// releases touch only that lock (and the dedupe table), so a batch with one
 /// command per lock keeps every lock's tokens strictly rising.
+/// An acquire for the node object its caller saw (format 10) is one too:
+/// its check reads only the node registry, which no batchable command
+/// changes.
 pub fn batchable_lock(command: &Command) -> Option<&LockKey> {
     match command {
-        Command::Acquire(acquire) => Some(&acquire.key),
         Command::Release(release) => Some(&release.key),
-        _ => None,
+        other => other.acquire().map(|acquire| &acquire.key),
     }
 }

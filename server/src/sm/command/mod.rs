@@ -153,6 +153,7 @@ impl Command {
     /// need the newer format (see `FORMAT_VERSION`).
     pub fn format_version(&self) -> u16 {
         match self {
+            Command::Batch(batch) if batch.has_node_object_check() => NODE_OBJECT_FORMAT_VERSION,
             Command::Batch(batch) if batch.has_acquire() => TAKEOVER_FORMAT_VERSION,
             Command::Batch(batch) if batch.shares_a_lock() => SHARED_LOCK_BATCH_FORMAT_VERSION,
             Command::Batch(_) => BATCH_FORMAT_VERSION,
@@ -183,6 +184,7 @@ impl Command {
     /// one ([`crate::sm::Request::for_members`]).
     pub fn oldest_form(&self) -> u16 {
         match self {
+            Command::Batch(batch) if batch.has_node_object_check() => NODE_OBJECT_FORMAT_VERSION,
             Command::Batch(batch) if batch.shares_a_lock() => SHARED_LOCK_BATCH_FORMAT_VERSION,
             Command::Batch(_) => BATCH_FORMAT_VERSION,
             Command::AbandonWait(_) => ABANDON_WAIT_FORMAT_VERSION,
