@@ -28,6 +28,7 @@ pub mod affinity;
 pub mod command;
 pub mod event;
 pub mod pin_table;
+pub mod sweep_index;
 pub mod types;
 
 use std::collections::{BTreeMap, BTreeSet};
@@ -178,8 +179,9 @@ impl Response {
     }
 }
 
-/// The whole replicated state. Everything here is in snapshots.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, Default)]
+/// The whole replicated state. Everything here is in snapshots, but for
+/// the sweep index, which is derived from the rest.
+#[derive(Clone, PartialEq, Eq, Serialize, Deserialize, Default)]
 pub struct State {
     /// Locks that have a holder or waiters. A lock with neither is dropped:
     /// tokens are log indexes, so a later grant has a higher token anyway.
@@ -197,6 +199,26 @@ pub struct State {
     /// Reported phases of pods that are alive (starting or running); a pod
     /// absent here is unknown, terminal or gone.
     pub pods: BTreeMap<String, PodPhase>,
+    /// What sweeps can end, by when ([`sweep_index`]): not serialized,
+    /// equal to any other, built again for a state read back.
+    #[serde(skip)]
+    pub(crate) sweep_index: sweep_index::SweepIndex,
+}
+
+/// Printed as before the sweep index (a test reads a replica's state back
+/// against the text an older build printed): the state alone.
+impl std::fmt::Debug for State {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("State")
+            .field("locks", &self.locks)
+            .field("leases", &self.leases)
+            .field("sessions", &self.sessions)
+            .field("now_ms", &self.now_ms)
+            .field("pins", &self.pins)
+            .field("nodes", &self.nodes)
+            .field("pods", &self.pods)
+            .finish()
+    }
 }
 
 /// The keys an entry changed, so the store writes only those.
@@ -498,7 +520,13 @@ pub fn apply(state: &mut State, index: u64, request: &Request) -> (Response, Vec
     // lock freed and taken again by items of one format-4 entry keeps its
     // `stuck_token`, which names an older hold and so changes nothing).
     txn.drop_idle_locks();
-    let Txn { events, dirty, .. } = txn;
+    let Txn {
+        state,
+        events,
+        dirty,
+        ..
+    } = txn;
+    state.refresh_sweep_index(&dirty);
     (response, events, dirty)
 }
 

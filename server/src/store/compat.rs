@@ -86,6 +86,7 @@ impl From<StateV2> for State {
             pins: old.pins.into(),
             nodes: old.nodes,
             pods: old.pods,
+            sweep_index: Default::default(),
         }
     }
 }

@@ -40,6 +40,8 @@ pub use report_node::{
 };
 pub use report_pod::ReportPod;
 pub use revoke_pod::RevokePod;
+#[cfg(any(test, feature = "testing"))]
+pub use sweep::due_by_index_and_by_scan;
 pub use sweep::{
     DEFERRED_GRANTS_FORMAT_VERSION, POD_CLEANUP_FORMAT_VERSION, Sweep, sweep_due, unreferenced_pods,
 };

@@ -112,6 +112,7 @@ pub struct Sweep {
 }
 
 /// What a hold past its timeout gets.
+#[derive(Debug, PartialEq, Eq)]
 enum HoldVerdict {
     /// Not yet due (or the lock-delay protects it).
     NotDue,
@@ -215,21 +216,15 @@ impl Sweep {
         #[cfg(feature = "failpoints")]
         let grant_as_ending =
             grant_as_ending || fail::eval("sm-sweep-grant-per-end", |_| ()).is_some();
-        let late_waits: Vec<(LockKey, usize)> = txn
-            .state
-            .locks
-            .iter()
-            .map(|(k, l)| {
-                (
-                    k.clone(),
-                    l.waiters
-                        .iter()
-                        .filter(|w| self.wait_due(w, now, format))
-                        .count(),
-                )
-            })
-            .filter(|(_, n)| *n > 0)
-            .collect();
+        // The index (see `sweep_index`), unless the state is not indexed
+        // yet, or holds may be granted as others end: a hold granted in this
+        // very sweep is not in the index taken at its start.
+        let look = if txn.state.sweep_index().is_built() && !grant_as_ending {
+            Look::Indexed
+        } else {
+            Look::Scanned
+        };
+        let late_waits = checked(look, |look| self.late_waits(txn.state, now, format, look));
         let mut waits = 0;
         for (key, count) in &late_waits {
             txn.remove_waiters(
@@ -240,13 +235,7 @@ impl Sweep {
             waits += *count as u32;
         }
 
-        let due_leases: Vec<u64> = txn
-            .state
-            .leases
-            .values()
-            .filter(|l| self.lease_due(l, now))
-            .map(|l| l.id)
-            .collect();
+        let due_leases = checked(look, |look| self.due_leases(txn.state, now, look));
         let leases = due_leases.len() as u32;
         for lease_id in due_leases {
             end_lease(txn, lease_id, true, grant_as_ending);
@@ -254,12 +243,7 @@ impl Sweep {
 
         let mut holds = 0;
         let mut stuck = 0;
-        let verdicts: Vec<(LockKey, HoldVerdict)> = txn
-            .state
-            .locks
-            .iter()
-            .map(|(key, lock)| (key.clone(), self.hold_verdict(txn.state, key, lock, now)))
-            .collect();
+        let verdicts = checked(look, |look| self.hold_verdicts(txn.state, now, look));
         for (key, verdict) in verdicts {
             match verdict {
                 HoldVerdict::Release(timeout_ms) => {
@@ -288,38 +272,24 @@ impl Sweep {
             }
         }
 
-        let due_pins: Vec<(PinKey, u64)> = txn
-            .state
-            .pins
-            .iter()
-            .filter(|(_, p)| self.pin_due(p, now))
-            .map(|(k, p)| (k.clone(), p.lifetime_ms))
-            .collect();
+        let due_pins = checked(look, |look| self.due_pins(txn.state, now, look));
         let pins = due_pins.len() as u32;
         for (key, lifetime_ms) in due_pins {
             txn.release_pin(&key, PinReleaseReason::Expired { lifetime_ms });
         }
 
-        let idle: Vec<String> = txn
-            .state
-            .sessions
-            .iter()
-            .filter(|(_, s)| self.session_due(s, now, format))
-            .map(|(c, _)| c.clone())
-            .collect();
+        let idle = checked(look, |look| {
+            self.idle_sessions(txn.state, now, format, look)
+        });
         let sessions = idle.len() as u32;
         for client in idle {
             txn.state.sessions.remove(&client);
             txn.dirty.sessions.insert(client);
         }
 
-        let old_tombstones: Vec<String> = txn
-            .state
-            .nodes
-            .iter()
-            .filter(|(_, n)| self.tombstone_due(n, now, format))
-            .map(|(name, _)| name.clone())
-            .collect();
+        let old_tombstones = checked(look, |look| {
+            self.old_tombstones(txn.state, now, format, look)
+        });
         for name in old_tombstones {
             txn.state.nodes.remove(&name);
             txn.dirty.nodes.insert(name);
@@ -327,8 +297,25 @@ impl Sweep {
 
         if txn.format_version >= POD_CLEANUP_FORMAT_VERSION {
             // After the ends above (a waiter about to be granted still waits,
-            // so it is still named).
-            for uid in unreferenced_pods(txn.state) {
+            // so it is still named): the index brought in step with them
+            // first.
+            let forgotten = match look {
+                Look::Indexed => {
+                    txn.state.refresh_sweep_index(&txn.dirty);
+                    let indexed: Vec<String> = txn
+                        .state
+                        .sweep_index()
+                        .unreferenced()
+                        .iter()
+                        .cloned()
+                        .collect();
+                    #[cfg(test)]
+                    assert_eq!(indexed, unreferenced_pods(txn.state), "unreferenced pods");
+                    indexed
+                }
+                Look::Scanned => unreferenced_pods(txn.state),
+            };
+            for uid in forgotten {
                 txn.state.pods.remove(&uid);
                 txn.dirty.pods.insert(uid);
             }
@@ -342,33 +329,236 @@ impl Sweep {
             stuck,
         })
     }
+
+    /// The locks with waits past their deadline, and how many, in key
+    /// order.
+    fn late_waits(
+        &self,
+        state: &State,
+        now: u64,
+        format: u16,
+        look: Look,
+    ) -> Vec<(LockKey, usize)> {
+        let count = |lock: &Lock| {
+            lock.waiters
+                .iter()
+                .filter(|w| self.wait_due(w, now, format))
+                .count()
+        };
+        let counted: Vec<(LockKey, usize)> = match look {
+            Look::Scanned => state
+                .locks
+                .iter()
+                .map(|(k, l)| (k.clone(), count(l)))
+                .collect(),
+            Look::Indexed => in_order(state.sweep_index().waits_ending_by(now))
+                .into_iter()
+                .filter_map(|k| Some((k.clone(), count(state.locks.get(k)?))))
+                .collect(),
+        };
+        counted.into_iter().filter(|(_, n)| *n > 0).collect()
+    }
+
+    /// The leases due, in id order.
+    fn due_leases(&self, state: &State, now: u64, look: Look) -> Vec<u64> {
+        let due = |l: &&TtlLease| self.lease_due(l, now);
+        match look {
+            Look::Scanned => state.leases.values().filter(due).map(|l| l.id).collect(),
+            Look::Indexed => in_order(state.sweep_index().leases_expiring_by(now))
+                .into_iter()
+                .filter_map(|id| state.leases.get(id))
+                .filter(due)
+                .map(|l| l.id)
+                .collect(),
+        }
+    }
+
+    /// The holds to end or report stuck, in key order.
+    fn hold_verdicts(&self, state: &State, now: u64, look: Look) -> Vec<(LockKey, HoldVerdict)> {
+        let judged = |key: &LockKey| {
+            let verdict = self.hold_verdict(state, key, state.locks.get(key)?, now);
+            matches!(verdict, HoldVerdict::Release(_) | HoldVerdict::Stuck)
+                .then(|| (key.clone(), verdict))
+        };
+        match look {
+            Look::Scanned => state.locks.keys().filter_map(judged).collect(),
+            Look::Indexed => {
+                // Granted long enough ago for the shortest timeout of any
+                // scope; each is judged by its own.
+                let shortest = self
+                    .scope_hold_timeout_ms
+                    .values()
+                    .copied()
+                    .chain([self.hold_timeout_ms])
+                    .min()
+                    .unwrap_or(self.hold_timeout_ms);
+                in_order(
+                    state
+                        .sweep_index()
+                        .holds_granted_by(now.checked_sub(shortest)),
+                )
+                .into_iter()
+                .filter_map(judged)
+                .collect()
+            }
+        }
+    }
+
+    /// The pins due, with their lifetimes, in key order.
+    fn due_pins(&self, state: &State, now: u64, look: Look) -> Vec<(PinKey, u64)> {
+        let due =
+            |(k, p): (&PinKey, &Pin)| self.pin_due(p, now).then(|| (k.clone(), p.lifetime_ms));
+        match pins_look(look) {
+            Look::Scanned => state.pins.iter().filter_map(due).collect(),
+            Look::Indexed => {
+                let mut due: Vec<(PinKey, u64)> =
+                    state.pins.expiring_by(now).filter_map(due).collect();
+                due.sort_unstable();
+                due
+            }
+        }
+    }
+
+    /// The sessions idle long enough to evict, in client order.
+    fn idle_sessions(&self, state: &State, now: u64, format: u16, look: Look) -> Vec<String> {
+        let due = |c: &&String| {
+            state
+                .sessions
+                .get(*c)
+                .is_some_and(|s| self.session_due(s, now, format))
+        };
+        match look {
+            Look::Scanned => state.sessions.keys().filter(due).cloned().collect(),
+            Look::Indexed => in_order(state.sweep_index().sessions_idle(now, self.session_idle_ms))
+                .into_iter()
+                .filter(due)
+                .cloned()
+                .collect(),
+        }
+    }
+
+    /// The node tombstones old enough to drop, in name order.
+    fn old_tombstones(&self, state: &State, now: u64, format: u16, look: Look) -> Vec<String> {
+        let due = |name: &&String| {
+            state
+                .nodes
+                .get(*name)
+                .is_some_and(|n| self.tombstone_due(n, now, format))
+        };
+        match look {
+            Look::Scanned => state.nodes.keys().filter(due).cloned().collect(),
+            Look::Indexed => in_order(
+                state
+                    .sweep_index()
+                    .tombstones_older(now, self.node_tombstone_ms),
+            )
+            .into_iter()
+            .filter(due)
+            .cloned()
+            .collect(),
+        }
+    }
+}
+
+/// Where a sweep looks for what is due: the state's sweep index, or every
+/// item of the state (a state not indexed yet, old formats' grants as holds
+/// end, and the tests' comparison).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Look {
+    Indexed,
+    Scanned,
+}
+
+/// What `find` answers through `look`; in the state machine's own tests,
+/// checked against the full scan's answer (see `sweep_index`).
+fn checked<T: PartialEq + std::fmt::Debug>(look: Look, find: impl Fn(Look) -> T) -> T {
+    let found = find(look);
+    #[cfg(test)]
+    if look == Look::Indexed {
+        assert_eq!(
+            found,
+            find(Look::Scanned),
+            "the sweep index and the full scan differ"
+        );
+    }
+    found
+}
+
+/// The keys an index gave, in key order (it gives them in time order).
+fn in_order<'a, K: Ord + 'a>(keys: impl Iterator<Item = &'a K>) -> Vec<&'a K> {
+    let mut keys: Vec<&K> = keys.collect();
+    keys.sort_unstable();
+    keys.dedup();
+    keys
+}
+
+/// How to find the pins due: a planted bug that expires pins early
+/// (`sm-pin-expires-early`) makes them due before the time the pin table
+/// files them under, so it is looked for in full.
+fn pins_look(look: Look) -> Look {
+    #[cfg(feature = "failpoints")]
+    if fail::eval("sm-pin-expires-early", |_| ()).is_some() {
+        return Look::Scanned;
+    }
+    look
 }
 
 /// Whether a [`Sweep`] written in `format_version` would change anything at
 /// committed time `now_ms`: the leader asks this of its applied state before
 /// proposing, so an idle cluster writes no sweep entries.
 pub fn sweep_due(state: &State, now_ms: u64, sweep: &Sweep, format_version: u16) -> bool {
-    let waits = state
-        .locks
-        .values()
-        .flat_map(|l| l.waiters.iter())
-        .any(|w| sweep.wait_due(w, now_ms, format_version));
-    let leases = state.leases.values().any(|l| sweep.lease_due(l, now_ms));
-    let holds = state.locks.iter().any(|(k, l)| {
-        matches!(
-            sweep.hold_verdict(state, k, l, now_ms),
-            HoldVerdict::Release(_) | HoldVerdict::Stuck
+    let look = if state.sweep_index().is_built() {
+        Look::Indexed
+    } else {
+        Look::Scanned
+    };
+    due_through(state, now_ms, sweep, format_version, look)
+}
+
+/// [`sweep_due`] through the index or by a full scan.
+fn due_through(state: &State, now_ms: u64, sweep: &Sweep, format: u16, look: Look) -> bool {
+    let pods = format >= POD_CLEANUP_FORMAT_VERSION
+        && match look {
+            Look::Indexed => !state.sweep_index().unreferenced().is_empty(),
+            Look::Scanned => any_unreferenced_pod(state),
+        };
+    pods || !sweep.late_waits(state, now_ms, format, look).is_empty()
+        || !sweep.due_leases(state, now_ms, look).is_empty()
+        || !sweep.hold_verdicts(state, now_ms, look).is_empty()
+        || !sweep.due_pins(state, now_ms, look).is_empty()
+        || !sweep.idle_sessions(state, now_ms, format, look).is_empty()
+        || !sweep.old_tombstones(state, now_ms, format, look).is_empty()
+}
+
+/// What a sweep at `now_ms` would find due, part by part, through the
+/// sweep index and by a full scan of the state (`None` while the state is
+/// not indexed): the state machine's tests compare the two after every
+/// entry.
+#[cfg(any(test, feature = "testing"))]
+pub fn due_by_index_and_by_scan(
+    state: &State,
+    now_ms: u64,
+    sweep: &Sweep,
+    format: u16,
+) -> Option<(String, String)> {
+    if !state.sweep_index().is_built() {
+        return None;
+    }
+    let found = |look: Look| {
+        let pods = match look {
+            Look::Indexed => state.sweep_index().unreferenced().iter().cloned().collect(),
+            Look::Scanned => unreferenced_pods(state),
+        };
+        format!(
+            "waits {:?}\nleases {:?}\nholds {:?}\npins {:?}\nsessions {:?}\ntombstones {:?}\npods {:?}",
+            sweep.late_waits(state, now_ms, format, look),
+            sweep.due_leases(state, now_ms, look),
+            sweep.hold_verdicts(state, now_ms, look),
+            sweep.due_pins(state, now_ms, look),
+            sweep.idle_sessions(state, now_ms, format, look),
+            sweep.old_tombstones(state, now_ms, format, look),
+            pods,
         )
-    });
-    let pins = state.pins.values().any(|p| sweep.pin_due(p, now_ms));
-    let sessions = state
-        .sessions
-        .values()
-        .any(|s| sweep.session_due(s, now_ms, format_version));
-    let tombstones = state
-        .nodes
-        .values()
-        .any(|n| sweep.tombstone_due(n, now_ms, format_version));
-    let pods = format_version >= POD_CLEANUP_FORMAT_VERSION && any_unreferenced_pod(state);
-    waits || leases || holds || pins || sessions || tombstones || pods
+    };
+    Some((found(Look::Indexed), found(Look::Scanned)))
 }
