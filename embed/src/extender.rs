@@ -1103,61 +1103,73 @@ impl<B: Binder> Extender<B> {
         let mut last_loss = String::new();
         let mut attempts = 0;
         let stopped_wait_until = Instant::now() + STOPPED_CLAIM_WAIT;
+        // The first plan from the watched copy of the claims, when it has
+        // one: a read of the node's claims saved. Tether decides the claim
+        // all the same (each device's anti-affinity refuses one that
+        // another claim holds), so a copy that has not yet seen a claim
+        // costs a refusal and a plan from a read, never a device given
+        // twice.
+        let mut from_copy = plan_from_copy(kind, args, &node_devices, &numa_of, count);
         while attempts < CLAIM_ATTEMPTS {
-            let in_use =
-                kind.ledger.claims_on(&args.node).await.map_err(|e| {
+            let planned_from_copy = from_copy.is_some();
+            let devices = if let Some(devices) = from_copy.take() {
+                devices
+            } else {
+                let in_use = kind.ledger.claims_on(&args.node).await.map_err(|e| {
                     format!("cannot read the device claims of node {}: {e}", args.node)
                 })?;
-            let taken = in_use
-                .iter()
-                .filter(|(_, by)| by.pod_uid != args.pod_uid)
-                .map(|(device, _)| device.clone())
-                .collect();
-            let ours: Vec<String> = in_use
-                .iter()
-                .filter(|(_, by)| by.pod_uid == args.pod_uid)
-                .map(|(device, _)| device.clone())
-                .collect();
-            // The pod's claim here by another bind attempt: a later one's
-            // is not this attempt's to touch; an earlier one's is ended
-            // (this attempt holds the node's lock now) and made again.
-            let other_attempt = in_use
-                .values()
-                .find(|by| by.pod_uid == args.pod_uid && by.attempt != Some(attempt))
-                .map(|by| by.attempt);
-            if let Some(other) = other_attempt {
-                attempts += 1;
-                self.end_earlier_claim(kind, args, attempt, other).await?;
-                last_loss = format!("the pod's claim by bind attempt {other:?}");
-                continue;
-            }
-            let devices = if ours.len() == count {
-                ours
-            } else {
-                match pick_free_near(&node_devices, &numa_of, &taken, count) {
-                    Ok(devices) => devices,
-                    // The filter counted the claims of stopped pods free
-                    // (Tether's word, or the pod watch's delete event ahead
-                    // of the bridge's report): they end at the next sweep;
-                    // wait for that.
-                    Err(_)
-                        if in_use
-                            .values()
-                            .any(|by| by.owner_stopped || kind.view.is_deleted(&by.pod_uid))
-                            && Instant::now() < stopped_wait_until =>
-                    {
-                        tokio::time::sleep(STOPPED_CLAIM_POLL).await;
-                        continue;
-                    }
-                    Err(e) => {
-                        return Err(format!(
-                            "node {} cannot take {}/{}: {}: {e}",
-                            args.node, args.pod_namespace, args.pod_name, kind.spec.resource
-                        ));
+                let taken = in_use
+                    .iter()
+                    .filter(|(_, by)| by.pod_uid != args.pod_uid)
+                    .map(|(device, _)| device.clone())
+                    .collect();
+                let ours: Vec<String> = in_use
+                    .iter()
+                    .filter(|(_, by)| by.pod_uid == args.pod_uid)
+                    .map(|(device, _)| device.clone())
+                    .collect();
+                // The pod's claim here by another bind attempt: a later one's
+                // is not this attempt's to touch; an earlier one's is ended
+                // (this attempt holds the node's lock now) and made again.
+                let other_attempt = in_use
+                    .values()
+                    .find(|by| by.pod_uid == args.pod_uid && by.attempt != Some(attempt))
+                    .map(|by| by.attempt);
+                if let Some(other) = other_attempt {
+                    attempts += 1;
+                    self.end_earlier_claim(kind, args, attempt, other).await?;
+                    last_loss = format!("the pod's claim by bind attempt {other:?}");
+                    continue;
+                }
+                if ours.len() == count {
+                    ours
+                } else {
+                    match pick_free_near(&node_devices, &numa_of, &taken, count) {
+                        Ok(devices) => devices,
+                        // The filter counted the claims of stopped pods free
+                        // (Tether's word, or the pod watch's delete event ahead
+                        // of the bridge's report): they end at the next sweep;
+                        // wait for that.
+                        Err(_)
+                            if in_use.values().any(|by| {
+                                by.owner_stopped || kind.view.is_deleted(&by.pod_uid)
+                            }) && Instant::now() < stopped_wait_until =>
+                        {
+                            tokio::time::sleep(STOPPED_CLAIM_POLL).await;
+                            continue;
+                        }
+                        Err(e) => {
+                            return Err(format!(
+                                "node {} cannot take {}/{}: {}: {e}",
+                                args.node, args.pod_namespace, args.pod_name, kind.spec.resource
+                            ));
+                        }
                     }
                 }
             };
-            attempts += 1;
+            // A refused plan from the copy does not count against the
+            // attempts: it is made once.
+            attempts += usize::from(!planned_from_copy);
             match kind
                 .ledger
                 .claim_for(
@@ -1228,7 +1240,18 @@ impl<B: Binder> Extender<B> {
                         .await
                         .map_err(|e| format!("cannot release the claim on {node}: {e}"))?;
                 }
-                Claim::Taken(why) => last_loss = why,
+                Claim::Taken(why) => {
+                    if planned_from_copy {
+                        self.metrics.stale_plan();
+                        tracing::debug!(
+                            pod_uid = args.pod_uid,
+                            node = args.node,
+                            why,
+                            "the plan from the watched copy was refused; reading the claims"
+                        );
+                    }
+                    last_loss = why;
+                }
             }
         }
         Err(format!(
@@ -1789,6 +1812,31 @@ impl<B: Binder> Extender<B> {
             }
         }
     }
+}
+
+/// `count` devices of `node_devices` that the watched copy of `kind`'s
+/// claims shows free on the node, on as few NUMA nodes as it can, if the
+/// copy is whole and shows no claim of the pod there: a claim of the pod's
+/// own is an earlier attempt's, whose bind token only Tether's record
+/// gives. `None` sends the bind to read the claims from Tether.
+fn plan_from_copy(
+    kind: &Kind,
+    args: &ExtenderBindingArgs,
+    node_devices: &[String],
+    numa_of: &BTreeMap<String, u32>,
+    count: usize,
+) -> Option<Vec<String>> {
+    kind.view
+        .read(|pins| {
+            let live = pins.claims_on(&args.node);
+            if live.is_some_and(|l| l.values().any(|uid| *uid == args.pod_uid)) {
+                return None;
+            }
+            let taken: BTreeSet<String> =
+                live.into_iter().flatten().map(|(d, _)| d.clone()).collect();
+            pick_free_near(node_devices, numa_of, &taken, count).ok()
+        })
+        .flatten()
 }
 
 /// Adds `why` to `node`'s reasons in `reasons` (a node may be refused for

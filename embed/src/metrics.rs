@@ -52,6 +52,7 @@ pub struct ExtenderMetrics {
     filter_duration: Histogram,
     nudges: Counter,
     bind_overlaps: Counter,
+    stale_plans: Counter,
 }
 
 impl Default for ExtenderMetrics {
@@ -95,6 +96,12 @@ impl Default for ExtenderMetrics {
             "Bind calls for a pod whose earlier bind call was still running (the scheduler gave up on it and tried again); each waited for the earlier one to end",
             bind_overlaps.clone(),
         );
+        let stale_plans = Counter::default();
+        registry.register(
+            "tether_extender_stale_plans",
+            "Binds whose device plan from the extender's watched copy of the claims Tether refused (a claim the copy had not yet seen); each read the claims from Tether and planned again",
+            stale_plans.clone(),
+        );
         Self {
             registry,
             binds,
@@ -103,11 +110,22 @@ impl Default for ExtenderMetrics {
             filter_duration,
             nudges,
             bind_overlaps,
+            stale_plans,
         }
     }
 }
 
 impl ExtenderMetrics {
+    /// Counts a device plan from the watched copy that Tether refused.
+    pub fn stale_plan(&self) {
+        self.stale_plans.inc();
+    }
+
+    /// Stale plans so far (see [`ExtenderMetrics::stale_plan`]).
+    pub fn stale_plans(&self) -> u64 {
+        self.stale_plans.get()
+    }
+
     /// Counts a bind that took `seconds`.
     pub fn bind(&self, outcome: BindOutcome, seconds: f64) {
         let outcome = match outcome {
