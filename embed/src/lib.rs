@@ -40,7 +40,7 @@
 //!   names, `NVIDIA_VISIBLE_DEVICES`, device nodes).
 //!
 //! # Layout
-//! - `extender.rs`, `device_view.rs`, `requeue.rs`, `device_plugin.rs`,
+//! - `extender/` (the bind, `filter.rs`, `claim.rs`), `device_view.rs`, `requeue.rs`, `device_plugin.rs`,
 //!   `kubelet.rs`, `accounting.rs`, `plan.rs`, `metrics.rs`, `inventory.rs`, `kind.rs`,
 //!   `nvidia.rs` — the logic above.
 //! - `bin/tether-extender.rs`, `bin/tether-device-plugin.rs` — the binaries.

@@ -1331,7 +1331,7 @@ async fn the_filter_verb_drops_nodes_without_enough_unclaimed_devices_with_a_rea
     rig.api.add_node("cpu-node", None).await;
     // A count that is not an integer ("500m") the API server refuses to
     // store on a node, so the extender never reads one (its parsing of such
-    // values is a unit test in src/extender.rs).
+    // values is a unit test in src/extender/mod.rs).
     let KubeSide::Real(api) = &rig.api else {
         unreachable!("a real API server")
     };
