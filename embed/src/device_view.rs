@@ -44,8 +44,12 @@
 //! them under the copy's lock ([`DeviceView::read`]), copying nothing.
 //!
 //! The copy may lag a change by the time its event takes to arrive and its
-//! node to be re-read. The filter only steers: the bind claims devices
-//! under the node's lock from a fresh read, and a pod the filter refused is
+//! node to be re-read (milliseconds: one commit, one watch hop, one read),
+//! and by at most [`RESYNC`] a change no event names. The filter only
+//! steers, and the bind's first plan of devices, made from the copy too,
+//! is decided by Tether: a claim refuses a device another claim holds, and
+//! the bind then plans again from a read of the node's claims
+//! (`tests/stale_plan.rs`). A pod the filter refused is
 //! asked about again when this same copy shows devices freed on a node it
 //! was refused on ([`crate::requeue`]), so the filter it asks for sees them
 //! freed too. Until the copy has its first list, and while it starts over,

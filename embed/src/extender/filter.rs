@@ -363,11 +363,12 @@ impl<B: Binder> Extender<B> {
         // The candidates whose plugin published its devices, by the watched
         // copy (when it is whole): those are planned by what they published,
         // and their Node objects need no read.
-        let published_in_view: Option<BTreeSet<String>> = kind.view.read(|pins| {
+        // The others, by reference (at 1,000 nodes a set of the published
+        // ones' names, cloned, was a tenth of a filter call): usually none.
+        let unpublished_in_view: Option<Vec<&String>> = kind.view.read(|pins| {
             candidates
                 .iter()
-                .filter(|node| pins.healthy(node).is_some())
-                .cloned()
+                .filter(|node| pins.healthy(node).is_none())
                 .collect()
         });
         match nodes {
@@ -379,17 +380,17 @@ impl<B: Binder> Extender<B> {
                 }
             }
             None => {
-                let unpublished: Vec<&String> = candidates
-                    .iter()
-                    .filter(|n| !published_in_view.as_ref().is_some_and(|p| p.contains(*n)))
-                    .collect();
+                let unpublished: Vec<&String> = match &unpublished_in_view {
+                    Some(unpublished) => unpublished.clone(),
+                    None => candidates.iter().collect(),
+                };
                 inventory.extend(self.read_node_devices(kind, unpublished).await);
             }
         }
         let resource = kind.spec.resource.as_str();
         // Every candidate judged under the copy's lock, from references
         // into it: nothing is copied per node.
-        let from_view = if published_in_view.is_some() {
+        let from_view = if unpublished_in_view.is_some() {
             kind.view.read(|pins| {
                 let mut verdicts = Verdicts::default();
                 for node in candidates {
