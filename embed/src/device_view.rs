@@ -328,6 +328,23 @@ impl Pins {
         self.claims_on(node).cloned().unwrap_or_default()
     }
 
+    /// Every device of `node` a claim in the copy holds, stopped pods'
+    /// claims too (Tether holds them until their sweep): device -> pod uid.
+    /// What a bind may plan around; the filter counts only [`Pins::claims_on`].
+    pub fn all_claims_on(&self, node: &str) -> BTreeMap<String, String> {
+        let node_set = (self.sets.claims.clone(), node.to_string());
+        self.by_node
+            .get(&node_set)
+            .into_iter()
+            .flat_map(|members| members.values())
+            .flat_map(|pin| {
+                devices_of(pin)
+                    .into_iter()
+                    .map(|d| (d, pin.pod_uid.clone()))
+            })
+            .collect()
+    }
+
     /// [`Pins::live_claims`] without a copy; None for a node without any.
     pub fn claims_on(&self, node: &str) -> Option<&BTreeMap<String, String>> {
         self.summary

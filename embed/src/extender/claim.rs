@@ -282,11 +282,11 @@ impl<B: Binder> Extender<B> {
     }
 }
 
-/// `count` devices of `node_devices` that the watched copy of `kind`'s
-/// claims shows free on the node, on as few NUMA nodes as it can, if the
-/// copy is whole and shows no claim of the pod there: a claim of the pod's
-/// own is an earlier attempt's, whose bind token only Tether's record
-/// gives. `None` sends the bind to read the claims from Tether.
+/// `count` devices of `node_devices` that no claim in the watched copy of
+/// `kind`'s claims holds on the node (a stopped pod's neither), on as few
+/// NUMA nodes as it can, if the copy is whole and shows no claim of the pod
+/// there: a claim of the pod's own is an earlier attempt's, whose bind
+/// token only Tether's record gives. `None` sends the bind to read the claims from Tether.
 pub(super) fn plan_from_copy(
     kind: &Kind,
     args: &ExtenderBindingArgs,
@@ -296,12 +296,13 @@ pub(super) fn plan_from_copy(
 ) -> Option<Vec<String>> {
     kind.view
         .read(|pins| {
-            let live = pins.claims_on(&args.node);
-            if live.is_some_and(|l| l.values().any(|uid| *uid == args.pod_uid)) {
+            // Stopped pods' claims too: Tether refuses their devices until
+            // the sweep ends them, and the read path waits for that.
+            let claims = pins.all_claims_on(&args.node);
+            if claims.values().any(|uid| *uid == args.pod_uid) {
                 return None;
             }
-            let taken: BTreeSet<String> =
-                live.into_iter().flatten().map(|(d, _)| d.clone()).collect();
+            let taken: BTreeSet<String> = claims.into_keys().collect();
             pick_free_near(node_devices, numa_of, &taken, count).ok()
         })
         .flatten()
