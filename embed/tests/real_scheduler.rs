@@ -1171,6 +1171,12 @@ async fn a_bind_left_by_a_restarted_scheduler_keeps_nothing_of_the_retry_through
         async || rig.bound().await == ["first"],
     )
     .await;
+    // Replica 1 counts its bind once its binding call has answered, which
+    // may come a moment after the API server shows the pod bound.
+    rig.wait_for("replica 1 to count its bind", async || {
+        rig.binds(1, "bound") == 1
+    })
+    .await;
     assert_eq!(rig.binds(1, "bound"), 1);
     read.answer();
     rig.wait_for("the first attempt to answer", async || {
