@@ -455,6 +455,14 @@ impl Rig {
     /// until the pod's phase is terminal and its termination finished.
     /// Returns when the object is gone.
     async fn delete_as_the_kubelet_does(&self, name: &str) -> Instant {
+        self.stop_for_deletion(name).await;
+        self.remove_stopped(name).await
+    }
+
+    /// The first half of [`Self::delete_as_the_kubelet_does`]: the pod is
+    /// marked for deletion, its containers stop and the kubelet reports it
+    /// `Failed`; the object is still there (no delete event yet).
+    async fn stop_for_deletion(&self, name: &str) -> Instant {
         let uid = self.pods.get(name).await.unwrap().metadata.uid.unwrap();
         self.pods
             .delete(name, &DeleteParams::default())
@@ -463,6 +471,12 @@ impl Rig {
         self.set_phase(name, "Failed").await;
         self.kubelet.pod_ended(&uid);
         self.admitted.lock().unwrap().remove(name);
+        Instant::now()
+    }
+
+    /// The second half: the kubelet removes the stopped pod's object.
+    async fn remove_stopped(&self, name: &str) -> Instant {
+        let uid = self.pods.get(name).await.unwrap().metadata.uid.unwrap();
         self.pods
             .delete(
                 name,
@@ -791,12 +805,18 @@ async fn a_pod_refused_before_tether_heard_of_the_freed_gpus_is_bound_once_it_he
         let nudges = rig.nudges();
         let message = rig
             .refused_after(&next, 2, async || match way {
-                "deleted" => rig.delete_as_the_kubelet_does(&holder).await,
+                // The object's removal waits for the refusal: its delete
+                // event reaches the extender's pod watch, which counts the
+                // claim stopped, and could pass the retry's filter first.
+                "deleted" => rig.stop_for_deletion(&holder).await,
                 "succeeded" => rig.end(&holder, "Succeeded").await,
                 _ => rig.end(&holder, "Failed").await,
             })
             .await;
         assert!(message.contains("0 of 2 free"), "{message}");
+        if way == "deleted" {
+            rig.remove_stopped(&holder).await;
+        }
         // Now Tether hears, as from the bridge; the claim ends at the next
         // sweep.
         let reported = Instant::now();
@@ -833,9 +853,10 @@ async fn a_pod_refused_by_an_extender_that_restarted_is_bound_once_the_gpus_free
     rig.create_pod("p0", 2).await;
     assert_eq!(rig.admit_next().await, "p0");
     let holder_uid = rig.pods.get("p0").await.unwrap().metadata.uid.unwrap();
-    rig.refused_after("p1", 2, async || rig.delete_as_the_kubelet_does("p0").await)
+    rig.refused_after("p1", 2, async || rig.stop_for_deletion("p0").await)
         .await;
     rig.restart_extender(0).await;
+    rig.remove_stopped("p0").await;
     let reported = Instant::now();
     rig.client.revoke_pod(&holder_uid, "deleted").await.unwrap();
     assert_eq!(rig.admit_next().await, "p1");
