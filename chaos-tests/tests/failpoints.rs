@@ -15,6 +15,9 @@
 //! - with `sm-abandon-keeps-grant` switched on, a grant that raced an
 //!   abandoned wait is kept for nobody: the abandoner's round that releases
 //!   inside the grace must reach it and the `progress` checker report it;
+//! - with `sm-sweep-index-misses-holds` switched on, no hold times out: the
+//!   ender's hold-timeout rounds must reach it and the `progress` checker
+//!   report their waiter never granted, with faults and without;
 //! - a leader whose clock runs 10 s ahead (`clock-offset-ms`) evicts no
 //!   session before it has led for the idle time;
 //! - a leader that a power cut took its unsynced log tail from does not
@@ -271,6 +274,57 @@ async fn a_build_that_keeps_grants_nobody_took_up_is_caught_by_the_progress_chec
         found += report.violations["progress"].len();
     }
     assert!(found > 0, "the kept grant went unnoticed");
+}
+
+/// A sweep index that files no hold (`sm-sweep-index-misses-holds`), so
+/// no hold times out: the ender's hold-timeout rounds leave their waiter
+/// behind a hold past its timeout, and the `progress` checker reports it
+/// never granted. Schedules without faults, and with them: the ender's
+/// waiter outwaits the bound after the last fault's heal, so the delays'
+/// schedules judge the round too.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_build_whose_sweep_index_misses_holds_is_caught_by_the_progress_checker() {
+    let mut cluster = chaos_cluster(
+        tetherd_failpoints(),
+        3,
+        Some("sm-sweep-index-misses-holds=return".into()),
+    )
+    .await
+    .expect("a cluster");
+    let seed = 99_600;
+    let schedule = Schedule {
+        seed,
+        workload: Duration::from_millis(2500),
+        steps: Vec::new(),
+    };
+    let report = runner::run(
+        &mut cluster,
+        &schedule,
+        &format!("k{seed}"),
+        &RunConfig::default(),
+    )
+    .await
+    .unwrap_or_else(|e| panic!("{schedule}: {e:#}"));
+    for violation in &report.violations["progress"] {
+        println!("seed {seed} progress: {violation}");
+    }
+    assert!(
+        report.violations["progress"]
+            .iter()
+            .any(|v| v.contains("a hold past its timeout")),
+        "the hold that never timed out went unnoticed: {:?}",
+        report.violations
+    );
+    drop(cluster);
+    let violations = planted_bug_runs(
+        "sm-sweep-index-misses-holds",
+        99_610,
+        2,
+        Duration::from_millis(2500),
+        RunConfig::default(),
+    )
+    .await;
+    assert!(violations["progress"] > 0, "{violations:?}");
 }
 
 /// Issue 34's defect 6 planted (`sm-reclaim-keeps-others`: a claim

@@ -73,10 +73,21 @@ pub async fn ender(shared: Arc<Shared>, process: u64, mut rng: Rng) {
         };
         let granted_us = shared.history.now_us();
         // Past the hold timeout the lock is due to move on to w: w outwaits
-        // the progress bound after it.
+        // the progress bound after it, and after the settling and the bound
+        // that follow the heal of the schedule's last fault (every fault
+        // heals by the workload's end). A w that gave up sooner would leave
+        // a hold that never timed out unjudged whenever a fault came near
+        // it. Only a hold that does not time out makes w wait that long.
         let w_wait = match ending {
             Ending::HoldTimeout => {
-                HOLD_TIMEOUT + crate::checkers::progress::BOUND + Duration::from_secs(2)
+                use crate::checkers::progress::{BOUND, SETTLE};
+                let after_the_faults = shared
+                    .workload_ends
+                    .saturating_duration_since(tokio::time::Instant::now())
+                    + SETTLE
+                    + BOUND
+                    + Duration::from_secs(2);
+                after_the_faults.max(HOLD_TIMEOUT + BOUND + Duration::from_secs(2))
             }
             _ => Duration::from_secs(3),
         };

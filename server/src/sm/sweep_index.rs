@@ -205,7 +205,14 @@ impl SweepIndex {
     /// Files `key`'s lock as it is now in `locks`; returns the pods it
     /// named before or names now.
     fn file_lock(&mut self, key: &LockKey, lock: Option<&Lock>) -> Vec<String> {
-        self.holds.set(key, lock.and_then(hold_time));
+        let granted = lock.and_then(hold_time);
+        // A planted bug for the sweep index's checks (`failpoints` feature,
+        // FAILPOINTS=sm-sweep-index-misses-holds=return): no hold is filed,
+        // so no hold times out.
+        #[cfg(feature = "failpoints")]
+        let granted =
+            granted.filter(|_| fail::eval("sm-sweep-index-misses-holds", |_| ()).is_none());
+        self.holds.set(key, granted);
         self.waits.set(key, lock.and_then(wait_time));
         let now = lock.map(named_pods).unwrap_or_default();
         let before = self.names.remove(key).unwrap_or_default();

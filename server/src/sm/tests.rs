@@ -3273,6 +3273,18 @@ fn planted_sweep_index_missing_a_pod_is_caught_by_the_property_test() {
     );
 }
 
+/// A sweep index that files no hold: no hold times out.
+#[cfg(feature = "failpoints")]
+#[test]
+#[ignore = "sets a process-wide failpoint: run alone, with --ignored --test-threads=1 (./dev test does)"]
+fn planted_sweep_index_missing_a_hold_is_caught_by_the_property_test() {
+    let message = caught_by_the_property_test("sm-sweep-index-misses-holds");
+    assert!(
+        message.contains("the sweep index and a full scan"),
+        "{message}"
+    );
+}
+
 /// Pins expiring when half their lifetime has passed.
 #[cfg(feature = "failpoints")]
 #[test]
