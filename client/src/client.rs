@@ -618,10 +618,46 @@ impl Client {
         .await
     }
 
+    /// Linearizable read of the current holder and the holder's pin in
+    /// `claim_set` (keyed by its pod UID, as device claims are), both from
+    /// one state: what a device plugin needs to learn which pod it serves
+    /// and with which devices, in one read. From a replica older than this
+    /// read (a rolling upgrade) the pin comes from a second read.
+    pub async fn holder_and_claim(
+        &self,
+        key: &LockKey,
+        claim_set: &str,
+    ) -> Result<(Option<pb::Hold>, Option<pb::Pin>)> {
+        let request = pb::HolderRequest {
+            key: Some(key.clone()),
+            claim_set: claim_set.to_string(),
+        };
+        let reply = self
+            .unary(request, |channel, request| async move {
+                LockServiceClient::new(channel).holder(request).await
+            })
+            .await?;
+        let Some(hold) = reply.hold else {
+            return Ok((None, None));
+        };
+        if reply.claim_read {
+            return Ok((Some(hold), reply.claim));
+        }
+        let member = hold.pod.as_ref().map(|p| p.uid.clone()).unwrap_or_default();
+        let claim = self
+            .get_pin(&pb::PinKey {
+                set: claim_set.to_string(),
+                member,
+            })
+            .await?;
+        Ok((Some(hold), claim))
+    }
+
     /// Linearizable read of the current holder (None = free).
     pub async fn holder(&self, key: &LockKey) -> Result<Option<pb::Hold>> {
         let request = pb::HolderRequest {
             key: Some(key.clone()),
+            claim_set: String::new(),
         };
         self.unary(request, |channel, request| async move {
             LockServiceClient::new(channel).holder(request).await

@@ -46,7 +46,7 @@ use tokio_stream::wrappers::UnixListenerStream;
 use tonic::transport::{Endpoint, Server};
 use tonic::{Request, Response, Status};
 
-use crate::accounting::{ClaimOwner, DEFAULT_LIFETIME, DeviceLedger};
+use crate::accounting::{ClaimOwner, DEFAULT_LIFETIME, DeviceLedger, devices_of};
 use crate::inventory::{DeviceSource, Inventory, inventory_key, publish};
 use crate::metrics::PluginMetrics;
 use crate::plan::{DevicePlan, PlannedCall, PodCalls};
@@ -275,9 +275,10 @@ impl GpuPlugin {
     /// plugin cannot tell which pod a call is for.
     async fn holder_and_plan(&self) -> Result<(Hold, DevicePlan), Status> {
         let key = self.key();
-        let hold = match self.client.holder(&key).await {
-            Ok(Some(hold)) => hold,
-            Ok(None) => {
+        // One read for both: the hold and its pod's claim from one state.
+        let (hold, claim) = match self.client.holder_and_claim(&key, self.ledger.set()).await {
+            Ok((Some(hold), claim)) => (hold, claim),
+            Ok((None, _)) => {
                 return Err(Status::failed_precondition(format!(
                     "no pod holds {}/{}: refusing to guess which pod this Allocate is for (the scheduler \
                      extender takes the lock at bind; was the pod bound without it?)",
@@ -286,8 +287,9 @@ impl GpuPlugin {
             }
             Err(err) => {
                 return Err(Status::unavailable(format!(
-                    "cannot read the holder of {}/{}, so this pod's Allocate fails (the kubelet does \
-                     not retry it; the pod is recreated by its controller): {err}",
+                    "cannot read the holder of {}/{} and its device claim, so this pod's Allocate \
+                     fails (the kubelet does not retry it; the pod is recreated by its controller): \
+                     {err}",
                     key.scope, key.name
                 )));
             }
@@ -304,15 +306,10 @@ impl GpuPlugin {
                 key.scope, key.name, calls.pod_uid
             )));
         }
-        let claim = self.ledger.claim_of(pod_uid).await.map_err(|err| {
-            Status::unavailable(format!(
-                "cannot read the device claim of pod uid {pod_uid}, so this Allocate fails (the \
-                 kubelet does not retry it): {err}"
-            ))
-        })?;
         let devices = match claim {
-            Some((node, devices)) if node == self.config.node => devices,
-            Some((node, _)) => {
+            Some(pin) if pin.node == self.config.node => devices_of(&pin),
+            Some(pin) => {
+                let node = pin.node;
                 return Err(Status::failed_precondition(format!(
                     "pod uid {pod_uid} holds {}/{} but its devices are claimed on node {node}",
                     key.scope, key.name

@@ -80,6 +80,7 @@ pub fn request(data: &[u8]) -> bool {
         }),
         2 => decoded::<pb::HolderRequest>(bytes, |r| {
             let _ = validate::lock_key(r.key.as_ref());
+            let _ = validate::pin_set(&r.claim_set);
         }),
         3 => decoded::<pb::GetLockRequest>(bytes, |r| {
             let _ = validate::lock_key(r.key.as_ref());
@@ -752,7 +753,13 @@ fn request_seeds() -> Vec<Vec<u8>> {
                 ..Default::default()
             },
         ),
-        tagged(2, &pb::HolderRequest { key: key.clone() }),
+        tagged(
+            2,
+            &pb::HolderRequest {
+                key: key.clone(),
+                claim_set: String::new(),
+            },
+        ),
         tagged(3, &pb::GetLockRequest { key: key.clone() }),
         tagged(
             4,

@@ -76,6 +76,7 @@ async fn a_client_that_used_one_cluster_refuses_a_replica_of_another() {
     let answer = raw
         .holder(HolderRequest {
             key: Some(key("node-a")),
+            ..Default::default()
         })
         .await
         .unwrap();
@@ -85,7 +86,13 @@ async fn a_client_that_used_one_cluster_refuses_a_replica_of_another() {
         .map(|v| v.to_str().unwrap().to_string());
     assert_eq!(named.as_deref(), Some(id_b.as_str()));
     assert_eq!(answer.into_inner().header.unwrap().cluster_id, id_b);
-    let refused = raw.holder(HolderRequest { key: None }).await.unwrap_err();
+    let refused = raw
+        .holder(HolderRequest {
+            key: None,
+            ..Default::default()
+        })
+        .await
+        .unwrap_err();
     assert_eq!(
         refused
             .metadata()

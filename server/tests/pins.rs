@@ -719,3 +719,79 @@ async fn a_claim_correction_on_a_cordoned_node_is_one_step_that_cannot_be_refuse
     assert_eq!(again.pin, again.previous);
     cluster.shutdown().await;
 }
+
+/// The device plugin's one read: a lock's holder and the holder's pin in a
+/// claims set, from one state. A holder without a pin there, a free lock
+/// and a set name that is not valid are answered as such; the bad set
+/// changes nothing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn the_holder_and_its_claim_are_read_together() {
+    let cluster = Cluster::start(3).await;
+    let client = common::client(&cluster);
+    report_node(&client, "node-1", None, pb::NodeState::NodeReady).await;
+    let pin = assign(&client, "claimer", "claimer", &["node-1"], Duration::ZERO)
+        .await
+        .unwrap()
+        .pin
+        .unwrap();
+    let held = client
+        .acquire(&lock("node-1"), &pod("claimer"), vec![], Duration::ZERO, 0)
+        .await
+        .unwrap();
+
+    let (hold, claim) = client
+        .holder_and_claim(&lock("node-1"), "slurm/nodeset-a")
+        .await
+        .unwrap();
+    let hold = hold.expect("the lock is held");
+    assert_eq!(hold.pod.unwrap().uid, "claimer");
+    assert_eq!(hold.token, held.token);
+    assert_eq!(claim, Some(pin));
+
+    // The answer says the pin was looked for, so the client needs no
+    // second read.
+    let mut raw = tether_client::proto::lock_service_client::LockServiceClient::connect(format!(
+        "http://{}",
+        cluster.addrs[&cluster.wait_leader().await]
+    ))
+    .await
+    .unwrap();
+    let answer = raw
+        .holder(pb::HolderRequest {
+            key: Some(lock("node-1")),
+            claim_set: "slurm/other-set".into(),
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    assert!(answer.claim_read && answer.claim.is_none() && answer.hold.is_some());
+    let plain = raw
+        .holder(pb::HolderRequest {
+            key: Some(lock("node-1")),
+            ..Default::default()
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    assert!(!plain.claim_read && plain.claim.is_none() && plain.hold.is_some());
+
+    let free = client
+        .holder_and_claim(&lock("node-2"), "slurm/nodeset-a")
+        .await
+        .unwrap();
+    assert_eq!(free, (None, None));
+
+    let refused = client
+        .holder_and_claim(&lock("node-1"), "Not A Set")
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(&refused, Error::InvalidArgument(m) if m.contains("pin set")),
+        "{refused:?}"
+    );
+    assert_eq!(
+        client.holder(&lock("node-1")).await.unwrap().unwrap().token,
+        held.token
+    );
+    cluster.shutdown().await;
+}

@@ -904,6 +904,7 @@ async fn an_oversized_grpc_request_over_tls_gets_a_status_naming_the_limit() {
     let with_metadata = |bytes: usize| {
         let mut request = tonic::Request::new(tether_client::proto::HolderRequest {
             key: Some(lock("node-a")),
+            ..Default::default()
         });
         let filler = "f".repeat(bytes).parse().unwrap();
         request.metadata_mut().insert("x-filler", filler);

@@ -11,7 +11,7 @@ use tokio::sync::mpsc;
 use tokio_stream::wrappers::ReceiverStream;
 use tonic::{Request, Response, Status};
 
-use super::convert::{hold_to, key_to, lock_to, outcome_from, pod_from};
+use super::convert::{hold_to, key_to, lock_to, outcome_from, pin_to, pod_from};
 use super::{Ctx, unexpected, validate};
 use crate::error::{ApiError, Result};
 use crate::replica::waits::{self, Answered, WaitOutcome};
@@ -162,19 +162,36 @@ impl LockApi {
     ) -> Result<pb::HolderResponse> {
         let key = validate::lock_key(req.key.as_ref())?;
         caller.require(Action::ReadLock(&key))?;
+        let claim_read = !req.claim_set.is_empty();
+        if claim_read {
+            validate::pin_set(&req.claim_set)?;
+            caller.require(Action::ReadPins)?;
+        }
         self.ctx.core.linearizable().await?;
-        let hold = {
+        let (hold, claim) = {
             let applied = self.ctx.core.state.read();
-            applied
+            let holder = applied
                 .state
                 .locks
                 .get(&key)
-                .and_then(|l| l.holder.as_ref())
-                .map(hold_to)
+                .and_then(|l| l.holder.as_ref());
+            // The holder's pin from the same state: the claim the hold was
+            // granted with, as no pair of reads could give it.
+            let claim = holder.filter(|_| claim_read).and_then(|h| {
+                let pin_key = crate::sm::PinKey::new(&req.claim_set, &h.pod.uid);
+                applied
+                    .state
+                    .pins
+                    .get(&pin_key)
+                    .map(|p| pin_to(&pin_key, p))
+            });
+            (holder.map(hold_to), claim)
         };
         Ok(pb::HolderResponse {
             hold,
             header: Some(self.ctx.header(true)),
+            claim,
+            claim_read,
         })
     }
 

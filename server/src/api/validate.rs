@@ -242,21 +242,7 @@ pub fn labels(
 /// is 1-63 letters, digits, `-`, `_` or `.`.
 pub fn pin_key(key: Option<&tether_proto::PinKey>) -> Result<crate::sm::PinKey> {
     let key = key.ok_or_else(|| invalid("missing pin key (set and member)".to_string()))?;
-    let set_ok = !key.set.is_empty()
-        && key.set.len() <= 253
-        && !key.set.starts_with('/')
-        && !key.set.ends_with('/')
-        && key
-            .set
-            .bytes()
-            .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b"-./".contains(&b));
-    if !set_ok {
-        return Err(invalid(format!(
-            "pin set {:?} is not valid: use 1-253 lowercase letters, digits, '-', '.' or '/' (e.g. \
-             slurm/nodeset-a)",
-            key.set
-        )));
-    }
+    pin_set(&key.set)?;
     let member_ok = !key.member.is_empty()
         && key.member.len() <= 63
         && key
@@ -270,6 +256,25 @@ pub fn pin_key(key: Option<&tether_proto::PinKey>) -> Result<crate::sm::PinKey> 
         )));
     }
     Ok(crate::sm::PinKey::new(&key.set, &key.member))
+}
+
+/// A pin set: 1-253 lowercase letters, digits, `-`, `.` or `/`, not
+/// starting or ending with `/`.
+pub fn pin_set(set: &str) -> Result<()> {
+    let set_ok = !set.is_empty()
+        && set.len() <= 253
+        && !set.starts_with('/')
+        && !set.ends_with('/')
+        && set
+            .bytes()
+            .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b"-./".contains(&b));
+    if !set_ok {
+        return Err(invalid(format!(
+            "pin set {set:?} is not valid: use 1-253 lowercase letters, digits, '-', '.' or '/' \
+             (e.g. slurm/nodeset-a)"
+        )));
+    }
+    Ok(())
 }
 
 /// Candidate node names: 1-[`MAX_CANDIDATES`] DNS-1123 subdomains.
