@@ -206,8 +206,9 @@ pub struct Report {
     /// Raft log entries per pod (the replicas' highest last log index).
     pub log_entries_per_pod: f64,
     /// Tether's extender's filter calls during the run: (calls, mean
-    /// time); None for the other systems, whose filters are the bench's.
-    pub tether_filter: Option<(f64, Duration)>,
+    /// time, mean CPU on a core); None for the other systems, whose
+    /// filters are the bench's.
+    pub tether_filter: Option<(f64, Duration, Duration)>,
     /// (seconds since the first create, pods bound so far).
     pub bound_over_time: Vec<(f64, usize)>,
 }
@@ -352,10 +353,11 @@ impl Report {
                     .join(", ")
             );
         }
-        if let Some((calls, mean)) = self.tether_filter {
+        if let Some((calls, mean, cpu)) = self.tether_filter {
             out += &format!(
-                "  extender's filter    {calls:.0} calls, mean {} ms\n",
-                ms(mean)
+                "  extender's filter    {calls:.0} calls, mean {} ms, of which on a core {} ms\n",
+                ms(mean),
+                ms(cpu)
             );
         }
         out += &format!(
@@ -772,8 +774,12 @@ pub async fn run(world: &World, system: System, options: &RunOptions) -> anyhow:
     let filter_after = world.tether_filter_time();
     let filter_calls = filter_after.1 - filter_before.1;
     let tether_filter = (system == System::Tether).then(|| {
-        let seconds = (filter_after.0 - filter_before.0) / filter_calls.max(1.0);
-        (filter_calls, Duration::from_secs_f64(seconds.max(0.0)))
+        let mean = |total: f64| Duration::from_secs_f64((total / filter_calls.max(1.0)).max(0.0));
+        (
+            filter_calls,
+            mean(filter_after.0 - filter_before.0),
+            mean(filter_after.2 - filter_before.2),
+        )
     });
     let cpu_after = replica_cpu();
     let run_time = started.elapsed();

@@ -253,9 +253,11 @@ impl World {
         self.probe().await
     }
 
-    /// Tether's extender's filter calls so far: (seconds in them, calls),
-    /// from its `tether_extender_filter_duration_seconds`.
-    pub fn tether_filter_time(&self) -> (f64, f64) {
+    /// Tether's extender's filter calls so far: (seconds in them, calls,
+    /// seconds of CPU in them), from its
+    /// `tether_extender_filter_duration_seconds` and
+    /// `tether_extender_filter_cpu_seconds`.
+    pub fn tether_filter_time(&self) -> (f64, f64, f64) {
         let text = self.tether_extender_metrics.metrics().render();
         let value = |name: &str| {
             text.lines()
@@ -265,6 +267,7 @@ impl World {
         (
             value("tether_extender_filter_duration_seconds_sum "),
             value("tether_extender_filter_duration_seconds_count "),
+            value("tether_extender_filter_cpu_seconds_total "),
         )
     }
 

@@ -48,6 +48,7 @@
 pub mod accounting;
 pub mod attempts;
 pub mod cli;
+pub mod cpu_time;
 pub mod device_plugin;
 pub mod device_view;
 pub mod extender;

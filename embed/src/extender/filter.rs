@@ -253,9 +253,12 @@ impl<B: Binder> Extender<B> {
     /// leaves without any node.
     pub async fn filter(&self, args: ExtenderArgs) -> ExtenderFilterResult {
         let started = Instant::now();
-        let result = self.filter_nodes(args).await;
-        self.metrics
-            .filter(result.error.is_empty(), started.elapsed().as_secs_f64());
+        let (result, cpu) = crate::cpu_time::CpuTimed::new(self.filter_nodes(args)).await;
+        self.metrics.filter(
+            result.error.is_empty(),
+            started.elapsed().as_secs_f64(),
+            cpu.as_secs_f64(),
+        );
         result
     }
 
