@@ -102,6 +102,10 @@ struct NodeSummary {
     live: BTreeMap<String, String>,
     /// The healthy devices its plugin published (None: it published none).
     healthy: Option<Vec<String>>,
+    /// How many of `healthy` no live claim holds: a pod needing at most
+    /// this many fits at a glance (a pod's own claim counts free too, so a
+    /// node short by this count is judged device by device).
+    free: usize,
 }
 
 /// The two sets a copy follows: one device kind's claims and inventories.
@@ -316,9 +320,22 @@ impl Pins {
                 .next()
                 .map(|pin| healthy_ids(&published_devices(pin)));
         }
+        summary.free = summary
+            .healthy
+            .iter()
+            .flatten()
+            .filter(|device| !summary.live.contains_key(*device))
+            .count();
         if summary.live.is_empty() && summary.healthy.is_none() {
             self.summary.remove(node);
         }
+    }
+
+    /// How many of `node`'s published healthy devices no live claim holds
+    /// (None: its plugin published none), kept as its pins change.
+    pub fn free(&self, node: &str) -> Option<usize> {
+        let summary = self.summary.get(node)?;
+        summary.healthy.as_ref().map(|_| summary.free)
     }
 
     /// Devices of `node` claimed by pods not known to have stopped: device
@@ -914,6 +931,46 @@ mod tests {
             touched(&event("PinAssigned", "pin/slurm/w1", "n1"), &pins, &none()),
             nodes(&[])
         );
+    }
+
+    /// The free count the filter looks at first follows the inventory
+    /// and the claims as they change, in whichever order they come.
+    #[test]
+    fn a_nodes_free_count_follows_its_inventory_and_its_claims() {
+        let claims = (DEVICE_SET.to_string(), "n1".to_string());
+        let published = (INVENTORY_SET.to_string(), "n1".to_string());
+        let a = claim("n1", "a", &["gpu0"], pb::OwnerState::OwnerRunning);
+        let b = claim("n1", "b", &["gpu1", "gpu9"], pb::OwnerState::OwnerRunning);
+        // Claims before any inventory: nothing is known free.
+        let mut pins = listed(vec![a.clone()]);
+        assert_eq!(pins.free("n1"), None);
+        pins.replace(
+            &published,
+            vec![("n1".into(), inventory("n1", &["gpu0", "gpu1", "gpu2"]))],
+        );
+        assert_eq!(pins.free("n1"), Some(2));
+        // A claim naming a device the node did not publish takes only the
+        // published one.
+        pins.replace(
+            &claims,
+            vec![("a".into(), a.clone()), ("b".into(), b.clone())],
+        );
+        assert_eq!(pins.free("n1"), Some(1));
+        // A deleted pod's claim is free for the filter.
+        pins.pod_deleted("b");
+        assert_eq!(pins.free("n1"), Some(2));
+        // A smaller inventory, then none.
+        pins.replace(&published, vec![("n1".into(), inventory("n1", &["gpu0"]))]);
+        assert_eq!(pins.free("n1"), Some(0));
+        pins.replace(&published, vec![]);
+        assert_eq!(pins.free("n1"), None);
+        // Every claim ended, the inventory back.
+        pins.replace(&claims, vec![]);
+        pins.replace(
+            &published,
+            vec![("n1".into(), inventory("n1", &["gpu0", "gpu1"]))],
+        );
+        assert_eq!(pins.free("n1"), Some(2));
     }
 
     #[test]

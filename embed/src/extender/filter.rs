@@ -397,6 +397,12 @@ impl<B: Binder> Extender<B> {
             kind.view.read(|pins| {
                 let mut verdicts = Verdicts::default();
                 for node in candidates {
+                    // Most candidates of a filter call fit, and the copy
+                    // keeps each node's free count: one look, not one per
+                    // device.
+                    if pins.free(node).is_some_and(|free| free >= needed) {
+                        continue;
+                    }
                     let devices = match pins.healthy(node) {
                         Some(healthy) => Some(Ok(healthy)),
                         None => inventory
