@@ -55,7 +55,7 @@
 //! freed too. Until the copy has its first list, and while it starts over,
 //! [`DeviceView::read`] says so and the filter reads Tether directly.
 
-use std::collections::{BTreeMap, BTreeSet};
+use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -143,7 +143,8 @@ pub struct Pins {
     /// Which sets these are.
     sets: Sets,
     /// Node -> what the filter reads of it.
-    summary: BTreeMap<String, NodeSummary>,
+    /// (Hashed: every filter call looks up each of its candidates.)
+    summary: HashMap<String, NodeSummary>,
     /// (set, node) -> member -> pin.
     by_node: BTreeMap<NodeSet, BTreeMap<String, pb::Pin>>,
     /// (set, member) -> node.

@@ -363,63 +363,79 @@ impl<B: Binder> Extender<B> {
             .lock()
             .expect("inventory lock")
             .retain(|_, (read, _)| read.elapsed() <= self.config.inventory_ttl);
-        // The candidates whose plugin published its devices, by the watched
-        // copy (when it is whole): those are planned by what they published,
-        // and their Node objects need no read.
-        // The others, by reference rather than a cloned set of the published
-        // ones' names (1,000 clones a call at 1,000 nodes): usually none.
-        let unpublished_in_view: Option<Vec<&String>> = kind.view.read(|pins| {
-            candidates
-                .iter()
-                .filter(|node| pins.healthy(node).is_none())
-                .collect()
+        let resource = kind.spec.resource.as_str();
+        // One pass under the copy's lock (when it is whole), from references
+        // into it: the candidates whose plugin published its devices are
+        // judged by what they published; the others (usually none) are
+        // judged below from their Node objects.
+        let in_view = kind.view.read(|pins| {
+            let mut verdicts = Verdicts::default();
+            let mut unpublished = Vec::new();
+            for node in candidates {
+                // Most candidates of a filter call fit, and the copy keeps
+                // each node's free count: one look, not one per device.
+                if pins.free(node).is_some_and(|free| free >= needed) {
+                    continue;
+                }
+                match pins.healthy(node) {
+                    Some(healthy) => {
+                        let devices = Some(Ok(healthy));
+                        let unfit =
+                            unfit_node(node, needed, devices, pins.claims_on(node), uid, resource);
+                        verdicts.note(node, unfit, devices);
+                    }
+                    None => unpublished.push(node),
+                }
+            }
+            (verdicts, unpublished)
         });
+        let unread: Vec<&String> = match &in_view {
+            Some((_, unpublished)) => unpublished.clone(),
+            None => candidates.iter().collect(),
+        };
         match nodes {
             Some(list) => {
+                let wanted: std::collections::BTreeSet<&str> =
+                    unread.iter().map(|name| name.as_str()).collect();
                 for node in &list.items {
-                    if let Some(name) = node.metadata.name.clone() {
-                        inventory.insert(name, self.remember(kind, node));
+                    if let Some(name) = node.metadata.name.as_deref()
+                        && wanted.contains(name)
+                    {
+                        inventory.insert(name.to_string(), self.remember(kind, node));
                     }
                 }
             }
             None => {
-                let unpublished: Vec<&String> = match &unpublished_in_view {
-                    Some(unpublished) => unpublished.clone(),
-                    None => candidates.iter().collect(),
-                };
-                inventory.extend(self.read_node_devices(kind, unpublished).await);
+                inventory.extend(self.read_node_devices(kind, unread).await);
             }
         }
-        let resource = kind.spec.resource.as_str();
-        // Every candidate judged under the copy's lock, from references
-        // into it: nothing is copied per node.
-        let from_view = if unpublished_in_view.is_some() {
-            kind.view.read(|pins| {
-                let mut verdicts = Verdicts::default();
-                for node in candidates {
-                    // Most candidates of a filter call fit, and the copy
-                    // keeps each node's free count: one look, not one per
-                    // device.
-                    if pins.free(node).is_some_and(|free| free >= needed) {
-                        continue;
-                    }
-                    let devices = match pins.healthy(node) {
-                        Some(healthy) => Some(Ok(healthy)),
-                        None => inventory
-                            .get(node)
-                            .map(|read| read.as_deref().map_err(String::as_str)),
-                    };
-                    let unfit =
-                        unfit_node(node, needed, devices, pins.claims_on(node), uid, resource);
-                    verdicts.note(node, unfit, devices);
-                }
-                verdicts
-            })
-        } else {
-            None
+        let Some((mut verdicts, unpublished)) = in_view else {
+            return self
+                .judge_from_tether(kind, candidates, needed, inventory, uid)
+                .await;
         };
-        match from_view {
+        if unpublished.is_empty() {
+            return Ok(verdicts);
+        }
+        // The unpublished candidates, by their Node objects (or what they
+        // published meanwhile), against the copy's claims.
+        let judged = kind.view.read(|pins| {
+            for node in unpublished {
+                let devices = match pins.healthy(node) {
+                    Some(healthy) => Some(Ok(healthy)),
+                    None => inventory
+                        .get(node)
+                        .map(|read| read.as_deref().map_err(String::as_str)),
+                };
+                let unfit = unfit_node(node, needed, devices, pins.claims_on(node), uid, resource);
+                verdicts.note(node, unfit, devices);
+            }
+            verdicts
+        });
+        match judged {
             Some(verdicts) => Ok(verdicts),
+            // The copy stopped being whole in between: judge them all from
+            // Tether.
             None => {
                 self.judge_from_tether(kind, candidates, needed, inventory, uid)
                     .await
