@@ -232,6 +232,32 @@ async fn a_build_that_acknowledges_appends_without_a_sync_is_caught_after_a_powe
     assert!(violations["durability"] > 0, "{violations:?}");
 }
 
+/// One 2.5 s schedule of `seed` without faults on `cluster` (the
+/// `progress` bound is judged only where no fault was in force); its
+/// `progress` violations printed.
+async fn fault_free_run(
+    cluster: &mut tether_chaos::cluster::ProcessCluster,
+    seed: u64,
+) -> runner::Report {
+    let schedule = Schedule {
+        seed,
+        workload: Duration::from_millis(2500),
+        steps: Vec::new(),
+    };
+    let report = runner::run(
+        cluster,
+        &schedule,
+        &format!("k{seed}"),
+        &RunConfig::default(),
+    )
+    .await
+    .unwrap_or_else(|e| panic!("{schedule}: {e:#}"));
+    for violation in &report.violations["progress"] {
+        println!("seed {seed} progress: {violation}");
+    }
+    report
+}
+
 /// A give-up that keeps a grant which raced it (format 6's rule): the
 /// abandoner's round where the holder releases inside the abandoned-wait
 /// grace leaves the lock with a pod nobody serves, and the `progress`
@@ -248,22 +274,7 @@ async fn a_build_that_keeps_grants_nobody_took_up_is_caught_by_the_progress_chec
     .expect("a cluster");
     let mut found = 0;
     for seed in 92_000..92_002 {
-        let schedule = Schedule {
-            seed,
-            workload: Duration::from_millis(2500),
-            steps: Vec::new(),
-        };
-        let report = runner::run(
-            &mut cluster,
-            &schedule,
-            &format!("k{seed}"),
-            &RunConfig::default(),
-        )
-        .await
-        .unwrap_or_else(|e| panic!("{schedule}: {e:#}"));
-        for violation in &report.violations["progress"] {
-            println!("seed {seed} progress: {violation}");
-        }
+        let report = fault_free_run(&mut cluster, seed).await;
         if let Some(digest) = &report.progress_digest {
             println!("{digest}");
             assert!(
@@ -291,23 +302,7 @@ async fn a_build_whose_sweep_index_misses_holds_is_caught_by_the_progress_checke
     )
     .await
     .expect("a cluster");
-    let seed = 99_600;
-    let schedule = Schedule {
-        seed,
-        workload: Duration::from_millis(2500),
-        steps: Vec::new(),
-    };
-    let report = runner::run(
-        &mut cluster,
-        &schedule,
-        &format!("k{seed}"),
-        &RunConfig::default(),
-    )
-    .await
-    .unwrap_or_else(|e| panic!("{schedule}: {e:#}"));
-    for violation in &report.violations["progress"] {
-        println!("seed {seed} progress: {violation}");
-    }
+    let report = fault_free_run(&mut cluster, 99_600).await;
     assert!(
         report.violations["progress"]
             .iter()
