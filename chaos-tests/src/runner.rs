@@ -590,6 +590,8 @@ struct RunLocks {
     lease_locks: Vec<pb::LockKey>,
     /// One per retry storm.
     storm_locks: Vec<pb::LockKey>,
+    /// The revoker's: acquires raced by their pod's revoke.
+    race_lock: pb::LockKey,
 }
 
 impl RunLocks {
@@ -605,6 +607,7 @@ impl RunLocks {
             storm_locks: (0..config.storms)
                 .map(|n| shared.lock(&format!("rs{n}")))
                 .collect(),
+            race_lock: shared.lock("rv"),
         }
     }
 
@@ -614,6 +617,7 @@ impl RunLocks {
         keys.push(workers::lock_event_key(&self.queue_lock));
         keys.extend(self.lease_locks.iter().map(workers::lock_event_key));
         keys.extend(self.storm_locks.iter().map(workers::lock_event_key));
+        keys.push(workers::lock_event_key(&self.race_lock));
         keys.extend(
             shared
                 .extra_locks
@@ -761,8 +765,15 @@ fn spawn_workers(
     process += 1;
     tasks.push((
         "revoker",
-        tokio::spawn(workers::revoker(shared.clone(), process, rng.fork(process))),
+        tokio::spawn(workers::revoker(
+            shared.clone(),
+            process,
+            locks.race_lock.clone(),
+            rng.fork(process),
+        )),
     ));
+    // Its racing revokes are process `process + 1`.
+    process += 1;
     process += 1;
     tasks.push((
         "pin_assigner",

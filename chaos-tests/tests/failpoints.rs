@@ -907,3 +907,20 @@ async fn second_grant_after_a_leader_power_cut(failpoints: Option<&str>) -> Opti
         Err(other) => panic!("a second pod's try-acquire: {other}"),
     }
 }
+
+/// A batched pod revoke that ends the hold its own entry granted
+/// (`sm-batch-revoke-ends-own-grant`): the revoker's acquires raced by
+/// their pod's revoke share batch entries (format 11), and the `tokens`
+/// checker reports a hold ended in the entry that granted it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_build_whose_batched_revoke_ends_its_entrys_grant_is_caught_by_the_tokens_checker() {
+    let violations = planted_bug_runs(
+        "sm-batch-revoke-ends-own-grant",
+        99_700,
+        4,
+        Duration::from_millis(3000),
+        RunConfig::default(),
+    )
+    .await;
+    assert!(violations["tokens"] > 0, "{violations:?}");
+}

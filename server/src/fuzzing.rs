@@ -429,16 +429,21 @@ fn next_command(c: &mut Choices<'_>, state: &State) -> Command {
         },
         16 => {
             // Acquires and releases on distinct locks, as a leader forms
-            // them; now and then a malformed one (a lock twice, or empty),
-            // which must be refused whole.
+            // them, and now and then assignments and pod reports and
+            // revokes (format 11); now and then a malformed one (a lock
+            // twice, or empty), which must be refused whole.
             let allow_repeats = c.below(8) == 0;
+            let lockless = c.below(2) == 0;
             let mut items = Vec::new();
             let mut locks = std::collections::BTreeSet::new();
             for _ in 0..c.below(4) {
                 let command = next_command(c, state);
-                if let Some(lock) = batchable_lock(&command)
-                    && (locks.insert(lock.clone()) || allow_repeats)
-                {
+                let joins = match batch_role(&command) {
+                    Some(BatchRole::Lock(lock)) => locks.insert(lock.clone()) || allow_repeats,
+                    Some(BatchRole::Lockless) => lockless,
+                    None => false,
+                };
+                if joins {
                     items.push(BatchItem {
                         request_id: None,
                         command,

@@ -65,6 +65,7 @@ pub struct Metrics {
     write_commands: Counter,
     held_joined: Counter,
     held_expired: Counter,
+    proposed_again: Counter,
     read_rounds: Counter,
     linearizable_reads: Counter,
     streams_opened: Family<PeerLabel, Counter>,
@@ -132,18 +133,26 @@ impl Default for Metrics {
         };
         let write_entries = counter(
             "tether_write_entries",
-            "Log entries the batching queue of this replica proposed for acquires and releases (one per \
-             batch; none while batching is off or not every member reads batch entries yet)",
+            "Log entries the batching queue of this replica proposed for acquires and releases, and once \
+             every member reads format 11 for assignments and pod reports and revokes (one per batch; none \
+             while batching is off or not every member reads batch entries yet)",
         );
         let write_commands = counter(
             "tether_write_commands",
-            "Acquires and releases in those entries; divided by the entries, the mean batch size",
+            "Commands in those entries; divided by the entries, the mean batch size (a command proposed \
+             again counts again)",
         );
         let held_joined = counter(
             "tether_held_acquires_joined",
             "Acquires that would queue behind another pod's hold, held back by the batching queue \
              (--batch-hold-queued) and sent in one entry with a later command on their lock (its release, \
              typically)",
+        );
+        let proposed_again = counter(
+            "tether_write_commands_proposed_again",
+            "Terminal pod reports and pod revokes refused in a batch entry because that entry granted \
+             their pod a hold (ending it there would grant the lock twice under one token), and proposed \
+             again in an entry of their own",
         );
         let held_expired = counter(
             "tether_held_acquires_expired",
@@ -232,6 +241,7 @@ impl Default for Metrics {
             write_commands,
             held_joined,
             held_expired,
+            proposed_again,
             read_rounds,
             linearizable_reads,
             streams_opened,
@@ -296,6 +306,11 @@ impl Metrics {
     pub fn held_acquires(&self, joined: usize, expired: usize) {
         self.held_joined.inc_by(joined as u64);
         self.held_expired.inc_by(expired as u64);
+    }
+
+    /// Counts a command refused in a batch entry and proposed again alone.
+    pub fn proposed_again(&self) {
+        self.proposed_again.inc();
     }
 
     /// Counts one ReadIndex round serving `reads` linearizable reads.

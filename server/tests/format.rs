@@ -798,6 +798,82 @@ fn format_v10_log_entries_still_decode() {
     check_log_fixture(10, &v10_entries());
 }
 
+/// Format 11: a batch entry carrying a claim, a pod report and a revoke
+/// beside an acquire.
+fn v11_entries() -> Vec<Entry> {
+    let next = v1_entries().len() as u64 + v2_entries().len() as u64 + 19;
+    let extender = "token:extender/client.99887766aabbccdd";
+    let id = |sequence: u64| {
+        Some(RequestId {
+            client_id: extender.into(),
+            sequence,
+            first_incomplete: sequence,
+        })
+    };
+    let items = vec![
+        BatchItem {
+            request_id: id(10),
+            command: Command::Acquire(Acquire {
+                key: LockKey::new("gpu-bind", "node-9"),
+                pod: pod("n"),
+                payload: b"plan-n".to_vec(),
+                wait_ms: 30_000,
+                lease_id: 0,
+                client_id: extender.into(),
+                queue_limit: 1024,
+            }),
+        },
+        BatchItem {
+            request_id: id(11),
+            command: Command::ForNodeObjects(ForNodeObjects {
+                nodes: vec![SeenNode {
+                    name: "node-9".into(),
+                    uid: "uid-node-9-b".into(),
+                }],
+                command: NodeTaking::Assign(Assign {
+                    key: PinKey::new("gpu-devices", "n"),
+                    candidates: vec!["node-9".into()],
+                    pod_uid: "n".into(),
+                    lifetime_ms: 1_000,
+                    labels: BTreeMap::from([(
+                        "devices.tether.io/gpu2".to_string(),
+                        "held".to_string(),
+                    )]),
+                    affinity: Affinity::default(),
+                }),
+            }),
+        },
+        BatchItem {
+            request_id: None,
+            command: Command::ReportPod(ReportPod {
+                pod_uid: "m".into(),
+                phase: PodPhase::Running,
+            }),
+        },
+        BatchItem {
+            request_id: None,
+            command: Command::RevokePod(RevokePod {
+                pod_uid: "l".into(),
+                reason: "pod deleted".into(),
+            }),
+        },
+    ];
+    vec![Entry {
+        log_id: log_id(7, next),
+        payload: EntryPayload::Normal(Request {
+            format_version: 11,
+            request_id: None,
+            leader_time_ms: 1_790_000_950_000,
+            command: Command::Batch(Batch { items }),
+        }),
+    }]
+}
+
+#[test]
+fn format_v11_log_entries_still_decode() {
+    check_log_fixture(11, &v11_entries());
+}
+
 #[test]
 fn entries_are_written_in_the_oldest_format_that_expresses_them() {
     // A replica of an older build keeps reading single commands without a
@@ -878,7 +954,12 @@ fn entries_are_written_in_the_oldest_format_that_expresses_them() {
     let v10 = newest(v10_entries());
     assert_eq!(v10.format_version, 10);
     assert_eq!(v10.for_members(Some(9)).format_version, 10);
-    assert_eq!(FORMAT_VERSION, 10);
+    // A batch with commands that name no lock exists only from 11: the
+    // leader forms one only once every member reads 11.
+    let v11 = newest(v11_entries());
+    assert_eq!(v11.format_version, 11);
+    assert_eq!(v11.for_members(Some(10)).format_version, 11);
+    assert_eq!(FORMAT_VERSION, 11);
     assert_eq!(SNAPSHOT_FORMAT_VERSION, 6);
 }
 

@@ -173,6 +173,95 @@ async fn concurrent_acquires_and_releases_share_entries_and_tokens_still_rise_pe
     cluster.shutdown().await;
 }
 
+/// Once every member reads format 11, claims (assignments) and pod reports
+/// and revokes share batch entries with acquires and releases. A pod
+/// deleted as it binds (its acquire, claim, report and revoke sent at once)
+/// whose revoke lands in the entry that granted its lock is revoked in an
+/// entry of its own: its caller never sees the refusal, and the pod holds
+/// the lock afterwards only if the revoke came before the acquire.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn claims_and_pod_reports_share_entries_and_a_revoke_racing_its_grant_still_ends_it() {
+    let cluster = Cluster::start_with(3, |config| config.batch_in_flight = 1).await;
+    let leader = cluster.wait_leader().await;
+    let client = Arc::new(common::client(&cluster));
+    let deadline = tokio::time::Instant::now() + DEADLINE;
+    let mut rounds = 0;
+    // Rounds until one revoke was refused in its grant's entry and proposed
+    // again (it takes the two landing in one batch in that order).
+    while leader_counter(
+        &cluster,
+        leader,
+        "tether_write_commands_proposed_again_total",
+    ) == 0
+    {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "no revoke shared an entry with its pod's grant in {rounds} rounds"
+        );
+        rounds += 1;
+        let mut tasks = Vec::new();
+        for i in 0..20usize {
+            let client = client.clone();
+            tasks.push(tokio::spawn(async move {
+                let uid = format!("race-{rounds}-{i}");
+                let key = lock(&uid);
+                let claim = pb::PinKey {
+                    set: "gpu-claims".into(),
+                    member: uid.clone(),
+                };
+                let binding = pod(&uid);
+                let (acquired, claimed, reported, revoked) = tokio::join!(
+                    client.acquire(&key, &binding, vec![], Duration::ZERO, 0),
+                    client.assign(
+                        &claim,
+                        vec![format!("node-{i}")],
+                        &uid,
+                        Duration::from_secs(60),
+                        std::collections::HashMap::new(),
+                        pb::Affinity::default(),
+                    ),
+                    client.report_pod(&uid, pb::PodPhase::PodRunning),
+                    client.revoke_pod(&uid, "deleted as it binds"),
+                );
+                let hold = acquired.expect("a free lock is granted");
+                let pin = claimed.expect("claimed").pin.expect("a pin");
+                assert_eq!(pin.node, format!("node-{i}"));
+                reported.expect("reported");
+                let revoked = revoked.expect("the revoke is answered, never refused");
+                let ended = revoked.released.contains(&key);
+                let holder = client.holder(&key).await.unwrap();
+                assert_eq!(
+                    holder.is_none(),
+                    ended,
+                    "{uid}: holder {holder:?} after a revoke that released {:?}",
+                    revoked.released
+                );
+                if let Some(holder) = holder {
+                    assert_eq!(holder.token, hold.token);
+                    client
+                        .release(&key, &uid, hold.token, Outcome::Allocated)
+                        .await
+                        .unwrap();
+                }
+            }));
+        }
+        for task in tasks {
+            tokio::time::timeout(DEADLINE, task)
+                .await
+                .expect("task finished")
+                .unwrap();
+        }
+    }
+    let entries = leader_counter(&cluster, leader, "tether_write_entries_total");
+    let commands = leader_counter(&cluster, leader, "tether_write_commands_total");
+    println!("{rounds} rounds: {commands} commands in {entries} entries");
+    assert!(
+        entries * 2 < commands,
+        "{commands} commands went out in {entries} entries: claims and reports were not batched"
+    );
+    cluster.shutdown().await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn queueing_acquires_wait_for_the_release_and_share_its_entry() {
     // Held back for as long as it takes here: every acquire that would

@@ -13,7 +13,8 @@
 //!   holder and a waiter: the lock's node reported gone, a force release,
 //!   and the hold timeout of scope [`HOLD_TIMEOUT_SCOPE`];
 //! - a **revoker** revokes pods that currently hold, as the bridge does when
-//!   a pod is deleted mid-bind;
+//!   a pod is deleted mid-bind, and deletes pods as their acquire goes out
+//!   (acquire and revoke sent at once, so that they share batch entries);
 //! - a **pin lifetime worker** assigns a pin with a 600 ms lifetime, reports
 //!   its pod terminal and waits for the pin to expire, then again for a new
 //!   pod;

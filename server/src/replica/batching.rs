@@ -1,4 +1,5 @@
-//! Write batching: acquires and releases of many clients share log entries.
+//! Write batching: acquires and releases of many clients share log entries,
+//! and from format 11 their assignments and pod reports and revokes too.
 //!
 //! openraft 0.9 appends (and fsyncs) each `client_write` on the leader on its
 //! own, even when many are queued, so a leader commits at most one client
@@ -29,6 +30,15 @@
 //! release no longer waits behind the previous holder's queueing acquire for
 //! the leader's fsync and a replication round (openraft 0.9 replicates one
 //! entry after another).
+//!
+//! Once every member reads format 11, assignments (device claims among
+//! them), pod reports and pod revokes join batches too
+//! ([`crate::sm::BatchRole::Lockless`]): a bind's claim and the bridge's
+//! report that its pod runs no longer take an entry each. They name no
+//! lock, so they are never held back and never meet the one-command-per-lock
+//! rule. A terminal report or revoke that apply refuses because it would
+//! end a hold granted by the same entry is proposed again at once, in an
+//! entry of its own.
 
 use openraft::async_runtime::WatchReceiver as _;
 use std::collections::{BTreeSet, VecDeque};
@@ -45,8 +55,9 @@ use crate::metrics::Metrics;
 use crate::raft::Raft;
 use crate::raft::network::PeerFormats;
 use crate::sm::{
-    BATCH_FORMAT_VERSION, Batch, BatchItem, Command, LockKey, MAX_BATCH_ITEMS, Reply, Request,
-    RequestId, Response, SHARED_LOCK_BATCH_FORMAT_VERSION, batchable_lock,
+    BATCH_FORMAT_VERSION, Batch, BatchItem, Command, CommandError, LOCKLESS_BATCH_FORMAT_VERSION,
+    LockKey, MAX_BATCH_ITEMS, Reply, Request, RequestId, Response,
+    SHARED_LOCK_BATCH_FORMAT_VERSION, batch_role, batchable_lock, command::ends_holds_of,
 };
 use crate::store::StateHandle;
 
@@ -65,14 +76,18 @@ pub struct BatchLimits {
     pub hold_queued: Duration,
 }
 
-/// How a command may be batched, as the members' formats allow.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+/// How a command may be batched, as the members' formats allow (each
+/// allows what the one before it does).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
 pub enum Batching {
     /// Format 3: at most one command per lock in an entry.
     OneCommandPerLock,
     /// Format 4: several commands on one lock may share an entry, and an
     /// acquire that will queue may wait for its lock's next release.
     SharedLocks,
+    /// Format 11: commands that name no lock (assignments, pod reports and
+    /// revokes) join batches too.
+    WithLockless,
 }
 
 /// The queue in front of Raft for acquires and releases.
@@ -101,8 +116,10 @@ struct Proposal {
 }
 
 impl Proposal {
-    fn lock(&self) -> &LockKey {
-        batchable_lock(&self.command).expect("only batchable commands are queued")
+    /// The lock it names; None for a command of
+    /// [`crate::sm::BatchRole::Lockless`].
+    fn lock(&self) -> Option<&LockKey> {
+        batchable_lock(&self.command)
     }
 
     fn payload_bytes(&self) -> usize {
@@ -146,7 +163,8 @@ impl Proposer {
     /// answers to Raft messages) that it reads.
     pub fn batching(&self) -> Option<Batching> {
         match self.formats.newest_members_read(&self.raft, self.id) {
-            None => Some(Batching::SharedLocks),
+            None => Some(Batching::WithLockless),
+            Some(format) if format >= LOCKLESS_BATCH_FORMAT_VERSION => Some(Batching::WithLockless),
             Some(format) if format >= SHARED_LOCK_BATCH_FORMAT_VERSION => {
                 Some(Batching::SharedLocks)
             }
@@ -155,15 +173,24 @@ impl Proposer {
         }
     }
 
-    /// Proposes an acquire or release and returns its entry's response for
-    /// this command alone, and the entry's log index.
+    /// Whether `command` may be proposed here under `batching`.
+    pub fn may_batch(command: &Command, batching: Batching) -> bool {
+        match batch_role(command) {
+            Some(crate::sm::BatchRole::Lock(_)) => true,
+            Some(crate::sm::BatchRole::Lockless) => batching >= Batching::WithLockless,
+            None => false,
+        }
+    }
+
+    /// Proposes a command that [`Proposer::may_batch`] and returns its
+    /// entry's response for this command alone, and the entry's log index.
     pub async fn propose(
         &self,
         request_id: Option<RequestId>,
         command: Command,
         batching: Batching,
     ) -> Result<(Response, u64)> {
-        debug_assert!(batchable_lock(&command).is_some());
+        debug_assert!(Self::may_batch(&command, batching));
         let (reply, answer) = oneshot::channel();
         let stopped =
             || ApiError::Unavailable("this replica is shutting down; use another replica".into());
@@ -172,7 +199,7 @@ impl Proposer {
                 request_id,
                 command,
                 reply,
-                shares_locks: batching == Batching::SharedLocks,
+                shares_locks: batching >= Batching::SharedLocks,
                 held_until: None,
                 oldest_member_known: self.formats.oldest_member_known(&self.raft, self.id),
             })
@@ -210,12 +237,12 @@ impl Forming {
     }
 
     /// Adds `proposal` if the batch has room for it and does not name its
-    /// lock yet (or the proposal may share a lock). The first proposal
-    /// always joins.
+    /// lock yet (or the proposal may share a lock, or names none). The
+    /// first proposal always joins.
     fn offer(&mut self, proposal: Proposal, limits: &BatchLimits) -> Offer {
         let bytes = proposal.payload_bytes();
         if !self.proposals.is_empty() {
-            if !proposal.shares_locks && self.locks.contains(proposal.lock()) {
+            if !proposal.shares_locks && proposal.lock().is_some_and(|l| self.locks.contains(l)) {
                 return Offer::SameLock(proposal);
             }
             if self.proposals.len() >= limits.max_commands
@@ -224,7 +251,9 @@ impl Forming {
                 return Offer::NoRoom(proposal);
             }
         }
-        self.locks.insert(proposal.lock().clone());
+        if let Some(lock) = proposal.lock() {
+            self.locks.insert(lock.clone());
+        }
         self.payload_bytes += bytes;
         self.proposals.push(proposal);
         Offer::Added
@@ -384,13 +413,13 @@ impl HeldBack {
     fn take(&mut self, lock: &LockKey) -> Vec<Proposal> {
         // Called for every command added to a batch: most find nothing, and
         // must not rebuild the queue for it.
-        if !self.proposals.iter().any(|p| p.lock() == lock) {
+        if !self.proposals.iter().any(|p| p.lock() == Some(lock)) {
             return Vec::new();
         }
         let mut taken = Vec::new();
         let mut kept = VecDeque::with_capacity(self.proposals.len());
         for proposal in self.proposals.drain(..) {
-            if proposal.lock() == lock {
+            if proposal.lock() == Some(lock) {
                 taken.push(proposal);
             } else {
                 kept.push_back(proposal);
@@ -467,11 +496,11 @@ async fn form_batches(
         // (Those taken along by a held one whose time is up met no other
         // command either: they count as run out, like it.)
         let mut batch = Forming::new();
-        let first_lock = first.lock().clone();
+        let first_lock = first.lock().cloned();
         let first_shares = first.shares_locks;
         batch.offer(first, &limits);
         let (mut joined, mut expired) = (0, usize::from(was_held));
-        if first_shares {
+        if first_shares && let Some(first_lock) = first_lock {
             let taken = batch.take_held(&first_lock, &mut held, &limits);
             if was_held {
                 expired += taken;
@@ -484,16 +513,19 @@ async fn form_batches(
             let Ok(proposal) = queue.try_recv() else {
                 break;
             };
-            if !batch.locks.contains(proposal.lock())
+            if proposal.lock().is_some_and(|l| !batch.locks.contains(l))
                 && to_hold(&held, &proposal, &state, &releasing)
             {
                 held.hold(proposal, Instant::now());
                 continue;
             }
-            let (lock, shares) = (proposal.lock().clone(), proposal.shares_locks);
+            let (lock, shares) = (proposal.lock().cloned(), proposal.shares_locks);
             match batch.offer(proposal, &limits) {
-                Offer::Added if shares => joined += batch.take_held(&lock, &mut held, &limits),
-                Offer::Added => {}
+                Offer::Added => {
+                    if let (true, Some(lock)) = (shares, &lock) {
+                        joined += batch.take_held(lock, &mut held, &limits);
+                    }
+                }
                 Offer::SameLock(proposal) => alone.push(proposal),
                 Offer::NoRoom(proposal) => {
                     carried = Some(proposal);
@@ -534,7 +566,9 @@ async fn form_batches(
     }
 }
 
-/// Proposes one entry for `proposals` and answers each of them.
+/// Proposes one entry for `proposals` and answers each of them. A report
+/// or revoke that apply refused because it would end a hold granted by the
+/// same entry is proposed again, in an entry of its own.
 async fn propose(
     raft: &Raft,
     metrics: &Metrics,
@@ -544,20 +578,30 @@ async fn propose(
     let stamp = clock.stamp(raft.metrics().borrow_watched().current_term);
     if proposals.len() == 1 {
         let proposal = proposals.pop().expect("one proposal");
-        let request = Request::new(proposal.request_id, stamp, proposal.command)
-            .for_members(proposal.oldest_member_known);
-        let result = metrics
-            .time_commit(commit(raft, request))
-            .await
-            .map(|written| (written.data, written.log_id.index));
+        let result = propose_alone(
+            raft,
+            metrics,
+            stamp,
+            proposal.request_id,
+            proposal.command,
+            proposal.oldest_member_known,
+        )
+        .await;
         let _ = proposal.reply.send(result);
         return;
     }
     let mut replies = Vec::with_capacity(proposals.len());
     let mut items = Vec::with_capacity(proposals.len());
+    // What to propose again if refused: (request id, command, formats).
+    let mut again = Vec::with_capacity(proposals.len());
     let oldest_member_known = proposals.iter().filter_map(|p| p.oldest_member_known).min();
     for proposal in proposals {
         replies.push(proposal.reply);
+        again.push(
+            ends_holds_of(&proposal.command)
+                .is_some()
+                .then(|| (proposal.request_id.clone(), proposal.command.clone())),
+        );
         items.push(BatchItem {
             request_id: proposal.request_id,
             command: proposal.command,
@@ -582,10 +626,50 @@ async fn propose(
             },
             Err(err) => vec![Err(err); replies.len()],
         };
-    for (reply, answer) in replies.into_iter().zip(answers) {
-        // The caller may have gone (its RPC was cancelled): nothing to do.
+    let mut refused = Vec::new();
+    for ((reply, answer), again) in replies.into_iter().zip(answers).zip(again) {
+        match (answer, again) {
+            (Ok((response, _)), Some(again))
+                if matches!(response.result, Err(CommandError::InvalidBatch { .. })) =>
+            {
+                refused.push((reply, again));
+            }
+            // The caller may have gone (its RPC was cancelled): nothing to do.
+            (answer, _) => drop(reply.send(answer)),
+        }
+    }
+    for (reply, (request_id, command)) in refused {
+        metrics.proposed_again();
+        metrics.proposed_entry(1);
+        let stamp = clock.stamp(raft.metrics().borrow_watched().current_term);
+        let answer = propose_alone(
+            raft,
+            metrics,
+            stamp,
+            request_id,
+            command,
+            oldest_member_known,
+        )
+        .await;
         let _ = reply.send(answer);
     }
+}
+
+/// Proposes `command` in an entry of its own; its response and the entry's
+/// log index.
+async fn propose_alone(
+    raft: &Raft,
+    metrics: &Metrics,
+    stamp: u64,
+    request_id: Option<RequestId>,
+    command: Command,
+    oldest_member_known: Option<u16>,
+) -> Result<(Response, u64)> {
+    let request = Request::new(request_id, stamp, command).for_members(oldest_member_known);
+    metrics
+        .time_commit(commit(raft, request))
+        .await
+        .map(|written| (written.data, written.log_id.index))
 }
 
 #[cfg(test)]
@@ -657,7 +741,8 @@ mod tests {
             .iter()
             .map(|p| {
                 let is_release = matches!(p.command, Command::Release(_));
-                (p.lock().name.clone(), is_release)
+                let lock = p.lock().map_or_else(|| "-".into(), |l| l.name.clone());
+                (lock, is_release)
             })
             .collect()
     }
@@ -738,6 +823,46 @@ mod tests {
         // The third stays held, still ahead of b's.
         assert_eq!(held.take(&key).len(), 1);
         assert_eq!(held.proposals.len(), 1);
+    }
+
+    fn report_running(uid: &str) -> Proposal {
+        proposal(Command::ReportPod(crate::sm::command::ReportPod {
+            pod_uid: uid.into(),
+            phase: crate::sm::PodPhase::Running,
+        }))
+    }
+
+    #[test]
+    fn commands_naming_no_lock_join_any_batch_from_format_11_only() {
+        let report = report_running("u1").command;
+        assert!(!Proposer::may_batch(&report, Batching::SharedLocks));
+        assert!(Proposer::may_batch(&report, Batching::WithLockless));
+        assert!(Proposer::may_batch(
+            &acquire("a", 0).command,
+            Batching::OneCommandPerLock
+        ));
+        let lease = Command::GrantLease(crate::sm::command::GrantLease { ttl_ms: 1 });
+        assert!(!Proposer::may_batch(&lease, Batching::WithLockless));
+
+        // Several reports share a batch with one command per lock, and none
+        // is ever held back.
+        let mut batch = Forming::new();
+        assert!(added(batch.offer(acquire("a", 0), &LIMITS)));
+        assert!(added(batch.offer(report_running("u1"), &LIMITS)));
+        assert!(added(batch.offer(report_running("u2"), &LIMITS)));
+        assert_eq!(
+            locks_of(&batch.proposals),
+            [
+                ("a".into(), false),
+                ("-".into(), false),
+                ("-".into(), false)
+            ]
+        );
+        assert!(!HeldBack::new(LIMITS.hold_queued).may_hold(&report_running("u3")));
+        let mut held = HeldBack::new(LIMITS.hold_queued);
+        held.hold(waiting("a", 0), Instant::now());
+        assert!(held.take(&LockKey::new("gpu-bind", "b")).is_empty());
+        assert_eq!(held.take(&LockKey::new("gpu-bind", "a")).len(), 1);
     }
 
     fn added(offer: Offer) -> bool {

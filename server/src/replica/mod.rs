@@ -43,7 +43,7 @@ use crate::metrics::Metrics;
 use crate::raft::Raft;
 use crate::raft::dial::PeerDialer;
 use crate::raft::network::PeerFormats;
-use crate::sm::{Command, Event, Reply, Request, RequestId, batchable_lock};
+use crate::sm::{Command, Event, Reply, Request, RequestId};
 use crate::store::StateHandle;
 
 /// One replica's core: its Raft node, its applied state, and the machinery
@@ -296,12 +296,12 @@ impl Replica {
                 "leadership is being transferred; retry in a moment".into(),
             ));
         }
-        let batching = match &self.proposer {
-            Some(proposer) if batchable_lock(&command).is_some() => {
-                proposer.batching().map(|batching| (proposer, batching))
-            }
-            _ => None,
-        };
+        let batching = self.proposer.as_ref().and_then(|proposer| {
+            proposer
+                .batching()
+                .filter(|batching| batching::Proposer::may_batch(&command, *batching))
+                .map(|batching| (proposer, batching))
+        });
         let (response, index) = match batching {
             Some((proposer, batching)) => proposer.propose(request_id, command, batching).await?,
             None => {

@@ -38,9 +38,9 @@ use serde::{Deserialize, Serialize};
 pub use pin_table::PinTable;
 
 pub use command::{
-    BATCH_FORMAT_VERSION, Batch, BatchItem, Command, CommandError, DEFERRED_GRANTS_FORMAT_VERSION,
-    MAX_BATCH_ITEMS, NODE_UID_FORMAT_VERSION, Reply, SHARED_LOCK_BATCH_FORMAT_VERSION,
-    batchable_lock,
+    BATCH_FORMAT_VERSION, Batch, BatchItem, BatchRole, Command, CommandError,
+    DEFERRED_GRANTS_FORMAT_VERSION, LOCKLESS_BATCH_FORMAT_VERSION, MAX_BATCH_ITEMS,
+    NODE_UID_FORMAT_VERSION, Reply, SHARED_LOCK_BATCH_FORMAT_VERSION, batch_role, batchable_lock,
 };
 pub use event::{Event, EventKind, Revision};
 pub use types::*;
@@ -69,16 +69,19 @@ pub use types::*;
 /// condition of its labels ([`command::TAKEOVER_FORMAT_VERSION`]); 10: an
 /// acquire, assignment or reclaim can name the node objects it is taken
 /// for, refused when another is registered under a name
-/// ([`command::NODE_OBJECT_FORMAT_VERSION`]).
+/// ([`command::NODE_OBJECT_FORMAT_VERSION`]); 11: a batch may carry
+/// assignments and pod reports and revokes too, and refuses one that would
+/// end a hold granted by the same entry ([`LOCKLESS_BATCH_FORMAT_VERSION`]).
 ///
 /// An entry is written in the oldest format that can express it
 /// ([`Command::format_version`]) and snapshots in [`SNAPSHOT_FORMAT_VERSION`],
 /// so a replica of an older build keeps following a leader of this one: the
-/// leader writes batches (3) and batches naming a lock twice (4) only once
+/// leader writes batches (3), batches naming a lock twice (4) and batches
+/// with commands that name no lock (11) only once
 /// every member has said that it reads them, and sweeps, node reports and
 /// client requests in the newest format unless a member has said that it
 /// reads only an older one (then in the oldest form, [`Command::oldest_form`]).
-pub const FORMAT_VERSION: u16 = 10;
+pub const FORMAT_VERSION: u16 = 11;
 
 /// From this format a client request's answer is kept with the fingerprint
 /// of its command, a retry is answered only when it carries the same
@@ -490,15 +493,13 @@ pub fn apply(state: &mut State, index: u64, request: &Request) -> (Response, Vec
                 Ok(()) => batch
                     .items
                     .iter()
-                    .map(
-                        |item| match release_of_this_entrys_grant(&txn, &item.command) {
-                            Some(reason) => Response {
-                                result: Err(CommandError::InvalidBatch { reason }),
-                                deduplicated: false,
-                            },
-                            None => apply_one(&mut txn, item.request_id.as_ref(), &item.command),
+                    .map(|item| match ends_this_entrys_grant(&txn, &item.command) {
+                        Some(reason) => Response {
+                            result: Err(CommandError::InvalidBatch { reason }),
+                            deduplicated: false,
                         },
-                    )
+                        None => apply_one(&mut txn, item.request_id.as_ref(), &item.command),
+                    })
                     .collect(),
                 Err(reason) => {
                     let refused = Response {
@@ -515,9 +516,9 @@ pub fn apply(state: &mut State, index: u64, request: &Request) -> (Response, Vec
         }
         command => apply_one(&mut txn, request.request_id.as_ref(), command),
     };
-    // Once per entry: a batch's items each touch only their own lock, so
-    // dropping idle locks after all of them equals dropping after each (a
-    // lock freed and taken again by items of one format-4 entry keeps its
+    // Once per entry: dropping idle locks after all of a batch's items
+    // equals dropping after each (a lock freed by one item, a release or
+    // from format 11 a revoke, and taken again by a later one keeps its
     // `stuck_token`, which names an older hold and so changes nothing).
     txn.drop_idle_locks();
     let Txn {
@@ -530,23 +531,46 @@ pub fn apply(state: &mut State, index: u64, request: &Request) -> (Response, Vec
     (response, events, dirty)
 }
 
-/// Why a batch item may not apply, if it releases a hold that an earlier
-/// item of the same entry granted: its token is the entry's own index, which
-/// no client could have been told when the entry was proposed, and letting
-/// it through would let the lock be granted a second time under the same
-/// token. The item is refused without touching the dedupe table, so a retry
-/// in a later entry is applied as new.
-fn release_of_this_entrys_grant(txn: &Txn<'_>, command: &Command) -> Option<String> {
-    let Command::Release(release) = command else {
+/// Why a batch item may not apply, if it ends a hold that an earlier item of
+/// the same entry granted: the hold's token is the entry's own index, and
+/// letting the item through would let the lock be granted a second time
+/// under the same token. A release presenting that token (no client could
+/// have been told it when the entry was proposed) and, from format 11, a
+/// terminal report or revoke of the pod holding it are refused, without
+/// touching the dedupe table, so that a retry in a later entry is applied as
+/// new (the leader proposes a refused report or revoke again on its own).
+fn ends_this_entrys_grant(txn: &Txn<'_>, command: &Command) -> Option<String> {
+    if let Command::Release(release) = command {
+        let hold = txn.state.locks.get(&release.key)?.holder.as_ref()?;
+        return (hold.token == txn.index && release.token == txn.index).then(|| {
+            format!(
+                "the release of lock {} presents token {}, granted by this same entry: a token \
+                 can be released only after its grant was applied",
+                release.key, release.token
+            )
+        });
+    }
+    let pod_uid = command::ends_holds_of(command)?;
+    // A deliberate bug for the checkers' "can fail" tests: a batched report
+    // or revoke ends whatever its pod holds, so a lock granted earlier in
+    // the entry is granted again under the same token. Only with the
+    // `failpoints` feature and FAILPOINTS=sm-batch-revoke-ends-own-grant=return.
+    #[cfg(feature = "failpoints")]
+    if fail::eval("sm-batch-revoke-ends-own-grant", |_| ()).is_some() {
         return None;
-    };
-    let hold = txn.state.locks.get(&release.key)?.holder.as_ref()?;
-    (hold.token == txn.index && release.token == txn.index).then(|| {
-        format!(
-            "the release of lock {} presents token {}, granted by this same entry: a token \
-             can be released only after its grant was applied",
-            release.key, release.token
-        )
+    }
+    txn.state.locks.iter().find_map(|(key, lock)| {
+        lock.holder
+            .as_ref()
+            .filter(|hold| hold.pod.uid == pod_uid && hold.token == txn.index)
+            .map(|hold| {
+                format!(
+                    "pod {pod_uid} holds lock {key} under token {}, granted by this same entry: \
+                     ending it here would grant the lock twice under one token; the pod's \
+                     report or revoke goes in an entry of its own",
+                    hold.token
+                )
+            })
     })
 }
 

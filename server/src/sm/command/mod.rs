@@ -22,8 +22,8 @@ pub use acquire::{Acquire, TAKEOVER_FORMAT_VERSION};
 pub use assign::Assign;
 pub use audit::Audit;
 pub use batch::{
-    BATCH_FORMAT_VERSION, Batch, BatchItem, MAX_BATCH_ITEMS, SHARED_LOCK_BATCH_FORMAT_VERSION,
-    batchable_lock,
+    BATCH_FORMAT_VERSION, Batch, BatchItem, BatchRole, LOCKLESS_BATCH_FORMAT_VERSION,
+    MAX_BATCH_ITEMS, SHARED_LOCK_BATCH_FORMAT_VERSION, batch_role, batchable_lock, ends_holds_of,
 };
 pub use cancel_wait::{
     ABANDON_WAIT_FORMAT_VERSION, AbandonWait, CancelOutcome, CancelWait, GIVE_BACK_FORMAT_VERSION,
@@ -84,7 +84,8 @@ pub enum Command {
     /// Record an administrative action in the history. (Appended last:
     /// variants are encoded by position in the log.)
     Audit(Audit),
-    /// Several clients' acquires and releases in one entry (format 3).
+    /// Several clients' acquires and releases in one entry (format 3), and
+    /// their assignments and pod reports (format 11).
     Batch(Batch),
     /// Leave a queue whose caller went away, unless a retry took it up
     /// (format 6); give back a grant nobody will use (format 7).
@@ -155,6 +156,7 @@ impl Command {
     /// need the newer format (see `FORMAT_VERSION`).
     pub fn format_version(&self) -> u16 {
         match self {
+            Command::Batch(batch) if batch.has_lockless() => LOCKLESS_BATCH_FORMAT_VERSION,
             Command::Batch(batch) if batch.has_node_object_check() => NODE_OBJECT_FORMAT_VERSION,
             Command::Batch(batch) if batch.has_acquire() => TAKEOVER_FORMAT_VERSION,
             Command::Batch(batch) if batch.shares_a_lock() => SHARED_LOCK_BATCH_FORMAT_VERSION,
@@ -178,7 +180,7 @@ impl Command {
 
     /// The oldest format this command can be written in at all, applying as
     /// a build of that format applies it: a batch needs 3 (4 when it names
-    /// a lock twice), an abandoned wait 6 (it is sent only once every member
+    /// a lock twice, 11 when an item names no lock), an abandoned wait 6 (it is sent only once every member
     /// reads 6; in 6 it keeps a grant that raced it), a withdrawal 7 (it is
     /// sent only once every member reads 7); every other command, a sweep and a node report included,
     /// has a format-2 form. While a member is known to read only
@@ -186,6 +188,7 @@ impl Command {
     /// one ([`crate::sm::Request::for_members`]).
     pub fn oldest_form(&self) -> u16 {
         match self {
+            Command::Batch(batch) if batch.has_lockless() => LOCKLESS_BATCH_FORMAT_VERSION,
             Command::Batch(batch) if batch.has_node_object_check() => NODE_OBJECT_FORMAT_VERSION,
             Command::Batch(batch) if batch.shares_a_lock() => SHARED_LOCK_BATCH_FORMAT_VERSION,
             Command::Batch(_) => BATCH_FORMAT_VERSION,
