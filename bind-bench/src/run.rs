@@ -205,6 +205,10 @@ pub struct Report {
     pub tether_calls_per_pod: BTreeMap<String, f64>,
     /// Raft log entries per pod (the replicas' highest last log index).
     pub log_entries_per_pod: f64,
+    /// The same two while the pods were deleted and Tether ended their
+    /// claims (after the run).
+    pub ending_calls_per_pod: BTreeMap<String, f64>,
+    pub ending_log_entries_per_pod: f64,
     /// Tether's extender's filter calls during the run: (calls, mean
     /// time, mean CPU on a core); None for the other systems, whose
     /// filters are the bench's.
@@ -347,6 +351,15 @@ impl Report {
                 "  Tether per pod       {:.2} log entries; calls {}\n",
                 self.log_entries_per_pod,
                 self.tether_calls_per_pod
+                    .iter()
+                    .map(|(method, n)| format!("{method} {n:.2}"))
+                    .collect::<Vec<_>>()
+                    .join(", ")
+            );
+            out += &format!(
+                "  ... ending the pods  {:.2} log entries; calls {}\n",
+                self.ending_log_entries_per_pod,
+                self.ending_calls_per_pod
                     .iter()
                     .map(|(method, n)| format!("{method} {n:.2}"))
                     .collect::<Vec<_>>()
@@ -762,14 +775,17 @@ pub async fn run(world: &World, system: System, options: &RunOptions) -> anyhow:
     let requests_after = api_requests(&world.admin).await?;
     let (calls_after, log_after) = tether_counts(world);
     let per_pod = |n: f64| n / created_at.len().max(1) as f64;
-    let tether_calls_per_pod: BTreeMap<String, f64> = calls_after
-        .iter()
-        .map(|(method, after)| {
-            let before = calls_before.get(method).copied().unwrap_or(0.0);
-            (method.clone(), per_pod(after - before))
-        })
-        .filter(|(_, n)| *n >= 0.005)
-        .collect();
+    let calls_between = |before: &BTreeMap<String, f64>, after: &BTreeMap<String, f64>| {
+        after
+            .iter()
+            .map(|(method, n)| {
+                let was = before.get(method).copied().unwrap_or(0.0);
+                (method.clone(), per_pod(n - was))
+            })
+            .filter(|(_, n)| *n >= 0.005)
+            .collect::<BTreeMap<String, f64>>()
+    };
+    let tether_calls_per_pod = calls_between(&calls_before, &calls_after);
     let log_entries_per_pod = per_pod(log_after - log_before);
     let filter_after = world.tether_filter_time();
     let filter_calls = filter_after.1 - filter_before.1;
@@ -851,6 +867,8 @@ pub async fn run(world: &World, system: System, options: &RunOptions) -> anyhow:
         replica_cpu_seconds: cpu_after - cpu_before,
         replica_idle_cores,
         ending: (Duration::ZERO, 0.0),
+        ending_calls_per_pod: BTreeMap::new(),
+        ending_log_entries_per_pod: 0.0,
         run_time,
         cpu_by_process,
         tether_calls_per_pod,
@@ -873,6 +891,9 @@ pub async fn run(world: &World, system: System, options: &RunOptions) -> anyhow:
     let ending_started = Instant::now();
     world.clear(&namespace).await?;
     report.ending = (ending_started.elapsed(), replica_cpu() - cpu_after);
+    let (calls_ended, log_ended) = tether_counts(world);
+    report.ending_calls_per_pod = calls_between(&calls_after, &calls_ended);
+    report.ending_log_entries_per_pod = per_pod(log_ended - log_after);
     Ok(report)
 }
 
