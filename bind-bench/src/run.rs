@@ -217,6 +217,15 @@ pub struct Report {
     pub bound_over_time: Vec<(f64, usize)>,
 }
 
+/// Calls per pod by method, as "Method n.nn, ...".
+fn calls_text(calls: &BTreeMap<String, f64>) -> String {
+    calls
+        .iter()
+        .map(|(method, n)| format!("{method} {n:.2}"))
+        .collect::<Vec<_>>()
+        .join(", ")
+}
+
 /// How many of the slowest pods a report names.
 const SLOWEST_SHOWN: usize = 5;
 
@@ -350,20 +359,12 @@ impl Report {
             out += &format!(
                 "  Tether per pod       {:.2} log entries; calls {}\n",
                 self.log_entries_per_pod,
-                self.tether_calls_per_pod
-                    .iter()
-                    .map(|(method, n)| format!("{method} {n:.2}"))
-                    .collect::<Vec<_>>()
-                    .join(", ")
+                calls_text(&self.tether_calls_per_pod)
             );
             out += &format!(
                 "  ... ending the pods  {:.2} log entries; calls {}\n",
                 self.ending_log_entries_per_pod,
-                self.ending_calls_per_pod
-                    .iter()
-                    .map(|(method, n)| format!("{method} {n:.2}"))
-                    .collect::<Vec<_>>()
-                    .join(", ")
+                calls_text(&self.ending_calls_per_pod)
             );
         }
         if let Some((calls, mean, cpu)) = self.tether_filter {
