@@ -592,7 +592,7 @@ async fn propose(
     }
     let mut replies = Vec::with_capacity(proposals.len());
     let mut items = Vec::with_capacity(proposals.len());
-    // What to propose again if refused: (request id, command, formats).
+    // What to propose again if apply refuses it: (request id, command).
     let mut again = Vec::with_capacity(proposals.len());
     let oldest_member_known = proposals.iter().filter_map(|p| p.oldest_member_known).min();
     for proposal in proposals {
