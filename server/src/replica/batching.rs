@@ -162,15 +162,7 @@ impl Proposer {
     /// format that every other member, voter or learner, has said (in its
     /// answers to Raft messages) that it reads.
     pub fn batching(&self) -> Option<Batching> {
-        match self.formats.newest_members_read(&self.raft, self.id) {
-            None => Some(Batching::WithLockless),
-            Some(format) if format >= LOCKLESS_BATCH_FORMAT_VERSION => Some(Batching::WithLockless),
-            Some(format) if format >= SHARED_LOCK_BATCH_FORMAT_VERSION => {
-                Some(Batching::SharedLocks)
-            }
-            Some(format) if format >= BATCH_FORMAT_VERSION => Some(Batching::OneCommandPerLock),
-            Some(_) => None,
-        }
+        batching_for(self.formats.newest_members_read(&self.raft, self.id))
     }
 
     /// Whether `command` may be proposed here under `batching`.
@@ -206,6 +198,18 @@ impl Proposer {
             .await
             .map_err(|_| stopped())?;
         answer.await.map_err(|_| stopped())?
+    }
+}
+
+/// How commands may be batched when every other member reads `members_read`
+/// (None: there is no other member; 0: one has not answered yet).
+fn batching_for(members_read: Option<u16>) -> Option<Batching> {
+    match members_read {
+        None => Some(Batching::WithLockless),
+        Some(format) if format >= LOCKLESS_BATCH_FORMAT_VERSION => Some(Batching::WithLockless),
+        Some(format) if format >= SHARED_LOCK_BATCH_FORMAT_VERSION => Some(Batching::SharedLocks),
+        Some(format) if format >= BATCH_FORMAT_VERSION => Some(Batching::OneCommandPerLock),
+        Some(_) => None,
     }
 }
 
@@ -830,6 +834,30 @@ mod tests {
             pod_uid: uid.into(),
             phase: crate::sm::PodPhase::Running,
         }))
+    }
+
+    /// A member of an older build holds batching back to what it reads:
+    /// claims and reports join batches only once every member reads 11.
+    #[test]
+    fn batching_follows_the_oldest_format_every_member_reads() {
+        assert_eq!(batching_for(None), Some(Batching::WithLockless));
+        assert_eq!(batching_for(Some(11)), Some(Batching::WithLockless));
+        assert_eq!(batching_for(Some(10)), Some(Batching::SharedLocks));
+        assert_eq!(batching_for(Some(4)), Some(Batching::SharedLocks));
+        assert_eq!(batching_for(Some(3)), Some(Batching::OneCommandPerLock));
+        assert_eq!(batching_for(Some(2)), None);
+        assert_eq!(batching_for(Some(0)), None, "a member not heard from yet");
+        let report = report_running("u1").command;
+        for members_read in [Some(10), Some(3), Some(0)] {
+            assert!(
+                !batching_for(members_read).is_some_and(|b| Proposer::may_batch(&report, b)),
+                "{members_read:?}"
+            );
+        }
+        assert!(Proposer::may_batch(
+            &report,
+            batching_for(Some(11)).expect("batching")
+        ));
     }
 
     #[test]
