@@ -186,24 +186,56 @@ async fn a_leader_whose_pending_writes_a_snapshot_outran_answers_them_and_sweeps
     );
 
     // Leading again, the old leader's sweeper ends a hold past its timeout.
-    cluster.node(new).core().transfer_leader(old).await.unwrap();
-    assert_eq!(cluster.wait_leader().await, old);
-    client
-        .acquire(&key("due-after"), &pod("c"), vec![], Duration::ZERO, 0)
-        .await
-        .unwrap();
-    let deadline = tokio::time::Instant::now() + DEADLINE;
-    while client.holder(&key("due-after")).await.unwrap().is_some() {
-        assert!(
-            tokio::time::Instant::now() < deadline,
-            "the hold was not ended by its timeout while {old} led"
-        );
-        tokio::time::sleep(Duration::from_millis(50)).await;
+    // Only a round in which it led throughout (one term from the acquire
+    // to the hold's end) shows that: on a loaded machine an election can
+    // move leadership while the hold runs out, and then the round is tried
+    // again.
+    let term_of = |id: u64| {
+        cluster
+            .node(id)
+            .raft()
+            .metrics()
+            .borrow_watched()
+            .current_term
+    };
+    let mut shown = false;
+    for round in 1..=5 {
+        let leader = cluster.wait_leader().await;
+        if leader != old {
+            cluster
+                .node(leader)
+                .core()
+                .transfer_leader(old)
+                .await
+                .unwrap();
+        }
+        if cluster.wait_leader().await != old {
+            println!("round {round}: {old} did not take over; again");
+            continue;
+        }
+        let term = term_of(old);
+        let due = key(&format!("due-after-{round}"));
+        client
+            .acquire(&due, &pod("c"), vec![], Duration::ZERO, 0)
+            .await
+            .unwrap();
+        let deadline = tokio::time::Instant::now() + DEADLINE;
+        while client.holder(&due).await.unwrap().is_some() {
+            assert!(
+                tokio::time::Instant::now() < deadline,
+                "the hold was not ended by its timeout (round {round})"
+            );
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        if cluster.wait_leader().await == old && term_of(old) == term {
+            shown = true;
+            break;
+        }
+        println!("round {round}: leadership moved while the hold ran out; again");
     }
-    assert_eq!(
-        cluster.wait_leader().await,
-        old,
-        "the test needs {old} leading"
+    assert!(
+        shown,
+        "no round in which {old} led throughout while a hold ran out"
     );
     cluster.shutdown().await;
 }
