@@ -90,7 +90,8 @@ pub enum Batching {
     WithLockless,
 }
 
-/// The queue in front of Raft for acquires and releases.
+/// The queue in front of Raft for acquires and releases, and from format
+/// 11 assignments and pod reports and revokes.
 pub struct Proposer {
     queue: mpsc::Sender<Proposal>,
     raft: Raft,
