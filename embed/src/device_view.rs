@@ -430,15 +430,7 @@ impl Pins {
             }
             "PodReported" | "PodRevoked" => {
                 let uid = event.key.strip_prefix("pod/").unwrap_or_default();
-                let owner = match (event.kind.as_str(), event.attributes.get("phase")) {
-                    ("PodRevoked", _) => pb::OwnerState::OwnerStopped,
-                    (_, Some(phase)) if phase == "Terminal" || phase == "Gone" => {
-                        pb::OwnerState::OwnerStopped
-                    }
-                    (_, Some(phase)) if phase == "Starting" => pb::OwnerState::OwnerStarting,
-                    (_, Some(phase)) if phase == "Running" => pb::OwnerState::OwnerRunning,
-                    _ => return None,
-                };
+                let owner = owner_after(event)?;
                 let stopped = owner == pb::OwnerState::OwnerStopped;
                 let mut freed = false;
                 for node in self.claims_of_pod.get(uid).cloned().unwrap_or_default() {
@@ -475,6 +467,22 @@ impl Pins {
         // A node publishes one inventory pin; the list answers it alone.
         let pin = self.by_node.get(&key)?.values().next()?;
         Some(published_devices(pin))
+    }
+}
+
+/// The owner state a pod report or revoke gives the pod's claims, as
+/// Tether sets it: stopped if revoked or reported terminal or gone,
+/// starting or running as reported; None for a phase this build does not
+/// know.
+fn owner_after(event: &pb::Event) -> Option<pb::OwnerState> {
+    match (event.kind.as_str(), event.attributes.get("phase")) {
+        ("PodRevoked", _) => Some(pb::OwnerState::OwnerStopped),
+        (_, Some(phase)) if phase == "Terminal" || phase == "Gone" => {
+            Some(pb::OwnerState::OwnerStopped)
+        }
+        (_, Some(phase)) if phase == "Starting" => Some(pb::OwnerState::OwnerStarting),
+        (_, Some(phase)) if phase == "Running" => Some(pb::OwnerState::OwnerRunning),
+        _ => None,
     }
 }
 
@@ -527,15 +535,9 @@ pub fn touched(
         }
         "PodReported" | "PodRevoked" => {
             let uid = event.key.strip_prefix("pod/").unwrap_or_default();
-            // Whether the pod's claims now count stopped: revoked, or
-            // reported terminal or gone; live if reported starting or
-            // running; unknown for a phase this build does not know.
-            let stopped = match (event.kind.as_str(), event.attributes.get("phase")) {
-                ("PodRevoked", _) => Some(true),
-                (_, Some(phase)) if phase == "Terminal" || phase == "Gone" => Some(true),
-                (_, Some(phase)) if phase == "Starting" || phase == "Running" => Some(false),
-                _ => None,
-            };
+            // Whether the pod's claims now count stopped (None: a phase this
+            // build does not know).
+            let stopped = owner_after(event).map(|owner| owner == pb::OwnerState::OwnerStopped);
             for node in pins.claims_of_pod.get(uid).into_iter().flatten() {
                 let node_set = (pins.sets.claims.clone(), node.clone());
                 // Only what the filter reads of a claim's owner can make a
