@@ -1080,8 +1080,8 @@ pub async fn run(
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
     watch_stop.store(true, Ordering::SeqCst);
-    let (mut watched, relists) = watch_task.await.context("the watcher panicked")?;
-    watched.retain(|e| e.revision.is_none_or(|r| r.index <= cutoff));
+    let (watched, relists) = watch_task.await.context("the watcher panicked")?;
+    let watched = workers::watched_as_of(watched, cutoff);
     report.phases.push(("watch catch-up", phase.elapsed()));
     report.relists = relists;
     if let Some(target) = last_lock_event {

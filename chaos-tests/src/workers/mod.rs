@@ -55,7 +55,7 @@ pub use pins::{
     PIN_LIFETIME, pin_assigner, pin_lifetime_event_key, pin_lifetimes, register_pin_nodes,
 };
 pub use revoker::revoker;
-pub use watcher::{watcher, watcher_passed};
+pub use watcher::{watched_as_of, watcher, watcher_passed};
 
 /// The scope every chaos lock lives in.
 pub const SCOPE: &str = "chaos";

@@ -65,3 +65,51 @@ pub fn watcher_passed(received: &[pb::Event], target: (u64, u32)) -> bool {
         revision >= target
     }
 }
+
+/// What the watcher received, as of the log index `cutoff` the run is
+/// judged at. A re-list marker stays whatever its resume point: it says
+/// the watcher was told of a gap, and one resuming past the cutoff (a
+/// replica that compacted away the watcher's position while leases ran
+/// out after convergence) is how the watcher passed the last event it
+/// waited for; dropping it made a watcher that had passed look stuck.
+pub fn watched_as_of(received: Vec<pb::Event>, cutoff: u64) -> Vec<pb::Event> {
+    received
+        .into_iter()
+        .filter(|e| {
+            e.kind == crate::checkers::watch::RELIST || e.revision.is_none_or(|r| r.index <= cutoff)
+        })
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn event(kind: &str, index: u64) -> pb::Event {
+        pb::Event {
+            kind: kind.into(),
+            revision: Some(pb::Revision { index, sub: 0 }),
+            ..Default::default()
+        }
+    }
+
+    #[test]
+    fn a_relist_past_the_cutoff_still_counts_as_passing_the_last_event() {
+        let received = vec![
+            event("LockGranted", 10),
+            event(crate::checkers::watch::RELIST, 40),
+        ];
+        let kept = watched_as_of(received, 30);
+        assert_eq!(kept.len(), 2, "{kept:?}");
+        assert!(watcher_passed(&kept, (25, 0)));
+    }
+
+    #[test]
+    fn events_past_the_cutoff_are_dropped() {
+        let received = vec![event("LockGranted", 10), event("LockReleased", 40)];
+        let kept = watched_as_of(received, 30);
+        assert_eq!(kept.len(), 1);
+        assert!(watcher_passed(&kept, (10, 0)));
+        assert!(!watcher_passed(&kept, (25, 0)));
+    }
+}
