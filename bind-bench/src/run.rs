@@ -209,10 +209,9 @@ pub struct Report {
     /// claims (after the run).
     pub ending_calls_per_pod: BTreeMap<String, f64>,
     pub ending_log_entries_per_pod: f64,
-    /// Tether's extender's filter calls during the run: (calls, mean
-    /// time, mean CPU on a core); None for the other systems, whose
-    /// filters are the bench's.
-    pub tether_filter: Option<(f64, Duration, Duration)>,
+    /// Tether's extender's filter calls during the run; None for the
+    /// other systems, whose filters are the bench's.
+    pub tether_filter: Option<crate::world::FilterTime>,
     /// (seconds since the first create, pods bound so far).
     pub bound_over_time: Vec<(f64, usize)>,
 }
@@ -367,11 +366,17 @@ impl Report {
                 calls_text(&self.ending_calls_per_pod)
             );
         }
-        if let Some((calls, mean, cpu)) = self.tether_filter {
+        if let Some(filter) = &self.tether_filter {
+            let mean =
+                |seconds: f64| Duration::from_secs_f64((seconds / filter.calls.max(1.0)).max(0.0));
+            let quantile = |q: f64| filter.quantile(q).map_or("-".to_string(), ms);
             out += &format!(
-                "  extender's filter    {calls:.0} calls, mean {} ms, of which on a core {} ms\n",
-                ms(mean),
-                ms(cpu)
+                "  extender's filter    {:.0} calls, p50 {} p99 {} mean {} ms, of which on a core {} ms (mean)\n",
+                filter.calls,
+                quantile(0.5),
+                quantile(0.99),
+                ms(mean(filter.seconds)),
+                ms(mean(filter.cpu_seconds))
             );
         }
         out += &format!(
@@ -788,16 +793,8 @@ pub async fn run(world: &World, system: System, options: &RunOptions) -> anyhow:
     };
     let tether_calls_per_pod = calls_between(&calls_before, &calls_after);
     let log_entries_per_pod = per_pod(log_after - log_before);
-    let filter_after = world.tether_filter_time();
-    let filter_calls = filter_after.1 - filter_before.1;
-    let tether_filter = (system == System::Tether).then(|| {
-        let mean = |total: f64| Duration::from_secs_f64((total / filter_calls.max(1.0)).max(0.0));
-        (
-            filter_calls,
-            mean(filter_after.0 - filter_before.0),
-            mean(filter_after.2 - filter_before.2),
-        )
-    });
+    let tether_filter =
+        (system == System::Tether).then(|| world.tether_filter_time().since(&filter_before));
     let cpu_after = replica_cpu();
     let run_time = started.elapsed();
     let mut cpu_by_process: Vec<(&'static str, f64)> = Vec::new();

@@ -253,22 +253,11 @@ impl World {
         self.probe().await
     }
 
-    /// Tether's extender's filter calls so far: (seconds in them, calls,
-    /// seconds of CPU in them), from its
+    /// Tether's extender's filter calls so far, from its
     /// `tether_extender_filter_duration_seconds` and
     /// `tether_extender_filter_cpu_seconds`.
-    pub fn tether_filter_time(&self) -> (f64, f64, f64) {
-        let text = self.tether_extender_metrics.metrics().render();
-        let value = |name: &str| {
-            text.lines()
-                .find_map(|l| l.strip_prefix(name)?.trim().parse::<f64>().ok())
-                .unwrap_or(0.0)
-        };
-        (
-            value("tether_extender_filter_duration_seconds_sum "),
-            value("tether_extender_filter_duration_seconds_count "),
-            value("tether_extender_filter_cpu_seconds_total "),
-        )
+    pub fn tether_filter_time(&self) -> FilterTime {
+        FilterTime::from_metrics(&self.tether_extender_metrics.metrics().render())
     }
 
     /// Serves a comparator's extender on a port of its own, and runs
@@ -411,4 +400,149 @@ fn tether_client(endpoints: &[String]) -> anyhow::Result<Client> {
 /// The name of node `i`.
 pub fn node_name(i: usize) -> String {
     format!("gpu-node-{i:04}")
+}
+
+/// What an extender's filter metrics say so far.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct FilterTime {
+    /// Seconds in filter calls.
+    pub seconds: f64,
+    /// Calls.
+    pub calls: f64,
+    /// Seconds of those on a core.
+    pub cpu_seconds: f64,
+    /// The duration histogram's cumulative buckets: (upper bound in
+    /// seconds, calls at or under it), bounds rising, `+Inf` last.
+    pub buckets: Vec<(f64, f64)>,
+}
+
+impl FilterTime {
+    /// Reads the filter's counters from the extender's OpenMetrics text.
+    pub fn from_metrics(text: &str) -> FilterTime {
+        let value = |name: &str| {
+            text.lines()
+                .find_map(|l| l.strip_prefix(name)?.trim().parse::<f64>().ok())
+                .unwrap_or(0.0)
+        };
+        let buckets = text
+            .lines()
+            .filter_map(|l| {
+                let rest =
+                    l.strip_prefix("tether_extender_filter_duration_seconds_bucket{le=\"")?;
+                let (bound, count) = rest.split_once("\"}")?;
+                let bound = if bound == "+Inf" {
+                    f64::INFINITY
+                } else {
+                    bound.parse().ok()?
+                };
+                Some((bound, count.trim().parse().ok()?))
+            })
+            .collect();
+        FilterTime {
+            seconds: value("tether_extender_filter_duration_seconds_sum "),
+            calls: value("tether_extender_filter_duration_seconds_count "),
+            cpu_seconds: value("tether_extender_filter_cpu_seconds_total "),
+            buckets,
+        }
+    }
+
+    /// The calls since `before`: each counter and bucket less its value
+    /// then.
+    pub fn since(&self, before: &FilterTime) -> FilterTime {
+        let buckets = self
+            .buckets
+            .iter()
+            .map(|&(bound, count)| {
+                let earlier = before
+                    .buckets
+                    .iter()
+                    .find(|(b, _)| *b == bound)
+                    .map_or(0.0, |(_, c)| *c);
+                (bound, count - earlier)
+            })
+            .collect();
+        FilterTime {
+            seconds: self.seconds - before.seconds,
+            calls: self.calls - before.calls,
+            cpu_seconds: self.cpu_seconds - before.cpu_seconds,
+            buckets,
+        }
+    }
+
+    /// The `q` quantile of the calls' durations, from the buckets as
+    /// Prometheus's `histogram_quantile` reads them: the bucket the rank
+    /// falls in, and a straight line from its lower bound to its upper
+    /// one. None without calls, or when the rank falls in the open `+Inf`
+    /// bucket.
+    pub fn quantile(&self, q: f64) -> Option<Duration> {
+        let total = self.buckets.last()?.1;
+        if total <= 0.0 {
+            return None;
+        }
+        let rank = q * total;
+        let mut lower = (0.0, 0.0);
+        for &(bound, count) in &self.buckets {
+            if count >= rank {
+                if bound.is_infinite() {
+                    return None;
+                }
+                let within = if count > lower.1 {
+                    (rank - lower.1) / (count - lower.1)
+                } else {
+                    0.0
+                };
+                return Some(Duration::from_secs_f64(
+                    lower.0 + (bound - lower.0) * within,
+                ));
+            }
+            lower = (bound, count);
+        }
+        None
+    }
+}
+
+#[cfg(test)]
+mod filter_time_tests {
+    use super::*;
+
+    const TEXT: &str = "\
+tether_extender_filter_duration_seconds_sum 0.0030
+tether_extender_filter_duration_seconds_count 10
+tether_extender_filter_duration_seconds_bucket{le=\"0.0001\"} 2
+tether_extender_filter_duration_seconds_bucket{le=\"0.0002\"} 6
+tether_extender_filter_duration_seconds_bucket{le=\"0.0004\"} 10
+tether_extender_filter_duration_seconds_bucket{le=\"+Inf\"} 10
+tether_extender_filter_cpu_seconds_total 0.0010
+";
+
+    #[test]
+    fn the_median_is_read_within_its_bucket() {
+        let time = FilterTime::from_metrics(TEXT);
+        assert_eq!(time.calls, 10.0);
+        assert_eq!(time.buckets.len(), 4);
+        // Rank 5 of 10 falls in (0.1 ms, 0.2 ms], 3 of its 4 calls in.
+        let p50 = time.quantile(0.5).unwrap().as_secs_f64();
+        assert!((p50 - 0.000_175).abs() < 1e-9, "{p50}");
+        let p100 = time.quantile(1.0).unwrap().as_secs_f64();
+        assert!((p100 - 0.000_4).abs() < 1e-9, "{p100}");
+    }
+
+    #[test]
+    fn calls_since_a_reading_leave_the_earlier_ones_out() {
+        let after = FilterTime::from_metrics(TEXT);
+        let before = FilterTime::from_metrics(
+            &TEXT
+                .replace("count 10", "count 2")
+                .replace("\"0.0002\"} 6", "\"0.0002\"} 2")
+                .replace("\"0.0004\"} 10", "\"0.0004\"} 2")
+                .replace("\"+Inf\"} 10", "\"+Inf\"} 2"),
+        );
+        let since = after.since(&before);
+        assert_eq!(since.calls, 8.0);
+        // None of the 8 later calls took 0.1 ms or less: rank 2 of 8 is
+        // half-way through the 4 in (0.1 ms, 0.2 ms].
+        let p25 = since.quantile(0.25).unwrap().as_secs_f64();
+        assert!((p25 - 0.000_15).abs() < 1e-9, "{p25}");
+        assert_eq!(FilterTime::default().quantile(0.5), None);
+    }
 }

@@ -12,7 +12,7 @@ use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::metrics::histogram::Histogram;
 use prometheus_client::registry::Registry;
-use tether_http::metrics::{latency_histogram, wait_histogram};
+use tether_http::metrics::{latency_histogram, short_latency_histogram, wait_histogram};
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct OutcomeLabel {
@@ -79,7 +79,7 @@ impl Default for ExtenderMetrics {
         );
         // The filter runs inside kube-scheduler's one-pod-at-a-time
         // scheduling cycle: its time is added to every pod's.
-        let filter_duration = latency_histogram();
+        let filter_duration = short_latency_histogram();
         registry.register(
             "tether_extender_filter_duration_seconds",
             "Filter verb calls, from the request to the answer (kube-scheduler waits for each before it schedules the next pod)",

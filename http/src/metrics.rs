@@ -33,6 +33,15 @@ pub fn latency_histogram() -> Histogram {
     Histogram::new(exponential_buckets(0.000_25, 2.0, 16))
 }
 
+/// A histogram of sub-millisecond latencies in seconds: buckets from 25 µs
+/// rising by a quarter to about 0.15 s, fine enough to read a median near
+/// 0.2 ms within a few per cent (a call that runs inside another
+/// component's serial loop, such as the extender's filter inside
+/// kube-scheduler's cycle).
+pub fn short_latency_histogram() -> Histogram {
+    Histogram::new(exponential_buckets(0.000_025, 1.25, 40))
+}
+
 /// A histogram of waits in seconds: buckets from 1 ms doubling to about
 /// 9 minutes (a queued acquire waits for every hold before it).
 pub fn wait_histogram() -> Histogram {
