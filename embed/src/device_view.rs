@@ -14,17 +14,19 @@
 //! How it stays current, as the bridge follows Tether: the watch is opened
 //! first, then both sets are listed, so no change between the two is
 //! missed. An event that carries all the copy needs is applied as it comes
-//! ([`Pins::apply_event`]): a pin ended (`PinReleased`: which pin, on which
-//! node) and a pod reported or revoked (`PodReported`, `PodRevoked`: its
-//! claims' owners turn stopped or live again; the filter reads only that
-//! of the owner). For the others the copy re-reads the node's pins of the
-//! set the event touched ([`touched`], a pure function): a claim made or
-//! corrected (`PinAssigned`, by its node: the event carries no labels), a
-//! claim taken over by a recreated pod (`PinOwnerChanged`, by the node the
-//! copy has for it). Re-reading those keeps the copy to what a list
-//! answers; applying the ends and stops saves the reads that a pod's end
-//! cost (two a pod, `tether-bind-bench`, 2026-12-07) and tells the filter
-//! of freed devices a read sooner. A compacted watch position, a failed
+//! ([`Pins::apply_event`]): a pin made or corrected (`PinAssigned`, which
+//! carries the whole pin, its owner state and labels), a pin ended
+//! (`PinReleased`: which pin, on which node) and a pod reported or revoked
+//! (`PodReported`, `PodRevoked`: its claims' owners turn stopped or live
+//! again; the filter reads only that of the owner). For the others the copy
+//! re-reads the node's pins of the set the event touched ([`touched`], a
+//! pure function): a claim taken over by a recreated pod (`PinOwnerChanged`,
+//! by the node the copy has for it), and a `PinAssigned` from a replica of
+//! a build before its events carried the pin (by its node). Re-reading
+//! those keeps the copy to what a list answers; applying the others saves
+//! the reads a pod cost (one at its bind, two at its end,
+//! `tether-bind-bench`, 2026-12-07) and tells the filter of freed devices a
+//! read sooner. A compacted watch position, a failed
 //! read or an event naming a pin the copy does not know starts over with a
 //! full list; so does [`RESYNC`] passing, which bounds how long a change no
 //! event names would stay unseen (none is known: every write to these pins
@@ -45,9 +47,9 @@
 //! them under the copy's lock ([`DeviceView::read`]), copying nothing.
 //!
 //! The copy may lag a change by the time its event takes to arrive and its
-//! node to be re-read (milliseconds: one commit, one watch hop, one read;
-//! no read for an end or a stop),
-//! and by at most [`RESYNC`] a change no event names. The filter only
+//! node to be re-read (milliseconds: one commit, one watch hop, and one
+//! read only for an owner change), and by at most [`RESYNC`] a change no
+//! event names. The filter only
 //! steers, and the bind's first plan of devices, made from the copy too,
 //! is decided by Tether: a claim refuses a device another claim holds, and
 //! the bind then plans again from a read of the node's claims
@@ -390,22 +392,49 @@ impl Pins {
     }
 
     /// Applies `event` to the copy if it carries all the copy needs: a pin
+    /// made (`PinAssigned` with the pin's owner state and labels), a pin
     /// ended (`PinReleased`: which pin, on which node) or a pod's claims
     /// turned stopped or live (`PodReported`, `PodRevoked`). Returns
     /// whether a device became free for the filter, or None for an event
-    /// that is to be re-read ([`touched`]): an assignment or an owner change
-    /// (their events carry no labels), or a report of a phase this build
-    /// does not know.
+    /// that is to be re-read ([`touched`]): an owner change (its event
+    /// carries no labels), an assignment from a build whose events do not
+    /// carry the pin, or a report of a phase this build does not know.
     ///
     /// Applied in the stream's order, an event leaves the copy as a re-read
-    /// would, with one exception that heals itself: an end replayed after a
-    /// read that already showed the pin made again under the same key (the
-    /// watch opened before the list, or a re-read ran ahead of the stream)
-    /// removes the new pin until that pin's own `PinAssigned`, which comes
-    /// later in the stream, has it re-read. Until then the filter may offer
-    /// a device that is claimed, and the claim refuses the bind's plan.
+    /// would, with exceptions that heal themselves, all from an event
+    /// replayed after a read that already showed a later state (the watch
+    /// opened before the list, or a re-read ran ahead of the stream): an
+    /// end replayed after the pin was made again under the same key
+    /// removes the new pin until that pin's own `PinAssigned`, later in the
+    /// stream, puts it back; an assignment replayed after its pin ended puts
+    /// the pin back until its `PinReleased`, later in the stream, takes it
+    /// out. Meanwhile the filter may offer a device that is claimed (the
+    /// claim then refuses the bind's plan) or pass over one that is free.
     pub fn apply_event(&mut self, event: &pb::Event) -> Option<bool> {
         match event.kind.as_str() {
+            "PinAssigned" => {
+                let pin = pin_of_assigned(event)?;
+                let (set, member) = event.key.strip_prefix("pin/")?.split_once('/')?;
+                if set != self.sets.claims && set != self.sets.inventory {
+                    return Some(false);
+                }
+                let key = (set.to_string(), member.to_string());
+                let mut freed = false;
+                // Made again elsewhere (a correction that moved it): out of
+                // its old node first.
+                if let Some(old) = self.node_of.get(&key).cloned()
+                    && old != pin.node
+                {
+                    let node_set = (key.0.clone(), old);
+                    let rest = self.members_but(&node_set, member);
+                    freed |= self.replace(&node_set, rest);
+                }
+                let node_set = (key.0, pin.node.clone());
+                let mut members = self.members_but(&node_set, member);
+                members.push((member.to_string(), pin));
+                freed |= self.replace(&node_set, members);
+                Some(freed)
+            }
             "PinReleased" => {
                 let (set, member) = event.key.strip_prefix("pin/")?.split_once('/')?;
                 if set != self.sets.claims && set != self.sets.inventory {
@@ -418,14 +447,7 @@ impl Pins {
                     return Some(false);
                 };
                 let node_set = (key.0, node);
-                let rest: Vec<(String, pb::Pin)> = self
-                    .by_node
-                    .get(&node_set)
-                    .into_iter()
-                    .flatten()
-                    .filter(|(m, _)| m.as_str() != member)
-                    .map(|(m, pin)| (m.clone(), pin.clone()))
-                    .collect();
+                let rest = self.members_but(&node_set, member);
                 Some(self.replace(&node_set, rest))
             }
             "PodReported" | "PodRevoked" => {
@@ -461,6 +483,17 @@ impl Pins {
         }
     }
 
+    /// The pins the copy has of `node_set`, but `member`'s.
+    fn members_but(&self, node_set: &NodeSet, member: &str) -> Vec<(String, pb::Pin)> {
+        self.by_node
+            .get(node_set)
+            .into_iter()
+            .flatten()
+            .filter(|(m, _)| m.as_str() != member)
+            .map(|(m, pin)| (m.clone(), pin.clone()))
+            .collect()
+    }
+
     /// The devices `node`'s plugin published, if it published any.
     pub fn published(&self, node: &str) -> Option<Vec<PublishedDevice>> {
         let key = (self.sets.inventory.clone(), node.to_string());
@@ -484,6 +517,39 @@ fn owner_after(event: &pb::Event) -> Option<pb::OwnerState> {
         (_, Some(phase)) if phase == "Running" => Some(pb::OwnerState::OwnerRunning),
         _ => None,
     }
+}
+
+/// The pin a `PinAssigned` event made, as a read would answer what the copy
+/// uses of it (node, owner pod and its state, labels); None for an event
+/// without the pin's owner state, which a build before the events carried
+/// the pin sends, and which is to be re-read.
+fn pin_of_assigned(event: &pb::Event) -> Option<pb::Pin> {
+    let owner = pb::OwnerState::from_str_name(event.attributes.get("owner")?)?;
+    if event.node.is_empty() {
+        return None;
+    }
+    let (set, member) = event.key.strip_prefix("pin/")?.split_once('/')?;
+    Some(pb::Pin {
+        key: Some(pb::PinKey {
+            set: set.into(),
+            member: member.into(),
+        }),
+        node: event.node.clone(),
+        pinned_at_ms: event.time_ms,
+        pod_uid: event.attributes.get("pod_uid").cloned().unwrap_or_default(),
+        labels: event
+            .attributes
+            .iter()
+            .filter_map(|(k, v)| Some((k.strip_prefix("label.")?.to_string(), v.clone())))
+            .collect(),
+        lifetime_ms: event
+            .attributes
+            .get("lifetime_ms")
+            .and_then(|v| v.parse().ok())
+            .unwrap_or_default(),
+        last_running_at_ms: 0,
+        owner: owner as i32,
+    })
 }
 
 /// What an event asks of the copy.
@@ -716,12 +782,25 @@ impl DeviceView {
             // (`device-view-ignores-pod-reports`, set with `fail::cfg`):
             // a stopped pod's claims would count taken until the resync.
             let planted = fail::eval("device-view-ignores-pod-reports", |_| ()).is_some();
+            // Another (`device-view-assignments-lose-labels`): the copy
+            // would apply each assignment without the labels its event
+            // carries, so a claim made would name no device.
+            let unlabelled = fail::eval("device-view-assignments-lose-labels", |_| ()).is_some();
             {
                 let mut copy = self.lock();
                 for event in &events {
                     if planted && event.key.starts_with("pod/") {
                         continue;
                     }
+                    let stripped;
+                    let event = if unlabelled && event.kind == "PinAssigned" {
+                        let mut without = event.clone();
+                        without.attributes.retain(|k, _| !k.starts_with("label."));
+                        stripped = without;
+                        &stripped
+                    } else {
+                        event
+                    };
                     if let Some(freed_now) = copy.pins.apply_event(event) {
                         freed |= freed_now;
                         continue;
@@ -834,6 +913,27 @@ mod tests {
         pb::Event {
             attributes: [("phase".to_string(), phase.to_string())].into(),
             ..event("PodReported", &format!("pod/{uid}"), "")
+        }
+    }
+
+    /// The `PinAssigned` event Tether sends when it makes `pin`.
+    fn assigned(pin: &pb::Pin) -> pb::Event {
+        let key = pin.key.clone().unwrap();
+        let mut attributes: std::collections::HashMap<String, String> = pin
+            .labels
+            .iter()
+            .map(|(k, v)| (format!("label.{k}"), v.clone()))
+            .collect();
+        attributes.insert("pod_uid".into(), pin.pod_uid.clone());
+        attributes.insert("lifetime_ms".into(), pin.lifetime_ms.to_string());
+        attributes.insert("owner".into(), pin.owner().as_str_name().into());
+        pb::Event {
+            attributes,
+            ..event(
+                "PinAssigned",
+                &format!("pin/{}/{}", key.set, key.member),
+                &pin.node,
+            )
         }
     }
 
@@ -1081,7 +1181,8 @@ mod tests {
             Some(false)
         );
         assert_eq!(pins.free("n1"), None);
-        // Left to a re-read: what the event cannot say.
+        // Left to a re-read: what the event cannot say (an assignment
+        // from a build whose events do not carry the pin).
         assert_eq!(
             pins.apply_event(&event("PinAssigned", "pin/gpu-devices/c", "n1")),
             None
@@ -1091,6 +1192,66 @@ mod tests {
             None
         );
         assert_eq!(pins.apply_event(&reported("b", "Evicted")), None);
+    }
+
+    /// An assignment whose event carries the pin (owner state and labels)
+    /// leaves the copy as a read of its node would, without the read: a
+    /// claim made, an inventory published, a claim corrected onto another
+    /// node.
+    #[test]
+    fn assignments_are_applied_from_events_that_carry_the_pin() {
+        use pb::OwnerState::{OwnerRunning, OwnerStarting};
+        let a = claim("n1", "a", &["gpu0"], OwnerRunning);
+        let mut pins = listed(vec![a.clone(), inventory("n1", &["gpu0", "gpu1", "gpu2"])]);
+        assert_eq!(pins.free("n1"), Some(2));
+        // c's claim on n1: one device fewer free, none freed.
+        let c = claim("n1", "c", &["gpu1"], OwnerStarting);
+        assert_eq!(pins.apply_event(&assigned(&c)), Some(false));
+        assert_eq!(pins.free("n1"), Some(1));
+        let read = listed(vec![
+            a.clone(),
+            c.clone(),
+            inventory("n1", &["gpu0", "gpu1", "gpu2"]),
+        ]);
+        assert_eq!(pins.all_claims_on("n1"), read.all_claims_on("n1"));
+        assert_eq!(pins.live_claims_by_node(), read.live_claims_by_node());
+        // n2 publishes its devices.
+        assert_eq!(
+            pins.apply_event(&assigned(&inventory("n2", &["gpu0", "gpu1"]))),
+            Some(true)
+        );
+        assert_eq!(pins.free("n2"), Some(2));
+        assert_eq!(
+            pins.published("n2").map(|d| d.len()),
+            read_published(&inventory("n2", &["gpu0", "gpu1"]))
+        );
+        // c's claim made again on n2 (a correction): n1's device is free
+        // again, n2 has one fewer.
+        let moved = claim("n2", "c", &["gpu1"], OwnerStarting);
+        assert_eq!(pins.apply_event(&assigned(&moved)), Some(true));
+        assert_eq!(pins.free("n1"), Some(2));
+        assert_eq!(pins.free("n2"), Some(1));
+        let read = listed(vec![
+            a,
+            moved,
+            inventory("n1", &["gpu0", "gpu1", "gpu2"]),
+            inventory("n2", &["gpu0", "gpu1"]),
+        ]);
+        assert_eq!(pins.live_claims_by_node(), read.live_claims_by_node());
+        assert_eq!(pins.all_claims_on("n1"), read.all_claims_on("n1"));
+        assert_eq!(pins.all_claims_on("n2"), read.all_claims_on("n2"));
+        // Another set's pin: nothing to the copy.
+        let mut other = claim("n1", "w1", &[], OwnerRunning);
+        other.key = Some(pb::PinKey {
+            set: "slurm".into(),
+            member: "w1".into(),
+        });
+        assert_eq!(pins.apply_event(&assigned(&other)), Some(false));
+        assert_eq!(pins.free("n1"), Some(2));
+    }
+
+    fn read_published(pin: &pb::Pin) -> Option<usize> {
+        Some(published_devices(pin).len())
     }
 
     /// The free count the filter looks at first follows the inventory

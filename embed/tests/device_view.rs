@@ -8,9 +8,11 @@
 //! own resync could hide a missed event; and once its follower stops, the
 //! copy is no longer read.
 //!
-//! The planted bug `device-view-ignores-pod-reports` (the copy skips pod
-//! reports, so a stopped pod's claims stay taken) must be caught by the
-//! same check.
+//! The planted bugs `device-view-ignores-pod-reports` (the copy skips pod
+//! reports, so a stopped pod's claims stay taken) and
+//! `device-view-assignments-lose-labels` (the copy applies a claim made
+//! from its event without the labels that name its devices) must be caught
+//! by the same check.
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
@@ -243,6 +245,30 @@ async fn planted_a_copy_that_ignores_pod_reports_is_caught() {
     // Below the resync, which would hide the bug.
     let caught = rig.follows(FOLLOWS_WITHIN).await;
     println!("with device-view-ignores-pod-reports: {caught:?}");
+    assert!(
+        caught.is_err_and(|difference| difference.starts_with("claims:")),
+        "the planted bug went unnoticed"
+    );
+    rig.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn planted_a_copy_that_applies_assignments_without_their_labels_is_caught() {
+    struct Planted;
+    impl Drop for Planted {
+        fn drop(&mut self) {
+            fail::remove("device-view-assignments-lose-labels");
+        }
+    }
+    let _turn = TURN.lock().await;
+    fail::cfg("device-view-assignments-lose-labels", "return").expect("a failpoint action");
+    let _planted = Planted;
+    let rig = Rig::start().await;
+    rig.must_follow("the first list").await;
+    rig.claim("n1", "c", &["gpu2"]).await;
+    // Below the resync, which would hide the bug.
+    let caught = rig.follows(FOLLOWS_WITHIN).await;
+    println!("with device-view-assignments-lose-labels: {caught:?}");
     assert!(
         caught.is_err_and(|difference| difference.starts_with("claims:")),
         "the planted bug went unnoticed"

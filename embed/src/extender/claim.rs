@@ -19,14 +19,23 @@ impl<B: Binder> Extender<B> {
         attempt: u64,
         scheduler: &Departure,
     ) -> Result<Vec<String>, String> {
-        let published = published_inventory(&self.client, &kind.spec.inventory_set, &args.node)
-            .await
-            .map_err(|err| {
-                format!(
-                    "cannot read the devices node {} published: {err}",
-                    args.node
-                )
-            })?;
+        // The node's published devices from the watched copy when it has
+        // them (a read saved per bind), else from Tether. A copy behind a
+        // change of health steers the plan to a device the kubelet then
+        // does not give; the last `Allocate` corrects the claim to the
+        // kubelet's choice, as it does for a change after a read.
+        let from_copy = kind.view.read(|pins| pins.published(&args.node)).flatten();
+        let published = match from_copy {
+            Some(devices) => Some(devices),
+            None => published_inventory(&self.client, &kind.spec.inventory_set, &args.node)
+                .await
+                .map_err(|err| {
+                    format!(
+                        "cannot read the devices node {} published: {err}",
+                        args.node
+                    )
+                })?,
+        };
         // The Node object is read only for a node whose plugin published
         // nothing (its device count).
         let node_devices = match published.as_deref() {

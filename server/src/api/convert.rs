@@ -106,12 +106,17 @@ pub fn pin_to(key: &sm::PinKey, pin: &sm::Pin) -> pb::Pin {
             .collect(),
         lifetime_ms: pin.lifetime_ms,
         last_running_at_ms: pin.last_running_at_ms,
-        owner: match pin.owner {
-            sm::OwnerState::Unknown => pb::OwnerState::OwnerUnknown,
-            sm::OwnerState::Starting => pb::OwnerState::OwnerStarting,
-            sm::OwnerState::Running => pb::OwnerState::OwnerRunning,
-            sm::OwnerState::Stopped => pb::OwnerState::OwnerStopped,
-        } as i32,
+        owner: owner_to(&pin.owner) as i32,
+    }
+}
+
+/// Wire owner state.
+fn owner_to(owner: &sm::OwnerState) -> pb::OwnerState {
+    match owner {
+        sm::OwnerState::Unknown => pb::OwnerState::OwnerUnknown,
+        sm::OwnerState::Starting => pb::OwnerState::OwnerStarting,
+        sm::OwnerState::Running => pb::OwnerState::OwnerRunning,
+        sm::OwnerState::Stopped => pb::OwnerState::OwnerStopped,
     }
 }
 
@@ -285,6 +290,16 @@ pub fn event_to(event: &sm::Event) -> pb::Event {
         K::PinAssigned { key, pin } => {
             attr("pod_uid", pin.pod_uid.clone());
             attr("lifetime_ms", pin.lifetime_ms.to_string());
+            // The whole pin as made, so that a watcher keeping a copy of a
+            // set (the extender's) need not read the pin back: what its
+            // owner is known to be, and each label as `label.<key>`.
+            // `owner` is always there: it tells such a watcher that the
+            // labels are too (an event from a build before this carries
+            // neither).
+            attr("owner", owner_to(&pin.owner).as_str_name().to_string());
+            for (k, v) in pin.labels.iter() {
+                attr(&format!("label.{k}"), v.clone());
+            }
             (
                 "PinAssigned",
                 pin_event_key(key),
@@ -396,4 +411,43 @@ pub fn event_to(event: &sm::Event) -> pb::Event {
     out.node = node;
     out.payload = payload;
     out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::collections::BTreeMap;
+
+    #[test]
+    fn a_pin_assigned_event_carries_the_whole_pin() {
+        let pin = sm::Pin {
+            node: "n1".into(),
+            pinned_at_ms: 5,
+            pod_uid: "u1".into(),
+            labels: BTreeMap::from([("tether.dev/device.gpu-0".to_string(), "true".to_string())])
+                .into(),
+            lifetime_ms: 1,
+            last_running_at_ms: 0,
+            owner: sm::OwnerState::Starting,
+        };
+        let event = event_to(&sm::Event {
+            revision: sm::Revision { index: 7, sub: 0 },
+            time_ms: 5,
+            kind: sm::EventKind::PinAssigned {
+                key: sm::PinKey {
+                    set: "gpu-devices".into(),
+                    member: "u1".into(),
+                },
+                pin,
+            },
+        });
+        assert_eq!(event.kind, "PinAssigned");
+        assert_eq!(event.key, "pin/gpu-devices/u1");
+        assert_eq!(event.node, "n1");
+        let attr = |k: &str| event.attributes.get(k).map(String::as_str);
+        assert_eq!(attr("pod_uid"), Some("u1"));
+        assert_eq!(attr("owner"), Some("OWNER_STARTING"));
+        assert_eq!(attr("label.tether.dev/device.gpu-0"), Some("true"));
+        assert_eq!(attr("lifetime_ms"), Some("1"));
+    }
 }
