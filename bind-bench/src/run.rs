@@ -218,12 +218,22 @@ pub struct Report {
 
 /// Calls per pod by method, as "Method n.nn, ...".
 fn calls_text(calls: &BTreeMap<String, f64>) -> String {
-    calls
+    let mut text = calls
         .iter()
+        .filter(|(method, _)| method.as_str() != READ_ROUNDS)
         .map(|(method, n)| format!("{method} {n:.2}"))
         .collect::<Vec<_>>()
-        .join(", ")
+        .join(", ");
+    if let Some(rounds) = calls.get(READ_ROUNDS) {
+        text += &format!("; ReadIndex rounds {rounds:.2}");
+    }
+    text
 }
+
+/// The key under which [`tether_counts`] counts the replicas' ReadIndex
+/// rounds beside the calls (each a heartbeat to every other voter, shared
+/// by the linearizable reads that waited for it).
+const READ_ROUNDS: &str = "ReadIndex rounds";
 
 /// How many of the slowest pods a report names.
 const SLOWEST_SHOWN: usize = 5;
@@ -449,6 +459,8 @@ const QUIET_FOR: Duration = Duration::from_secs(1);
 const QUIET_POLL: Duration = Duration::from_millis(200);
 const QUIET_WAIT: Duration = Duration::from_secs(60);
 
+/// The replicas' calls by method (and their ReadIndex rounds, under
+/// [`READ_ROUNDS`]), summed, and the highest last log index.
 fn tether_counts(world: &World) -> (BTreeMap<String, f64>, f64) {
     let mut calls: BTreeMap<String, f64> = BTreeMap::new();
     let mut last_log = 0.0_f64;
@@ -470,6 +482,8 @@ fn tether_counts(world: &World) -> (BTreeMap<String, f64>, f64) {
                     .and_then(|m| m.strip_suffix('"'))
             {
                 *calls.entry(method.to_string()).or_default() += value;
+            } else if series == "tether_read_index_rounds_total" {
+                *calls.entry(READ_ROUNDS.to_string()).or_default() += value;
             } else if series == "tether_raft_last_log_index" {
                 last_log = last_log.max(value);
             }
