@@ -628,9 +628,31 @@ impl Client {
         key: &LockKey,
         claim_set: &str,
     ) -> Result<(Option<pb::Hold>, Option<pb::Pin>)> {
+        self.read_holder_and_claim(key, claim_set, false).await
+    }
+
+    /// [`Client::holder_and_claim`] from the leader's applied state without
+    /// a ReadIndex round (`HolderRequest.unconfirmed`): cheaper, and behind
+    /// the newest writes only just after an election. For steering, never
+    /// for deciding: the device plugin's `GetPreferredAllocation`.
+    pub async fn holder_and_claim_unconfirmed(
+        &self,
+        key: &LockKey,
+        claim_set: &str,
+    ) -> Result<(Option<pb::Hold>, Option<pb::Pin>)> {
+        self.read_holder_and_claim(key, claim_set, true).await
+    }
+
+    async fn read_holder_and_claim(
+        &self,
+        key: &LockKey,
+        claim_set: &str,
+        unconfirmed: bool,
+    ) -> Result<(Option<pb::Hold>, Option<pb::Pin>)> {
         let request = pb::HolderRequest {
             key: Some(key.clone()),
             claim_set: claim_set.to_string(),
+            unconfirmed,
         };
         let reply = self
             .unary(request, |channel, request| async move {
@@ -658,6 +680,7 @@ impl Client {
         let request = pb::HolderRequest {
             key: Some(key.clone()),
             claim_set: String::new(),
+            unconfirmed: false,
         };
         self.unary(request, |channel, request| async move {
             LockServiceClient::new(channel).holder(request).await

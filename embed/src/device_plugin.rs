@@ -16,7 +16,9 @@
 //! of guessing a pod.
 //!
 //! `GetPreferredAllocation` steers the kubelet to the plan's devices, so the
-//! kubelet's accounting and what the container gets agree; the container
+//! kubelet's accounting and what the container gets agree (it reads the
+//! hold from the leader's applied state without a ReadIndex round, as
+//! steering may be a moment behind: `HolderRequest.unconfirmed`); the container
 //! always gets exactly the ids the kubelet sent. Where the kubelet chose
 //! other devices (its own accounting has planned ones taken: a pod it
 //! admitted without Tether, or a claim that ended before the kubelet freed
@@ -53,6 +55,16 @@ use crate::plan::{DevicePlan, PlannedCall, PodCalls};
 use crate::v1beta1::device_plugin_server::{DevicePlugin, DevicePluginServer};
 use crate::v1beta1::registration_client::RegistrationClient;
 use crate::v1beta1::{self as api};
+
+/// How a call reads its node's hold.
+#[derive(Debug, Clone, Copy)]
+enum Read {
+    /// Linearizably (ReadIndex): what `Allocate` decides by.
+    Linearizable,
+    /// From the leader's applied state, unconfirmed: what
+    /// `GetPreferredAllocation` steers by.
+    Unconfirmed,
+}
 
 /// The API version this plugin speaks.
 pub const API_VERSION: &str = "v1beta1";
@@ -272,11 +284,19 @@ impl GpuPlugin {
     }
 
     /// The current hold of this node's lock and its plan, or why the
-    /// plugin cannot tell which pod a call is for.
-    async fn holder_and_plan(&self) -> Result<(Hold, DevicePlan), Status> {
+    /// plugin cannot tell which pod a call is for. `Read::Unconfirmed` reads
+    /// the leader's applied state without a ReadIndex round: for steering
+    /// only (`GetPreferredAllocation`), as it may be behind just after an
+    /// election; `Allocate` reads linearizably.
+    async fn holder_and_plan(&self, read: Read) -> Result<(Hold, DevicePlan), Status> {
         let key = self.key();
+        let set = self.ledger.set();
         // One read for both: the hold and its pod's claim from one state.
-        let (hold, claim) = match self.client.holder_and_claim(&key, self.ledger.set()).await {
+        let answer = match read {
+            Read::Linearizable => self.client.holder_and_claim(&key, set).await,
+            Read::Unconfirmed => self.client.holder_and_claim_unconfirmed(&key, set).await,
+        };
+        let (hold, claim) = match answer {
             Ok((Some(hold), claim)) => (hold, claim),
             Ok((None, _)) => {
                 return Err(Status::failed_precondition(format!(
@@ -510,7 +530,10 @@ impl DevicePlugin for GpuPlugin {
     ) -> Result<Response<api::PreferredAllocationResponse>, Status> {
         // The plan's next call, if a pod holds the lock; without one the
         // kubelet's own choice stands (Allocate refuses later anyway).
-        let next = match self.holder_and_plan().await {
+        // Read without a ReadIndex round: a preference only, so an answer
+        // from just after an election, behind the grant, costs a claim
+        // corrected at the last Allocate, never a device given twice.
+        let next = match self.holder_and_plan(Read::Unconfirmed).await {
             Ok((hold, plan)) => {
                 let progress = self.progress.lock().await;
                 let served = if progress.token == hold.token {
@@ -582,7 +605,7 @@ impl GpuPlugin {
         request: api::AllocateRequest,
     ) -> Result<api::AllocateResponse, Status> {
         let mut progress = self.progress.lock().await;
-        let (hold, plan) = self.holder_and_plan().await?;
+        let (hold, plan) = self.holder_and_plan(Read::Linearizable).await?;
         if progress.token != hold.token {
             *progress = Progress {
                 token: hold.token,

@@ -763,6 +763,7 @@ fn request_seeds() -> Vec<Vec<u8>> {
             &pb::HolderRequest {
                 key: key.clone(),
                 claim_set: String::new(),
+                unconfirmed: false,
             },
         ),
         tagged(3, &pb::GetLockRequest { key: key.clone() }),

@@ -720,6 +720,87 @@ async fn a_claim_correction_on_a_cordoned_node_is_one_step_that_cannot_be_refuse
     cluster.shutdown().await;
 }
 
+/// The device plugin's steering read (`HolderRequest.unconfirmed`): the
+/// leader answers the hold and claim a linearizable read gives, from its
+/// applied state, without a ReadIndex round (its round counter does not
+/// move); a follower sends the caller to the leader, as for a
+/// linearizable read.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn an_unconfirmed_holder_read_is_the_leaders_without_a_read_round() {
+    let cluster = Cluster::start(3).await;
+    let client = common::client(&cluster);
+    report_node(&client, "node-1", None, pb::NodeState::NodeReady).await;
+    let pin = assign(&client, "claimer", "claimer", &["node-1"], Duration::ZERO)
+        .await
+        .unwrap()
+        .pin
+        .unwrap();
+    let held = client
+        .acquire(&lock("node-1"), &pod("claimer"), vec![], Duration::ZERO, 0)
+        .await
+        .unwrap();
+    let linearizable = client
+        .holder_and_claim(&lock("node-1"), "slurm/nodeset-a")
+        .await
+        .unwrap();
+
+    let leader = cluster.wait_leader().await;
+    let rounds = || {
+        let text = cluster.node(leader).core().metrics.render();
+        text.lines()
+            .find_map(|l| l.strip_prefix("tether_read_index_rounds_total "))
+            .and_then(|v| v.trim().parse::<f64>().ok())
+            .unwrap_or(0.0)
+    };
+    let before = rounds();
+    assert!(
+        before > 0.0,
+        "the linearizable read ran no round on the leader"
+    );
+    let unconfirmed = client
+        .holder_and_claim_unconfirmed(&lock("node-1"), "slurm/nodeset-a")
+        .await
+        .unwrap();
+    assert_eq!(unconfirmed, linearizable);
+    let (hold, claim) = unconfirmed;
+    assert_eq!(hold.map(|h| h.token), Some(held.token));
+    assert_eq!(claim, Some(pin));
+    assert_eq!(
+        rounds(),
+        before,
+        "the unconfirmed read ran a ReadIndex round"
+    );
+    // The answer says it is not linearizable.
+    let mut raw = tether_client::proto::lock_service_client::LockServiceClient::connect(format!(
+        "http://{}",
+        cluster.addrs[&leader]
+    ))
+    .await
+    .unwrap();
+    let request = pb::HolderRequest {
+        key: Some(lock("node-1")),
+        claim_set: "slurm/nodeset-a".into(),
+        unconfirmed: true,
+    };
+    let answer = raw.holder(request.clone()).await.unwrap().into_inner();
+    assert!(!answer.header.unwrap().linearizable);
+
+    let follower = *cluster
+        .addrs
+        .keys()
+        .find(|id| **id != leader)
+        .expect("a follower");
+    let mut raw = tether_client::proto::lock_service_client::LockServiceClient::connect(format!(
+        "http://{}",
+        cluster.addrs[&follower]
+    ))
+    .await
+    .unwrap();
+    let refused = raw.holder(request).await.unwrap_err();
+    assert_eq!(refused.code(), tonic::Code::Unavailable, "{refused:?}");
+    cluster.shutdown().await;
+}
+
 /// The device plugin's one read: a lock's holder and the holder's pin in a
 /// claims set, from one state. A holder without a pin there, a free lock
 /// and a set name that is not valid are answered as such; the bad set
@@ -760,6 +841,7 @@ async fn the_holder_and_its_claim_are_read_together() {
         .holder(pb::HolderRequest {
             key: Some(lock("node-1")),
             claim_set: "slurm/other-set".into(),
+            ..Default::default()
         })
         .await
         .unwrap()

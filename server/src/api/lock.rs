@@ -167,7 +167,11 @@ impl LockApi {
             validate::pin_set(&req.claim_set)?;
             caller.require(Action::ReadPins)?;
         }
-        self.ctx.core.linearizable().await?;
+        if req.unconfirmed {
+            self.ctx.core.leading()?;
+        } else {
+            self.ctx.core.linearizable().await?;
+        }
         let (hold, claim) = {
             let applied = self.ctx.core.state.read();
             let holder = applied
@@ -189,7 +193,7 @@ impl LockApi {
         };
         Ok(pb::HolderResponse {
             hold,
-            header: Some(self.ctx.header(true)),
+            header: Some(self.ctx.header(!req.unconfirmed)),
             claim,
             claim_read,
         })

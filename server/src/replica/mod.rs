@@ -386,6 +386,21 @@ impl Replica {
             .map_err(raft_errors::from_read_check_error)
     }
 
+    /// Whether this replica leads as far as it knows, without asking the
+    /// followers (no ReadIndex round): `NotLeader` with the leader it knows
+    /// of, if any, otherwise. For reads that may be behind the newest
+    /// writes.
+    pub fn leading(&self) -> Result<()> {
+        if self.raft.metrics().borrow_watched().state == ServerState::Leader {
+            return Ok(());
+        }
+        let view = self.view();
+        Err(ApiError::NotLeader {
+            leader_id: view.leader_id,
+            leader_addr: view.leader_addr,
+        })
+    }
+
     /// What this replica knows of its cluster now.
     pub fn view(&self) -> View {
         let m = self.raft.metrics().borrow_watched().clone();
