@@ -720,6 +720,22 @@ async fn a_claim_correction_on_a_cordoned_node_is_one_step_that_cannot_be_refuse
     cluster.shutdown().await;
 }
 
+/// Pod "claimer" with a pin on node-1 in slurm/nodeset-a, holding
+/// node-1's lock: the pin and the hold.
+async fn claimer_holding_node_1(client: &Client) -> (pb::Pin, tether_client::Held) {
+    report_node(client, "node-1", None, pb::NodeState::NodeReady).await;
+    let pin = assign(client, "claimer", "claimer", &["node-1"], Duration::ZERO)
+        .await
+        .unwrap()
+        .pin
+        .unwrap();
+    let held = client
+        .acquire(&lock("node-1"), &pod("claimer"), vec![], Duration::ZERO, 0)
+        .await
+        .unwrap();
+    (pin, held)
+}
+
 /// The device plugin's steering read (`HolderRequest.unconfirmed`): the
 /// leader answers the hold and claim a linearizable read gives, from its
 /// applied state, without a ReadIndex round (its round counter does not
@@ -729,16 +745,7 @@ async fn a_claim_correction_on_a_cordoned_node_is_one_step_that_cannot_be_refuse
 async fn an_unconfirmed_holder_read_is_the_leaders_without_a_read_round() {
     let cluster = Cluster::start(3).await;
     let client = common::client(&cluster);
-    report_node(&client, "node-1", None, pb::NodeState::NodeReady).await;
-    let pin = assign(&client, "claimer", "claimer", &["node-1"], Duration::ZERO)
-        .await
-        .unwrap()
-        .pin
-        .unwrap();
-    let held = client
-        .acquire(&lock("node-1"), &pod("claimer"), vec![], Duration::ZERO, 0)
-        .await
-        .unwrap();
+    let (pin, held) = claimer_holding_node_1(&client).await;
     let linearizable = client
         .holder_and_claim(&lock("node-1"), "slurm/nodeset-a")
         .await
@@ -809,16 +816,7 @@ async fn an_unconfirmed_holder_read_is_the_leaders_without_a_read_round() {
 async fn the_holder_and_its_claim_are_read_together() {
     let cluster = Cluster::start(3).await;
     let client = common::client(&cluster);
-    report_node(&client, "node-1", None, pb::NodeState::NodeReady).await;
-    let pin = assign(&client, "claimer", "claimer", &["node-1"], Duration::ZERO)
-        .await
-        .unwrap()
-        .pin
-        .unwrap();
-    let held = client
-        .acquire(&lock("node-1"), &pod("claimer"), vec![], Duration::ZERO, 0)
-        .await
-        .unwrap();
+    let (pin, held) = claimer_holding_node_1(&client).await;
 
     let (hold, claim) = client
         .holder_and_claim(&lock("node-1"), "slurm/nodeset-a")
